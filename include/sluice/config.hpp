@@ -1,0 +1,46 @@
+// Engine options. Defaults suit a single host; every field can be overridden by a SLUICE_*
+// environment variable, read when the Engine is created (never at static initialisation).
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace sluice {
+
+enum class LogLevel : int { kError = 0, kWarn = 1, kInfo = 2, kDebug = 3, kTrace = 4 };
+
+struct EngineConfig {
+  // Transports this engine may use, by name ("shm", "tcp", later "rdma", "nvlink").
+  // Empty = every transport available on this host.       env SLUICE_TRANSPORTS=tcp,shm
+  std::vector<std::string> transports;
+  // Channels per peer: TCP connections, shm workers, RDMA queue pairs.  env SLUICE_CHANNELS
+  int channels = 2;
+  // Handshake listener. Port 0 picks a free port.   env SLUICE_LISTEN=host:port
+  std::string listen_host = "127.0.0.1";
+  uint16_t listen_port = 0;
+  // Host identity used to decide whether a peer is on the same host (shm).
+  // Empty = derived from /etc/machine-id, hostname and boot id.   env SLUICE_HOST_ID
+  std::string host_id;
+  // Deadline for connecting and for the handshake.          env SLUICE_CONNECT_TIMEOUT_MS
+  std::chrono::milliseconds connect_timeout{5000};
+  // A pending operation that sees no progress from its peer for this long fails with
+  // kTimeout; a peer silent this long is declared lost.   env SLUICE_OP_TIMEOUT_MS
+  std::chrono::milliseconds op_timeout{30000};
+  // Pieces larger than this are split; batches larger than stripe_threshold are striped over
+  // channels.                     env SLUICE_CHUNK_SIZE, SLUICE_STRIPE_THRESHOLD
+  uint64_t chunk_size = 4ull << 20;
+  uint64_t stripe_threshold = 256ull << 10;
+  // Bytes of unmatched incoming sends buffered before the peer is refused.
+  uint64_t max_unexpected_bytes = 256ull << 20;  // env SLUICE_MAX_UNEXPECTED_BYTES
+  LogLevel log_level = LogLevel::kWarn;           // env SLUICE_LOG_LEVEL=error|warn|info|debug|trace
+
+  // Returns `base` with every SLUICE_* variable that is set applied on top. Throws
+  // Error(kInvalidArgument) naming the variable when one does not parse.
+  static EngineConfig from_env(EngineConfig base);
+};
+
+inline EngineConfig env_config() { return EngineConfig::from_env(EngineConfig{}); }
+
+}  // namespace sluice

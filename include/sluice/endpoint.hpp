@@ -1,0 +1,62 @@
+// A connection to one peer engine, over one transport, with N channels.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "sluice/future.hpp"
+#include "sluice/types.hpp"
+
+namespace sluice {
+
+namespace detail {
+class EndpointImpl;
+}
+
+class Endpoint {
+ public:
+  Endpoint() = default;
+  explicit Endpoint(std::shared_ptr<detail::EndpointImpl> impl) : impl_(std::move(impl)) {}
+
+  // One-sided operations over a batch. Caller errors (unknown handle, out-of-range offset,
+  // empty batch, closed endpoint) throw Error at once and transfer nothing; everything that
+  // goes wrong later completes the Future with an error.
+  Future read(const Batch& batch);
+  Future write(const Batch& batch);
+  // The peer gets exactly one imm completion (imm_recv), after every byte of the batch is
+  // visible in its memory.
+  Future write_with_imm(const Batch& batch, uint32_t imm);
+
+  // Two-sided messages. Matching rule: the k-th send on this endpoint is received by the k-th
+  // recv posted on the peer's side of the same endpoint, whatever their sizes. A message
+  // larger than its receive buffer fails both sides with kTruncated (the first `length` bytes
+  // are delivered). A send completes once the peer holds the data.
+  Future send(MemoryHandle local, uint64_t offset, uint64_t length);
+  Future recv(MemoryHandle local, uint64_t offset, uint64_t length);
+  // Completes with the next imm value the peer delivered (Future::imm()), in arrival order.
+  Future imm_recv();
+
+  // The handle of a region the peer registered under `name`, if its blob advertised one.
+  std::optional<RemoteHandle> remote_region(const std::string& name) const;
+  std::vector<RegionInfo> remote_regions() const;
+  // Refresh the peer's region table (regions it registered after we connected).
+  void refresh_remote_regions();
+
+  std::string transport() const;
+  int channels() const;
+  std::string peer_engine_id() const;
+  bool connected() const;
+  // Fail pending operations with kCancelled and close the channels.
+  void close();
+
+  bool valid() const { return static_cast<bool>(impl_); }
+  const std::shared_ptr<detail::EndpointImpl>& impl() const { return impl_; }
+
+ private:
+  std::shared_ptr<detail::EndpointImpl> impl_;
+};
+
+}  // namespace sluice

@@ -1,0 +1,82 @@
+// The engine: one per process. Owns the transports, the memory registry, the handshake
+// listener and the progress threads.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "sluice/config.hpp"
+#include "sluice/endpoint.hpp"
+#include "sluice/types.hpp"
+
+namespace sluice {
+
+namespace detail {
+class EngineImpl;
+}
+
+// Memory the engine allocated: registered, and on the host backed by a memfd so that peers
+// on the same host can map it and move bytes with plain loads and stores.
+struct Allocation {
+  MemoryHandle handle;
+  void* ptr = nullptr;
+  uint64_t length = 0;
+};
+
+struct ConnectOptions {
+  // Force a transport for this endpoint ("tcp", "shm", ...). Empty = the engine picks the
+  // fastest one both sides have.
+  std::string transport;
+  std::optional<std::chrono::milliseconds> timeout;  // default: EngineConfig::connect_timeout
+};
+
+class Engine {
+ public:
+  // Applies SLUICE_* environment overrides on top of `config` (EngineConfig::from_env).
+  explicit Engine(EngineConfig config = {});
+  ~Engine();
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  // Register [ptr, ptr+length). Regions may overlap. `name` (optional, unique per engine)
+  // lets peers find the region with Endpoint::remote_region(name).
+  MemoryHandle register_memory(void* ptr, uint64_t length, Location location = Location::host(),
+                               const std::string& name = "");
+  // Stop exposing the region. New operations naming it fail at once with kUnknownHandle;
+  // the call blocks until operations already using it have finished (they are bounded by
+  // the operation timeout), so the memory can be freed as soon as it returns.
+  void unregister_memory(MemoryHandle handle);
+  // Allocate registered memory (page aligned, zero filled). Freed by free().
+  Allocation allocate(uint64_t length, Location location = Location::host(), const std::string& name = "");
+  void free(const Allocation& allocation);
+
+  // JSON describing this engine: host identity, engine id, listen address, each transport's
+  // address and the registered regions.
+  std::string local_info() const;
+  // "host:port" of the handshake listener.
+  std::string listen_address() const;
+  // The transports this engine runs, fastest first.
+  std::vector<std::string> transports() const;
+
+  // Connect to a peer given its local_info() blob or its listener "host:port". Connecting to
+  // a peer that already connected to us returns a new endpoint (each has its own channels).
+  Endpoint connect(const std::string& blob_or_address, const ConnectOptions& options = {});
+  // The endpoints that peers opened to us, in arrival order. Waits up to `timeout` for one.
+  std::optional<Endpoint> accept(std::chrono::milliseconds timeout);
+
+  // Fail every pending operation with kCancelled, close every endpoint and stop the threads.
+  // Called by the destructor.
+  void close();
+
+  const EngineConfig& config() const;
+  detail::EngineImpl& impl() { return *impl_; }
+
+ private:
+  std::shared_ptr<detail::EngineImpl> impl_;
+};
+
+}  // namespace sluice

@@ -1,0 +1,73 @@
+#include "bootstrap/listener.hpp"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <unistd.h>
+
+#include "core/log.hpp"
+#include "sluice/error.hpp"
+
+namespace sluice::bootstrap {
+
+void Listener::start(const std::string& host, uint16_t port, Handler handler) {
+  sock_ = net::listen_tcp(host, port);
+  port_ = net::local_port(sock_.fd());
+  handler_ = std::move(handler);
+  if (::pipe2(wake_, O_CLOEXEC) != 0) throw Error(ErrorCode::kSystem, "pipe: " + net::errno_text(errno));
+  thread_ = std::thread([this] { loop(); });
+}
+
+void Listener::stop() {
+  if (stopping_.exchange(true)) return;
+  if (wake_[1] >= 0) {
+    char c = 0;
+    (void)!::write(wake_[1], &c, 1);
+  }
+  if (thread_.joinable()) thread_.join();
+  reap(true);
+  for (int& fd : wake_)
+    if (fd >= 0) ::close(std::exchange(fd, -1));
+  sock_.close();
+}
+
+void Listener::reap(bool all) {
+  std::list<Worker> finished;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    for (auto it = workers_.begin(); it != workers_.end();) {
+      if (all || it->done.load()) {
+        auto next = std::next(it);
+        finished.splice(finished.end(), workers_, it);
+        it = next;
+      } else {
+        ++it;
+      }
+    }
+  }
+  for (auto& w : finished)
+    if (w.thread.joinable()) w.thread.join();
+}
+
+void Listener::loop() {
+  while (!stopping_.load()) {
+    pollfd fds[2] = {{sock_.fd(), POLLIN, 0}, {wake_[0], POLLIN, 0}};
+    int rc = ::poll(fds, 2, 1000);
+    reap(false);
+    if (rc <= 0 || (fds[1].revents & POLLIN)) continue;
+    net::Socket conn = net::accept_tcp(sock_.fd());
+    if (!conn.valid()) continue;
+    std::lock_guard<std::mutex> lk(mu_);
+    workers_.emplace_back();
+    Worker& w = workers_.back();
+    w.thread = std::thread([this, &w, s = std::move(conn)]() mutable {
+      try {
+        handler_(std::move(s));
+      } catch (const std::exception& e) {
+        SLUICE_LOG(kWarn, "listener: dropped a connection: " << e.what());
+      }
+      w.done.store(true);
+    });
+  }
+}
+
+}  // namespace sluice::bootstrap

@@ -1,0 +1,234 @@
+#include <string>
+
+#include "core/engine_impl.hpp"
+#include "core/log.hpp"
+
+namespace sluice::detail {
+
+EndpointImpl::EndpointImpl(std::shared_ptr<EngineImpl> engine, const Transport* kind, EngineInfo peer, uint64_t token,
+                           int channels)
+    : engine_(std::move(engine)),
+      kind_(kind),
+      transport_name_(kind->name()),
+      token_(token),
+      channels_(channels),
+      matcher_(engine_->config().max_unexpected_bytes) {
+  set_peer(std::move(peer));
+}
+
+EndpointImpl::~EndpointImpl() {
+  if (transport_) transport_->close({ErrorCode::kCancelled, "endpoint destroyed"});
+}
+
+const Registry& EndpointImpl::registry() const { return engine_->registry(); }
+
+void EndpointImpl::set_peer(EngineInfo peer) {
+  std::lock_guard<std::mutex> lk(peer_mu_);
+  remote_.clear();
+  for (const auto& r : peer.regions) remote_[r.info.id] = r;
+  peer_ = std::move(peer);
+}
+
+std::string EndpointImpl::peer_engine_id() const {
+  std::lock_guard<std::mutex> lk(peer_mu_);
+  return peer_.engine_id;
+}
+
+void EndpointImpl::refresh() {
+  std::string host;
+  uint16_t port;
+  {
+    std::lock_guard<std::mutex> lk(peer_mu_);
+    host = peer_.listen_host;
+    port = peer_.listen_port;
+  }
+  set_peer(engine_->query_info(host, port, engine_->config().connect_timeout));
+}
+
+std::optional<RemoteHandle> EndpointImpl::remote_region(const std::string& name) const {
+  std::lock_guard<std::mutex> lk(peer_mu_);
+  for (const auto& [id, r] : remote_)
+    if (r.info.name == name) return RemoteHandle{id};
+  return std::nullopt;
+}
+
+std::vector<RegionInfo> EndpointImpl::remote_regions() const {
+  std::lock_guard<std::mutex> lk(peer_mu_);
+  std::vector<RegionInfo> out;
+  for (const auto& [id, r] : remote_) out.push_back(r.info);
+  return out;
+}
+
+void EndpointImpl::check_usable() const {
+  if (failed_code_.load(std::memory_order_acquire) == 0) return;
+  std::lock_guard<std::mutex> lk(fail_mu_);
+  throw Error(failure_.code, "endpoint to " + peer_engine_id() + " is unusable: " + failure_.message);
+}
+
+RegionPin EndpointImpl::pin_local(MemoryHandle h, uint64_t offset, uint64_t length, const char* what) const {
+  Status st;
+  RegionPin pin = engine_->registry().pin(h.id, offset, length, &st, "local");
+  if (!pin) throw Error(st.code, std::string(what) + ": " + st.message);
+  if (!kind_->supports(pin.get()->location))
+    throw Error(ErrorCode::kUnsupported, std::string(what) + ": transport " + transport_name_ + " cannot move " +
+                                             pin.get()->location.to_string() + " memory");
+  return pin;
+}
+
+Future EndpointImpl::transfer(OpKind kind, const Batch& batch, uint32_t imm) {
+  const char* what = kind == OpKind::kRead ? "read" : kind == OpKind::kWrite ? "write" : "write_with_imm";
+  if (batch.empty()) throw Error(ErrorCode::kEmptyBatch, std::string(what) + ": the batch has no assignments");
+  check_usable();
+  auto op = std::make_shared<TransferOp>();
+  op->kind = kind;
+  op->imm = imm;
+  std::vector<Piece> pieces;
+  pieces.reserve(batch.size());
+  {
+    std::lock_guard<std::mutex> lk(peer_mu_);
+    for (size_t i = 0; i < batch.size(); ++i) {
+      const Assignment& a = batch[i];
+      std::string where = std::string(what) + ": assignment " + std::to_string(i);
+      if (a.length == 0) throw Error(ErrorCode::kInvalidArgument, where + " has zero length");
+      RegionPin pin = pin_local(a.local, a.local_offset, a.length, where.c_str());
+      uint8_t* base = pin.get()->base;
+      // One pin per run of assignments on the same region is enough to hold it.
+      if (op->pins.empty() || op->pins.back().get() != pin.get()) op->pins.push_back(std::move(pin));
+      auto it = remote_.find(a.remote.id);
+      if (it == remote_.end())
+        throw Error(ErrorCode::kUnknownHandle, where + ": remote region handle " + std::to_string(a.remote.id) +
+                                                   " is not advertised by peer " + peer_.engine_id +
+                                                   " (call refresh_remote_regions() after the peer registers it)");
+      const RegionInfo& r = it->second.info;
+      if (!in_bounds(a.remote_offset, a.length, r.length))
+        throw Error(ErrorCode::kOutOfRange, where + ": remote region " + std::to_string(r.id) + ": offset " +
+                                                std::to_string(a.remote_offset) + " + length " + std::to_string(a.length) +
+                                                " exceeds its " + std::to_string(r.length) + " bytes");
+      if (!kind_->supports(r.location))
+        throw Error(ErrorCode::kUnsupported, where + ": transport " + transport_name_ + " cannot reach the peer's " +
+                                                 r.location.to_string() + " memory");
+      pieces.push_back({base + a.local_offset, r.id, a.remote_offset, r.addr + a.remote_offset, a.length});
+      op->bytes += a.length;
+    }
+  }
+  const auto& cfg = engine_->config();
+  PlanOptions plan{channels_, cfg.chunk_size, cfg.stripe_threshold, std::min<uint64_t>(64 << 10, cfg.chunk_size),
+                   rotate_.fetch_add(1, std::memory_order_relaxed)};
+  op->lanes = plan_batch(pieces, plan);
+  int parts = 0;
+  for (auto& l : op->lanes) parts += l.pieces.empty() ? 0 : 1;
+  op->future = std::make_shared<FutureState>(kind, parts);
+  op->future->set_bytes(op->bytes);
+  Future f(op->future);
+  transport_->submit(std::move(op));
+  return f;
+}
+
+Future EndpointImpl::send(MemoryHandle h, uint64_t offset, uint64_t length) {
+  check_usable();
+  auto op = std::make_shared<MessageOp>();
+  op->pin = pin_local(h, offset, length, "send");
+  op->ptr = op->pin.get()->base + offset;
+  op->length = length;
+  op->seq = send_seq_.fetch_add(1, std::memory_order_relaxed);
+  op->future = std::make_shared<FutureState>(OpKind::kSend);
+  op->future->set_bytes(length);
+  Future f(op->future);
+  transport_->send(std::move(op));
+  return f;
+}
+
+Future EndpointImpl::recv(MemoryHandle h, uint64_t offset, uint64_t length) {
+  check_usable();
+  auto op = std::make_shared<MessageOp>();
+  op->pin = pin_local(h, offset, length, "recv");
+  op->ptr = op->pin.get()->base + offset;
+  op->length = length;
+  op->future = std::make_shared<FutureState>(OpKind::kRecv);
+  Future f(op->future);
+  matcher_.post_recv(std::move(op));
+  return f;
+}
+
+Future EndpointImpl::imm_recv() {
+  check_usable();
+  return Future(matcher_.imm_recv());
+}
+
+void EndpointImpl::on_failure(const Status& why) {
+  {
+    std::lock_guard<std::mutex> lk(fail_mu_);
+    if (failed_code_.load() != 0) return;
+    failure_ = why;
+    failed_code_.store(static_cast<int>(why.code) ? static_cast<int>(why.code) : 1, std::memory_order_release);
+  }
+  SLUICE_LOG(kWarn, "endpoint to " << peer_engine_id() << " over " << transport_name_ << " failed: " << why.to_string());
+  matcher_.fail_all(why);
+}
+
+void EndpointImpl::close(const Status& why) {
+  {
+    std::lock_guard<std::mutex> lk(fail_mu_);
+    if (failed_code_.load() == 0) {
+      failure_ = why;
+      failed_code_.store(static_cast<int>(why.code), std::memory_order_release);
+    }
+  }
+  if (transport_) transport_->close(why);
+  matcher_.fail_all(why);
+}
+
+void EndpointImpl::check_progress(std::chrono::milliseconds timeout) {
+  if (!transport_ || transport_->pending() == 0) return;
+  auto idle = std::chrono::steady_clock::now() - transport_->last_progress();
+  if (idle < timeout) return;
+  Status why{ErrorCode::kTimeout, "no progress from peer for " +
+                                      std::to_string(std::chrono::duration_cast<std::chrono::milliseconds>(idle).count()) +
+                                      " ms (op timeout " + std::to_string(timeout.count()) + " ms)"};
+  on_failure(why);
+  transport_->close(why);
+}
+
+}  // namespace sluice::detail
+
+namespace sluice {
+
+namespace {
+detail::EndpointImpl& need(const std::shared_ptr<detail::EndpointImpl>& p) {
+  if (!p) throw Error(ErrorCode::kInvalidArgument, "empty Endpoint (default-constructed)");
+  return *p;
+}
+}  // namespace
+
+Future Endpoint::read(const Batch& batch) { return need(impl_).transfer(OpKind::kRead, batch, 0); }
+Future Endpoint::write(const Batch& batch) { return need(impl_).transfer(OpKind::kWrite, batch, 0); }
+Future Endpoint::write_with_imm(const Batch& batch, uint32_t imm) {
+  return need(impl_).transfer(OpKind::kWriteImm, batch, imm);
+}
+Future Endpoint::send(MemoryHandle local, uint64_t offset, uint64_t length) {
+  return need(impl_).send(local, offset, length);
+}
+Future Endpoint::recv(MemoryHandle local, uint64_t offset, uint64_t length) {
+  return need(impl_).recv(local, offset, length);
+}
+Future Endpoint::imm_recv() { return need(impl_).imm_recv(); }
+std::optional<RemoteHandle> Endpoint::remote_region(const std::string& name) const {
+  return need(impl_).remote_region(name);
+}
+std::vector<RegionInfo> Endpoint::remote_regions() const { return need(impl_).remote_regions(); }
+void Endpoint::refresh_remote_regions() { need(impl_).refresh(); }
+std::string Endpoint::transport() const { return need(impl_).transport_name(); }
+int Endpoint::channels() const { return need(impl_).channels(); }
+std::string Endpoint::peer_engine_id() const { return need(impl_).peer_engine_id(); }
+bool Endpoint::connected() const { return need(impl_).connected(); }
+void Endpoint::close() {
+  auto& ep = need(impl_);
+  ep.close({ErrorCode::kCancelled, "endpoint closed"});
+  ep.engine_forget();
+}
+
+}  // namespace sluice
+
+namespace sluice::detail {
+void EndpointImpl::engine_forget() { engine_->forget(this); }
+}  // namespace sluice::detail

@@ -1,0 +1,77 @@
+// The core side of an endpoint: validation, planning, message matching, failure handling.
+// The bytes are moved by the TransportEndpoint it owns.
+#pragma once
+
+#include <atomic>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <unordered_map>
+
+#include "core/engine_info.hpp"
+#include "core/message_matcher.hpp"
+#include "sluice/endpoint.hpp"
+#include "transport/transport.hpp"
+
+namespace sluice::detail {
+
+class EngineImpl;
+
+class EndpointImpl final : public EndpointEvents, public std::enable_shared_from_this<EndpointImpl> {
+ public:
+  EndpointImpl(std::shared_ptr<EngineImpl> engine, const Transport* kind, EngineInfo peer, uint64_t token, int channels);
+  ~EndpointImpl() override;
+
+  void set_transport(std::shared_ptr<TransportEndpoint> t) { transport_ = std::move(t); }
+  TransportEndpoint& transport() { return *transport_; }
+
+  Future transfer(OpKind kind, const Batch& batch, uint32_t imm);
+  Future send(MemoryHandle h, uint64_t offset, uint64_t length);
+  Future recv(MemoryHandle h, uint64_t offset, uint64_t length);
+  Future imm_recv();
+
+  std::optional<RemoteHandle> remote_region(const std::string& name) const;
+  std::vector<RegionInfo> remote_regions() const;
+  void set_peer(EngineInfo peer);
+  void refresh();
+
+  const std::string& transport_name() const { return transport_name_; }
+  int channels() const { return channels_; }
+  uint64_t token() const { return token_; }
+  std::string peer_engine_id() const;
+  bool connected() const { return failed_code_.load() == 0; }
+  void close(const Status& why);
+  void engine_forget();
+  // Watchdog: fail everything if the peer showed no progress for `timeout` while ops pend.
+  void check_progress(std::chrono::milliseconds timeout);
+
+  // EndpointEvents
+  const Registry& registry() const override;
+  MessageMatcher& matcher() override { return matcher_; }
+  void on_failure(const Status& why) override;
+
+ private:
+  void check_usable() const;
+  RegionPin pin_local(MemoryHandle h, uint64_t offset, uint64_t length, const char* what) const;
+
+  std::shared_ptr<EngineImpl> engine_;
+  const Transport* kind_ = nullptr;
+  const std::string transport_name_;
+  const uint64_t token_;
+  const int channels_;
+  std::shared_ptr<TransportEndpoint> transport_;
+  MessageMatcher matcher_;
+
+  mutable std::mutex peer_mu_;
+  EngineInfo peer_;
+  std::unordered_map<uint64_t, PeerRegion> remote_;
+
+  std::atomic<uint64_t> send_seq_{0};
+  std::atomic<unsigned> rotate_{0};
+  std::atomic<int> failed_code_{0};
+  mutable std::mutex fail_mu_;
+  Status failure_;
+};
+
+}  // namespace sluice::detail

@@ -1,0 +1,440 @@
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+#include <fstream>
+#include <random>
+#include <sstream>
+
+#include "bootstrap/messages.hpp"
+#include "core/engine_impl.hpp"
+#include "core/log.hpp"
+#include "sluice/version.hpp"
+
+namespace sluice::detail {
+namespace {
+
+uint64_t random_u64() {
+  static thread_local std::mt19937_64 rng{std::random_device{}() ^
+                                          (uint64_t(::getpid()) << 32) ^
+                                          uint64_t(std::chrono::steady_clock::now().time_since_epoch().count())};
+  uint64_t v;
+  do v = rng(); while (v == 0);
+  return v;
+}
+
+std::string hex(uint64_t v) {
+  char buf[17];
+  std::snprintf(buf, sizeof(buf), "%016llx", static_cast<unsigned long long>(v));
+  return buf;
+}
+
+std::string read_first_line(const char* path) {
+  std::ifstream in(path);
+  std::string line;
+  std::getline(in, line);
+  return line;
+}
+
+std::string default_host_id() {
+  // boot_id changes per boot and per VM; together with the hostname it tells whether two
+  // engines share a kernel (which shm needs). The shm transport still probes access.
+  char host[256] = {};
+  ::gethostname(host, sizeof(host) - 1);
+  std::string boot = read_first_line("/proc/sys/kernel/random/boot_id");
+  return std::string(host) + "/" + boot;
+}
+
+using bootstrap::MsgKind;
+using nlohmann::json;
+
+}  // namespace
+
+EngineImpl::EngineImpl(EngineConfig config) : config_(EngineConfig::from_env(std::move(config))) {
+  log::set_level(config_.log_level);
+  if (config_.channels < 1 || config_.channels > 64)
+    throw Error(ErrorCode::kInvalidArgument, "channels must be 1..64, got " + std::to_string(config_.channels));
+  engine_id_ = hex(random_u64());
+  host_id_ = config_.host_id.empty() ? default_host_id() : config_.host_id;
+
+  EngineContext ctx{&config_, &registry_, host_id_, engine_id_};
+  std::vector<std::string> known;
+  for (const auto& f : transport_factories()) known.push_back(f.name);
+  for (const auto& want : config_.transports) {
+    if (std::find(known.begin(), known.end(), want) == known.end()) {
+      std::string list;
+      for (auto& k : known) list += (list.empty() ? "" : ", ") + k;
+      throw Error(ErrorCode::kInvalidArgument, "unknown transport '" + want + "' (built in: " + list + ")");
+    }
+  }
+  std::string unavailable;
+  for (const auto& f : transport_factories()) {
+    if (!config_.transports.empty() &&
+        std::find(config_.transports.begin(), config_.transports.end(), f.name) == config_.transports.end())
+      continue;
+    std::string why;
+    auto t = f.make(ctx, &why);
+    if (t) {
+      transports_.push_back(std::move(t));
+    } else {
+      SLUICE_LOG(kInfo, "transport " << f.name << " unavailable: " << why);
+      unavailable += "; " + f.name + ": " + why;
+    }
+  }
+  if (transports_.empty())
+    throw Error(ErrorCode::kNoDevice, "no transport can run on this host" + unavailable);
+  std::stable_sort(transports_.begin(), transports_.end(),
+                   [](const auto& a, const auto& b) { return a->priority() > b->priority(); });
+}
+
+EngineImpl::~EngineImpl() { close(); }
+
+void EngineImpl::start() {
+  listener_.start(config_.listen_host, config_.listen_port, [this](net::Socket s) { handle_connection(std::move(s)); });
+  watchdog_ = std::thread([this] { watchdog(); });
+  SLUICE_LOG(kInfo, "engine " << engine_id_ << " listening on " << listen_address());
+}
+
+void EngineImpl::close() {
+  std::vector<std::shared_ptr<EndpointImpl>> eps;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (closed_) return;
+    closed_ = true;
+    cv_.notify_all();
+  }
+  listener_.stop();
+  if (watchdog_.joinable()) watchdog_.join();
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    eps.swap(endpoints_);
+    for (auto& [t, p] : passive_) eps.push_back(p);
+    passive_.clear();
+    accept_queue_.clear();
+  }
+  for (auto& ep : eps) ep->close({ErrorCode::kCancelled, "engine closed"});
+  for (auto& e : registry_.entries()) {
+    if (!e->owned) continue;
+    try {
+      registry_.remove(e->id);
+    } catch (const Error&) {
+    }
+    ::munmap(e->base, e->length);
+    if (e->memfd >= 0) ::close(e->memfd);
+  }
+}
+
+EngineInfo EngineImpl::info() const {
+  EngineInfo e;
+  e.wire_version = kWireVersion;
+  e.engine_id = engine_id_;
+  e.host_id = host_id_;
+  e.pid = static_cast<int>(::getpid());
+  e.listen_host = config_.listen_host.empty() || config_.listen_host == "0.0.0.0" ? "127.0.0.1" : config_.listen_host;
+  e.listen_port = listener_.port();
+  for (const auto& t : transports_) e.transports[t->name()] = t->local_address();
+  for (const auto& r : registry_.entries()) e.regions.push_back({r->info(), r->memfd});
+  std::sort(e.regions.begin(), e.regions.end(), [](auto& a, auto& b) { return a.info.id < b.info.id; });
+  return e;
+}
+
+std::string EngineImpl::listen_address() const { return info().listen_address(); }
+
+std::vector<std::string> EngineImpl::transport_names() const {
+  std::vector<std::string> out;
+  for (const auto& t : transports_) out.push_back(t->name());
+  return out;
+}
+
+MemoryHandle EngineImpl::register_memory(void* ptr, uint64_t length, Location location, const std::string& name) {
+  return registry_.add(ptr, length, location, name);
+}
+
+void EngineImpl::unregister_memory(MemoryHandle h) {
+  auto e = registry_.find(h.id);
+  if (e && e->owned)
+    throw Error(ErrorCode::kInvalidArgument, "region " + std::to_string(h.id) + " was allocated by the engine: use free()");
+  registry_.remove(h.id);
+}
+
+Allocation EngineImpl::allocate(uint64_t length, Location location, const std::string& name) {
+  if (length == 0) throw Error(ErrorCode::kInvalidArgument, "allocate: zero length");
+  if (!location.is_host())
+    throw Error(ErrorCode::kUnsupported, "allocate: " + location.to_string() + " memory needs the CUDA build");
+  long page = ::sysconf(_SC_PAGESIZE);
+  uint64_t size = (length + page - 1) / page * page;
+  int fd = ::memfd_create("sluice", MFD_CLOEXEC);
+  if (fd < 0) throw Error(ErrorCode::kSystem, "memfd_create: " + net::errno_text(errno));
+  if (::ftruncate(fd, static_cast<off_t>(size)) != 0) {
+    int err = errno;
+    ::close(fd);
+    throw Error(ErrorCode::kSystem, "ftruncate(" + std::to_string(size) + "): " + net::errno_text(err));
+  }
+  void* p = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (p == MAP_FAILED) {
+    int err = errno;
+    ::close(fd);
+    throw Error(ErrorCode::kSystem, "mmap(" + std::to_string(size) + "): " + net::errno_text(err));
+  }
+  try {
+    auto h = registry_.add(p, size, location, name, fd, /*owned=*/true);
+    return {h, p, size};
+  } catch (...) {
+    ::munmap(p, size);
+    ::close(fd);
+    throw;
+  }
+}
+
+void EngineImpl::free(const Allocation& a) {
+  auto e = registry_.find(a.handle.id);
+  if (!e || !e->owned || e->base != a.ptr)
+    throw Error(ErrorCode::kUnknownHandle, "free: handle " + std::to_string(a.handle.id) + " is not an engine allocation");
+  registry_.remove(a.handle.id);
+  ::munmap(e->base, e->length);
+  ::close(e->memfd);
+}
+
+Transport* EngineImpl::find_transport(const std::string& name) const {
+  for (const auto& t : transports_)
+    if (t->name() == name) return t.get();
+  return nullptr;
+}
+
+Transport* EngineImpl::choose_transport(const EngineInfo& peer, const std::string& forced) {
+  std::string why_not;
+  for (const auto& t : transports_) {
+    if (!forced.empty() && t->name() != forced) continue;
+    if (!peer.transports.count(t->name())) {
+      why_not += "; " + t->name() + ": the peer does not run it";
+      continue;
+    }
+    std::string why;
+    if (t->can_reach(peer, &why)) return t.get();
+    why_not += "; " + t->name() + ": " + why;
+    if (forced.empty()) SLUICE_LOG(kInfo, "transport " << t->name() << " cannot reach peer: " << why << "; trying the next");
+  }
+  if (!forced.empty() && !find_transport(forced))
+    throw Error(ErrorCode::kUnsupported, "transport '" + forced + "' is not running in this engine");
+  throw Error(ErrorCode::kUnsupported, "no common transport reaches peer " + peer.engine_id + why_not);
+}
+
+EngineInfo EngineImpl::query_info(const std::string& host, uint16_t port, std::chrono::milliseconds timeout) {
+  net::Socket s = net::connect_tcp(host, port, timeout);
+  net::set_io_timeout(s.fd(), timeout);
+  bootstrap::send_msg(s.fd(), MsgKind::kInfo, json::object());
+  json reply = bootstrap::expect_reply(s.fd(), "info query");
+  if (!reply.contains("info")) throw Error(ErrorCode::kProtocol, "info reply without 'info'");
+  return EngineInfo::from_json(reply["info"]);
+}
+
+std::shared_ptr<EndpointImpl> EngineImpl::connect(const std::string& target, const ConnectOptions& options) {
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (closed_) throw Error(ErrorCode::kClosed, "connect: engine is closed");
+  }
+  auto timeout = options.timeout.value_or(config_.connect_timeout);
+  EngineInfo peer;
+  auto first = target.find_first_not_of(" \t\r\n");
+  if (first != std::string::npos && target[first] == '{') {
+    try {
+      peer = EngineInfo::parse(target);
+    } catch (const Error& e) {
+      throw Error(ErrorCode::kInvalidArgument, std::string("connect: not a valid engine info blob: ") + e.what());
+    }
+  } else {
+    auto [host, port] = split_host_port(target);
+    peer = query_info(host, port, timeout);
+  }
+  if (peer.engine_id == engine_id_)
+    SLUICE_LOG(kDebug, "connecting to our own engine " << engine_id_ << " (loopback endpoint)");
+  Transport* t = choose_transport(peer, options.transport);
+  const uint64_t token = random_u64();
+  const int channels = config_.channels;
+  auto ep = std::make_shared<EndpointImpl>(shared_from_this(), t, peer, token, channels);
+  EndpointSetup setup{true, token, channels, peer, ep.get(), config_};
+  ep->set_transport(t->create_endpoint(setup));
+
+  const std::string host = peer.listen_host;
+  const uint16_t port = peer.listen_port;
+  {
+    net::Socket s = net::connect_tcp(host, port, timeout);
+    net::set_io_timeout(s.fd(), timeout);
+    bootstrap::send_msg(s.fd(), MsgKind::kHello,
+                        {{"info", info().to_json()}, {"token", token}, {"transport", t->name()}, {"channels", channels}});
+    json reply = bootstrap::expect_reply(s.fd(), "hello");
+    if (reply.contains("info")) ep->set_peer(EngineInfo::from_json(reply["info"]));
+  }
+  auto opener = [&, name = t->name()](int index, const json& hello) {
+    net::Socket s = net::connect_tcp(host, port, timeout);
+    net::set_io_timeout(s.fd(), timeout);
+    json body = hello;
+    body["token"] = token;
+    body["index"] = index;
+    body["transport"] = name;
+    bootstrap::send_msg(s.fd(), MsgKind::kChannel, body);
+    json reply = bootstrap::expect_reply(s.fd(), "channel attach");
+    return std::make_pair(std::move(s), std::move(reply));
+  };
+  try {
+    ep->transport().connect(opener);
+  } catch (...) {
+    ep->close({ErrorCode::kCancelled, "connect failed"});
+    throw;
+  }
+  std::lock_guard<std::mutex> lk(mu_);
+  if (closed_) {
+    ep->close({ErrorCode::kCancelled, "engine closed"});
+    throw Error(ErrorCode::kClosed, "connect: engine closed while connecting");
+  }
+  endpoints_.push_back(ep);
+  SLUICE_LOG(kInfo, "connected to " << peer.engine_id << " at " << peer.listen_address() << " over " << t->name()
+                                    << " with " << channels << " channel(s)");
+  return ep;
+}
+
+std::shared_ptr<EndpointImpl> EngineImpl::accept(std::chrono::milliseconds timeout) {
+  std::unique_lock<std::mutex> lk(mu_);
+  cv_.wait_for(lk, timeout, [&] { return closed_ || !accept_queue_.empty(); });
+  if (accept_queue_.empty()) return nullptr;
+  auto ep = accept_queue_.front();
+  accept_queue_.pop_front();
+  return ep;
+}
+
+void EngineImpl::forget(EndpointImpl* ep) {
+  std::lock_guard<std::mutex> lk(mu_);
+  std::erase_if(endpoints_, [&](auto& e) { return e.get() == ep; });
+  std::erase_if(accept_queue_, [&](auto& e) { return e.get() == ep; });
+}
+
+void EngineImpl::handle_connection(net::Socket sock) {
+  net::set_io_timeout(sock.fd(), config_.connect_timeout);
+  std::pair<MsgKind, json> msg;
+  try {
+    msg = bootstrap::recv_msg(sock.fd());
+  } catch (const Error& e) {
+    SLUICE_LOG(kWarn, "listener: refused a connection: " << e.what());
+    if (e.code() == ErrorCode::kProtocol) bootstrap::send_error(sock.fd(), static_cast<int>(e.code()), e.what());
+    return;
+  }
+  try {
+    switch (msg.first) {
+      case MsgKind::kInfo:
+        bootstrap::send_msg(sock.fd(), MsgKind::kReply, {{"info", info().to_json()}});
+        return;
+      case MsgKind::kHello:
+        handle_hello(sock, msg.second);
+        return;
+      case MsgKind::kChannel:
+        handle_channel(std::move(sock), msg.second);
+        return;
+      default:
+        throw Error(ErrorCode::kProtocol, "unexpected bootstrap message kind " + std::to_string(int(msg.first)));
+    }
+  } catch (const Error& e) {
+    SLUICE_LOG(kWarn, "listener: refused a peer request: " << e.what());
+    if (sock.valid()) bootstrap::send_error(sock.fd(), static_cast<int>(e.code()), e.what());
+  } catch (const std::exception& e) {
+    SLUICE_LOG(kWarn, "listener: refused a malformed peer request: " << e.what());
+    if (sock.valid()) bootstrap::send_error(sock.fd(), static_cast<int>(ErrorCode::kProtocol), e.what());
+  }
+}
+
+void EngineImpl::handle_hello(net::Socket& sock, const json& body) {
+  if (!body.contains("info") || !body.contains("token") || !body.contains("transport") || !body.contains("channels"))
+    throw Error(ErrorCode::kProtocol, "hello is missing fields");
+  EngineInfo peer = EngineInfo::from_json(body["info"]);
+  uint64_t token = body["token"].get<uint64_t>();
+  std::string name = body["transport"].get<std::string>();
+  int channels = body["channels"].get<int>();
+  if (channels < 1 || channels > 64) throw Error(ErrorCode::kProtocol, "hello asks for " + std::to_string(channels) + " channels");
+  Transport* t = find_transport(name);
+  if (!t) throw Error(ErrorCode::kUnsupported, "transport '" + name + "' is not running in engine " + engine_id_);
+  auto ep = std::make_shared<EndpointImpl>(shared_from_this(), t, peer, token, channels);
+  EndpointSetup setup{false, token, channels, peer, ep.get(), config_};
+  ep->set_transport(t->create_endpoint(setup));
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (closed_) throw Error(ErrorCode::kClosed, "engine is closing");
+    if (passive_.count(token)) throw Error(ErrorCode::kProtocol, "endpoint token reused");
+    passive_[token] = ep;
+  }
+  bootstrap::send_msg(sock.fd(), MsgKind::kReply, {{"info", info().to_json()}});
+}
+
+void EngineImpl::handle_channel(net::Socket sock, const json& body) {
+  if (!body.contains("token") || !body.contains("index"))
+    throw Error(ErrorCode::kProtocol, "channel attach is missing fields");
+  uint64_t token = body["token"].get<uint64_t>();
+  int index = body["index"].get<int>();
+  std::shared_ptr<EndpointImpl> ep;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    auto it = passive_.find(token);
+    if (it != passive_.end()) ep = it->second;
+  }
+  if (!ep) throw Error(ErrorCode::kProtocol, "channel attach for an unknown endpoint");
+  if (index < 0 || index >= ep->channels()) throw Error(ErrorCode::kProtocol, "channel index out of range");
+  int fd = sock.fd();
+  bool ready = false;
+  try {
+    ready = ep->transport().attach(index, std::move(sock), body);
+  } catch (const Error& e) {
+    bootstrap::send_error(fd, static_cast<int>(e.code()), e.what());
+    throw;
+  }
+  if (!ready) return;
+  std::lock_guard<std::mutex> lk(mu_);
+  passive_.erase(token);
+  if (closed_) return;
+  endpoints_.push_back(ep);
+  accept_queue_.push_back(ep);
+  cv_.notify_all();
+  SLUICE_LOG(kInfo, "accepted an endpoint from " << ep->peer_engine_id() << " over " << ep->transport_name());
+}
+
+void EngineImpl::watchdog() {
+  std::unique_lock<std::mutex> lk(mu_);
+  while (!closed_) {
+    cv_.wait_for(lk, std::chrono::milliseconds(50));
+    if (closed_) break;
+    auto eps = endpoints_;
+    lk.unlock();
+    for (auto& ep : eps) ep->check_progress(config_.op_timeout);
+    lk.lock();
+  }
+}
+
+}  // namespace sluice::detail
+
+namespace sluice {
+
+Engine::Engine(EngineConfig config) : impl_(std::make_shared<detail::EngineImpl>(std::move(config))) { impl_->start(); }
+Engine::~Engine() {
+  if (impl_) impl_->close();
+}
+MemoryHandle Engine::register_memory(void* ptr, uint64_t length, Location location, const std::string& name) {
+  return impl_->register_memory(ptr, length, location, name);
+}
+void Engine::unregister_memory(MemoryHandle handle) { impl_->unregister_memory(handle); }
+Allocation Engine::allocate(uint64_t length, Location location, const std::string& name) {
+  return impl_->allocate(length, location, name);
+}
+void Engine::free(const Allocation& allocation) { impl_->free(allocation); }
+std::string Engine::local_info() const { return impl_->info().dump(); }
+std::string Engine::listen_address() const { return impl_->listen_address(); }
+std::vector<std::string> Engine::transports() const { return impl_->transport_names(); }
+Endpoint Engine::connect(const std::string& blob_or_address, const ConnectOptions& options) {
+  return Endpoint(impl_->connect(blob_or_address, options));
+}
+std::optional<Endpoint> Engine::accept(std::chrono::milliseconds timeout) {
+  auto ep = impl_->accept(timeout);
+  if (!ep) return std::nullopt;
+  return Endpoint(ep);
+}
+void Engine::close() { impl_->close(); }
+const EngineConfig& Engine::config() const { return impl_->config(); }
+
+}  // namespace sluice

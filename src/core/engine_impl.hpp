@@ -1,0 +1,70 @@
+// The engine's private state: registry, transports, listener, endpoints and the watchdog.
+#pragma once
+
+#include <condition_variable>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include "bootstrap/listener.hpp"
+#include "core/endpoint_impl.hpp"
+#include "core/engine_info.hpp"
+#include "core/registry.hpp"
+#include "sluice/engine.hpp"
+#include "transport/transport.hpp"
+
+namespace sluice::detail {
+
+class EngineImpl : public std::enable_shared_from_this<EngineImpl> {
+ public:
+  explicit EngineImpl(EngineConfig config);
+  ~EngineImpl();
+  void start();
+  void close();
+
+  const EngineConfig& config() const { return config_; }
+  Registry& registry() { return registry_; }
+  EngineInfo info() const;
+  std::string listen_address() const;
+  std::vector<std::string> transport_names() const;
+
+  MemoryHandle register_memory(void* ptr, uint64_t length, Location location, const std::string& name);
+  void unregister_memory(MemoryHandle h);
+  Allocation allocate(uint64_t length, Location location, const std::string& name);
+  void free(const Allocation& a);
+
+  std::shared_ptr<EndpointImpl> connect(const std::string& target, const ConnectOptions& options);
+  std::shared_ptr<EndpointImpl> accept(std::chrono::milliseconds timeout);
+  // Fetch a peer's current info through its listener.
+  EngineInfo query_info(const std::string& host, uint16_t port, std::chrono::milliseconds timeout);
+  void forget(EndpointImpl* ep);
+
+ private:
+  Transport* find_transport(const std::string& name) const;
+  Transport* choose_transport(const EngineInfo& peer, const std::string& forced);
+  void handle_connection(net::Socket sock);
+  void handle_hello(net::Socket& sock, const nlohmann::json& body);
+  void handle_channel(net::Socket sock, const nlohmann::json& body);
+  void watchdog();
+
+  EngineConfig config_;
+  std::string engine_id_;
+  std::string host_id_;
+  Registry registry_;
+  std::vector<std::unique_ptr<Transport>> transports_;  // fastest first
+  bootstrap::Listener listener_;
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool closed_ = false;
+  std::vector<std::shared_ptr<EndpointImpl>> endpoints_;
+  std::unordered_map<uint64_t, std::shared_ptr<EndpointImpl>> passive_;  // token -> not yet ready
+  std::deque<std::shared_ptr<EndpointImpl>> accept_queue_;
+  std::thread watchdog_;
+};
+
+}  // namespace sluice::detail

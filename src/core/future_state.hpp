@@ -1,0 +1,64 @@
+// Shared completion state behind a Future. Completed exactly once; parts let one operation
+// that runs on several channels complete when its last part does (with the first error).
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <functional>
+#include <mutex>
+#include <vector>
+
+#include "sluice/error.hpp"
+#include "sluice/types.hpp"
+
+namespace sluice::detail {
+
+class FutureState {
+ public:
+  using Clock = std::chrono::steady_clock;
+  using Callback = std::function<void(const Status&)>;
+
+  explicit FutureState(OpKind kind, int parts = 1);
+
+  OpKind kind() const { return kind_; }
+  // Complete one part; the future completes when every part has (with the first error seen).
+  // Returns true if this call completed the future.
+  bool part_done(const Status& status);
+  // Complete now, whatever parts remain. Returns false if it was already complete.
+  bool complete(const Status& status);
+  // Remember an error for part_done() without completing a part.
+  void note_error(const Status& status);
+  void add_parts(int n) { parts_.fetch_add(n, std::memory_order_relaxed); }
+
+  bool done() const { return done_.load(std::memory_order_acquire); }
+  Status wait();
+  bool wait_for(std::chrono::nanoseconds timeout);
+  Status status() const;
+  std::chrono::nanoseconds elapsed() const;
+  void on_complete(Callback cb);
+
+  void set_bytes(uint64_t n) { bytes_.store(n, std::memory_order_relaxed); }
+  uint64_t bytes() const { return bytes_.load(std::memory_order_relaxed); }
+  void set_imm(uint32_t v) { imm_.store(v, std::memory_order_relaxed); }
+  uint32_t imm() const { return imm_.load(std::memory_order_relaxed); }
+
+ private:
+  bool finish(const Status& status);
+
+  const OpKind kind_;
+  const Clock::time_point start_;
+  std::atomic<int> parts_;
+  std::atomic<bool> done_{false};
+  std::atomic<int> waiters_{0};
+  std::atomic<uint64_t> bytes_{0};
+  std::atomic<uint32_t> imm_{0};
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  Status status_;
+  Status first_error_;
+  Clock::time_point end_{};
+  std::vector<Callback> callbacks_;
+};
+
+}  // namespace sluice::detail

@@ -1,0 +1,168 @@
+#include "core/message_matcher.hpp"
+
+#include <algorithm>
+#include <cstring>
+#include <string>
+
+namespace sluice::detail {
+namespace {
+
+Status truncation(uint64_t length, uint64_t capacity) {
+  return {ErrorCode::kTruncated, "message of " + std::to_string(length) + " bytes does not fit the " +
+                                     std::to_string(capacity) + "-byte receive buffer"};
+}
+
+}  // namespace
+
+void MessageMatcher::finish_recv(MessageOp& op, const StashSlot& msg) {
+  uint64_t n = std::min(op.length, std::min<uint64_t>(msg.length, msg.data.size()));
+  if (n) std::memcpy(op.ptr, msg.data.data(), n);
+  op.future->set_bytes(n);
+  if (!msg.status.ok())
+    op.future->complete(msg.status);
+  else if (msg.length > op.length)
+    op.future->complete(truncation(msg.length, op.length));
+  else
+    op.future->complete(Status::Ok());
+}
+
+void MessageMatcher::post_recv(std::shared_ptr<MessageOp> op) {
+  std::shared_ptr<StashSlot> slot;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (!failed_.ok()) {
+      op->future->complete(failed_);
+      return;
+    }
+    op->seq = posted_++;
+    if (unexpected_.empty()) {
+      recvs_.push_back(std::move(op));
+      return;
+    }
+    slot = std::move(unexpected_.front());
+    unexpected_.pop_front();
+    if (!slot->ready) {
+      slot->waiter = std::move(op);
+      return;
+    }
+    unexpected_bytes_ -= slot->data.size();
+  }
+  finish_recv(*op, *slot);
+}
+
+MessageMatcher::Claim MessageMatcher::claim(uint64_t seq, uint64_t length) {
+  Claim c;
+  c.seq = seq;
+  c.length = length;
+  std::lock_guard<std::mutex> lk(mu_);
+  if (seq != incoming_) {
+    c.error = {ErrorCode::kProtocol,
+               "message sequence " + std::to_string(seq) + " arrived, expected " + std::to_string(incoming_)};
+    return c;
+  }
+  ++incoming_;
+  if (!recvs_.empty()) {
+    c.recv = std::move(recvs_.front());
+    recvs_.pop_front();
+    c.dest = c.recv->ptr;
+    c.capacity = c.recv->length;
+    return c;
+  }
+  auto slot = std::make_shared<StashSlot>();
+  slot->length = length;
+  if (unexpected_bytes_ + length > max_unexpected_) {
+    // The message still takes its sequence number so that later ones match correctly; the
+    // recv it would have matched fails with this error.
+    slot->status = {ErrorCode::kRemoteError, "receiver had no recv posted and its unexpected-message buffer (" +
+                                                 std::to_string(max_unexpected_) + " bytes) is full"};
+    slot->ready = true;
+    c.error = slot->status;
+    unexpected_.push_back(std::move(slot));
+    return c;
+  }
+  slot->data.resize(length);
+  unexpected_bytes_ += length;
+  c.dest = slot->data.data();
+  c.capacity = length;
+  c.stash = slot;
+  unexpected_.push_back(std::move(slot));
+  return c;
+}
+
+Status MessageMatcher::deliver(Claim& c, const Status& transfer) {
+  if (c.recv) {
+    uint64_t n = std::min(c.length, c.capacity);
+    c.recv->future->set_bytes(n);
+    Status st = transfer;
+    if (st.ok() && c.length > c.capacity) st = truncation(c.length, c.capacity);
+    c.recv->future->complete(st);
+    c.recv.reset();
+    return st;
+  }
+  if (c.stash) {
+    std::shared_ptr<MessageOp> waiter;
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      c.stash->status = transfer;
+      c.stash->ready = true;
+      waiter = std::move(c.stash->waiter);
+      if (waiter) unexpected_bytes_ -= c.stash->data.size();
+    }
+    if (waiter) finish_recv(*waiter, *c.stash);
+    c.stash.reset();
+    return transfer;
+  }
+  return c.error.ok() ? transfer : c.error;
+}
+
+void MessageMatcher::push_imm(uint32_t imm) {
+  std::shared_ptr<FutureState> w;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (imm_waiters_.empty()) {
+      imms_.push_back(imm);
+      return;
+    }
+    w = std::move(imm_waiters_.front());
+    imm_waiters_.pop_front();
+  }
+  w->set_imm(imm);
+  w->complete(Status::Ok());
+}
+
+std::shared_ptr<FutureState> MessageMatcher::imm_recv() {
+  auto f = std::make_shared<FutureState>(OpKind::kImmRecv);
+  std::unique_lock<std::mutex> lk(mu_);
+  if (!imms_.empty()) {
+    uint32_t v = imms_.front();
+    imms_.pop_front();
+    lk.unlock();
+    f->set_imm(v);
+    f->complete(Status::Ok());
+  } else if (!failed_.ok()) {
+    lk.unlock();
+    f->complete(failed_);
+  } else {
+    imm_waiters_.push_back(f);
+  }
+  return f;
+}
+
+void MessageMatcher::fail_all(const Status& why) {
+  std::deque<std::shared_ptr<MessageOp>> recvs;
+  std::deque<std::shared_ptr<FutureState>> waiters;
+  std::vector<std::shared_ptr<MessageOp>> stash_waiters;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (failed_.ok()) failed_ = why;
+    recvs.swap(recvs_);
+    waiters.swap(imm_waiters_);
+    for (auto& s : unexpected_)
+      if (s->waiter) stash_waiters.push_back(std::move(s->waiter));
+  }
+  for (auto& r : recvs) r->future->complete(why);
+  for (auto& r : stash_waiters) r->future->complete(why);
+  for (auto& w : waiters) w->complete(why);
+}
+
+}  // namespace sluice::detail

@@ -1,0 +1,118 @@
+#include "core/registry.hpp"
+
+#include <string>
+
+namespace sluice::detail {
+
+RegionInfo RegionEntry::info() const {
+  RegionInfo r;
+  r.id = id;
+  r.addr = reinterpret_cast<uint64_t>(base);
+  r.length = length;
+  r.location = location;
+  r.name = name;
+  r.shareable = memfd >= 0;
+  return r;
+}
+
+RegionPin::RegionPin(std::shared_ptr<RegionEntry> e) : entry_(std::move(e)) {
+  if (entry_) entry_->inflight.fetch_add(1, std::memory_order_acq_rel);
+}
+
+RegionPin& RegionPin::operator=(RegionPin&& o) noexcept {
+  if (this != &o) {
+    release();
+    entry_ = std::move(o.entry_);
+  }
+  return *this;
+}
+
+void RegionPin::release() {
+  if (!entry_) return;
+  if (entry_->inflight.fetch_sub(1, std::memory_order_acq_rel) == 1) {
+    std::lock_guard<std::mutex> lk(entry_->mu);
+    entry_->drained.notify_all();
+  }
+  entry_.reset();
+}
+
+MemoryHandle Registry::add(void* ptr, uint64_t length, Location location, const std::string& name, int memfd,
+                           bool owned) {
+  if (!ptr) throw Error(ErrorCode::kInvalidArgument, "register_memory: null pointer");
+  if (length == 0) throw Error(ErrorCode::kInvalidArgument, "register_memory: zero length");
+  auto e = std::make_shared<RegionEntry>();
+  e->base = static_cast<uint8_t*>(ptr);
+  e->length = length;
+  e->location = location;
+  e->name = name;
+  e->memfd = memfd;
+  e->owned = owned;
+  std::unique_lock<std::shared_mutex> lk(mu_);
+  if (!name.empty() && names_.count(name))
+    throw Error(ErrorCode::kInvalidArgument, "register_memory: name '" + name + "' is already registered");
+  e->id = next_id_++;
+  regions_[e->id] = e;
+  if (!name.empty()) names_[name] = e->id;
+  generation_.fetch_add(1);
+  return MemoryHandle{e->id};
+}
+
+std::shared_ptr<RegionEntry> Registry::remove(uint64_t id) {
+  std::shared_ptr<RegionEntry> e;
+  {
+    std::unique_lock<std::shared_mutex> lk(mu_);
+    auto it = regions_.find(id);
+    if (it == regions_.end())
+      throw Error(ErrorCode::kUnknownHandle, "unregister_memory: handle " + std::to_string(id) + " is not registered");
+    e = it->second;
+    regions_.erase(it);
+    if (!e->name.empty()) names_.erase(e->name);
+    generation_.fetch_add(1);
+  }
+  std::unique_lock<std::mutex> lk(e->mu);
+  e->drained.wait(lk, [&] { return e->inflight.load(std::memory_order_acquire) == 0; });
+  return e;
+}
+
+RegionPin Registry::pin(uint64_t id, uint64_t offset, uint64_t length, Status* status, const char* side) const {
+  std::shared_ptr<RegionEntry> e;
+  {
+    std::shared_lock<std::shared_mutex> lk(mu_);
+    auto it = regions_.find(id);
+    if (it != regions_.end()) e = it->second;
+  }
+  if (!e) {
+    *status = {ErrorCode::kUnknownHandle, std::string(side) + " region handle " + std::to_string(id) + " is not registered"};
+    return {};
+  }
+  if (!in_bounds(offset, length, e->length)) {
+    *status = {ErrorCode::kOutOfRange, std::string(side) + " region " + std::to_string(id) + ": offset " +
+                                           std::to_string(offset) + " + length " + std::to_string(length) +
+                                           " exceeds its " + std::to_string(e->length) + " bytes"};
+    return {};
+  }
+  return RegionPin(std::move(e));
+}
+
+std::shared_ptr<RegionEntry> Registry::find(uint64_t id) const {
+  std::shared_lock<std::shared_mutex> lk(mu_);
+  auto it = regions_.find(id);
+  return it == regions_.end() ? nullptr : it->second;
+}
+
+std::vector<RegionInfo> Registry::snapshot() const {
+  std::shared_lock<std::shared_mutex> lk(mu_);
+  std::vector<RegionInfo> out;
+  out.reserve(regions_.size());
+  for (auto& [id, e] : regions_) out.push_back(e->info());
+  return out;
+}
+
+std::vector<std::shared_ptr<RegionEntry>> Registry::entries() const {
+  std::shared_lock<std::shared_mutex> lk(mu_);
+  std::vector<std::shared_ptr<RegionEntry>> out;
+  for (auto& [id, e] : regions_) out.push_back(e);
+  return out;
+}
+
+}  // namespace sluice::detail

@@ -1,0 +1,81 @@
+// The local memory registry: handles, bounds checks and in-flight pins.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <shared_mutex>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "sluice/error.hpp"
+#include "sluice/types.hpp"
+
+namespace sluice::detail {
+
+struct RegionEntry {
+  uint64_t id = 0;
+  uint8_t* base = nullptr;
+  uint64_t length = 0;
+  Location location;
+  std::string name;
+  int memfd = -1;         // engine-allocated shareable memory, else -1
+  bool owned = false;     // allocated by the engine (freed on removal)
+  std::atomic<int64_t> inflight{0};
+  std::mutex mu;
+  std::condition_variable drained;
+
+  RegionInfo info() const;
+};
+
+// Keeps a region from being unregistered while an operation uses it.
+class RegionPin {
+ public:
+  RegionPin() = default;
+  explicit RegionPin(std::shared_ptr<RegionEntry> e);
+  RegionPin(RegionPin&& o) noexcept = default;
+  RegionPin& operator=(RegionPin&& o) noexcept;
+  RegionPin(const RegionPin&) = delete;
+  RegionPin& operator=(const RegionPin&) = delete;
+  ~RegionPin() { release(); }
+  void release();
+  RegionEntry* get() const { return entry_.get(); }
+  explicit operator bool() const { return static_cast<bool>(entry_); }
+
+ private:
+  std::shared_ptr<RegionEntry> entry_;
+};
+
+class Registry {
+ public:
+  MemoryHandle add(void* ptr, uint64_t length, Location location, const std::string& name, int memfd = -1,
+                   bool owned = false);
+  // Removes the handle (new lookups fail) and waits until every pin is released.
+  // Returns the entry so the caller can free engine-owned memory.
+  std::shared_ptr<RegionEntry> remove(uint64_t id);
+
+  // Bounds-checked lookup that pins the region. On failure returns an empty pin and sets
+  // *status to kUnknownHandle or kOutOfRange with a message naming the handle and range.
+  RegionPin pin(uint64_t id, uint64_t offset, uint64_t length, Status* status, const char* side = "local") const;
+  std::shared_ptr<RegionEntry> find(uint64_t id) const;
+  std::vector<RegionInfo> snapshot() const;
+  std::vector<std::shared_ptr<RegionEntry>> entries() const;
+  uint64_t generation() const { return generation_.load(); }
+
+ private:
+  mutable std::shared_mutex mu_;
+  std::unordered_map<uint64_t, std::shared_ptr<RegionEntry>> regions_;
+  std::unordered_map<std::string, uint64_t> names_;
+  uint64_t next_id_ = 1;
+  std::atomic<uint64_t> generation_{0};
+};
+
+// offset + length inside [0, size) without overflow.
+inline bool in_bounds(uint64_t offset, uint64_t length, uint64_t size) {
+  return offset <= size && length <= size - offset;
+}
+
+}  // namespace sluice::detail

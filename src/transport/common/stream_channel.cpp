@@ -1,0 +1,260 @@
+#include "transport/common/stream_channel.hpp"
+
+#include <sys/socket.h>
+#include <sys/uio.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+
+#include "core/log.hpp"
+
+namespace sluice::detail {
+namespace {
+constexpr size_t kReadBuffer = 256 << 10;
+constexpr size_t kDirectRead = 32 << 10;  // payload reads this large bypass the buffer
+constexpr size_t kMaxIov = 512;
+constexpr size_t kMaxFramesPerWrite = kMaxIov / 2;
+}  // namespace
+
+bool PayloadReader::read(void* dest, uint64_t n) {
+  if (n > remaining_) return false;
+  remaining_ -= n;
+  return ch_.read_payload(static_cast<uint8_t*>(dest), n);
+}
+
+bool PayloadReader::discard(uint64_t n) {
+  uint8_t scratch[16384];
+  while (n > 0) {
+    uint64_t k = std::min<uint64_t>(n, sizeof(scratch));
+    if (!read(scratch, k)) return false;
+    n -= k;
+  }
+  return true;
+}
+
+std::string PayloadReader::read_text(uint64_t max) {
+  uint64_t n = std::min(remaining_, max);
+  std::string s(n, '\0');
+  if (n && !read(s.data(), n)) return {};
+  return s;
+}
+
+StreamChannel::StreamChannel(net::Socket sock, Handler* handler, int index)
+    : sock_(std::move(sock)), handler_(handler), index_(index), rbuf_(kReadBuffer) {
+  net::set_io_timeout(sock_.fd(), std::chrono::milliseconds(0));
+  net::tune_stream(sock_.fd());
+}
+
+StreamChannel::~StreamChannel() {
+  shutdown();
+  join();
+}
+
+void StreamChannel::start() {
+  reader_ = std::thread([this] { reader_loop(); });
+  writer_ = std::thread([this] { writer_loop(); });
+}
+
+void StreamChannel::shutdown() {
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    stop_ = true;
+    cv_.notify_all();
+  }
+  sock_.shutdown();
+}
+
+void StreamChannel::join() {
+  if (reader_.joinable() && reader_.get_id() != std::this_thread::get_id()) reader_.join();
+  if (writer_.joinable() && writer_.get_id() != std::this_thread::get_id()) writer_.join();
+}
+
+void StreamChannel::post(OutFrame frame) {
+  std::unique_lock<std::mutex> lk(mu_);
+  if (stop_) return;
+  if (writing_ || !queue_.empty()) {
+    queue_.push_back(std::move(frame));
+    if (!writing_) cv_.notify_one();
+    return;
+  }
+  // Idle channel: write on the caller's thread, without blocking; the writer thread takes
+  // over whatever the socket buffer did not accept.
+  writing_ = true;
+  lk.unlock();
+  std::vector<OutFrame> one;
+  one.push_back(std::move(frame));
+  size_t done = 0;
+  bool ok = write_frames(one, /*nonblocking=*/true, &done);
+  lk.lock();
+  writing_ = false;
+  if (!ok) {
+    stop_ = true;
+  } else if (done == 0) {
+    queue_.push_front(std::move(one[0]));
+  }
+  if (!queue_.empty() || stop_) cv_.notify_one();
+}
+
+bool StreamChannel::write_frames(std::vector<OutFrame>& frames, bool nonblocking, size_t* fully_sent) {
+  size_t first = 0;
+  while (first < frames.size()) {
+    iovec iov[kMaxIov];
+    int n = 0;
+    for (size_t i = first; i < frames.size() && n + 2 <= static_cast<int>(kMaxIov); ++i) {
+      OutFrame& f = frames[i];
+      const uint64_t hlen = sizeof(FrameHeader);
+      const uint8_t* payload = f.data ? f.data : reinterpret_cast<const uint8_t*>(f.text.data());
+      if (f.sent < hlen) {
+        iov[n++] = {reinterpret_cast<uint8_t*>(&f.hdr) + f.sent, static_cast<size_t>(hlen - f.sent)};
+        if (f.hdr.length) iov[n++] = {const_cast<uint8_t*>(payload), static_cast<size_t>(f.hdr.length)};
+      } else {
+        uint64_t off = f.sent - hlen;
+        iov[n++] = {const_cast<uint8_t*>(payload) + off, static_cast<size_t>(f.hdr.length - off)};
+      }
+    }
+    msghdr msg{};
+    msg.msg_iov = iov;
+    msg.msg_iovlen = n;
+    ssize_t w = ::sendmsg(sock_.fd(), &msg, MSG_NOSIGNAL | (nonblocking ? MSG_DONTWAIT : 0));
+    if (w < 0) {
+      if (errno == EINTR) continue;
+      if (nonblocking && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+        *fully_sent = first;
+        return true;
+      }
+      return false;
+    }
+    uint64_t left = static_cast<uint64_t>(w);
+    while (first < frames.size() && left > 0) {
+      OutFrame& f = frames[first];
+      uint64_t total = sizeof(FrameHeader) + f.hdr.length;
+      uint64_t take = std::min(left, total - f.sent);
+      f.sent += take;
+      left -= take;
+      if (f.sent == total) {
+        f.keep.reset();
+        ++first;
+      }
+    }
+    if (nonblocking && first < frames.size()) {
+      // The socket buffer is full: hand the rest to the writer thread.
+      *fully_sent = first;
+      return true;
+    }
+  }
+  *fully_sent = frames.size();
+  return true;
+}
+
+void StreamChannel::writer_loop() {
+  std::vector<OutFrame> batch;
+  std::unique_lock<std::mutex> lk(mu_);
+  for (;;) {
+    cv_.wait(lk, [&] { return stop_ || (!writing_ && !queue_.empty()); });
+    if (stop_) break;
+    writing_ = true;
+    batch.clear();
+    while (!queue_.empty() && batch.size() < kMaxFramesPerWrite) {
+      batch.push_back(std::move(queue_.front()));
+      queue_.pop_front();
+    }
+    lk.unlock();
+    size_t done = 0;
+    bool ok = write_frames(batch, /*nonblocking=*/false, &done);
+    batch.clear();
+    lk.lock();
+    writing_ = false;
+    if (!ok) {
+      stop_ = true;
+      break;
+    }
+  }
+  queue_.clear();
+  lk.unlock();
+  sock_.shutdown();
+}
+
+bool StreamChannel::fill(size_t min_bytes) {
+  if (rend_ - rpos_ >= min_bytes) return true;
+  if (rpos_ > 0) {
+    std::memmove(rbuf_.data(), rbuf_.data() + rpos_, rend_ - rpos_);
+    rend_ -= rpos_;
+    rpos_ = 0;
+  }
+  while (rend_ < min_bytes) {
+    ssize_t r = ::recv(sock_.fd(), rbuf_.data() + rend_, rbuf_.size() - rend_, 0);
+    if (r > 0) {
+      rend_ += static_cast<size_t>(r);
+    } else if (r == 0) {
+      errno = ECONNRESET;
+      return false;
+    } else if (errno != EINTR) {
+      return false;
+    }
+  }
+  return true;
+}
+
+bool StreamChannel::read_payload(uint8_t* dest, uint64_t n) {
+  uint64_t have = std::min<uint64_t>(n, rend_ - rpos_);
+  std::memcpy(dest, rbuf_.data() + rpos_, have);
+  rpos_ += have;
+  dest += have;
+  n -= have;
+  if (n == 0) return true;
+  if (n >= kDirectRead) return net::read_full(sock_.fd(), dest, n);
+  if (!fill(n)) return false;
+  std::memcpy(dest, rbuf_.data() + rpos_, n);
+  rpos_ += n;
+  return true;
+}
+
+void StreamChannel::reader_loop() {
+  Status why{ErrorCode::kPeerLost, "connection closed by peer"};
+  for (;;) {
+    if (!fill(sizeof(FrameHeader))) {
+      if (!stop_) why = {ErrorCode::kPeerLost, std::string("connection to peer lost: ") + net::errno_text(errno)};
+      else why = {ErrorCode::kCancelled, "channel closed"};
+      break;
+    }
+    FrameHeader h;
+    std::memcpy(&h, rbuf_.data() + rpos_, sizeof(h));
+    const char* problem = frame_problem(h);
+    if (*problem) {
+      why = {ErrorCode::kProtocol, std::string("peer sent a malformed frame (") + problem + ")"};
+      OutFrame err;
+      err.text = why.message;
+      err.hdr = make_frame(FrameType::kError, 0, 0, 0, err.text.size(), 0, 0, 0, static_cast<uint16_t>(why.code));
+      post(std::move(err));
+      break;
+    }
+    rpos_ += sizeof(h);
+    PayloadReader payload(*this, h.length);
+    Status st = handler_->on_frame(*this, h, payload);
+    if (st.ok() && payload.remaining() && !payload.discard(payload.remaining()))
+      st = {ErrorCode::kPeerLost, "connection to peer lost mid-frame"};
+    if (!st.ok()) {
+      why = st;
+      if (st.code == ErrorCode::kProtocol) {
+        OutFrame err;
+        err.text = why.message;
+        err.hdr = make_frame(FrameType::kError, 0, 0, 0, err.text.size(), 0, 0, 0, static_cast<uint16_t>(why.code));
+        post(std::move(err));
+      }
+      break;
+    }
+  }
+  down_.store(true, std::memory_order_release);
+  {
+    // Give a just-posted error frame a moment to leave before the socket goes down.
+    std::unique_lock<std::mutex> lk(mu_);
+    cv_.wait_for(lk, std::chrono::milliseconds(50), [&] { return queue_.empty() && !writing_; });
+    stop_ = true;
+    cv_.notify_all();
+  }
+  sock_.shutdown();
+  handler_->on_channel_down(*this, why);
+}
+
+}  // namespace sluice::detail

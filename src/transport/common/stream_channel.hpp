@@ -1,0 +1,98 @@
+// One framed, bidirectional byte stream (a connected socket) with a reader thread and a
+// writer thread. Callers post frames; small frames go out on the caller's thread when the
+// channel is idle (no hand-off), otherwise the writer thread drains a queue with writev.
+// Received frames go to a Handler on the reader thread, which pulls the payload straight
+// into its destination.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "bootstrap/socket.hpp"
+#include "sluice/error.hpp"
+#include "transport/common/frame.hpp"
+
+namespace sluice::detail {
+
+struct OutFrame {
+  FrameHeader hdr;
+  const uint8_t* data = nullptr;  // payload (hdr.length bytes), or
+  std::string text;               // an owned payload (messages)
+  std::shared_ptr<void> keep;     // held until the frame is on the wire
+  uint64_t sent = 0;              // bytes of header + payload already written
+};
+
+class StreamChannel;
+
+// Pulls the current frame's payload; whatever the handler leaves is discarded.
+class PayloadReader {
+ public:
+  uint64_t remaining() const { return remaining_; }
+  // Read n (<= remaining) bytes into dest. False if the stream broke.
+  bool read(void* dest, uint64_t n);
+  bool discard(uint64_t n);
+  std::string read_text(uint64_t max);
+
+ private:
+  friend class StreamChannel;
+  explicit PayloadReader(StreamChannel& ch, uint64_t n) : ch_(ch), remaining_(n) {}
+  StreamChannel& ch_;
+  uint64_t remaining_;
+};
+
+class StreamChannel {
+ public:
+  class Handler {
+   public:
+    virtual ~Handler() = default;
+    // Called on the reader thread for every well-formed frame. Return a non-ok status to
+    // declare the peer broken (the channel then stops).
+    virtual Status on_frame(StreamChannel& ch, const FrameHeader& h, PayloadReader& payload) = 0;
+    // The stream ended or broke (called once, on the reader thread).
+    virtual void on_channel_down(StreamChannel& ch, const Status& why) = 0;
+  };
+
+  StreamChannel(net::Socket sock, Handler* handler, int index);
+  ~StreamChannel();
+  void start();
+  // Queue a frame; never blocks on the network. Dropped silently once the channel is down.
+  void post(OutFrame frame);
+  // Unblock both threads (the handler hears on_channel_down); join() waits for them.
+  void shutdown();
+  void join();
+  int index() const { return index_; }
+  bool down() const { return down_.load(std::memory_order_acquire); }
+
+ private:
+  friend class PayloadReader;
+  void reader_loop();
+  void writer_loop();
+  // Write frames [0, n) of `frames`, starting at their `sent` offsets. Returns false on error.
+  bool write_frames(std::vector<OutFrame>& frames, bool nonblocking, size_t* fully_sent);
+  bool fill(size_t min_bytes);
+  bool read_payload(uint8_t* dest, uint64_t n);
+
+  net::Socket sock_;
+  Handler* handler_;
+  const int index_;
+  std::thread reader_;
+  std::thread writer_;
+  std::atomic<bool> down_{false};
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<OutFrame> queue_;
+  bool writing_ = false;  // a thread (caller or writer) owns the socket's send side
+  bool stop_ = false;
+
+  std::vector<uint8_t> rbuf_;
+  size_t rpos_ = 0, rend_ = 0;
+};
+
+}  // namespace sluice::detail

@@ -1,0 +1,307 @@
+// shm: peers on the same host. Data moves in one copy: straight loads and stores into the
+// peer's engine-allocated (memfd) memory when it has any, process_vm_readv/writev otherwise.
+// A single control connection carries imm values, send rendezvous and acks.
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <random>
+#include <thread>
+#include <unordered_map>
+
+#include "bootstrap/messages.hpp"
+#include "core/log.hpp"
+#include "transport/common/pending_ops.hpp"
+#include "transport/common/stream_channel.hpp"
+#include "transport/shm/cma.hpp"
+#include "transport/transport.hpp"
+
+namespace sluice::detail {
+namespace {
+
+// Mapping of a peer's memfd region into this process.
+struct Mapping {
+  uint8_t* base = nullptr;
+  uint64_t length = 0;
+  ~Mapping() {
+    if (base) ::munmap(base, length);
+  }
+};
+
+// Shared state of one write_with_imm / multi-lane op on this side.
+struct OpTrack {
+  std::atomic<int> lanes_left{0};
+  std::atomic<bool> failed{false};
+};
+
+struct Job {
+  std::shared_ptr<TransferOp> op;
+  uint64_t token = 0;
+  size_t lane = 0;
+  std::shared_ptr<OpTrack> track;
+};
+
+class ShmEndpoint final : public TransportEndpoint, public StreamChannel::Handler {
+ public:
+  explicit ShmEndpoint(const EndpointSetup& s) : events_(s.events), nworkers_(s.channels) {
+    pid_ = s.peer.transports.at("shm").value("pid", s.peer.pid);
+    set_regions(s.peer);
+    for (int i = 0; i < nworkers_; ++i) workers_.emplace_back([this] { work(); });
+  }
+  ~ShmEndpoint() override { close({ErrorCode::kCancelled, "endpoint destroyed"}); }
+
+  void connect(const ChannelOpener& open) override {
+    auto [sock, reply] = open(0, nlohmann::json::object());
+    install(std::move(sock));
+  }
+
+  bool attach(int index, net::Socket sock, const nlohmann::json&) override {
+    if (index != 0 || control_) throw Error(ErrorCode::kProtocol, "shm takes one control channel");
+    bootstrap::send_msg(sock.fd(), bootstrap::MsgKind::kReply, nlohmann::json::object());
+    install(std::move(sock));
+    return true;
+  }
+
+  void submit(std::shared_ptr<TransferOp> op) override {
+    uint64_t token = pending_.add(op);
+    if (!token) return;
+    auto track = std::make_shared<OpTrack>();
+    std::vector<Job> jobs;
+    for (size_t l = 0; l < op->lanes.size(); ++l)
+      if (!op->lanes[l].pieces.empty()) jobs.push_back({op, token, l, track});
+    track->lanes_left = static_cast<int>(jobs.size());
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      for (auto& j : jobs) jobs_.push_back(std::move(j));
+    }
+    if (jobs.size() == 1) cv_.notify_one();
+    else cv_.notify_all();
+  }
+
+  void send(std::shared_ptr<MessageOp> op) override {
+    if (!pending_.add_send(op)) return;
+    OutFrame f;
+    f.hdr = make_frame(FrameType::kSendRts, op->seq, reinterpret_cast<uint64_t>(op->ptr), 0, 0, 0,
+                       static_cast<uint32_t>(op->length), static_cast<uint32_t>(op->length >> 32));
+    control_->post(std::move(f));
+  }
+
+  size_t pending() const override { return pending_.size(); }
+  std::chrono::steady_clock::time_point last_progress() const override { return pending_.last_progress(); }
+
+  void close(const Status& why) override {
+    fail(why, false);
+    if (control_) control_->join();
+    for (auto& t : workers_)
+      if (t.joinable()) t.join();
+  }
+
+  Status on_frame(StreamChannel& ch, const FrameHeader& h, PayloadReader& payload) override {
+    pending_.touch();
+    switch (static_cast<FrameType>(h.type)) {
+      case FrameType::kImm:
+        events_->matcher().push_imm(h.imm);
+        return Status::Ok();
+      case FrameType::kSendRts: return serve_rts(ch, h);
+      case FrameType::kSendAck: {
+        Status st = h.status ? Status{static_cast<ErrorCode>(std::min<int>(h.status, int(ErrorCode::kInternal))),
+                                      "peer: " + payload.read_text(kMaxMessageText)}
+                             : Status::Ok();
+        auto op = pending_.take_send(h.op_id);
+        if (!op) return {ErrorCode::kProtocol, "send ack for an unknown message"};
+        op->future->complete(st);
+        return Status::Ok();
+      }
+      case FrameType::kError:
+        return {ErrorCode::kRemoteError, "peer closed the connection: " + payload.read_text(kMaxMessageText)};
+      default: return {ErrorCode::kProtocol, "unexpected frame type " + std::to_string(h.type) + " on shm control"};
+    }
+  }
+
+  void on_channel_down(StreamChannel&, const Status& why) override { fail(why, true); }
+
+ private:
+  void install(net::Socket sock) {
+    control_ = std::make_unique<StreamChannel>(std::move(sock), this, 0);
+    control_->start();
+  }
+
+  void set_regions(const EngineInfo& peer) {
+    std::lock_guard<std::mutex> lk(map_mu_);
+    for (const auto& r : peer.regions)
+      if (r.info.shareable && r.memfd >= 0) memfds_[r.info.id] = {r.memfd, r.info.length};
+  }
+
+  // The peer's memfd region `id` mapped here, or nullptr (then CMA is used).
+  uint8_t* mapped(uint64_t id) {
+    std::lock_guard<std::mutex> lk(map_mu_);
+    auto m = maps_.find(id);
+    if (m != maps_.end()) return m->second ? m->second->base : nullptr;
+    auto it = memfds_.find(id);
+    std::shared_ptr<Mapping> mp;
+    if (it != memfds_.end()) {
+      std::string path = "/proc/" + std::to_string(pid_) + "/fd/" + std::to_string(it->second.first);
+      int fd = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
+      struct stat st {};
+      if (fd >= 0 && ::fstat(fd, &st) == 0 && static_cast<uint64_t>(st.st_size) >= it->second.second) {
+        void* p = ::mmap(nullptr, it->second.second, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+        if (p != MAP_FAILED) {
+          mp = std::make_shared<Mapping>();
+          mp->base = static_cast<uint8_t*>(p);
+          mp->length = it->second.second;
+        }
+      }
+      if (fd >= 0) ::close(fd);
+      if (!mp) SLUICE_LOG(kInfo, "shm: cannot map peer region " << id << " (" << path << "); using process_vm_*");
+    }
+    maps_[id] = mp;
+    return mp ? mp->base : nullptr;
+  }
+
+  Status run_lane(const TransferOp& op, const Lane& lane) {
+    const bool write = op.kind != OpKind::kRead;
+    std::vector<cma::Span> spans;
+    for (const Piece& p : lane.pieces) {
+      if (uint8_t* base = mapped(p.remote_id)) {
+        uint8_t* remote = base + p.remote_offset;
+        if (write) std::memcpy(remote, p.local, p.length);
+        else std::memcpy(p.local, remote, p.length);
+      } else {
+        spans.push_back({p.local, p.remote_addr, p.length});
+      }
+    }
+    if (spans.empty()) return Status::Ok();
+    return cma::move(pid_, spans, write);
+  }
+
+  void work() {
+    for (;;) {
+      Job job;
+      {
+        std::unique_lock<std::mutex> lk(mu_);
+        cv_.wait(lk, [&] { return stop_ || !jobs_.empty(); });
+        if (stop_) return;
+        job = std::move(jobs_.front());
+        jobs_.pop_front();
+      }
+      Status st = failed_.load() ? Status{ErrorCode::kCancelled, "endpoint closed"} : run_lane(*job.op, job.op->lanes[job.lane]);
+      pending_.touch();
+      if (!st.ok()) job.track->failed = true;
+      if (st.code == ErrorCode::kPeerLost) {
+        fail(st, true);
+        continue;
+      }
+      if (job.track->lanes_left.fetch_sub(1) == 1 && job.op->kind == OpKind::kWriteImm && !job.track->failed) {
+        // Every byte is in the peer's memory (the copies above returned); now the imm.
+        OutFrame f;
+        f.hdr = make_frame(FrameType::kImm, job.token, 0, 0, 0, 0, job.op->imm);
+        control_->post(std::move(f));
+      }
+      pending_.lane_done(job.token, st);
+    }
+  }
+
+  Status serve_rts(StreamChannel& ch, const FrameHeader& h) {
+    uint64_t length = (uint64_t(h.aux) << 32) | h.imm;
+    auto claim = events_->matcher().claim(h.op_id, length);
+    if (claim.error.code == ErrorCode::kProtocol) return claim.error;
+    Status st = claim.error;
+    if (claim.dest) {
+      uint64_t n = std::min(length, claim.capacity);
+      if (n) st = cma::move(pid_, {{claim.dest, h.region, n}}, /*write=*/false);
+    }
+    st = events_->matcher().deliver(claim, st);
+    OutFrame f;
+    f.text = st.message.substr(0, kMaxMessageText);
+    f.hdr = make_frame(FrameType::kSendAck, h.op_id, 0, 0, f.text.size(), 0, 0, 0, static_cast<uint16_t>(st.code));
+    ch.post(std::move(f));
+    return Status::Ok();
+  }
+
+  void fail(const Status& why, bool notify) {
+    if (failed_.exchange(true)) return;
+    if (control_) control_->shutdown();
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      stop_ = true;
+      jobs_.clear();
+      cv_.notify_all();
+    }
+    pending_.fail_all(why);
+    if (notify) events_->on_failure(why);
+  }
+
+  EndpointEvents* events_;
+  const int nworkers_;
+  pid_t pid_ = 0;
+  std::unique_ptr<StreamChannel> control_;
+  PendingOps pending_;
+  std::atomic<bool> failed_{false};
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Job> jobs_;
+  bool stop_ = false;
+  std::vector<std::thread> workers_;
+
+  std::mutex map_mu_;
+  std::unordered_map<uint64_t, std::pair<int, uint64_t>> memfds_;  // id -> (peer fd, length)
+  std::unordered_map<uint64_t, std::shared_ptr<Mapping>> maps_;
+};
+
+// A word the peer reads to prove that cross-process access works between us.
+alignas(64) volatile uint64_t g_probe_word = 0;
+
+class ShmTransport final : public Transport {
+ public:
+  explicit ShmTransport(const EngineContext& ctx) : host_id_(ctx.host_id) {
+    if (g_probe_word == 0) g_probe_word = std::random_device{}() | 1;
+  }
+  std::string name() const override { return "shm"; }
+  int priority() const override { return 20; }
+  bool supports(const Location& loc) const override { return loc.is_host(); }
+  nlohmann::json local_address() const override {
+    return {{"pid", static_cast<int>(::getpid())},
+            {"probe_addr", reinterpret_cast<uint64_t>(&g_probe_word)},
+            {"probe_value", static_cast<uint64_t>(g_probe_word)}};
+  }
+  bool can_reach(const EngineInfo& peer, std::string* why) override {
+    if (peer.host_id != host_id_) {
+      *why = "the peer is on another host";
+      return false;
+    }
+    const auto& a = peer.transports.at("shm");
+    uint64_t value = 0;
+    int err = 0;
+    if (!a.contains("pid") || !a.contains("probe_addr") || !a.contains("probe_value")) {
+      *why = "the peer's shm address is incomplete";
+      return false;
+    }
+    if (!cma::probe(a["pid"].get<int>(), a["probe_addr"].get<uint64_t>(), &value, &err) ||
+        value != a["probe_value"].get<uint64_t>()) {
+      *why = std::string("the kernel denies cross-process access (process_vm_readv: ") +
+             (err ? std::strerror(err) : "wrong probe value") + ")";
+      SLUICE_LOG(kWarn, "shm: " << *why << "; falling back to the next transport");
+      return false;
+    }
+    return true;
+  }
+  std::shared_ptr<TransportEndpoint> create_endpoint(const EndpointSetup& setup) override {
+    return std::make_shared<ShmEndpoint>(setup);
+  }
+
+ private:
+  std::string host_id_;
+};
+
+}  // namespace
+
+SLUICE_REGISTER_TRANSPORT(shm, "shm", [](const EngineContext& ctx, std::string*) -> std::unique_ptr<Transport> {
+  return std::make_unique<ShmTransport>(ctx);
+});
+
+}  // namespace sluice::detail

@@ -1,0 +1,322 @@
+// tcp: N persistent connections per endpoint. Requests and responses are frames (see
+// transport/common/frame.hpp); payloads move between the socket and registered memory with
+// no intermediate copy. Both sides of an endpoint may issue operations on the same sockets.
+#include <memory>
+#include <mutex>
+#include <unordered_map>
+#include <vector>
+
+#include "core/log.hpp"
+#include "transport/common/pending_ops.hpp"
+#include "transport/common/stream_channel.hpp"
+#include "transport/transport.hpp"
+
+namespace sluice::detail {
+namespace {
+
+struct ReadPiece {
+  uint64_t token;
+  uint8_t* dest;
+  uint64_t length;
+  bool lane_end;
+};
+
+struct ImmProgress {
+  uint32_t lanes_seen = 0;
+  bool failed = false;
+};
+
+constexpr size_t kMaxImmInProgress = 1 << 16;
+
+class TcpEndpoint final : public TransportEndpoint, public StreamChannel::Handler {
+ public:
+  explicit TcpEndpoint(const EndpointSetup& s)
+      : events_(s.events), nchan_(s.channels), channels_(s.channels), reads_(s.channels), read_mu_(s.channels) {}
+  ~TcpEndpoint() override { close({ErrorCode::kCancelled, "endpoint destroyed"}); }
+
+  void connect(const ChannelOpener& open) override {
+    for (int i = 0; i < nchan_; ++i) {
+      auto [sock, reply] = open(i, nlohmann::json::object());
+      install(i, std::move(sock));
+    }
+  }
+
+  bool attach(int index, net::Socket sock, const nlohmann::json&) override {
+    std::lock_guard<std::mutex> lk(attach_mu_);
+    if (channels_[index]) throw Error(ErrorCode::kProtocol, "channel " + std::to_string(index) + " attached twice");
+    bootstrap_reply(sock);
+    install(index, std::move(sock));
+    return ++attached_ == nchan_;
+  }
+
+  void submit(std::shared_ptr<TransferOp> op) override {
+    auto keep = op;
+    uint64_t token = pending_.add(std::move(op));
+    if (!token) return;
+    const bool is_read = keep->kind == OpKind::kRead;
+    uint32_t nlanes = 0;
+    for (auto& lane : keep->lanes) nlanes += lane.pieces.empty() ? 0 : 1;
+    for (size_t c = 0; c < keep->lanes.size(); ++c) {
+      auto& pieces = keep->lanes[c].pieces;
+      if (pieces.empty()) continue;
+      StreamChannel* ch = channels_[c].get();
+      if (is_read) {
+        // Responses come back in request order per channel; remember where each one goes
+        // before any request can be answered.
+        std::lock_guard<std::mutex> lk(read_mu_[c]);
+        for (size_t i = 0; i < pieces.size(); ++i)
+          reads_[c].push_back({token, pieces[i].local, pieces[i].length, i + 1 == pieces.size()});
+      }
+      for (size_t i = 0; i < pieces.size(); ++i) {
+        const Piece& p = pieces[i];
+        const bool last = i + 1 == pieces.size();
+        uint8_t flags = last ? kLaneEnd : 0;
+        if (last && keep->kind == OpKind::kWriteImm) flags |= kImmPart;
+        OutFrame f;
+        if (is_read) {
+          // A request has no payload; the wanted length rides in imm (low) and aux (high).
+          f.hdr = make_frame(FrameType::kReadReq, token, p.remote_id, p.remote_offset, 0, flags,
+                             static_cast<uint32_t>(p.length), static_cast<uint32_t>(p.length >> 32));
+        } else {
+          const bool imm = keep->kind == OpKind::kWriteImm;
+          f.hdr = make_frame(FrameType::kWrite, token, p.remote_id, p.remote_offset, p.length, flags,
+                             imm ? keep->imm : 0, imm ? nlanes : 0);
+          f.data = p.local;
+        }
+        ch->post(std::move(f));
+      }
+    }
+  }
+
+  void send(std::shared_ptr<MessageOp> op) override {
+    if (!pending_.add_send(op)) return;
+    OutFrame f;
+    f.hdr = make_frame(FrameType::kSend, op->seq, 0, 0, op->length);
+    f.data = op->ptr;
+    channels_[0]->post(std::move(f));  // one channel keeps messages in order
+  }
+
+  size_t pending() const override { return pending_.size(); }
+  std::chrono::steady_clock::time_point last_progress() const override { return pending_.last_progress(); }
+
+  void close(const Status& why) override {
+    fail(why, /*notify=*/false);
+    for (auto& ch : channels_)
+      if (ch) ch->join();
+  }
+
+  // StreamChannel::Handler
+  Status on_frame(StreamChannel& ch, const FrameHeader& h, PayloadReader& payload) override {
+    pending_.touch();
+    switch (static_cast<FrameType>(h.type)) {
+      case FrameType::kWrite: return serve_write(ch, h, payload);
+      case FrameType::kReadReq: return serve_read(ch, h);
+      case FrameType::kReadResp: return take_read(ch, h, payload, Status::Ok());
+      case FrameType::kAck:
+        if (!(h.flags & kLaneEnd) || !pending_.lane_done(h.op_id, Status::Ok()))
+          return {ErrorCode::kProtocol, "ack for an unknown operation"};
+        return Status::Ok();
+      case FrameType::kNack: return take_nack(ch, h, payload);
+      case FrameType::kSend: return serve_send(ch, h, payload);
+      case FrameType::kSendAck: {
+        Status st = status_of(h, payload);
+        auto op = pending_.take_send(h.op_id);
+        if (!op) return {ErrorCode::kProtocol, "send ack for an unknown message"};
+        op->future->complete(st);
+        return Status::Ok();
+      }
+      case FrameType::kError: {
+        std::string text = payload.read_text(kMaxMessageText);
+        return {ErrorCode::kRemoteError, "peer closed the connection: " + text};
+      }
+      default: return {ErrorCode::kProtocol, "unexpected frame type " + std::to_string(h.type) + " on a tcp channel"};
+    }
+  }
+
+  void on_channel_down(StreamChannel&, const Status& why) override { fail(why, /*notify=*/true); }
+
+ private:
+  static void bootstrap_reply(net::Socket& sock);
+
+  void install(int index, net::Socket sock) {
+    channels_[index] = std::make_unique<StreamChannel>(std::move(sock), this, index);
+    channels_[index]->start();
+  }
+
+  void fail(const Status& why, bool notify) {
+    if (failed_.exchange(true)) return;
+    for (auto& ch : channels_)
+      if (ch) ch->shutdown();
+    pending_.fail_all(why);
+    if (notify) events_->on_failure(why);
+  }
+
+  static Status status_of(const FrameHeader& h, PayloadReader& payload) {
+    if (h.status == 0) return Status::Ok();
+    int code = h.status <= static_cast<int>(ErrorCode::kInternal) ? h.status : static_cast<int>(ErrorCode::kRemoteError);
+    return {static_cast<ErrorCode>(code), "peer: " + payload.read_text(kMaxMessageText)};
+  }
+
+  static void respond(StreamChannel& ch, FrameType type, uint64_t op_id, uint8_t flags, const Status& st) {
+    OutFrame f;
+    f.text = st.message.substr(0, kMaxMessageText);
+    f.hdr = make_frame(type, op_id, 0, 0, f.text.size(), flags, 0, 0, static_cast<uint16_t>(st.code));
+    ch.post(std::move(f));
+  }
+
+  Status serve_write(StreamChannel& ch, const FrameHeader& h, PayloadReader& payload) {
+    Status st;
+    {
+      RegionPin pin = events_->registry().pin(h.region, h.offset, h.length, &st, "target");
+      if (pin && !pin.get()->location.is_host())
+        st = {ErrorCode::kUnsupported, "tcp cannot write into " + pin.get()->location.to_string() + " memory"};
+      if (st.ok()) {
+        if (!payload.read(pin.get()->base + h.offset, h.length)) return {ErrorCode::kPeerLost, "connection lost mid-write"};
+      } else {
+        SLUICE_LOG(kDebug, "tcp: refused a write: " << st.message);
+      }
+    }
+    if (h.flags & kImmPart) {
+      if (!note_imm_lane(h, st.ok())) return {ErrorCode::kProtocol, "too many write_with_imm batches in progress"};
+    } else if (!st.ok() && h.aux) {
+      imm_failed(h.op_id);
+    }
+    if (!st.ok())
+      respond(ch, FrameType::kNack, h.op_id, h.flags & kLaneEnd, st);
+    else if (h.flags & kLaneEnd)
+      respond(ch, FrameType::kAck, h.op_id, kLaneEnd, st);
+    return Status::Ok();
+  }
+
+  // Deliver the imm once every lane of the batch has landed and none failed.
+  bool note_imm_lane(const FrameHeader& h, bool ok) {
+    bool deliver = false;
+    {
+      std::lock_guard<std::mutex> lk(imm_mu_);
+      auto& p = imm_[h.op_id];
+      if (imm_.size() > kMaxImmInProgress) return false;
+      p.lanes_seen++;
+      p.failed |= !ok;
+      if (p.lanes_seen >= h.aux) {
+        deliver = !p.failed;
+        imm_.erase(h.op_id);
+      }
+    }
+    if (deliver) events_->matcher().push_imm(h.imm);
+    return true;
+  }
+
+  void imm_failed(uint64_t token) {
+    std::lock_guard<std::mutex> lk(imm_mu_);
+    if (imm_.size() <= kMaxImmInProgress) imm_[token].failed = true;
+  }
+
+  Status serve_read(StreamChannel& ch, const FrameHeader& h) {
+    uint64_t length = (uint64_t(h.aux) << 32) | h.imm;
+    Status st;
+    RegionPin pin = events_->registry().pin(h.region, h.offset, length, &st, "target");
+    if (pin && !pin.get()->location.is_host())
+      st = {ErrorCode::kUnsupported, "tcp cannot read from " + pin.get()->location.to_string() + " memory"};
+    if (st.ok() && length > kMaxFramePayload) st = {ErrorCode::kInvalidArgument, "read piece too large"};
+    if (!st.ok()) {
+      respond(ch, FrameType::kNack, h.op_id, h.flags & kLaneEnd, st);
+      return Status::Ok();
+    }
+    OutFrame f;
+    f.hdr = make_frame(FrameType::kReadResp, h.op_id, 0, 0, length, h.flags & kLaneEnd);
+    f.data = pin.get()->base + h.offset;
+    f.keep = std::make_shared<RegionPin>(std::move(pin));
+    ch.post(std::move(f));
+    return Status::Ok();
+  }
+
+  // A READ_RESP or a NACK for the oldest outstanding read on this channel.
+  Status take_read(StreamChannel& ch, const FrameHeader& h, PayloadReader& payload, const Status& refused) {
+    ReadPiece rp;
+    {
+      std::lock_guard<std::mutex> lk(read_mu_[ch.index()]);
+      auto& q = reads_[ch.index()];
+      if (q.empty() || q.front().token != h.op_id) return {ErrorCode::kProtocol, "read response out of order"};
+      rp = q.front();
+      q.pop_front();
+    }
+    if (rp.lane_end != bool(h.flags & kLaneEnd)) return {ErrorCode::kProtocol, "read response lane mismatch"};
+    if (refused.ok()) {
+      if (h.length != rp.length) return {ErrorCode::kProtocol, "read response of the wrong length"};
+      if (!payload.read(rp.dest, rp.length)) return {ErrorCode::kPeerLost, "connection lost mid-read"};
+    }
+    if (rp.lane_end)
+      pending_.lane_done(rp.token, refused);
+    else if (!refused.ok())
+      pending_.note_error(rp.token, refused);
+    return Status::Ok();
+  }
+
+  Status take_nack(StreamChannel& ch, const FrameHeader& h, PayloadReader& payload) {
+    Status st = status_of(h, payload);
+    if (st.ok()) st = {ErrorCode::kRemoteError, "peer refused the request"};
+    auto op = pending_.find(h.op_id);
+    if (!op) return {ErrorCode::kProtocol, "nack for an unknown operation"};
+    if (op->kind == OpKind::kRead) return take_read(ch, h, payload, st);
+    if (h.flags & kLaneEnd) pending_.lane_done(h.op_id, st);
+    else pending_.note_error(h.op_id, st);
+    return Status::Ok();
+  }
+
+  Status serve_send(StreamChannel& ch, const FrameHeader& h, PayloadReader& payload) {
+    auto claim = events_->matcher().claim(h.op_id, h.length);
+    if (claim.error.code == ErrorCode::kProtocol) return claim.error;
+    Status st = claim.error;
+    if (claim.dest) {
+      uint64_t n = std::min(h.length, claim.capacity);
+      if (!payload.read(claim.dest, n)) return {ErrorCode::kPeerLost, "connection lost mid-message"};
+    }
+    st = events_->matcher().deliver(claim, st);
+    respond(ch, FrameType::kSendAck, h.op_id, 0, st);
+    return Status::Ok();
+  }
+
+  EndpointEvents* events_;
+  const int nchan_;
+  std::vector<std::unique_ptr<StreamChannel>> channels_;
+  std::vector<std::deque<ReadPiece>> reads_;
+  std::vector<std::mutex> read_mu_;
+  PendingOps pending_;
+  std::mutex attach_mu_;
+  int attached_ = 0;
+  std::atomic<bool> failed_{false};
+  std::mutex imm_mu_;
+  std::unordered_map<uint64_t, ImmProgress> imm_;
+};
+
+}  // namespace
+}  // namespace sluice::detail
+
+#include "bootstrap/messages.hpp"
+
+namespace sluice::detail {
+namespace {
+
+void TcpEndpoint::bootstrap_reply(net::Socket& sock) {
+  bootstrap::send_msg(sock.fd(), bootstrap::MsgKind::kReply, nlohmann::json::object());
+}
+
+class TcpTransport final : public Transport {
+ public:
+  std::string name() const override { return "tcp"; }
+  int priority() const override { return 10; }
+  bool supports(const Location& loc) const override { return loc.is_host(); }
+  nlohmann::json local_address() const override { return nlohmann::json::object(); }  // the listener itself
+  bool can_reach(const EngineInfo&, std::string*) override { return true; }
+  std::shared_ptr<TransportEndpoint> create_endpoint(const EndpointSetup& setup) override {
+    return std::make_shared<TcpEndpoint>(setup);
+  }
+};
+
+}  // namespace
+
+SLUICE_REGISTER_TRANSPORT(tcp, "tcp", [](const EngineContext&, std::string*) -> std::unique_ptr<Transport> {
+  return std::make_unique<TcpTransport>();
+});
+
+}  // namespace sluice::detail

@@ -1,0 +1,111 @@
+// The one internal interface every transport implements. A transport lives in its own folder
+// under src/transport/<name>/ and registers itself with SLUICE_REGISTER_TRANSPORT; the core
+// never names a transport.
+#pragma once
+
+#include <chrono>
+#include <functional>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "bootstrap/socket.hpp"
+#include "core/batch_plan.hpp"
+#include "core/engine_info.hpp"
+#include "core/future_state.hpp"
+#include "core/message_matcher.hpp"
+#include "core/registry.hpp"
+#include "sluice/config.hpp"
+
+namespace sluice::detail {
+
+// A validated read / write / write_with_imm, already split into one lane per channel.
+struct TransferOp {
+  OpKind kind = OpKind::kWrite;
+  uint32_t imm = 0;
+  std::vector<Lane> lanes;
+  std::shared_ptr<FutureState> future;  // parts = number of non-empty lanes
+  std::vector<RegionPin> pins;          // local regions, held until completion
+  uint64_t bytes = 0;
+};
+
+// What a transport endpoint reports up to the core endpoint that owns it.
+class EndpointEvents {
+ public:
+  virtual ~EndpointEvents() = default;
+  virtual const Registry& registry() const = 0;  // target side: validate incoming requests
+  virtual MessageMatcher& matcher() = 0;         // incoming sends and imms
+  // The transport lost its peer (or found it hostile); the core fails everything pending.
+  virtual void on_failure(const Status& why) = 0;
+};
+
+// Opens channel `index` to the peer's listener for this endpoint; sends `hello` (merged with
+// the routing fields) and returns the socket with the peer's reply.
+using ChannelOpener = std::function<std::pair<net::Socket, nlohmann::json>(int index, const nlohmann::json& hello)>;
+
+struct EndpointSetup {
+  bool active = true;      // we connected (true) or the peer did (false)
+  uint64_t token = 0;      // identifies the endpoint on both sides
+  int channels = 1;
+  EngineInfo peer;
+  EndpointEvents* events = nullptr;  // outlives the transport endpoint
+  EngineConfig config;
+};
+
+class TransportEndpoint {
+ public:
+  virtual ~TransportEndpoint() = default;
+  // Active side: open every channel (blocking, bounded by the connect timeout); throws Error.
+  virtual void connect(const ChannelOpener& open) = 0;
+  // Passive side: channel `index` arrived through the listener. The transport owns the socket
+  // from here and sends its own reply. Returns true once every channel is attached.
+  virtual bool attach(int index, net::Socket sock, const nlohmann::json& hello) = 0;
+  virtual void submit(std::shared_ptr<TransferOp> op) = 0;
+  virtual void send(std::shared_ptr<MessageOp> op) = 0;
+  // Operations submitted and not yet completed.
+  virtual size_t pending() const = 0;
+  // When the peer last showed progress (for the engine's watchdog).
+  virtual std::chrono::steady_clock::time_point last_progress() const = 0;
+  // Fail everything pending with `why` and stop; idempotent; joins the transport's threads.
+  virtual void close(const Status& why) = 0;
+};
+
+// What a transport may use from its engine.
+struct EngineContext {
+  const EngineConfig* config = nullptr;
+  const Registry* registry = nullptr;
+  std::string host_id;
+  std::string engine_id;
+};
+
+class Transport {
+ public:
+  virtual ~Transport() = default;
+  virtual std::string name() const = 0;
+  // Higher is preferred when several transports reach a peer.
+  virtual int priority() const = 0;
+  virtual bool supports(const Location& location) const = 0;
+  // This transport's part of the engine info blob.
+  virtual nlohmann::json local_address() const = 0;
+  // Whether this transport can reach `peer`; otherwise *why says why not.
+  virtual bool can_reach(const EngineInfo& peer, std::string* why) = 0;
+  virtual std::shared_ptr<TransportEndpoint> create_endpoint(const EndpointSetup& setup) = 0;
+};
+
+struct TransportFactory {
+  std::string name;
+  // Returns nullptr (with *why) when the transport cannot run on this host.
+  std::function<std::unique_ptr<Transport>(const EngineContext&, std::string* why)> make;
+};
+
+// Transports register at load time; creation happens only when an Engine is built.
+std::vector<TransportFactory>& transport_factories();
+bool register_transport(TransportFactory factory);
+
+}  // namespace sluice::detail
+
+#define SLUICE_REGISTER_TRANSPORT(ident, name, fn) \
+  static const bool sluice_transport_registered_##ident = ::sluice::detail::register_transport({name, fn})

@@ -1,0 +1,19 @@
+// Ceilings measured in the same run as the engine: what the hardware path gives with no
+// engine in the way. Each one runs its peer in a forked child.
+#pragma once
+
+#include <cstdint>
+
+namespace bench {
+
+// Raw loopback TCP stream: one connection, blocking write() of `chunk` bytes until `total`
+// bytes are sent, receiver acks at the end. MB/s (1e6).
+double tcp_stream_mbps(uint64_t chunk, uint64_t total);
+// Raw socket ping-pong of `size` bytes; returns the mean round trip in microseconds.
+double tcp_pingpong_us(uint64_t size, int iterations);
+// process_vm_readv of `size` bytes (one iovec) from a child's buffer. MB/s.
+double cma_read_mbps(uint64_t size, int iterations);
+// Single-thread memcpy between two buffers of `size` bytes. MB/s.
+double memcpy_mbps(uint64_t size, int iterations);
+
+}  // namespace bench
