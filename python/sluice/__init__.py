@@ -1,0 +1,548 @@
+"""Sluice: batched one-sided and two-sided data transfer between engines.
+
+Python binding of the C++ engine. See docs/python.md for a tour::
+
+    import numpy as np, sluice
+
+    with sluice.Engine() as a, sluice.Engine() as b:
+        src = np.arange(1 << 20, dtype=np.uint8)
+        dst = np.zeros_like(src)
+        hs = a.register(src, name="src")
+        hd = b.register(dst)
+        ep = b.connect(a.listen_address)
+        ep.read([(hd, 0, ep.remote_region("src"), 0, src.nbytes)]).wait()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import threading
+import weakref
+from typing import Any, Iterable, NamedTuple, Optional, Sequence, Union
+
+from . import _sluice
+from .errors import (  # noqa: F401  (re-exported)
+    CancelledError,
+    ClosedError,
+    EmptyBatchError,
+    ErrorCode,
+    InternalError,
+    InvalidArgumentError,
+    NoDeviceError,
+    OutOfRangeError,
+    PeerLostError,
+    ProtocolError,
+    RemoteError,
+    SluiceError,
+    SluiceTimeoutError,
+    SystemCallError,
+    TruncatedError,
+    UnknownHandleError,
+    UnsupportedError,
+)
+
+__version__ = _sluice.version
+
+Future = _sluice.Future
+
+
+# ---------------------------------------------------------------- handles
+
+
+class MemoryHandle(int):
+    """Handle of a region registered with the local engine (an int; 0 is never valid)."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return f"MemoryHandle({int(self)})"
+
+
+class RemoteHandle(int):
+    """Handle of a region a peer registered (its id in the peer's registry)."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return f"RemoteHandle({int(self)})"
+
+
+class Allocation(NamedTuple):
+    """Engine-allocated registered memory: ``buffer`` is a numpy uint8 array (a memoryview
+    when numpy is not installed) that stays valid even after the engine frees its side."""
+
+    buffer: Any
+    handle: MemoryHandle
+
+
+# ---------------------------------------------------------------- futures
+
+
+def _future_status(self):
+    """``ErrorCode`` once complete (``ErrorCode.OK`` on success), ``None`` while pending."""
+    return self.code
+
+
+def _future_result(self, timeout: Optional[float] = None):
+    """Wait, raise the operation's error if it failed, and return the future itself.
+    Raises :class:`SluiceTimeoutError` if ``timeout`` seconds pass first."""
+    if not self.wait(timeout):
+        raise SluiceTimeoutError(f"operation still pending after {timeout} s")
+    return self
+
+
+def _settle(af: asyncio.Future) -> None:
+    if not af.done():
+        af.set_result(None)
+
+
+def _future_await(self):
+    if not self.done():
+        loop = asyncio.get_running_loop()
+        af = loop.create_future()
+
+        def on_complete():  # an engine thread, GIL held; must not block
+            try:
+                loop.call_soon_threadsafe(_settle, af)
+            except RuntimeError:  # the loop is closed: nobody is waiting any more
+                pass
+
+        self._on_complete(on_complete)
+        yield from af.__await__()
+    self.wait()  # complete: raises the operation's error, if any
+    return self
+
+
+def _future_add_done_callback(self, fn):
+    """Call ``fn(future)`` once the operation completes, on an engine thread (or at once if
+    already complete). ``fn`` must be quick and must not block."""
+    self._on_complete(lambda: fn(self))
+
+
+def _future_repr(self) -> str:
+    if not self.done():
+        return "<sluice.Future pending>"
+    return f"<sluice.Future {self.code.name} bytes={self.bytes} elapsed={self.elapsed * 1e6:.1f}us>"
+
+
+Future.status = property(_future_status)
+Future.result = _future_result
+Future.__await__ = _future_await
+Future.add_done_callback = _future_add_done_callback
+Future.__repr__ = _future_repr
+
+
+def wait_all(futures: Iterable[Future], timeout: Optional[float] = None) -> None:
+    """Wait for every future; raise the first error (after all have completed)."""
+    first = None
+    for f in futures:
+        try:
+            f.result(timeout)
+        except SluiceError as e:
+            first = first or e
+    if first is not None:
+        raise first
+
+
+# ---------------------------------------------------------------- batches
+
+
+def _as_batch(batch):
+    """Lists/tuples go to C++ as they are; numpy arrays become a C-contiguous (N, 5) uint64."""
+    dtype = getattr(batch, "dtype", None)
+    if dtype is None:
+        return batch
+    import numpy as np
+
+    arr = batch
+    if dtype.names:  # structured: fields in the order local, local_off, remote, remote_off, length
+        names = dtype.names
+        if len(names) != 5:
+            raise InvalidArgumentError(f"a structured batch needs 5 fields, got {names}")
+        arr = np.stack([np.asarray(arr[n], dtype=np.uint64) for n in names], axis=-1)
+    elif dtype != np.uint64:
+        if dtype.kind not in "iu":
+            raise InvalidArgumentError(f"a batch array must hold integers, got {dtype}")
+        if dtype.kind == "i" and arr.size and arr.min() < 0:
+            raise InvalidArgumentError("a batch array holds negative values")
+        arr = arr.astype(np.uint64)
+    if arr.ndim == 1 and arr.shape[0] == 5:
+        arr = arr.reshape(1, 5)
+    return np.ascontiguousarray(arr)
+
+
+BATCH_DTYPE = [("local", "<u8"), ("local_offset", "<u8"), ("remote", "<u8"),
+               ("remote_offset", "<u8"), ("length", "<u8")]
+"""numpy dtype (list form) of a structured batch: ``np.zeros(n, dtype=sluice.BATCH_DTYPE)``."""
+
+
+# ---------------------------------------------------------------- endpoint
+
+
+class Endpoint:
+    """A connection to one peer engine (``Engine.connect`` / ``Engine.accept``).
+
+    One-sided operations take a batch: a list of ``(local, local_offset, remote,
+    remote_offset, length)`` tuples, or an (N, 5) uint64 / structured numpy array. They return
+    a :class:`Future` at once; caller errors (unknown handle, out of range, empty batch, closed
+    endpoint) raise immediately and transfer nothing. ``await``-able variants end in
+    ``_async``; a Future is itself awaitable.
+    """
+
+    __slots__ = ("_ep", "_engine", "__weakref__")
+
+    def __init__(self, core, engine: "Engine"):
+        self._ep = core
+        self._engine = engine
+
+    # one-sided
+    def read(self, batch) -> Future:
+        return self._ep.read(_as_batch(batch))
+
+    def write(self, batch) -> Future:
+        return self._ep.write(_as_batch(batch))
+
+    def write_with_imm(self, batch, imm: int) -> Future:
+        """Write; the peer then gets exactly one ``imm_recv`` completion carrying ``imm``."""
+        return self._ep.write_with_imm(_as_batch(batch), imm)
+
+    # two-sided
+    def _span(self, local, offset, length):
+        if length is None:
+            length = self._engine._length_of(local) - offset
+        return int(local), offset, length
+
+    def send(self, local, offset: int = 0, length: Optional[int] = None) -> Future:
+        """Send ``length`` bytes (default: to the end of the region) of region ``local``."""
+        return self._ep.send(*self._span(local, offset, length))
+
+    def recv(self, local, offset: int = 0, length: Optional[int] = None) -> Future:
+        """Receive the next message into region ``local``; ``Future.bytes`` is its size."""
+        return self._ep.recv(*self._span(local, offset, length))
+
+    def imm_recv(self) -> Future:
+        """Completes with the next imm the peer delivered (``Future.imm``)."""
+        return self._ep.imm_recv()
+
+    # asyncio
+    async def read_async(self, batch) -> Future:
+        return await self.read(batch)
+
+    async def write_async(self, batch) -> Future:
+        return await self.write(batch)
+
+    async def write_with_imm_async(self, batch, imm: int) -> Future:
+        return await self.write_with_imm(batch, imm)
+
+    async def send_async(self, local, offset: int = 0, length: Optional[int] = None) -> Future:
+        return await self.send(local, offset, length)
+
+    async def recv_async(self, local, offset: int = 0, length: Optional[int] = None) -> Future:
+        return await self.recv(local, offset, length)
+
+    async def imm_recv_async(self) -> Future:
+        return await self.imm_recv()
+
+    # peer regions
+    def remote_region(self, name: str) -> RemoteHandle:
+        """The handle of the region the peer registered as ``name``; raises
+        :class:`UnknownHandleError` if the peer advertised none (see refresh_remote_regions)."""
+        h = self._ep.remote_region(name)
+        if h is None:
+            raise UnknownHandleError(f"the peer has no region named {name!r} "
+                                     "(call refresh_remote_regions() after it registers one)")
+        return RemoteHandle(h)
+
+    def remote_regions(self) -> list:
+        return self._ep.remote_regions()
+
+    def refresh_remote_regions(self) -> None:
+        self._ep.refresh_remote_regions()
+
+    @property
+    def transport(self) -> str:
+        return self._ep.transport
+
+    @property
+    def channels(self) -> int:
+        return self._ep.channels
+
+    @property
+    def peer_engine_id(self) -> str:
+        return self._ep.peer_engine_id
+
+    @property
+    def connected(self) -> bool:
+        return self._ep.connected
+
+    def close(self) -> None:
+        """Fail pending operations with :class:`CancelledError` and close the channels."""
+        self._ep.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<sluice.Endpoint {self.transport} x{self.channels} peer={self.peer_engine_id}>"
+
+
+# ---------------------------------------------------------------- engine
+
+
+class _Region:
+    __slots__ = ("obj", "pin", "length")
+
+    def __init__(self, obj, pin, length):
+        self.obj = obj
+        self.pin = pin
+        self.length = length
+
+
+_DL_CPU, _DL_CUDA, _DL_CUDA_HOST = 1, 2, 3
+
+_live_engines: "weakref.WeakSet[Engine]" = weakref.WeakSet()
+
+
+def _describe(obj) -> str:
+    return f"{type(obj).__module__}.{type(obj).__qualname__}"
+
+
+class Engine:
+    """One transfer engine (normally one per process).
+
+    ``transports``: names (list or "tcp,shm") this engine may use, default every one that runs
+    here; ``channels``: channels per peer; ``listen``: "host:port" of the handshake listener
+    (port 0 = any). Keyword options mirror ``sluice::EngineConfig`` (timeouts in seconds).
+    SLUICE_* environment variables override them, as in C++.
+    """
+
+    def __init__(
+        self,
+        transports: Union[None, str, Sequence[str]] = None,
+        channels: Optional[int] = None,
+        listen: Optional[str] = None,
+        *,
+        host_id: Optional[str] = None,
+        connect_timeout: Optional[float] = None,
+        op_timeout: Optional[float] = None,
+        chunk_size: Optional[int] = None,
+        stripe_threshold: Optional[int] = None,
+        max_unexpected_bytes: Optional[int] = None,
+        log_level: Optional[str] = None,
+    ):
+        if isinstance(transports, str):
+            transports = [t.strip() for t in transports.split(",") if t.strip()]
+        self._regions: dict = {}
+        self._lock = threading.Lock()
+        self._core = None
+        self._core = _sluice.Engine(
+            transports=list(transports) if transports else None, channels=channels, listen=listen,
+            host_id=host_id, connect_timeout=connect_timeout, op_timeout=op_timeout,
+            chunk_size=chunk_size, stripe_threshold=stripe_threshold,
+            max_unexpected_bytes=max_unexpected_bytes, log_level=log_level)
+        _live_engines.add(self)
+
+    # ------------------------------------------------------------ memory
+
+    def register(self, obj, name: Optional[str] = None, location: Optional[str] = None) -> MemoryHandle:
+        """Register memory and return its handle.
+
+        ``obj`` may be a numpy array, a CPU torch tensor, anything with the (contiguous,
+        writable) buffer protocol or ``__dlpack__``, or a ``(ptr, length)`` tuple of raw
+        memory. The engine keeps ``obj`` alive until :meth:`unregister` or :meth:`close`.
+        ``name`` lets peers find the region with ``Endpoint.remote_region(name)``.
+        """
+        core = self._need()
+        pin = None
+        keep = obj
+        if isinstance(obj, tuple) and len(obj) == 2 and all(isinstance(v, int) for v in obj):
+            addr, length = obj
+            keep = None
+            loc = location or "host"
+        elif _is_torch_tensor(obj):
+            if not obj.is_contiguous():
+                raise InvalidArgumentError("register: the tensor is not contiguous")
+            addr, length = obj.data_ptr(), obj.numel() * obj.element_size()
+            dev = obj.device
+            loc = location or ("host" if dev.type == "cpu" else
+                               f"cuda:{dev.index or 0}" if dev.type == "cuda" else dev.type)
+        elif _has_buffer(obj):
+            try:
+                pin, addr, length, _ = _sluice.pin_buffer(obj, True)
+            except InvalidArgumentError as e:
+                try:
+                    ro, *_ = _sluice.pin_buffer(obj, False)
+                except InvalidArgumentError:
+                    raise e from None
+                ro.release()
+                raise InvalidArgumentError(
+                    f"register: the {_describe(obj)} buffer is read-only (peers may write into "
+                    "registered memory); register a writable copy, or (ptr, length) if you are sure"
+                ) from None
+            loc = location or "host"
+        elif hasattr(obj, "__dlpack__"):
+            addr, length, dev_type, dev_id = _sluice.dlpack_info(obj.__dlpack__())
+            if dev_type in (_DL_CPU, _DL_CUDA_HOST):
+                loc = location or "host"
+            elif dev_type == _DL_CUDA:
+                loc = location or f"cuda:{dev_id}"
+            else:
+                raise UnsupportedError(f"register: DLPack device type {dev_type} is not supported")
+        else:
+            raise InvalidArgumentError(
+                f"register: cannot register a {_describe(obj)}: pass a numpy array, a torch tensor, "
+                "a buffer-protocol or DLPack object, or a (ptr, length) tuple")
+        try:
+            h = MemoryHandle(core.register_memory(addr, length, loc, name or ""))
+        except BaseException:
+            if pin is not None:
+                pin.release()
+            raise
+        with self._lock:
+            self._regions[int(h)] = _Region(keep, pin, length)
+        return h
+
+    def unregister(self, handle) -> None:
+        """Stop exposing a region (or free an :meth:`allocate` one). Blocks until operations
+        already using it finish; then the engine drops its reference to the object."""
+        core = self._need()
+        h = int(handle)
+        if core.is_allocation(h):
+            core.free(h)
+        else:
+            core.unregister_memory(h)
+        with self._lock:
+            r = self._regions.pop(h, None)
+        if r is not None and r.pin is not None:
+            r.pin.release()
+
+    free = unregister
+
+    def allocate(self, length: int, name: Optional[str] = None, location: Optional[str] = None) -> Allocation:
+        """Allocate registered, shareable (memfd) host memory, zero filled.
+        Returns ``Allocation(buffer, handle)``; release it with :meth:`unregister`."""
+        h, size, mapping = self._need().allocate(length, location or "host", name or "")
+        try:
+            import numpy as np
+
+            buf = np.frombuffer(mapping, dtype=np.uint8)
+        except ImportError:
+            buf = memoryview(mapping)
+        with self._lock:
+            self._regions[h] = _Region(mapping, None, size)
+        return Allocation(buf, MemoryHandle(h))
+
+    def _length_of(self, handle) -> int:
+        r = self._regions.get(int(handle))
+        if r is None:
+            raise UnknownHandleError(f"handle {int(handle)} is not registered with this engine")
+        return r.length
+
+    # ------------------------------------------------------------ peers
+
+    def local_info(self) -> str:
+        """JSON blob describing this engine (pass it to a peer's :meth:`connect`)."""
+        return self._need().local_info()
+
+    @property
+    def listen_address(self) -> str:
+        """"host:port" of the handshake listener."""
+        return self._need().listen_address()
+
+    @property
+    def transports(self) -> list:
+        return self._need().transports()
+
+    def connect(self, blob_or_addr: str, transport: Optional[str] = None,
+                timeout: Optional[float] = None) -> Endpoint:
+        """Connect to a peer given its :meth:`local_info` blob or its "host:port"."""
+        return Endpoint(self._need().connect(blob_or_addr, transport or "", timeout), self)
+
+    def accept(self, timeout: Optional[float] = None) -> Optional[Endpoint]:
+        """The next endpoint a peer opened to us; ``None`` if none arrives within ``timeout``
+        seconds (``None`` = wait forever)."""
+        ep = self._need().accept(timeout)
+        return None if ep is None else Endpoint(ep, self)
+
+    # ------------------------------------------------------------ lifetime
+
+    def _need(self):
+        core = self._core
+        if core is None or core.closed:
+            raise ClosedError("the engine is closed")
+        return core
+
+    @property
+    def closed(self) -> bool:
+        return self._core is None or self._core.closed
+
+    def close(self) -> None:
+        """Fail every pending operation with :class:`CancelledError`, close every endpoint,
+        stop the threads and drop the registered objects. Idempotent."""
+        core = self._core
+        if core is None:
+            return
+        core.close()
+        with self._lock:
+            regions, self._regions = self._regions, {}
+        for r in regions.values():
+            if r.pin is not None:
+                r.pin.release()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        core = getattr(self, "_core", None)
+        if core is None or core.closed:
+            return
+        if isinstance(threading.current_thread(), threading._DummyThread):
+            # Dropped on an engine thread (inside a completion callback): closing here would
+            # join that very thread, so close from a helper thread instead.
+            threading.Thread(target=self.close, daemon=True).start()
+        else:
+            self.close()
+
+    def __repr__(self) -> str:
+        if self.closed:
+            return "<sluice.Engine closed>"
+        return f"<sluice.Engine {self.listen_address} transports={self.transports}>"
+
+
+def _is_torch_tensor(obj) -> bool:
+    t = type(obj)
+    return t.__module__.startswith("torch") and hasattr(obj, "data_ptr") and hasattr(obj, "element_size")
+
+
+def _has_buffer(obj) -> bool:
+    try:
+        memoryview(obj).release()
+        return True
+    except TypeError:
+        return False
+
+
+@atexit.register
+def _close_all() -> None:
+    # Engine threads must not call into Python while the interpreter shuts down.
+    for e in list(_live_engines):
+        try:
+            e.close()
+        except Exception:
+            pass
+
+
+__all__ = [
+    "Engine", "Endpoint", "Future", "MemoryHandle", "RemoteHandle", "Allocation", "BATCH_DTYPE",
+    "wait_all", "ErrorCode", "SluiceError", "InvalidArgumentError", "EmptyBatchError",
+    "UnknownHandleError", "OutOfRangeError", "TruncatedError", "PeerLostError",
+    "SluiceTimeoutError", "CancelledError", "RemoteError", "ProtocolError", "UnsupportedError",
+    "NoDeviceError", "SystemCallError", "ClosedError", "InternalError",
+]
