@@ -162,7 +162,11 @@ void EndpointImpl::on_failure(const Status& why) {
     failure_ = why;
     failed_code_.store(static_cast<int>(why.code) ? static_cast<int>(why.code) : 1, std::memory_order_release);
   }
-  SLUICE_LOG(kWarn, "endpoint to " << peer_engine_id() << " over " << transport_name_ << " failed: " << why.to_string());
+  // A peer going away is routine (it may simply have exited); hostile or stuck peers are not.
+  if (why.code == ErrorCode::kPeerLost || why.code == ErrorCode::kCancelled)
+    SLUICE_LOG(kInfo, "endpoint to " << peer_engine_id() << " over " << transport_name_ << " closed: " << why.to_string());
+  else
+    SLUICE_LOG(kWarn, "endpoint to " << peer_engine_id() << " over " << transport_name_ << " failed: " << why.to_string());
   matcher_.fail_all(why);
 }
 

@@ -175,7 +175,7 @@ void StreamChannel::writer_loop() {
   sock_.shutdown();
 }
 
-bool StreamChannel::fill(size_t min_bytes) {
+bool StreamChannel::fill(size_t min_bytes, size_t max_read) {
   if (rend_ - rpos_ >= min_bytes) return true;
   if (rpos_ > 0) {
     std::memmove(rbuf_.data(), rbuf_.data() + rpos_, rend_ - rpos_);
@@ -183,7 +183,8 @@ bool StreamChannel::fill(size_t min_bytes) {
     rpos_ = 0;
   }
   while (rend_ < min_bytes) {
-    ssize_t r = ::recv(sock_.fd(), rbuf_.data() + rend_, rbuf_.size() - rend_, 0);
+    size_t room = std::min(rbuf_.size() - rend_, std::max(max_read, min_bytes - rend_));
+    ssize_t r = ::recv(sock_.fd(), rbuf_.data() + rend_, room, 0);
     if (r > 0) {
       rend_ += static_cast<size_t>(r);
     } else if (r == 0) {
@@ -203,8 +204,11 @@ bool StreamChannel::read_payload(uint8_t* dest, uint64_t n) {
   dest += have;
   n -= have;
   if (n == 0) return true;
-  if (n >= kDirectRead) return net::read_full(sock_.fd(), dest, n);
-  if (!fill(n)) return false;
+  if (n >= kDirectRead) {
+    exact_header_ = true;
+    return net::read_full(sock_.fd(), dest, n);
+  }
+  if (!fill(n, rbuf_.size())) return false;
   std::memcpy(dest, rbuf_.data() + rpos_, n);
   rpos_ += n;
   return true;
@@ -213,7 +217,9 @@ bool StreamChannel::read_payload(uint8_t* dest, uint64_t n) {
 void StreamChannel::reader_loop() {
   Status why{ErrorCode::kPeerLost, "connection closed by peer"};
   for (;;) {
-    if (!fill(sizeof(FrameHeader))) {
+    bool exact = exact_header_;
+    exact_header_ = false;
+    if (!fill(sizeof(FrameHeader), exact ? sizeof(FrameHeader) : rbuf_.size())) {
       if (!stop_) why = {ErrorCode::kPeerLost, std::string("connection to peer lost: ") + net::errno_text(errno)};
       else why = {ErrorCode::kCancelled, "channel closed"};
       break;

@@ -75,7 +75,9 @@ class StreamChannel {
   void writer_loop();
   // Write frames [0, n) of `frames`, starting at their `sent` offsets. Returns false on error.
   bool write_frames(std::vector<OutFrame>& frames, bool nonblocking, size_t* fully_sent);
-  bool fill(size_t min_bytes);
+  // Buffer at least min_bytes; reads at most max_read more than that (exact header reads
+  // keep large payloads out of the buffer so they land in place with one copy).
+  bool fill(size_t min_bytes, size_t max_read);
   bool read_payload(uint8_t* dest, uint64_t n);
 
   net::Socket sock_;
@@ -93,6 +95,7 @@ class StreamChannel {
 
   std::vector<uint8_t> rbuf_;
   size_t rpos_ = 0, rend_ = 0;
+  bool exact_header_ = false;  // the last payload was large: read the next header alone
 };
 
 }  // namespace sluice::detail
