@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Installs what the build and the tests need on a fresh Debian machine (root or sudo).
+# Only missing packages are installed; nothing is downloaded outside Debian and PyPI.
+set -euo pipefail
+want=()
+command -v cmake >/dev/null || want+=(cmake)
+command -v ninja >/dev/null || want+=(ninja-build)
+command -v g++ >/dev/null || want+=(g++)
+command -v python3 >/dev/null || want+=(python3)
+python3 -c 'import venv, ensurepip' 2>/dev/null || want+=(python3-venv)
+if [ "${1:-}" = "--tests" ]; then
+  [ -f /usr/include/gtest/gtest.h ] || want+=(libgtest-dev)
+  [ -f /usr/include/gmock/gmock.h ] || want+=(libgmock-dev)
+  [ -f /usr/include/infiniband/verbs.h ] || want+=(libibverbs-dev)
+  [ -e /etc/libibverbs.d/rxe.driver ] || want+=(rdma-core ibverbs-providers)
+fi
+[ ${#want[@]} -eq 0 ] && exit 0
+SUDO=; [ "$(id -u)" = 0 ] || SUDO=sudo
+echo "install-deps: installing ${want[*]}" >&2
+export DEBIAN_FRONTEND=noninteractive
+$SUDO apt-get install -y --no-install-recommends "${want[@]}" >/dev/null 2>&1 || {
+  $SUDO apt-get update >/dev/null && $SUDO apt-get install -y --no-install-recommends "${want[@]}" >/dev/null; }

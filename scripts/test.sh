@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Installs what is missing and runs every test: C++ unit and integration tests (ctest),
+# the ASan/UBSan and TSan builds, sluice-bench end-to-end checks, the Python package tests,
+# the GPU tests (they skip without a GPU) and the RDMA suite inside a SoftRoCE guest.
+# Exit status is non-zero if any suite failed. .ci/run calls this script.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+JOBS=${JOBS:-$(nproc)}
+scripts/install-deps.sh --tests || { echo "test.sh: installing dependencies failed" >&2; exit 1; }
+
+passed=0; failed=0; failed_names=()
+suite() {  # suite NAME CMD...
+  local name=$1; shift
+  local t0=$SECONDS
+  echo "=================== $name ==================="
+  if "$@"; then
+    passed=$((passed + 1)); echo "--- $name: PASSED in $((SECONDS - t0)) s"
+  else
+    failed=$((failed + 1)); failed_names+=("$name"); echo "--- $name: FAILED in $((SECONDS - t0)) s"
+  fi
+}
+
+build_and_ctest() {
+  cmake -S . -B build-test -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null &&
+    ninja -C build-test -j "$JOBS" >/dev/null &&
+    (cd build-test && ctest --output-on-failure -j "$JOBS" --timeout 300)
+}
+
+bench_checks() {  # every op over every host transport, every byte verified
+  local b=build-test/tools/sluice-bench/sluice-bench rc=0
+  for t in tcp shm; do
+    for op in write read write_imm send; do
+      "$b" --transport "$t" --op "$op" --min-size 1 --max-size 4M --batch-size 16 --concurrency 4 \
+           --iterations 20 --check --quiet --csv > "build-test/bench-$t-$op.csv" || { echo "bench $t $op failed"; rc=1; }
+    done
+  done
+  "$b" --transport shm --memfd --op write --min-size 4K --max-size 1M --iterations 20 --check --quiet --csv >/dev/null || rc=1
+  [ $rc = 0 ] && echo "sluice-bench: 9 checked runs ok"
+  return $rc
+}
+
+suite "C++ unit and integration tests (ctest)" build_and_ctest
+suite "sluice-bench end-to-end checks" bench_checks
+[ -x tests/sanitizers.sh ] && suite "sanitizers (ASan/UBSan, TSan)" tests/sanitizers.sh
+[ -x python/run_tests.sh ] && suite "Python package (pip install, pytest, examples)" python/run_tests.sh
+[ -x tests/rdma/run.sh ] && [ "${SLUICE_SKIP_RDMA:-0}" != 1 ] && suite "RDMA suite in a SoftRoCE guest" tests/rdma/run.sh
+
+echo "==================================================="
+[ $failed -gt 0 ] && echo "failed suites: ${failed_names[*]}"
+echo "suites: $passed passed, $failed failed"
+[ $failed -eq 0 ]
