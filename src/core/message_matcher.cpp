@@ -43,6 +43,7 @@ void MessageMatcher::post_recv(std::shared_ptr<MessageOp> op) {
     unexpected_.pop_front();
     if (!slot->ready) {
       slot->waiter = std::move(op);
+      landing_.push_back(std::move(slot));  // so that fail_all() can reach the waiter
       return;
     }
     unexpected_bytes_ -= slot->data.size();
@@ -107,6 +108,7 @@ Status MessageMatcher::deliver(Claim& c, const Status& transfer) {
       c.stash->ready = true;
       waiter = std::move(c.stash->waiter);
       if (waiter) unexpected_bytes_ -= c.stash->data.size();
+      std::erase(landing_, c.stash);
     }
     if (waiter) finish_recv(*waiter, *c.stash);
     c.stash.reset();
@@ -159,6 +161,9 @@ void MessageMatcher::fail_all(const Status& why) {
     waiters.swap(imm_waiters_);
     for (auto& s : unexpected_)
       if (s->waiter) stash_waiters.push_back(std::move(s->waiter));
+    for (auto& s : landing_)
+      if (s->waiter) stash_waiters.push_back(std::move(s->waiter));
+    landing_.clear();
   }
   for (auto& r : recvs) r->future->complete(why);
   for (auto& r : stash_waiters) r->future->complete(why);

@@ -68,6 +68,7 @@ class MessageMatcher {
   uint64_t incoming_ = 0;  // messages claimed so far
   std::deque<std::shared_ptr<MessageOp>> recvs_;  // posted, not yet claimed
   std::deque<std::shared_ptr<StashSlot>> unexpected_;  // claimed, not yet matched
+  std::vector<std::shared_ptr<StashSlot>> landing_;    // matched with a recv, bytes still landing
   std::deque<uint32_t> imms_;
   std::deque<std::shared_ptr<FutureState>> imm_waiters_;
   Status failed_;
