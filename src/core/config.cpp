@@ -29,6 +29,8 @@ uint64_t parse_u64(const char* name, const char* text) {
   auto [p, ec] = std::from_chars(s.data(), s.data() + s.size(), v);
   if (ec != std::errc() || p != s.data() + s.size())
     throw Error(ErrorCode::kInvalidArgument, std::string(name) + "='" + text + "' is not a number");
+  if (v > UINT64_MAX / mult)
+    throw Error(ErrorCode::kInvalidArgument, std::string(name) + "='" + text + "' is too large");
   return v * mult;
 }
 
@@ -63,9 +65,10 @@ LogLevel parse_level(const char* text) {
 EngineConfig EngineConfig::from_env(EngineConfig c) {
   if (auto v = env("SLUICE_TRANSPORTS")) c.transports = split_list(v);
   if (auto v = env("SLUICE_CHANNELS")) {
-    c.channels = static_cast<int>(parse_u64("SLUICE_CHANNELS", v));
-    if (c.channels < 1 || c.channels > 64)
+    uint64_t n = parse_u64("SLUICE_CHANNELS", v);
+    if (n < 1 || n > 64)
       throw Error(ErrorCode::kInvalidArgument, "SLUICE_CHANNELS must be 1..64");
+    c.channels = static_cast<int>(n);
   }
   if (auto v = env("SLUICE_LISTEN")) {
     std::string s(v);
@@ -82,7 +85,11 @@ EngineConfig EngineConfig::from_env(EngineConfig c) {
     c.connect_timeout = std::chrono::milliseconds(parse_u64("SLUICE_CONNECT_TIMEOUT_MS", v));
   if (auto v = env("SLUICE_OP_TIMEOUT_MS"))
     c.op_timeout = std::chrono::milliseconds(parse_u64("SLUICE_OP_TIMEOUT_MS", v));
-  if (auto v = env("SLUICE_CHUNK_SIZE")) c.chunk_size = parse_u64("SLUICE_CHUNK_SIZE", v);
+  if (auto v = env("SLUICE_CHUNK_SIZE")) {
+    c.chunk_size = parse_u64("SLUICE_CHUNK_SIZE", v);
+    if (c.chunk_size < 4096)
+      throw Error(ErrorCode::kInvalidArgument, "SLUICE_CHUNK_SIZE='" + std::string(v) + "': chunk_size must be >= 4096");
+  }
   if (auto v = env("SLUICE_STRIPE_THRESHOLD")) c.stripe_threshold = parse_u64("SLUICE_STRIPE_THRESHOLD", v);
   if (auto v = env("SLUICE_MAX_UNEXPECTED_BYTES"))
     c.max_unexpected_bytes = parse_u64("SLUICE_MAX_UNEXPECTED_BYTES", v);
