@@ -53,9 +53,14 @@ EngineInfo EngineInfo::from_json(const json& j) {
   e.engine_id = field<std::string>(j, "engine_id", "engine info");
   e.host_id = field<std::string>(j, "host_id", "engine info");
   e.pid = field<int>(j, "pid", "engine info");
-  auto [h, p] = split_host_port(field<std::string>(j, "listen", "engine info"));
-  e.listen_host = h;
-  e.listen_port = p;
+  try {
+    auto [h, p] = split_host_port(field<std::string>(j, "listen", "engine info"));
+    e.listen_host = h;
+    e.listen_port = p;
+  } catch (const Error& err) {
+    if (err.code() == ErrorCode::kProtocol) throw;
+    throw Error(ErrorCode::kProtocol, std::string("engine info: field 'listen': ") + err.what());
+  }
   auto tr = field<json>(j, "transports", "engine info");
   if (!tr.is_object()) throw Error(ErrorCode::kProtocol, "engine info: 'transports' is not an object");
   for (auto it = tr.begin(); it != tr.end(); ++it) e.transports[it.key()] = it.value();
