@@ -1,0 +1,195 @@
+// In-process engine tests over tcp and shm: every operation, accept, threads, close.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <thread>
+
+#include "loopback.hpp"
+
+using namespace sluice;
+using namespace sluice_test;
+
+TEST_P(LoopbackTest, WriteThenReadBack) {
+  std::mt19937_64 rng(7);
+  for (int i = 0; i < 50; ++i) {
+    uint64_t len = 1 + rng() % (kBytes / 4);
+    uint64_t lo = rng() % (kBytes / 2 - len + 1);
+    uint64_t ro = rng() % (kBytes - len + 1);
+    fill_random(la_.data() + lo, len, rng);
+    std::vector<uint8_t> before_b = lb_;
+    ASSERT_TRUE(ep_.write({{ha_, lo, rb_, ro, len}}).wait().ok());
+    ASSERT_EQ(0, std::memcmp(lb_.data() + ro, la_.data() + lo, len));
+    // Nothing outside [ro, ro+len) changed.
+    ASSERT_EQ(0, std::memcmp(lb_.data(), before_b.data(), ro));
+    ASSERT_EQ(0, std::memcmp(lb_.data() + ro + len, before_b.data() + ro + len, kBytes - ro - len));
+    // Read it back into the other half of the local buffer.
+    uint64_t back = kBytes / 2;
+    std::memset(la_.data() + back, 0xEE, kBytes / 2);
+    auto f = ep_.read({{ha_, back, rb_, ro, len}});
+    ASSERT_TRUE(f.wait().ok());
+    EXPECT_EQ(f.bytes(), len);
+    ASSERT_EQ(0, std::memcmp(la_.data() + back, lb_.data() + ro, len));
+    if (back + len < kBytes) ASSERT_EQ(la_[back + len], 0xEE);
+  }
+}
+
+TEST_P(LoopbackTest, WriteWithImmAndSendRecv) {
+  fill_pattern(la_.data(), 4096, 5);
+  auto imm = peer_.imm_recv();
+  auto f = ep_.write_with_imm({{ha_, 0, rb_, 100, 4096}}, 0xC0FFEE);
+  ASSERT_TRUE(f.wait().ok());
+  ASSERT_TRUE(imm.wait_for(5s));
+  EXPECT_TRUE(imm.status().ok());
+  EXPECT_EQ(imm.imm(), 0xC0FFEEu);
+  EXPECT_EQ(0, std::memcmp(lb_.data() + 100, la_.data(), 4096));
+
+  // Two-sided, both directions, on the accepted endpoint too.
+  auto r = peer_.recv(hb_, 0, 1000);
+  auto s = ep_.send(ha_, 0, 777);
+  ASSERT_TRUE(s.wait().ok());
+  ASSERT_TRUE(r.wait().ok());
+  EXPECT_EQ(r.bytes(), 777u);
+  EXPECT_EQ(0, std::memcmp(lb_.data(), la_.data(), 777));
+  auto r2 = ep_.recv(ha_, 5000, 64);
+  ASSERT_TRUE(peer_.send(hb_, 64, 64).wait().ok());
+  ASSERT_TRUE(r2.wait().ok());
+  EXPECT_EQ(0, std::memcmp(la_.data() + 5000, lb_.data() + 64, 64));
+}
+
+TEST_P(LoopbackTest, ConcurrentThreadsOnTwoEndpoints) {
+  auto ep2 = a_->connect(b_->listen_address());
+  ASSERT_TRUE(b_->accept(5s).has_value());
+  auto rb2 = ep2.remote_region("b");
+  ASSERT_TRUE(rb2.has_value());
+  constexpr int kThreads = 4;
+  const uint64_t window = kBytes / kThreads;
+  std::atomic<int> failures{0};
+  std::vector<std::thread> ts;
+  for (int t = 0; t < kThreads; ++t) {
+    ts.emplace_back([&, t] {
+      Endpoint ep = t % 2 ? ep2 : ep_;
+      RemoteHandle rh = t % 2 ? *rb2 : rb_;
+      std::mt19937_64 rng(100 + t);
+      std::vector<uint8_t> back(window);
+      auto hback = a_->register_memory(back.data(), back.size());
+      uint64_t base = t * window;
+      for (int i = 0; i < 40; ++i) {
+        uint64_t len = 1 + rng() % (window / 2);
+        uint64_t off = rng() % (window - len + 1);
+        fill_random(la_.data() + base + off, len, rng);
+        if (!ep.write({{ha_, base + off, rh, base + off, len}}).wait().ok()) failures++;
+        if (!ep.read({{hback, 0, rh, base + off, len}}).wait().ok()) failures++;
+        if (std::memcmp(back.data(), la_.data() + base + off, len) != 0) failures++;
+      }
+      a_->unregister_memory(hback);
+    });
+  }
+  for (auto& t : ts) t.join();
+  EXPECT_EQ(failures.load(), 0);
+}
+
+TEST_P(LoopbackTest, ManyOutstandingSmallOps) {
+  constexpr int kOps = 10000;
+  constexpr uint64_t kSize = 64;  // 10000 * 64 = 640 KB < kBytes
+  fill_pattern(la_.data(), kOps * kSize, 99);
+  std::vector<Future> fs;
+  fs.reserve(kOps);
+  for (int i = 0; i < kOps; ++i) fs.push_back(ep_.write({{ha_, i * kSize, rb_, (kOps - 1 - i) * kSize, kSize}}));
+  for (auto& f : fs) ASSERT_TRUE(f.wait().ok());
+  for (int i = 0; i < kOps; i += 997)
+    ASSERT_EQ(0, std::memcmp(lb_.data() + (kOps - 1 - i) * kSize, la_.data() + i * kSize, kSize)) << i;
+  for (int i = 0; i < kOps; ++i)
+    ASSERT_EQ(0, std::memcmp(lb_.data() + (kOps - 1 - i) * kSize, la_.data() + i * kSize, kSize)) << i;
+}
+
+TEST_P(LoopbackTest, OnCompleteCallbacks) {
+  std::atomic<int> called{0};
+  std::vector<Future> fs;
+  for (int i = 0; i < 100; ++i) {
+    fs.push_back(ep_.write({{ha_, 0, rb_, 0, 512}}));
+    fs.back().on_complete([&](const Status& st) {
+      if (st.ok()) called++;
+    });
+  }
+  for (auto& f : fs) f.wait();
+  for (int i = 0; i < 100 && called.load() < 100; ++i) std::this_thread::sleep_for(10ms);
+  EXPECT_EQ(called.load(), 100);
+  // Already complete: runs on this thread at once.
+  int now = 0;
+  fs[0].on_complete([&](const Status&) { now = 1; });
+  EXPECT_EQ(now, 1);
+}
+
+TEST_P(LoopbackTest, EngineAllocatedMemoryBothSides) {
+  auto aa = a_->allocate(3 << 20);
+  auto ab = b_->allocate(3 << 20, Location::host(), "alloc");
+  ASSERT_NE(aa.ptr, nullptr);
+  ASSERT_GE(aa.length, 3u << 20);
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(aa.ptr) % 4096, 0u);
+  for (uint64_t i = 0; i < ab.length; i += 4096) ASSERT_EQ(static_cast<uint8_t*>(ab.ptr)[i], 0) << "not zero filled";
+  ep_.refresh_remote_regions();
+  auto rh = ep_.remote_region("alloc");
+  ASSERT_TRUE(rh.has_value());
+  std::mt19937_64 rng(3);
+  auto* pa = static_cast<uint8_t*>(aa.ptr);
+  auto* pb = static_cast<uint8_t*>(ab.ptr);
+  fill_random(pa, aa.length, rng);
+  ASSERT_TRUE(ep_.write({{aa.handle, 12345, *rh, 777, 2 << 20}}).wait().ok());
+  ASSERT_EQ(0, std::memcmp(pb + 777, pa + 12345, 2 << 20));
+  fill_random(pb, 4096, rng);
+  ASSERT_TRUE(ep_.read({{aa.handle, 1, *rh, 0, 4096}}).wait().ok());
+  ASSERT_EQ(0, std::memcmp(pa + 1, pb, 4096));
+  a_->free(aa);
+}
+
+TEST_P(LoopbackTest, CloseEngineCancelsPendingRecvAndImm) {
+  auto r = ep_.recv(ha_, 0, 100);
+  auto imm = ep_.imm_recv();
+  a_->close();
+  ASSERT_TRUE(r.wait_for(5s));
+  ASSERT_TRUE(imm.wait_for(5s));
+  EXPECT_EQ(r.status().code, ErrorCode::kCancelled);
+  EXPECT_EQ(imm.status().code, ErrorCode::kCancelled);
+  EXPECT_NE(code_of([&] { ep_.write({{ha_, 0, rb_, 0, 8}}); }), ErrorCode::kOk);
+}
+
+TEST_P(LoopbackTest, EndpointCloseCancelsAndPeerNotices) {
+  auto r = ep_.recv(ha_, 0, 100);
+  auto pr = peer_.recv(hb_, 0, 100);
+  ep_.close();
+  ASSERT_TRUE(r.wait_for(5s));
+  EXPECT_EQ(r.status().code, ErrorCode::kCancelled);
+  EXPECT_FALSE(ep_.connected());
+  EXPECT_NE(code_of([&] { ep_.send(ha_, 0, 8); }), ErrorCode::kOk);
+  // The peer's pending recv fails too (it never waits forever).
+  ASSERT_TRUE(pr.wait_for(15s)) << "peer's recv still pending after the endpoint closed";
+  EXPECT_FALSE(pr.status().ok());
+  // The engines still work: a new endpoint.
+  auto ep2 = a_->connect(b_->local_info());
+  ASSERT_TRUE(ep2.write({{ha_, 0, rb_, 0, 4096}}).wait().ok());
+}
+
+TEST_P(LoopbackTest, UnregisterWaitsForInflightAndThenRejects) {
+  std::vector<uint8_t> big(8 << 20);
+  auto h = a_->register_memory(big.data(), big.size());
+  auto bb = b_->allocate(8 << 20, Location::host(), "big");
+  ep_.refresh_remote_regions();
+  auto rh = ep_.remote_region("big");
+  ASSERT_TRUE(rh.has_value());
+  std::vector<Future> fs;
+  for (int i = 0; i < 8; ++i) fs.push_back(ep_.write({{h, 0, *rh, 0, big.size()}}));
+  a_->unregister_memory(h);
+  // unregister returned: every op that used the region is finished.
+  for (auto& f : fs) EXPECT_TRUE(f.test()) << "unregister_memory returned while an operation used the region";
+  for (auto& f : fs) EXPECT_TRUE(f.status().ok());
+  EXPECT_EQ(code_of([&] { ep_.write({{h, 0, *rh, 0, 8}}); }), ErrorCode::kUnknownHandle);
+  EXPECT_EQ(code_of([&] { a_->unregister_memory(h); }), ErrorCode::kUnknownHandle);
+}
+
+TEST_P(LoopbackTest, AcceptTimesOutWithoutPeers) {
+  auto t0 = std::chrono::steady_clock::now();
+  EXPECT_FALSE(b_->accept(200ms).has_value());
+  EXPECT_GE(std::chrono::steady_clock::now() - t0, 150ms);
+}
+
+INSTANTIATE_TEST_SUITE_P(Transports, LoopbackTest, ::testing::Values("tcp", "shm"), transport_name);
