@@ -245,10 +245,14 @@ class Endpoint:
         return await self.imm_recv()
 
     # peer regions
-    def remote_region(self, name: str) -> RemoteHandle:
-        """The handle of the region the peer registered as ``name``; raises
-        :class:`UnknownHandleError` if the peer advertised none (see refresh_remote_regions)."""
+    def remote_region(self, name: str, refresh: bool = True) -> RemoteHandle:
+        """The handle of the region the peer registered as ``name``. If the peer's table (as
+        of connect or the last refresh) has no such name and ``refresh`` is true, the table is
+        refreshed once. Raises :class:`UnknownHandleError` if the peer has none."""
         h = self._ep.remote_region(name)
+        if h is None and refresh:
+            self._ep.refresh_remote_regions()
+            h = self._ep.remote_region(name)
         if h is None:
             raise UnknownHandleError(f"the peer has no region named {name!r} "
                                      "(call refresh_remote_regions() after it registers one)")
