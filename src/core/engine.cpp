@@ -8,6 +8,7 @@
 #include <sstream>
 
 #include "bootstrap/messages.hpp"
+#include "core/device_hooks.hpp"
 #include "core/engine_impl.hpp"
 #include "core/log.hpp"
 #include "sluice/version.hpp"
@@ -120,9 +121,17 @@ void EngineImpl::close() {
       registry_.remove(e->id);
     } catch (const Error&) {
     }
-    ::munmap(e->base, e->length);
-    if (e->memfd >= 0) ::close(e->memfd);
+    release_owned(*e);
   }
+}
+
+void EngineImpl::release_owned(const RegionEntry& e) {
+  if (!e.location.is_host()) {
+    if (auto* hooks = device_memory_hooks()) hooks->free(e.base);
+    return;
+  }
+  ::munmap(e.base, e.length);
+  if (e.memfd >= 0) ::close(e.memfd);
 }
 
 EngineInfo EngineImpl::info() const {
@@ -148,6 +157,8 @@ std::vector<std::string> EngineImpl::transport_names() const {
 }
 
 MemoryHandle EngineImpl::register_memory(void* ptr, uint64_t length, Location location, const std::string& name) {
+  if (!location.is_host() && ptr && length)
+    if (auto* hooks = device_memory_hooks()) hooks->check(ptr, length, location.device);
   return registry_.add(ptr, length, location, name);
 }
 
@@ -160,8 +171,19 @@ void EngineImpl::unregister_memory(MemoryHandle h) {
 
 Allocation EngineImpl::allocate(uint64_t length, Location location, const std::string& name) {
   if (length == 0) throw Error(ErrorCode::kInvalidArgument, "allocate: zero length");
-  if (!location.is_host())
-    throw Error(ErrorCode::kUnsupported, "allocate: " + location.to_string() + " memory needs the CUDA build");
+  if (!location.is_host()) {
+    auto* hooks = device_memory_hooks();
+    if (!hooks) throw Error(ErrorCode::kUnsupported, "allocate: " + location.to_string() + " memory needs the CUDA build");
+    uint64_t size = 0;
+    void* p = hooks->allocate(length, location.device, &size);
+    try {
+      auto h = registry_.add(p, size, location, name, -1, /*owned=*/true);
+      return {h, p, size};
+    } catch (...) {
+      hooks->free(p);
+      throw;
+    }
+  }
   long page = ::sysconf(_SC_PAGESIZE);
   uint64_t size = (length + page - 1) / page * page;
   int fd = ::memfd_create("sluice", MFD_CLOEXEC);
@@ -192,8 +214,7 @@ void EngineImpl::free(const Allocation& a) {
   if (!e || !e->owned || e->base != a.ptr)
     throw Error(ErrorCode::kUnknownHandle, "free: handle " + std::to_string(a.handle.id) + " is not an engine allocation");
   registry_.remove(a.handle.id);
-  ::munmap(e->base, e->length);
-  ::close(e->memfd);
+  release_owned(*e);
 }
 
 Transport* EngineImpl::find_transport(const std::string& name) const {

@@ -50,6 +50,7 @@ class EngineImpl : public std::enable_shared_from_this<EngineImpl> {
   void handle_hello(net::Socket& sock, const nlohmann::json& body);
   void handle_channel(net::Socket sock, const nlohmann::json& body);
   void watchdog();
+  void release_owned(const RegionEntry& e);  // frees engine-allocated memory
 
   EngineConfig config_;
   std::string engine_id_;

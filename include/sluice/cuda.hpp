@@ -1,0 +1,29 @@
+// GPU helpers (present when libsluice was built with CUDA; on a CPU-only build or a host
+// without a GPU, device_count() is 0 and the stream-ordered calls throw kNoDevice).
+//
+// Stream ordering: the *_on_stream calls enqueue the copies of a read / write on the caller's
+// CUDA stream (cudaStream_t passed as void*), so they start after the work already queued on
+// it and later work on that stream sees the data. The returned Future completes when the
+// copies have finished. Only endpoints over the nvlink transport support this; others throw
+// kUnsupported.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "sluice/endpoint.hpp"
+
+namespace sluice::cuda {
+
+// Usable CUDA devices (0 without a driver or GPU).
+int device_count();
+// Why device_count() is 0 ("" when it is not).
+std::string unavailable_reason();
+// Whether this build of libsluice has CUDA support at all.
+bool built_with_cuda();
+
+Future read_on_stream(Endpoint& ep, const Batch& batch, void* stream);
+Future write_on_stream(Endpoint& ep, const Batch& batch, void* stream);
+Future write_with_imm_on_stream(Endpoint& ep, const Batch& batch, uint32_t imm, void* stream);
+
+}  // namespace sluice::cuda

@@ -1,0 +1,441 @@
+// Intra-node AllGather: see include/sluice/allgather.hpp.
+//
+// Receive buffer of each rank (one cudaMalloc, shared with cudaIpc handles):
+//   [counter 256 B][flags: 2 parities x world x kMaxChunks x u32][LL: 2 x world x 2*ll_max]
+//   [staging: 2 x world x max_bytes]
+// The call number ("epoch", starting at 1) lives in device memory so that a captured graph
+// replays correctly: every block reads it at start and the last block to finish bumps it.
+// Call e uses parity e & 1. A rank cannot reach call e+2 before every peer has finished call
+// e (call e+1 needs each peer's e+1 data, sent only after that peer's call e kernel ended), so
+// the other parity is never overwritten while a peer still reads it.
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+#include <cstdlib>
+
+#include "cuda/cuda_util.hpp"
+#include "sluice/allgather.hpp"
+
+namespace sluice::cuda {
+namespace {
+
+namespace d = sluice::detail::cuda;
+
+constexpr int kMaxWorld = 8;
+constexpr uint64_t kMaxChunks = 1024;
+constexpr uint64_t kHeader = 256;
+constexpr int kThreads = 512;
+
+struct Peers {
+  uint8_t* buf[kMaxWorld];  // every rank's receive buffer as mapped here (own one included)
+};
+
+struct Layout {
+  uint64_t flags_off, ll_off, ll_slot, staging_off, staging_slot, total;
+};
+
+Layout layout(uint64_t max_bytes, uint64_t ll_max, int world) {
+  Layout l;
+  l.flags_off = kHeader;
+  l.ll_off = l.flags_off + 2ull * world * kMaxChunks * 4;
+  l.ll_off = (l.ll_off + 255) / 256 * 256;
+  l.ll_slot = (2 * ll_max + 255) / 256 * 256;
+  l.staging_off = l.ll_off + 2ull * world * l.ll_slot;
+  l.staging_slot = (max_bytes + 255) / 256 * 256;
+  l.total = l.staging_off + 2ull * world * l.staging_slot;
+  return l;
+}
+
+__device__ __forceinline__ void st_v4(uint4* p, uint4 v) {
+  asm volatile("st.volatile.global.v4.u32 [%0], {%1,%2,%3,%4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+               : "memory");
+}
+__device__ __forceinline__ uint4 ld_v4(const uint4* p) {
+  uint4 v;
+  asm volatile("ld.volatile.global.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p)
+               : "memory");
+  return v;
+}
+__device__ __forceinline__ void st_release(uint32_t* p, uint32_t v) {
+  asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ uint32_t ld_acquire(const uint32_t* p) {
+  uint32_t v;
+  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+// 8 bytes (or the n < 8 remaining) at p, any alignment.
+__device__ __forceinline__ uint2 load8(const uint8_t* p, uint64_t n) {
+  if (n >= 8 && (reinterpret_cast<uintptr_t>(p) & 7) == 0) return *reinterpret_cast<const uint2*>(p);
+  uint8_t b[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  for (uint64_t i = 0; i < n && i < 8; ++i) b[i] = p[i];
+  uint2 v;
+  memcpy(&v, b, 8);
+  return v;
+}
+__device__ __forceinline__ void store8(uint8_t* p, uint2 v, uint64_t n) {
+  if (n >= 8 && (reinterpret_cast<uintptr_t>(p) & 7) == 0) {
+    *reinterpret_cast<uint2*>(p) = v;
+    return;
+  }
+  uint8_t b[8];
+  memcpy(b, &v, 8);
+  for (uint64_t i = 0; i < n && i < 8; ++i) p[i] = b[i];
+}
+
+__device__ __forceinline__ uint32_t begin_epoch(uint8_t* self) {
+  return *reinterpret_cast<volatile uint32_t*>(self) + 1;
+}
+__device__ __forceinline__ void end_epoch(uint8_t* self, uint32_t epoch) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    auto* done = reinterpret_cast<unsigned*>(self + 64);
+    __threadfence();
+    if (atomicAdd(done, 1u) == gridDim.x - 1) {
+      *done = 0;
+      *reinterpret_cast<volatile uint32_t*>(self) = epoch;
+      __threadfence();
+    }
+  }
+}
+
+__global__ void __launch_bounds__(kThreads) ll_kernel(Peers peers, int world, int rank, const uint8_t* __restrict__ in,
+                                                      uint8_t* __restrict__ out, uint64_t bytes, Layout L) {
+  uint8_t* self = peers.buf[rank];
+  const uint32_t epoch = begin_epoch(self);
+  const uint64_t parity = epoch & 1;
+  const uint64_t lines = (bytes + 7) / 8;
+  const uint64_t stride = uint64_t(gridDim.x) * blockDim.x;
+  const uint64_t first = blockIdx.x * uint64_t(blockDim.x) + threadIdx.x;
+  // Send: one 16-byte packet per 8 data bytes, flags inside.
+  for (uint64_t i = first; i < lines; i += stride) {
+    uint64_t n = bytes - i * 8;
+    uint2 v = load8(in + i * 8, n);
+    uint4 pkt = make_uint4(v.x, epoch, v.y, epoch);
+    for (int k = 1; k < world; ++k) {
+      int p = (rank + k) % world;
+      uint8_t* slot = peers.buf[p] + L.ll_off + (parity * world + rank) * L.ll_slot;
+      st_v4(reinterpret_cast<uint4*>(slot) + i, pkt);
+    }
+    store8(out + uint64_t(rank) * bytes + i * 8, v, n);
+  }
+  // Receive.
+  for (int k = 1; k < world; ++k) {
+    int p = (rank + world - k) % world;
+    const uint8_t* slot = self + L.ll_off + (parity * world + p) * L.ll_slot;
+    for (uint64_t i = first; i < lines; i += stride) {
+      uint4 pkt;
+      do pkt = ld_v4(reinterpret_cast<const uint4*>(slot) + i);
+      while (pkt.y != epoch || pkt.w != epoch);
+      store8(out + uint64_t(p) * bytes + i * 8, make_uint2(pkt.x, pkt.z), bytes - i * 8);
+    }
+  }
+  end_epoch(self, epoch);
+}
+
+// Copy n bytes with 16-byte vectors when both sides allow it; `cg` loads bypass L1.
+__device__ __forceinline__ void block_copy(uint8_t* dst, const uint8_t* src, uint64_t n, bool cg) {
+  if (((reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src) | n) & 15) == 0) {
+    auto* d4 = reinterpret_cast<uint4*>(dst);
+    auto* s4 = reinterpret_cast<const uint4*>(src);
+    uint64_t n16 = n / 16;
+    uint64_t i = threadIdx.x;
+    for (; i + 3 * blockDim.x < n16; i += 4 * blockDim.x) {
+      uint4 a, b, c, e;
+      if (cg) {
+        a = __ldcg(s4 + i);
+        b = __ldcg(s4 + i + blockDim.x);
+        c = __ldcg(s4 + i + 2 * blockDim.x);
+        e = __ldcg(s4 + i + 3 * blockDim.x);
+      } else {
+        a = s4[i];
+        b = s4[i + blockDim.x];
+        c = s4[i + 2 * blockDim.x];
+        e = s4[i + 3 * blockDim.x];
+      }
+      d4[i] = a;
+      d4[i + blockDim.x] = b;
+      d4[i + 2 * blockDim.x] = c;
+      d4[i + 3 * blockDim.x] = e;
+    }
+    for (; i < n16; i += blockDim.x) d4[i] = cg ? __ldcg(s4 + i) : s4[i];
+  } else {
+    for (uint64_t i = threadIdx.x; i < n; i += blockDim.x) dst[i] = cg ? __ldcg(reinterpret_cast<const char*>(src) + i) : src[i];
+  }
+}
+
+__global__ void __launch_bounds__(kThreads) simple_kernel(Peers peers, int world, int rank, const uint8_t* __restrict__ in,
+                                                          uint8_t* __restrict__ out, uint64_t bytes, uint64_t chunk,
+                                                          Layout L) {
+  uint8_t* self = peers.buf[rank];
+  const uint32_t epoch = begin_epoch(self);
+  const uint64_t parity = epoch & 1;
+  const uint64_t nchunks = (bytes + chunk - 1) / chunk;
+  // Send every chunk this block owns to every peer, then publish it.
+  for (uint64_t c = blockIdx.x; c < nchunks; c += gridDim.x) {
+    uint64_t off = c * chunk, n = std::min<uint64_t>(chunk, bytes - off);
+    for (int k = 1; k < world; ++k) {
+      int p = (rank + k) % world;
+      block_copy(peers.buf[p] + L.staging_off + (parity * world + rank) * L.staging_slot + off, in + off, n, false);
+    }
+    block_copy(out + uint64_t(rank) * bytes + off, in + off, n, false);
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      __threadfence_system();
+      for (int k = 1; k < world; ++k) {
+        int p = (rank + k) % world;
+        auto* flags = reinterpret_cast<uint32_t*>(peers.buf[p] + L.flags_off);
+        st_release(flags + (parity * world + rank) * kMaxChunks + c, epoch);
+      }
+    }
+  }
+  // Receive: wait for each chunk, copy it out.
+  __shared__ int ready;
+  for (int k = 1; k < world; ++k) {
+    int p = (rank + world - k) % world;
+    auto* flags = reinterpret_cast<const uint32_t*>(self + L.flags_off) + (parity * world + p) * kMaxChunks;
+    const uint8_t* slot = self + L.staging_off + (parity * world + p) * L.staging_slot;
+    for (uint64_t c = blockIdx.x; c < nchunks; c += gridDim.x) {
+      if (threadIdx.x == 0) {
+        while (ld_acquire(flags + c) != epoch) {
+        }
+        ready = 1;
+      }
+      __syncthreads();
+      uint64_t off = c * chunk, n = std::min<uint64_t>(chunk, bytes - off);
+      block_copy(out + uint64_t(p) * bytes + off, slot + off, n, true);
+      __syncthreads();
+    }
+  }
+  (void)ready;
+  end_epoch(self, epoch);
+}
+
+struct Handle {
+  int pid;
+  int device;
+  uint64_t ptr;
+  uint64_t size;
+  cudaIpcMemHandle_t ipc;
+};
+
+int sm_count(int device) {
+  int n = 0;
+  cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device);
+  return n > 0 ? n : 32;
+}
+
+}  // namespace
+
+size_t dtype_size(DType t) {
+  switch (t) {
+    case DType::kUInt8:
+    case DType::kInt8: return 1;
+    case DType::kFloat16:
+    case DType::kBFloat16: return 2;
+    case DType::kFloat32:
+    case DType::kInt32: return 4;
+    case DType::kInt64:
+    case DType::kFloat64: return 8;
+  }
+  throw Error(ErrorCode::kInvalidArgument, "unknown dtype");
+}
+
+struct AllGather::Impl {
+  int world = 0, rank = 0, device = 0, sms = 0;
+  DType dtype = DType::kUInt8;
+  uint64_t max_bytes = 0, ll_max = 0;
+  Layout L{};
+  uint8_t* buf = nullptr;
+  Peers peers{};
+  std::vector<void*> opened;
+  bool connected = false;
+};
+
+AllGather::AllGather(uint64_t max_tokens, uint64_t token_bytes, DType dtype, int world, int rank, int device)
+    : impl_(std::make_unique<Impl>()) {
+  d::require_device(device, "AllGather");
+  if (world < 1 || world > kMaxWorld)
+    throw Error(ErrorCode::kInvalidArgument, "AllGather: world size must be 1.." + std::to_string(kMaxWorld));
+  if (rank < 0 || rank >= world) throw Error(ErrorCode::kInvalidArgument, "AllGather: rank out of range");
+  if (max_tokens == 0 || token_bytes == 0) throw Error(ErrorCode::kInvalidArgument, "AllGather: empty max size");
+  auto& m = *impl_;
+  m.world = world;
+  m.rank = rank;
+  m.device = device;
+  m.dtype = dtype;
+  m.max_bytes = max_tokens * token_bytes;
+  uint64_t ll = 256 << 10;
+  if (const char* e = std::getenv("SLUICE_AG_LL_MAX")) ll = std::strtoull(e, nullptr, 10);
+  m.ll_max = std::min(m.max_bytes, ll);
+  m.L = layout(m.max_bytes, m.ll_max, world);
+  m.sms = sm_count(device);
+  int prev = 0;
+  cudaGetDevice(&prev);
+  d::check(cudaSetDevice(device), "cudaSetDevice");
+  void* p = nullptr;
+  cudaError_t e = cudaMalloc(&p, m.L.total);
+  if (e == cudaSuccess) e = cudaMemset(p, 0, m.L.total);
+  if (e == cudaSuccess) e = cudaDeviceSynchronize();
+  cudaSetDevice(prev);
+  d::check(e, "AllGather: allocating the receive buffer");
+  m.buf = static_cast<uint8_t*>(p);
+  for (auto& b : m.peers.buf) b = nullptr;
+  m.peers.buf[rank] = m.buf;
+}
+
+AllGather::~AllGather() {
+  if (!impl_) return;
+  auto& m = *impl_;
+  int prev = 0;
+  cudaGetDevice(&prev);
+  cudaSetDevice(m.device);
+  cudaDeviceSynchronize();
+  for (void* p : m.opened) cudaIpcCloseMemHandle(p);
+  if (m.buf) cudaFree(m.buf);
+  cudaSetDevice(prev);
+}
+
+std::string AllGather::handle() const {
+  auto& m = *impl_;
+  Handle h{};
+  h.pid = ::getpid();
+  h.device = m.device;
+  h.ptr = reinterpret_cast<uint64_t>(m.buf);
+  h.size = m.L.total;
+  d::check(cudaIpcGetMemHandle(&h.ipc, m.buf), "cudaIpcGetMemHandle");
+  return d::hex(&h, sizeof(h));
+}
+
+void AllGather::connect(const std::vector<std::string>& handles) {
+  auto& m = *impl_;
+  if (static_cast<int>(handles.size()) != m.world)
+    throw Error(ErrorCode::kInvalidArgument, "AllGather::connect: need " + std::to_string(m.world) + " handles");
+  int prev = 0;
+  cudaGetDevice(&prev);
+  d::check(cudaSetDevice(m.device), "cudaSetDevice");
+  for (int r = 0; r < m.world; ++r) {
+    if (r == m.rank) continue;
+    Handle h{};
+    if (!d::unhex(handles[r], &h, sizeof(h)))
+      throw Error(ErrorCode::kInvalidArgument, "AllGather::connect: handle " + std::to_string(r) + " is malformed");
+    if (h.size != m.L.total)
+      throw Error(ErrorCode::kInvalidArgument, "AllGather::connect: rank " + std::to_string(r) +
+                                                   " was built with other sizes");
+    if (h.pid == ::getpid()) {
+      int ok = 0;
+      cudaDeviceCanAccessPeer(&ok, m.device, h.device);
+      if (h.device != m.device) {
+        if (!ok) throw Error(ErrorCode::kUnsupported, "AllGather: no peer access between the devices");
+        cudaError_t e = cudaDeviceEnablePeerAccess(h.device, 0);
+        if (e == cudaErrorPeerAccessAlreadyEnabled) cudaGetLastError();
+        else d::check(e, "cudaDeviceEnablePeerAccess");
+      }
+      m.peers.buf[r] = reinterpret_cast<uint8_t*>(h.ptr);
+    } else {
+      void* p = nullptr;
+      d::check(cudaIpcOpenMemHandle(&p, h.ipc, cudaIpcMemLazyEnablePeerAccess), "cudaIpcOpenMemHandle");
+      m.opened.push_back(p);
+      m.peers.buf[r] = static_cast<uint8_t*>(p);
+    }
+  }
+  cudaSetDevice(prev);
+  m.connected = true;
+}
+
+void AllGather::all_gather(const void* in, void* out, uint64_t count, void* stream) {
+  all_gather_bytes(in, out, count * dtype_size(impl_->dtype), stream);
+}
+
+void AllGather::all_gather_bytes(const void* in, void* out, uint64_t bytes, void* stream) {
+  auto& m = *impl_;
+  if (!m.connected) throw Error(ErrorCode::kInvalidArgument, "AllGather: call connect() first");
+  if (bytes > m.max_bytes)
+    throw Error(ErrorCode::kOutOfRange, "AllGather: " + std::to_string(bytes) + " bytes exceed the maximum of " +
+                                            std::to_string(m.max_bytes));
+  if (bytes == 0) return;
+  auto s = static_cast<cudaStream_t>(stream);
+  auto* i8 = static_cast<const uint8_t*>(in);
+  auto* o8 = static_cast<uint8_t*>(out);
+  if (bytes <= m.ll_max) {
+    uint64_t lines = (bytes + 7) / 8;
+    unsigned blocks = static_cast<unsigned>(std::clamp<uint64_t>((lines + kThreads - 1) / kThreads, 1, std::min(m.sms, 64)));
+    ll_kernel<<<blocks, kThreads, 0, s>>>(m.peers, m.world, m.rank, i8, o8, bytes, m.L);
+  } else {
+    uint64_t chunk = std::max<uint64_t>(64 << 10, (bytes + kMaxChunks - 1) / kMaxChunks);
+    uint64_t want = (bytes + 255) / 256;  // about 256 chunks when large
+    chunk = std::max(chunk, (want + 15) / 16 * 16);
+    chunk = (chunk + 15) / 16 * 16;
+    uint64_t nchunks = (bytes + chunk - 1) / chunk;
+    unsigned blocks = static_cast<unsigned>(std::clamp<uint64_t>(nchunks, 1, std::min(m.sms, 64)));
+    simple_kernel<<<blocks, kThreads, 0, s>>>(m.peers, m.world, m.rank, i8, o8, bytes, chunk, m.L);
+  }
+  d::check(cudaGetLastError(), "AllGather kernel launch");
+}
+
+uint64_t AllGather::max_bytes() const { return impl_->max_bytes; }
+uint64_t AllGather::ll_max_bytes() const { return impl_->ll_max; }
+int AllGather::world_size() const { return impl_->world; }
+int AllGather::rank() const { return impl_->rank; }
+
+}  // namespace sluice::cuda
+
+// C entry points for ctypes (python/sluice/cuda_allgather.py).
+extern "C" {
+
+static void sluice_ag_err(const std::exception& e, char* err, int len) {
+  if (err && len > 0) {
+    std::strncpy(err, e.what(), len - 1);
+    err[len - 1] = 0;
+  }
+}
+
+void* sluice_ag_create(uint64_t max_bytes, int world, int rank, int device, char* err, int errlen) {
+  try {
+    return new sluice::cuda::AllGather(max_bytes, 1, sluice::cuda::DType::kUInt8, world, rank, device);
+  } catch (const std::exception& e) {
+    sluice_ag_err(e, err, errlen);
+    return nullptr;
+  }
+}
+
+int sluice_ag_handle(void* ag, char* out, int outlen, char* err, int errlen) {
+  try {
+    std::string h = static_cast<sluice::cuda::AllGather*>(ag)->handle();
+    if (static_cast<int>(h.size()) + 1 > outlen) throw sluice::Error(sluice::ErrorCode::kInvalidArgument, "buffer too small");
+    std::memcpy(out, h.c_str(), h.size() + 1);
+    return static_cast<int>(h.size());
+  } catch (const std::exception& e) {
+    sluice_ag_err(e, err, errlen);
+    return -1;
+  }
+}
+
+int sluice_ag_connect(void* ag, const char** handles, int n, char* err, int errlen) {
+  try {
+    std::vector<std::string> hs(handles, handles + n);
+    static_cast<sluice::cuda::AllGather*>(ag)->connect(hs);
+    return 0;
+  } catch (const std::exception& e) {
+    sluice_ag_err(e, err, errlen);
+    return -1;
+  }
+}
+
+int sluice_ag_run(void* ag, const void* in, void* out, uint64_t bytes, void* stream, char* err, int errlen) {
+  try {
+    static_cast<sluice::cuda::AllGather*>(ag)->all_gather_bytes(in, out, bytes, stream);
+    return 0;
+  } catch (const std::exception& e) {
+    sluice_ag_err(e, err, errlen);
+    return -1;
+  }
+}
+
+void sluice_ag_destroy(void* ag) { delete static_cast<sluice::cuda::AllGather*>(ag); }
+
+}  // extern "C"

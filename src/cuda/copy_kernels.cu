@@ -1,0 +1,42 @@
+#include "cuda/copy_kernels.hpp"
+
+namespace sluice::detail::cuda {
+namespace {
+
+__global__ void copy16(uint4* __restrict__ dst, const uint4* __restrict__ src, uint64_t n16) {
+  for (uint64_t i = blockIdx.x * uint64_t(blockDim.x) + threadIdx.x; i < n16; i += uint64_t(gridDim.x) * blockDim.x)
+    dst[i] = src[i];
+}
+
+__global__ void copy1(uint8_t* __restrict__ dst, const uint8_t* __restrict__ src, uint64_t n) {
+  for (uint64_t i = blockIdx.x * uint64_t(blockDim.x) + threadIdx.x; i < n; i += uint64_t(gridDim.x) * blockDim.x)
+    dst[i] = src[i];
+}
+
+}  // namespace
+
+cudaError_t sm_copy(void* dst, const void* src, uint64_t n, cudaStream_t stream) {
+  if (n == 0) return cudaSuccess;
+  const int threads = 512;
+  auto d = reinterpret_cast<uintptr_t>(dst), s = reinterpret_cast<uintptr_t>(src);
+  if (((d | s) & 15) == 0) {
+    uint64_t n16 = n / 16;
+    if (n16) {
+      unsigned blocks = static_cast<unsigned>(std::min<uint64_t>((n16 + threads - 1) / threads, 64));
+      copy16<<<blocks, threads, 0, stream>>>(static_cast<uint4*>(dst), static_cast<const uint4*>(src), n16);
+    }
+    uint64_t tail = n - n16 * 16;
+    if (tail) copy1<<<1, 32, 0, stream>>>(static_cast<uint8_t*>(dst) + n16 * 16, static_cast<const uint8_t*>(src) + n16 * 16, tail);
+  } else {
+    unsigned blocks = static_cast<unsigned>(std::min<uint64_t>((n + threads - 1) / threads, 64));
+    copy1<<<blocks, threads, 0, stream>>>(static_cast<uint8_t*>(dst), static_cast<const uint8_t*>(src), n);
+  }
+  return cudaGetLastError();
+}
+
+void*& current_user_stream() {
+  static thread_local void* s = nullptr;
+  return s;
+}
+
+}  // namespace sluice::detail::cuda

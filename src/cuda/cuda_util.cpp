@@ -1,0 +1,436 @@
+#include "cuda/cuda_util.hpp"
+
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <map>
+#include <mutex>
+
+#include "core/log.hpp"
+
+#ifndef SYS_pidfd_open
+#define SYS_pidfd_open 434
+#endif
+#ifndef SYS_pidfd_getfd
+#define SYS_pidfd_getfd 438
+#endif
+
+namespace sluice::detail::cuda {
+namespace {
+
+struct Probe {
+  int count = 0;
+  std::string why;
+};
+
+const Probe& probe() {
+  static const Probe p = [] {
+    Probe r;
+    int n = 0;
+    cudaError_t e = cudaGetDeviceCount(&n);
+    if (e != cudaSuccess) {
+      r.why = std::string("no usable CUDA device (cudaGetDeviceCount: ") + cudaGetErrorString(e) + ")";
+      cudaGetLastError();
+      return r;
+    }
+    if (n == 0) r.why = "no CUDA device";
+    r.count = n;
+    return r;
+  }();
+  return p;
+}
+
+template <class F>
+void entry(const char* name, F& fn) {
+  void* p = nullptr;
+  cudaDriverEntryPointQueryResult q{};
+  if (cudaGetDriverEntryPointByVersion(name, &p, 12000, cudaEnableDefault, &q) == cudaSuccess &&
+      q == cudaDriverEntryPointSuccess)
+    fn = reinterpret_cast<F>(p);
+  else
+    cudaGetLastError();
+}
+
+// Engine allocations by address (for release_ptr) and exports by allocation base.
+std::mutex g_mu;
+std::map<uintptr_t, DeviceBuffer> g_allocs;
+std::map<uintptr_t, nlohmann::json> g_exports;  // base -> desc without "offset"
+std::map<uintptr_t, int> g_export_fds;
+
+}  // namespace
+
+int device_count(std::string* why) {
+  const Probe& p = probe();
+  if (why) *why = p.why;
+  return p.count;
+}
+
+void require_device(int device, const char* what) {
+  std::string why;
+  int n = device_count(&why);
+  if (n == 0) throw Error(ErrorCode::kNoDevice, std::string(what) + ": " + why);
+  if (device < 0 || device >= n)
+    throw Error(ErrorCode::kNoDevice, std::string(what) + ": cuda:" + std::to_string(device) + " does not exist (" +
+                                          std::to_string(n) + " device(s) visible)");
+}
+
+void check(cudaError_t err, const char* what) {
+  if (err == cudaSuccess) return;
+  cudaGetLastError();
+  ErrorCode code = err == cudaErrorNoDevice || err == cudaErrorInsufficientDriver ? ErrorCode::kNoDevice
+                   : err == cudaErrorMemoryAllocation                             ? ErrorCode::kSystem
+                                                                                  : ErrorCode::kInternal;
+  throw Error(code, std::string(what) + ": " + cudaGetErrorName(err) + " (" + cudaGetErrorString(err) + ")");
+}
+
+void check_cu(CUresult res, const char* what) {
+  if (res == CUDA_SUCCESS) return;
+  throw Error(res == CUDA_ERROR_OUT_OF_MEMORY ? ErrorCode::kSystem : ErrorCode::kInternal,
+              std::string(what) + ": CUresult " + std::to_string(int(res)));
+}
+
+const Driver& driver() {
+  static const Driver d = [] {
+    Driver r;
+    if (device_count() == 0) return r;
+    entry("cuMemCreate", r.memCreate);
+    entry("cuMemRelease", r.memRelease);
+    entry("cuMemAddressReserve", r.memAddressReserve);
+    entry("cuMemAddressFree", r.memAddressFree);
+    entry("cuMemMap", r.memMap);
+    entry("cuMemUnmap", r.memUnmap);
+    entry("cuMemSetAccess", r.memSetAccess);
+    entry("cuMemGetAllocationGranularity", r.memGetAllocationGranularity);
+    entry("cuMemExportToShareableHandle", r.memExportToShareableHandle);
+    entry("cuMemImportFromShareableHandle", r.memImportFromShareableHandle);
+    entry("cuMemRetainAllocationHandle", r.memRetainAllocationHandle);
+    entry("cuMemGetAddressRange", r.memGetAddressRange);
+    entry("cuPointerGetAttribute", r.pointerGetAttribute);
+    r.vmm = r.memCreate && r.memRelease && r.memAddressReserve && r.memAddressFree && r.memMap && r.memUnmap &&
+            r.memSetAccess && r.memGetAllocationGranularity && r.memExportToShareableHandle &&
+            r.memImportFromShareableHandle && r.memGetAddressRange;
+    return r;
+  }();
+  return d;
+}
+
+namespace {
+
+// Grant every device that can reach `owner` access to [ptr, ptr+size).
+void set_access(CUdeviceptr ptr, uint64_t size, int owner) {
+  const Driver& d = driver();
+  int n = device_count();
+  std::vector<CUmemAccessDesc> acc;
+  for (int i = 0; i < n; ++i) {
+    int ok = i == owner;
+    if (!ok) cudaDeviceCanAccessPeer(&ok, i, owner);
+    if (!ok) continue;
+    CUmemAccessDesc a{};
+    a.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    a.location.id = i;
+    a.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    acc.push_back(a);
+  }
+  if (d.memSetAccess(ptr, size, acc.data(), acc.size()) != CUDA_SUCCESS) {
+    // Some peers may refuse: fall back to the owner alone.
+    CUmemAccessDesc a{};
+    a.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    a.location.id = owner;
+    a.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    check_cu(d.memSetAccess(ptr, size, &a, 1), "cuMemSetAccess");
+  }
+}
+
+bool vmm_supported(int device) {
+  const Driver& d = driver();
+  if (!d.vmm) return false;
+  (void)device;  // cuMemCreate itself reports a device without VMM / POSIX-fd support
+  return !std::getenv("SLUICE_CUDA_NO_VMM");
+}
+
+}  // namespace
+
+DeviceBuffer allocate(uint64_t length, int device) {
+  require_device(device, "allocate");
+  DeviceBuffer b;
+  b.device = device;
+  int prev = 0;
+  cudaGetDevice(&prev);
+  check(cudaSetDevice(device), "cudaSetDevice");
+  struct Restore {
+    int d;
+    ~Restore() { cudaSetDevice(d); }
+  } restore{prev};
+  if (vmm_supported(device)) {
+    const Driver& d = driver();
+    CUmemAllocationProp prop{};
+    prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+    prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    prop.location.id = device;
+    prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+    size_t gran = 0;
+    check_cu(d.memGetAllocationGranularity(&gran, &prop, CU_MEM_ALLOC_GRANULARITY_RECOMMENDED),
+             "cuMemGetAllocationGranularity");
+    uint64_t size = (length + gran - 1) / gran * gran;
+    CUmemGenericAllocationHandle h = 0;
+    CUresult r = d.memCreate(&h, size, &prop, 0);
+    if (r == CUDA_SUCCESS) {
+      CUdeviceptr ptr = 0;
+      bool ok = d.memAddressReserve(&ptr, size, gran, 0, 0) == CUDA_SUCCESS;
+      if (ok && d.memMap(ptr, size, 0, h, 0) != CUDA_SUCCESS) {
+        d.memAddressFree(ptr, size);
+        ok = false;
+      }
+      if (ok) {
+        try {
+          set_access(ptr, size, device);
+        } catch (...) {
+          d.memUnmap(ptr, size);
+          d.memAddressFree(ptr, size);
+          d.memRelease(h);
+          throw;
+        }
+        b.ptr = reinterpret_cast<void*>(ptr);
+        b.size = size;
+        b.vmm = true;
+        b.handle = h;
+      } else {
+        d.memRelease(h);
+      }
+    }
+    if (!b.vmm) SLUICE_LOG(kInfo, "cuMemCreate on cuda:" << device << " failed; using cudaMalloc");
+  }
+  if (!b.vmm) {
+    uint64_t size = (length + 4095) / 4096 * 4096;
+    void* p = nullptr;
+    check(cudaMalloc(&p, size), "cudaMalloc");
+    b.ptr = p;
+    b.size = size;
+  }
+  cudaError_t e = cudaMemset(b.ptr, 0, b.size);
+  if (e == cudaSuccess) e = cudaDeviceSynchronize();
+  if (e != cudaSuccess) {
+    release(b);
+    check(e, "cudaMemset");
+  }
+  std::lock_guard<std::mutex> lk(g_mu);
+  g_allocs[reinterpret_cast<uintptr_t>(b.ptr)] = b;
+  return b;
+}
+
+void release(const DeviceBuffer& b) {
+  {
+    std::lock_guard<std::mutex> lk(g_mu);
+    uintptr_t base = reinterpret_cast<uintptr_t>(b.ptr);
+    g_allocs.erase(base);
+    g_exports.erase(base);
+    auto f = g_export_fds.find(base);
+    if (f != g_export_fds.end()) {
+      ::close(f->second);
+      g_export_fds.erase(f);
+    }
+  }
+  if (!b.ptr) return;
+  cudaDeviceSynchronize();
+  if (b.vmm) {
+    const Driver& d = driver();
+    auto p = reinterpret_cast<CUdeviceptr>(b.ptr);
+    d.memUnmap(p, b.size);
+    d.memAddressFree(p, b.size);
+    d.memRelease(b.handle);
+  } else {
+    int prev = 0;
+    cudaGetDevice(&prev);
+    cudaSetDevice(b.device);
+    cudaFree(b.ptr);
+    cudaSetDevice(prev);
+  }
+}
+
+void release_ptr(void* ptr) {
+  DeviceBuffer b;
+  {
+    std::lock_guard<std::mutex> lk(g_mu);
+    auto it = g_allocs.find(reinterpret_cast<uintptr_t>(ptr));
+    if (it == g_allocs.end()) return;
+    b = it->second;
+  }
+  release(b);
+}
+
+int pointer_device(const void* ptr) {
+  if (!available()) return -1;
+  cudaPointerAttributes a{};
+  if (cudaPointerGetAttributes(&a, ptr) != cudaSuccess) {
+    cudaGetLastError();
+    return -1;
+  }
+  if (a.type != cudaMemoryTypeDevice) return -1;
+  return a.device;
+}
+
+nlohmann::json export_region(const void* ptr, uint64_t length) {
+  const Driver& d = driver();
+  int dev = pointer_device(ptr);
+  if (dev < 0) throw Error(ErrorCode::kInvalidArgument, "export: not device memory");
+  CUdeviceptr base = 0;
+  size_t size = 0;
+  if (d.memGetAddressRange) check_cu(d.memGetAddressRange(&base, &size, reinterpret_cast<CUdeviceptr>(ptr)),
+                                     "cuMemGetAddressRange");
+  else {
+    base = reinterpret_cast<CUdeviceptr>(ptr);
+    size = length;
+  }
+  uint64_t offset = reinterpret_cast<uintptr_t>(ptr) - base;
+  std::lock_guard<std::mutex> lk(g_mu);
+  auto it = g_exports.find(base);
+  if (it == g_exports.end()) {
+    nlohmann::json desc{{"device", dev}, {"base_size", static_cast<uint64_t>(size)}, {"base", static_cast<uint64_t>(base)}};
+    bool done = false;
+    // cuMem* memory exported as a POSIX fd (engine allocations, or user memory created with
+    // that handle type).
+    if (d.vmm && d.memRetainAllocationHandle) {
+      CUmemGenericAllocationHandle h = 0;
+      if (d.memRetainAllocationHandle(&h, reinterpret_cast<void*>(base)) == CUDA_SUCCESS) {
+        int fd = -1;
+        if (d.memExportToShareableHandle(&fd, h, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0) == CUDA_SUCCESS) {
+          desc["kind"] = "fd";
+          desc["fd"] = fd;
+          desc["pid"] = static_cast<int>(::getpid());
+          g_export_fds[base] = fd;
+          done = true;
+        }
+        d.memRelease(h);  // drop the retain
+      }
+    }
+    if (!done) {
+      cudaIpcMemHandle_t ih{};
+      cudaError_t e = cudaIpcGetMemHandle(&ih, reinterpret_cast<void*>(base));
+      if (e != cudaSuccess) {
+        cudaGetLastError();
+        throw Error(ErrorCode::kUnsupported, std::string("cuda memory at ") + std::to_string(base) +
+                                                 " cannot be shared: neither a POSIX-fd cuMem allocation nor "
+                                                 "cudaIpcGetMemHandle (" + cudaGetErrorString(e) + ")");
+      }
+      desc["kind"] = "ipc";
+      desc["handle"] = hex(&ih, sizeof(ih));
+    }
+    it = g_exports.emplace(base, std::move(desc)).first;
+  }
+  nlohmann::json out = it->second;
+  out["offset"] = offset;
+  return out;
+}
+
+Import::~Import() {
+  if (!base) return;
+  if (vmm) {
+    const Driver& d = driver();
+    auto p = reinterpret_cast<CUdeviceptr>(base);
+    d.memUnmap(p, size);
+    d.memAddressFree(p, size);
+    d.memRelease(handle);
+  } else {
+    cudaIpcCloseMemHandle(base);
+  }
+}
+
+std::shared_ptr<Import> import_region(int pid, const nlohmann::json& desc, int device) {
+  auto imp = std::make_shared<Import>();
+  const std::string kind = desc.at("kind").get<std::string>();
+  imp->size = desc.at("base_size").get<uint64_t>();
+  int prev = 0;
+  cudaGetDevice(&prev);
+  check(cudaSetDevice(device), "cudaSetDevice");
+  struct Restore {
+    int d;
+    ~Restore() { cudaSetDevice(d); }
+  } restore{prev};
+  if (kind == "fd") {
+    const Driver& d = driver();
+    if (!d.vmm) throw Error(ErrorCode::kUnsupported, "import: the driver lacks cuMem* entry points");
+    int owner_pid = desc.value("pid", pid);
+    int pfd = static_cast<int>(::syscall(SYS_pidfd_open, owner_pid, 0));
+    if (pfd < 0)
+      throw Error(ErrorCode::kPeerLost, "pidfd_open(" + std::to_string(owner_pid) + "): " + std::strerror(errno));
+    int fd = static_cast<int>(::syscall(SYS_pidfd_getfd, pfd, desc.at("fd").get<int>(), 0));
+    int err = errno;
+    ::close(pfd);
+    if (fd < 0)
+      throw Error(ErrorCode::kUnsupported, std::string("pidfd_getfd (needs ptrace access to the peer): ") + std::strerror(err));
+    CUmemGenericAllocationHandle h = 0;
+    CUresult r = d.memImportFromShareableHandle(&h, reinterpret_cast<void*>(static_cast<uintptr_t>(fd)),
+                                                CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
+    ::close(fd);
+    check_cu(r, "cuMemImportFromShareableHandle");
+    CUmemAllocationProp prop{};
+    prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+    prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    prop.location.id = device;
+    size_t gran = 0;
+    d.memGetAllocationGranularity(&gran, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM);
+    CUdeviceptr ptr = 0;
+    r = d.memAddressReserve(&ptr, imp->size, gran ? gran : (2 << 20), 0, 0);
+    if (r != CUDA_SUCCESS) {
+      d.memRelease(h);
+      check_cu(r, "cuMemAddressReserve");
+    }
+    r = d.memMap(ptr, imp->size, 0, h, 0);
+    if (r != CUDA_SUCCESS) {
+      d.memAddressFree(ptr, imp->size);
+      d.memRelease(h);
+      check_cu(r, "cuMemMap");
+    }
+    try {
+      set_access(ptr, imp->size, device);
+    } catch (...) {
+      d.memUnmap(ptr, imp->size);
+      d.memAddressFree(ptr, imp->size);
+      d.memRelease(h);
+      throw;
+    }
+    imp->base = reinterpret_cast<uint8_t*>(ptr);
+    imp->vmm = true;
+    imp->handle = h;
+  } else if (kind == "ipc") {
+    cudaIpcMemHandle_t ih{};
+    if (!unhex(desc.at("handle").get<std::string>(), &ih, sizeof(ih)))
+      throw Error(ErrorCode::kProtocol, "import: malformed cudaIpc handle");
+    void* p = nullptr;
+    check(cudaIpcOpenMemHandle(&p, ih, cudaIpcMemLazyEnablePeerAccess), "cudaIpcOpenMemHandle");
+    imp->base = static_cast<uint8_t*>(p);
+  } else {
+    throw Error(ErrorCode::kProtocol, "import: unknown export kind '" + kind + "'");
+  }
+  return imp;
+}
+
+std::string hex(const void* data, size_t n) {
+  static const char* digits = "0123456789abcdef";
+  std::string s(n * 2, '0');
+  auto* b = static_cast<const uint8_t*>(data);
+  for (size_t i = 0; i < n; ++i) {
+    s[2 * i] = digits[b[i] >> 4];
+    s[2 * i + 1] = digits[b[i] & 15];
+  }
+  return s;
+}
+
+bool unhex(const std::string& text, void* out, size_t n) {
+  if (text.size() != n * 2) return false;
+  auto* b = static_cast<uint8_t*>(out);
+  auto val = [](char c) -> int {
+    if (c >= '0' && c <= '9') return c - '0';
+    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+    return -1;
+  };
+  for (size_t i = 0; i < n; ++i) {
+    int hi = val(text[2 * i]), lo = val(text[2 * i + 1]);
+    if (hi < 0 || lo < 0) return false;
+    b[i] = static_cast<uint8_t>(hi << 4 | lo);
+  }
+  return true;
+}
+
+}  // namespace sluice::detail::cuda

@@ -1,0 +1,86 @@
+// Internal CUDA helpers shared by the engine's GPU memory, the nvlink transport and the
+// AllGather. The runtime is linked statically and the driver API is reached through
+// cudaGetDriverEntryPointByVersion, so libsluice loads on hosts without an NVIDIA driver;
+// there available() is false and every CUDA feature reports kNoDevice.
+#pragma once
+
+#include <cuda.h>
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include "sluice/error.hpp"
+
+namespace sluice::detail::cuda {
+
+// Number of usable CUDA devices (0 without driver or GPU); *why says why when 0.
+int device_count(std::string* why = nullptr);
+inline bool available() { return device_count() > 0; }
+
+// Throws Error(kNoDevice) unless `device` is a usable ordinal.
+void require_device(int device, const char* what);
+
+// Throws Error naming `what` when `err` is not cudaSuccess.
+void check(cudaError_t err, const char* what);
+void check_cu(CUresult res, const char* what);
+
+// The driver entry points we use (nullptr members when the driver lacks them).
+struct Driver {
+  decltype(&::cuMemCreate) memCreate = nullptr;
+  decltype(&::cuMemRelease) memRelease = nullptr;
+  decltype(&::cuMemAddressReserve) memAddressReserve = nullptr;
+  decltype(&::cuMemAddressFree) memAddressFree = nullptr;
+  decltype(&::cuMemMap) memMap = nullptr;
+  decltype(&::cuMemUnmap) memUnmap = nullptr;
+  decltype(&::cuMemSetAccess) memSetAccess = nullptr;
+  decltype(&::cuMemGetAllocationGranularity) memGetAllocationGranularity = nullptr;
+  decltype(&::cuMemExportToShareableHandle) memExportToShareableHandle = nullptr;
+  decltype(&::cuMemImportFromShareableHandle) memImportFromShareableHandle = nullptr;
+  decltype(&::cuMemRetainAllocationHandle) memRetainAllocationHandle = nullptr;
+  decltype(&::cuMemGetAddressRange) memGetAddressRange = nullptr;
+  decltype(&::cuPointerGetAttribute) pointerGetAttribute = nullptr;
+  bool vmm = false;  // every cuMem* entry point above was found
+};
+const Driver& driver();
+
+// Device memory the engine allocated: cuMem* with a POSIX-fd export when the driver allows
+// it, else cudaMalloc (shared through cudaIpc handles).
+struct DeviceBuffer {
+  void* ptr = nullptr;
+  uint64_t size = 0;
+  int device = -1;
+  bool vmm = false;
+  CUmemGenericAllocationHandle handle = 0;
+};
+DeviceBuffer allocate(uint64_t length, int device);
+void release(const DeviceBuffer& b);
+// Releases an engine allocation by its address (engine hooks).
+void release_ptr(void* ptr);
+
+// The device that owns `ptr`, or -1 if it is not device memory.
+int pointer_device(const void* ptr);
+
+// How a same-host peer can map the allocation that holds [ptr, ptr+length):
+// {"kind": "fd"|"ipc", "fd": n, "handle": hex, "base_size": n, "offset": n, "device": n}.
+// Cached per allocation base. Throws Error when the memory cannot be shared.
+nlohmann::json export_region(const void* ptr, uint64_t length);
+
+// A peer's allocation mapped into this process.
+struct Import {
+  uint8_t* base = nullptr;  // mapped base of the peer's allocation
+  uint64_t size = 0;
+  bool vmm = false;
+  CUmemGenericAllocationHandle handle = 0;
+  ~Import();
+};
+// Maps what export_region() described in process `pid`. `device` is the local device that
+// will drive copies. Throws Error.
+std::shared_ptr<Import> import_region(int pid, const nlohmann::json& desc, int device);
+
+std::string hex(const void* data, size_t n);
+bool unhex(const std::string& text, void* out, size_t n);
+
+}  // namespace sluice::detail::cuda

@@ -1,0 +1,38 @@
+// Plugs GPU memory into the engine (Engine::allocate / register_memory for cuda:N).
+#include "core/device_hooks.hpp"
+#include "cuda/cuda_util.hpp"
+
+namespace sluice::detail::cuda {
+namespace {
+
+void* hook_allocate(uint64_t length, int device, uint64_t* size) {
+  DeviceBuffer b = allocate(length, device);
+  *size = b.size;
+  return b.ptr;
+}
+
+void hook_free(void* ptr) { release_ptr(ptr); }
+
+void hook_check(const void* ptr, uint64_t length, int device) {
+  require_device(device, "register_memory");
+  int owner = pointer_device(ptr);
+  if (owner < 0)
+    throw Error(ErrorCode::kInvalidArgument, "register_memory: the pointer is not CUDA device memory but the location "
+                                             "says cuda:" + std::to_string(device));
+  if (owner != device)
+    throw Error(ErrorCode::kInvalidArgument, "register_memory: the memory is on cuda:" + std::to_string(owner) +
+                                                 ", not cuda:" + std::to_string(device));
+  int last = pointer_device(static_cast<const uint8_t*>(ptr) + length - 1);
+  if (last != device)
+    throw Error(ErrorCode::kInvalidArgument, "register_memory: [ptr, ptr+length) runs past the device allocation");
+}
+
+const DeviceMemoryHooks kHooks{hook_allocate, hook_free, hook_check};
+
+const bool registered = [] {
+  device_memory_hooks() = &kHooks;
+  return true;
+}();
+
+}  // namespace
+}  // namespace sluice::detail::cuda
