@@ -9,6 +9,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
@@ -129,14 +130,16 @@ double tcp_pingpong_us(uint64_t size, int iterations) {
   return dt / iterations * 1e6;
 }
 
-double cma_read_mbps(uint64_t size, int iterations) {
+double cma_read_mbps(uint64_t size, uint64_t footprint, int iterations) {
   int p[2];
   if (::pipe(p) != 0) return 0;
-  char* src = static_cast<char*>(std::aligned_alloc(4096, (size + 4095) / 4096 * 4096));
-  std::memset(src, 3, size);
+  footprint = std::max(footprint, size);
+  const uint64_t slots = footprint / size;
+  char* src = static_cast<char*>(std::aligned_alloc(4096, (footprint + 4095) / 4096 * 4096));
+  std::memset(src, 3, footprint);
   pid_t child = ::fork();
   if (child == 0) {
-    std::memset(src, 5, size);
+    std::memset(src, 5, footprint);
     char x = 1;
     write_all(p[1], &x, 1);
     ::pause();
@@ -144,11 +147,17 @@ double cma_read_mbps(uint64_t size, int iterations) {
   }
   char x;
   read_all(p[0], &x, 1);
-  std::vector<char> dst(size);
-  iovec l{dst.data(), size}, r{src, size};
-  for (int w = 0; w < 2; ++w) ::process_vm_readv(child, &l, 1, &r, 1, 0);
+  std::vector<char> dst(footprint, 1);
+  for (int w = 0; w < 2; ++w) {
+    iovec l{dst.data(), size}, r{src, size};
+    ::process_vm_readv(child, &l, 1, &r, 1, 0);
+  }
   double t0 = now();
-  for (int i = 0; i < iterations; ++i) ::process_vm_readv(child, &l, 1, &r, 1, 0);
+  for (int i = 0; i < iterations; ++i) {
+    uint64_t off = (i % slots) * size;
+    iovec l{dst.data() + off, size}, r{src + off, size};
+    ::process_vm_readv(child, &l, 1, &r, 1, 0);
+  }
   double dt = now() - t0;
   ::kill(child, SIGKILL);
   ::waitpid(child, nullptr, 0);
@@ -158,12 +167,15 @@ double cma_read_mbps(uint64_t size, int iterations) {
   return static_cast<double>(size) * iterations / dt / 1e6;
 }
 
-double memcpy_mbps(uint64_t size, int iterations) {
-  std::vector<char> a(size, 1), b(size, 2);
+double memcpy_mbps(uint64_t size, uint64_t footprint, int iterations) {
+  footprint = std::max(footprint, size);
+  const uint64_t slots = footprint / size;
+  std::vector<char> a(footprint, 1), b(footprint, 2);
   for (int w = 0; w < 2; ++w) std::memcpy(b.data(), a.data(), size);
   double t0 = now();
   for (int i = 0; i < iterations; ++i) {
-    std::memcpy(b.data(), a.data(), size);
+    uint64_t off = (i % slots) * size;
+    std::memcpy(b.data() + off, a.data() + off, size);
     asm volatile("" : : "r"(b.data()) : "memory");
   }
   double dt = now() - t0;

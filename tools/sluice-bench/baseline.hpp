@@ -11,9 +11,10 @@ namespace bench {
 double tcp_stream_mbps(uint64_t chunk, uint64_t total);
 // Raw socket ping-pong of `size` bytes; returns the mean round trip in microseconds.
 double tcp_pingpong_us(uint64_t size, int iterations);
-// process_vm_readv of `size` bytes (one iovec) from a child's buffer. MB/s.
-double cma_read_mbps(uint64_t size, int iterations);
-// Single-thread memcpy between two buffers of `size` bytes. MB/s.
-double memcpy_mbps(uint64_t size, int iterations);
+// process_vm_readv of `size` bytes (one iovec per call) from a child's buffer of `footprint`
+// bytes, walking it like the engine's batches do (so both see the same cache/DRAM regime). MB/s.
+double cma_read_mbps(uint64_t size, uint64_t footprint, int iterations);
+// Single-thread memcpy of `size`-byte pieces walking two `footprint`-byte buffers. MB/s.
+double memcpy_mbps(uint64_t size, uint64_t footprint, int iterations);
 
 }  // namespace bench

@@ -124,7 +124,7 @@ int run_target(const Options& o) {
     auto ep = engine.accept(200ms);
     if (ep) servers.emplace_back([&, e = *ep] { serve_endpoint(e, buf, o); });
   }
-  engine.close();
+  engine.close();  // fails the servers' pending recvs, so they return
   for (auto& t : servers) t.join();
   if (watcher.joinable()) watcher.join();
   return 0;
@@ -149,7 +149,8 @@ struct Row {
 sluice::Batch make_batch(const Options& o, uint64_t size, uint64_t region, sluice::MemoryHandle local,
                          sluice::RemoteHandle remote, uint64_t first) {
   sluice::Batch b;
-  uint64_t slots = std::max<uint64_t>(1, region / size);
+  // Every batch covers the same (batch x size) window, as the ceilings do.
+  uint64_t slots = std::max<uint64_t>(1, std::min<uint64_t>(region, size * o.batch) / size);
   for (int j = 0; j < o.batch; ++j) {
     uint64_t off = ((first + j) % slots) * size;
     b.push_back({local, off, remote, off, size});
@@ -239,12 +240,14 @@ Row measure(sluice::Endpoint& ep, const Options& o, uint64_t size, Buffer& local
   return r;
 }
 
-void baseline(Row& r, const Options& o, uint64_t moved) {
+void baseline(Row& r, const Options& o, uint64_t moved, uint64_t region) {
+  // The same footprint as the engine's batches: (batch x size) wrapped in the region.
+  uint64_t footprint = std::min<uint64_t>(region, r.size * static_cast<uint64_t>(o.batch));
   if (r.transport == "tcp") {
     r.ceiling_mbps = bench::tcp_stream_mbps(r.size, std::clamp<uint64_t>(moved, 64ull << 20, 2ull << 30));
   } else if (r.transport == "shm") {
     int it = static_cast<int>(std::clamp<uint64_t>((1ull << 30) / r.size, 8, 100000));
-    r.ceiling_mbps = o.memfd ? bench::memcpy_mbps(r.size, it) : bench::cma_read_mbps(r.size, it);
+    r.ceiling_mbps = o.memfd ? bench::memcpy_mbps(r.size, footprint, it) : bench::cma_read_mbps(r.size, footprint, it);
   }
   if (r.transport == "tcp" && o.batch == 1 && o.concurrency == 1)
     r.ceiling_lat_us = bench::tcp_pingpong_us(r.size, static_cast<int>(std::clamp<uint64_t>((64ull << 20) / r.size, 200, 20000)));
@@ -334,7 +337,7 @@ int run_initiator(const Options& o, const std::string& address) {
     if (!o.quiet) std::fprintf(stderr, "[%zu/%zu] %s ...\r", i + 1, sizes.size(), bench::size_text(sizes[i]).c_str());
     Row r = measure(ep, o, sizes[i], local, *remote, region);
     if (o.check) r.checked = verify(ep, o, sizes[i], local, check, *remote, region);
-    if (o.baseline) baseline(r, o, static_cast<uint64_t>(r.mbps * 1e6 * 0.3));
+    if (o.baseline) baseline(r, o, static_cast<uint64_t>(r.mbps * 1e6 * 0.3), region);
     failed |= r.errors > 0 || (o.check && !r.checked);
     print_row(o, r);
     rows.push_back(r);

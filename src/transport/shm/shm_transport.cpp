@@ -148,7 +148,7 @@ class ShmEndpoint final : public TransportEndpoint, public StreamChannel::Handle
       int fd = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
       struct stat st {};
       if (fd >= 0 && ::fstat(fd, &st) == 0 && static_cast<uint64_t>(st.st_size) >= it->second.second) {
-        void* p = ::mmap(nullptr, it->second.second, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+        void* p = ::mmap(nullptr, it->second.second, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
         if (p != MAP_FAILED) {
           mp = std::make_shared<Mapping>();
           mp->base = static_cast<uint8_t*>(p);
