@@ -1,0 +1,321 @@
+// GPU tests: engine cuda:N memory, the nvlink transport (in one process and between two
+// processes), stream ordering and the AllGather. Skip cleanly without a GPU.
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "sluice/allgather.hpp"
+#include "sluice/cuda.hpp"
+#include "sluice/sluice.hpp"
+
+#ifdef SLUICE_TEST_CUDA
+#include <cuda_runtime_api.h>
+#endif
+
+using namespace sluice;
+using namespace std::chrono_literals;
+
+namespace {
+
+#define NEED_GPUS(n)                                                                                      \
+  do {                                                                                                    \
+    if (cuda::device_count() < (n))                                                                       \
+      GTEST_SKIP() << "needs " << (n) << " CUDA device(s); have " << cuda::device_count() << ": "         \
+                   << cuda::unavailable_reason();                                                         \
+  } while (0)
+
+#ifdef SLUICE_TEST_CUDA
+#define CK(x) ASSERT_EQ((x), cudaSuccess) << #x
+int second_device() { return cuda::device_count() > 1 ? 1 : 0; }
+
+std::vector<uint8_t> pattern(size_t n, uint8_t seed) {
+  std::vector<uint8_t> v(n);
+  for (size_t i = 0; i < n; ++i) v[i] = static_cast<uint8_t>(i * 131 + seed + (i >> 12));
+  return v;
+}
+#endif
+
+EngineConfig quiet() {
+  EngineConfig c;
+  c.listen_host = "127.0.0.1";
+  return c;
+}
+
+}  // namespace
+
+TEST(CudaNoDevice, ReportsCleanly) {
+  if (cuda::device_count() > 0) GTEST_SKIP() << "a GPU is present; this checks the no-GPU path";
+  Engine e(quiet());
+  try {
+    e.allocate(4096, Location::cuda(0));
+    FAIL() << "allocate(cuda:0) should throw without a GPU";
+  } catch (const Error& err) {
+    EXPECT_TRUE(err.code() == ErrorCode::kNoDevice || err.code() == ErrorCode::kUnsupported) << err.what();
+  }
+  for (auto& t : e.transports()) EXPECT_NE(t, "nvlink");
+  EXPECT_THROW(cuda::AllGather(1, 1024, cuda::DType::kUInt8, 2, 0, 0), Error);
+}
+
+#ifdef SLUICE_TEST_CUDA
+
+TEST(CudaMemory, AllocateAndRegister) {
+  NEED_GPUS(1);
+  Engine e(quiet());
+  auto a = e.allocate(1 << 20, Location::cuda(0), "buf");
+  ASSERT_NE(a.ptr, nullptr);
+  EXPECT_GE(a.length, 1u << 20);
+  std::vector<uint8_t> host(1 << 20, 7);
+  CK(cudaMemcpy(host.data(), a.ptr, host.size(), cudaMemcpyDeviceToHost));
+  for (auto b : host) ASSERT_EQ(b, 0);  // zero filled
+  e.free(a);
+
+  void* p = nullptr;
+  CK(cudaSetDevice(0));
+  CK(cudaMalloc(&p, 1 << 20));
+  auto h = e.register_memory(static_cast<uint8_t*>(p) + 4096, 8192, Location::cuda(0), "sub");
+  EXPECT_NE(h.id, 0u);
+  EXPECT_THROW(e.register_memory(&host[0], 4096, Location::cuda(0)), Error);  // host memory
+  if (cuda::device_count() > 1) EXPECT_THROW(e.register_memory(p, 4096, Location::cuda(1)), Error);
+  e.unregister_memory(h);
+  cudaFree(p);
+  EXPECT_THROW(e.allocate(4096, Location::cuda(cuda::device_count())), Error);
+}
+
+// Two engines in one process, cuda:0 <-> cuda:1 (or cuda:0 twice).
+TEST(Nvlink, InProcessWriteRead) {
+  NEED_GPUS(1);
+  Engine a(quiet()), b(quiet());
+  auto ts = a.transports();
+  ASSERT_EQ(ts.front(), "nvlink");
+  const size_t n = 3 << 20;
+  auto src = a.allocate(n, Location::cuda(0));
+  auto dst = b.allocate(n + 8192, Location::cuda(second_device()), "dst");
+  auto ep = a.connect(b.local_info());
+  EXPECT_EQ(ep.transport(), "nvlink");
+  auto r = ep.remote_region("dst");
+  ASSERT_TRUE(r.has_value());
+  auto data = pattern(n, 3);
+  CK(cudaMemcpy(src.ptr, data.data(), n, cudaMemcpyHostToDevice));
+  ASSERT_TRUE(ep.write({{src.handle, 0, *r, 4096, n}}).wait().ok());
+  std::vector<uint8_t> back(n);
+  CK(cudaMemcpy(back.data(), static_cast<uint8_t*>(dst.ptr) + 4096, n, cudaMemcpyDeviceToHost));
+  EXPECT_TRUE(back == data);
+  CK(cudaMemset(src.ptr, 0, n));
+  CK(cudaDeviceSynchronize());
+  ASSERT_TRUE(ep.read({{src.handle, 0, *r, 4096, n}}).wait().ok());
+  CK(cudaMemcpy(back.data(), src.ptr, n, cudaMemcpyDeviceToHost));
+  EXPECT_TRUE(back == data);
+}
+
+namespace {
+
+// The peer process: engine on cuda:dev with an engine allocation "alloc" and a user
+// cudaMalloc buffer registered 1 MiB + 256 B into its allocation as "tensor". Prints its
+// info blob, then serves until stdin closes.
+int child_main(int dev) {
+  EngineConfig c = quiet();
+  Engine e(c);
+  auto a = e.allocate(8 << 20, Location::cuda(dev), "alloc");
+  (void)a;
+  void* p = nullptr;
+  if (cudaSetDevice(dev) != cudaSuccess || cudaMalloc(&p, 16 << 20) != cudaSuccess) return 3;
+  cudaMemset(p, 0, 16 << 20);
+  cudaDeviceSynchronize();
+  e.register_memory(static_cast<uint8_t*>(p) + (1 << 20) + 256, 4 << 20, Location::cuda(dev), "tensor");
+  std::string info = e.local_info();
+  std::printf("%s\n", info.c_str());
+  std::fflush(stdout);
+  char ch;
+  while (::read(0, &ch, 1) > 0) {
+  }
+  return 0;
+}
+
+struct Child {
+  pid_t pid = -1;
+  int to = -1;  // child's stdin
+  std::string info;
+  ~Child() {
+    if (to >= 0) ::close(to);
+    if (pid > 0) {
+      int st = 0;
+      ::waitpid(pid, &st, 0);
+    }
+  }
+};
+
+std::unique_ptr<Child> spawn_child(int dev) {
+  int in[2], out[2];
+  if (::pipe(in) || ::pipe(out)) return nullptr;
+  pid_t pid = ::fork();
+  if (pid == 0) {
+    ::dup2(in[0], 0);
+    ::dup2(out[1], 1);
+    ::close(in[1]);
+    ::close(out[0]);
+    std::string arg = "--sluice-child=" + std::to_string(dev);
+    char* argv[] = {const_cast<char*>("/proc/self/exe"), arg.data(), nullptr};
+    ::execv("/proc/self/exe", argv);
+    ::_exit(127);
+  }
+  ::close(in[0]);
+  ::close(out[1]);
+  auto c = std::make_unique<Child>();
+  c->pid = pid;
+  c->to = in[1];
+  char ch;
+  while (::read(out[0], &ch, 1) == 1 && ch != '\n') c->info += ch;
+  ::close(out[0]);
+  return c;
+}
+
+__attribute__((unused)) void fill_on_stream(void* dst, uint8_t v, size_t n, cudaStream_t s) {
+  cudaMemsetAsync(dst, v, n, s);
+}
+
+}  // namespace
+
+TEST(Nvlink, CrossProcessOffsetsImmAndStreams) {
+  NEED_GPUS(1);
+  auto child = spawn_child(second_device());
+  ASSERT_TRUE(child && !child->info.empty()) << "child did not start";
+  Engine e(quiet());
+  auto ep = e.connect(child->info);
+  ASSERT_EQ(ep.transport(), "nvlink");
+  auto tensor = ep.remote_region("tensor");
+  auto alloc = ep.remote_region("alloc");
+  ASSERT_TRUE(tensor && alloc);
+  const size_t n = (2 << 20) + 77;
+  auto src = e.allocate(8 << 20, Location::cuda(0));
+  auto data = pattern(n, 9);
+  CK(cudaMemcpy(static_cast<uint8_t*>(src.ptr) + 5, data.data(), n, cudaMemcpyHostToDevice));
+  // Into a tensor that is not at the start of its allocation (cudaIpc base + offset) and into
+  // an engine allocation (cuMem POSIX fd).
+  for (auto remote : {*tensor, *alloc}) {
+    ASSERT_TRUE(ep.write({{src.handle, 5, remote, 1000, n}}).wait().ok());
+    CK(cudaMemset(static_cast<uint8_t*>(src.ptr) + (4 << 20), 0, n + 16));
+    CK(cudaDeviceSynchronize());
+    ASSERT_TRUE(ep.read({{src.handle, (4 << 20) + 3, remote, 1000, n}}).wait().ok());
+    std::vector<uint8_t> back(n);
+    CK(cudaMemcpy(back.data(), static_cast<uint8_t*>(src.ptr) + (4 << 20) + 3, n, cudaMemcpyDeviceToHost));
+    EXPECT_TRUE(back == data) << "remote " << remote.id;
+  }
+  // Many small pieces in one batch.
+  Batch batch;
+  for (int i = 0; i < 64; ++i) batch.push_back({src.handle, uint64_t(i) * 4096, *tensor, uint64_t(i) * 8192, 1000});
+  ASSERT_TRUE(ep.write(batch).wait().ok());
+  // write_with_imm: the peer gets the imm; we can't see it from here, but the op completes.
+  ASSERT_TRUE(ep.write_with_imm({{src.handle, 0, *alloc, 0, 4096}}, 42).wait().ok());
+
+  // Stream ordering: a memset queued on the user's stream must land before the write reads.
+  cudaStream_t s;
+  CK(cudaSetDevice(0));
+  CK(cudaStreamCreate(&s));
+  const size_t m = 1 << 20;
+  CK(cudaMemsetAsync(src.ptr, 0xAB, m, s));
+  auto f = cuda::write_on_stream(ep, {{src.handle, 0, *tensor, 0, m}}, s);
+  CK(cudaMemsetAsync(src.ptr, 0xCD, m, s));  // after the write on the stream
+  CK(cudaStreamSynchronize(s));
+  ASSERT_TRUE(f.wait().ok());
+  auto g = cuda::read_on_stream(ep, {{src.handle, 2 << 20, *tensor, 0, m}}, s);
+  std::vector<uint8_t> back(m);
+  CK(cudaMemcpyAsync(back.data(), static_cast<uint8_t*>(src.ptr) + (2 << 20), m, cudaMemcpyDeviceToHost, s));
+  CK(cudaStreamSynchronize(s));
+  ASSERT_TRUE(g.wait().ok());
+  for (size_t i = 0; i < m; ++i) ASSERT_EQ(back[i], 0xAB) << i;
+  cudaStreamDestroy(s);
+  // Host memory over the same endpoint (CMA path).
+  std::vector<uint8_t> hbuf(1 << 16, 5);
+  auto hh = e.register_memory(hbuf.data(), hbuf.size());
+  ASSERT_TRUE(ep.write({{hh, 0, *tensor, 0, hbuf.size()}}).wait().ok());
+  ASSERT_TRUE(ep.read({{hh, 0, *tensor, 4096, 4096}}).wait().ok());
+  ep.close();
+}
+
+// AllGather with both ranks in this process (one thread each).
+TEST(AllGather, TwoRanksInProcessAndGraph) {
+  NEED_GPUS(2);
+  const int world = 2;
+  const uint64_t max_bytes = 8 << 20;
+  std::vector<std::unique_ptr<cuda::AllGather>> ag;
+  std::vector<std::string> handles;
+  for (int r = 0; r < world; ++r) {
+    ag.push_back(std::make_unique<cuda::AllGather>(max_bytes / 2, 2, cuda::DType::kBFloat16, world, r, r));
+    handles.push_back(ag[r]->handle());
+  }
+  for (int r = 0; r < world; ++r) ag[r]->connect(handles);
+  std::vector<size_t> sizes = {8, 1000, 4096, 65536 + 24, 256 << 10, (256 << 10) + 16, 1 << 20, (3 << 20) + 48, max_bytes};
+  std::vector<std::string> errors(world);
+  auto run = [&](int r) {
+    cudaSetDevice(r);
+    cudaStream_t s;
+    cudaStreamCreate(&s);
+    uint8_t *in, *out;
+    cudaMalloc(reinterpret_cast<void**>(&in), max_bytes);
+    cudaMalloc(reinterpret_cast<void**>(&out), max_bytes * world);
+    for (int graph = 0; graph < 2; ++graph) {
+      for (size_t bytes : sizes) {
+        auto mine = pattern(bytes, uint8_t(r * 50 + bytes));
+        cudaMemcpy(in, mine.data(), bytes, cudaMemcpyHostToDevice);
+        cudaMemset(out, 0xEE, bytes * world);
+        cudaDeviceSynchronize();
+        if (graph) {
+          cudaGraph_t gr;
+          cudaGraphExec_t ex;
+          cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal);
+          ag[r]->all_gather_bytes(in, out, bytes, s);
+          cudaStreamEndCapture(s, &gr);
+          cudaGraphInstantiate(&ex, gr, 0);
+          for (int k = 0; k < 3; ++k) cudaGraphLaunch(ex, s);
+          cudaStreamSynchronize(s);
+          cudaGraphExecDestroy(ex);
+          cudaGraphDestroy(gr);
+        } else {
+          for (int k = 0; k < 3; ++k) ag[r]->all_gather_bytes(in, out, bytes, s);
+        }
+        if (cudaStreamSynchronize(s) != cudaSuccess) {
+          errors[r] = "cuda error";
+          return;
+        }
+        std::vector<uint8_t> got(bytes * world);
+        cudaMemcpy(got.data(), out, got.size(), cudaMemcpyDeviceToHost);
+        for (int p = 0; p < world; ++p) {
+          auto want = pattern(bytes, uint8_t(p * 50 + bytes));
+          if (std::memcmp(got.data() + p * bytes, want.data(), bytes) != 0) {
+            errors[r] = "mismatch at " + std::to_string(bytes) + " bytes from rank " + std::to_string(p) +
+                        (graph ? " (graph)" : "");
+            return;
+          }
+        }
+      }
+    }
+  };
+  std::thread t0(run, 0), t1(run, 1);
+  t0.join();
+  t1.join();
+  for (int r = 0; r < world; ++r) EXPECT_EQ(errors[r], "") << "rank " << r;
+  EXPECT_THROW(ag[0]->all_gather_bytes(nullptr, nullptr, max_bytes + 1, nullptr), Error);
+}
+
+#endif  // SLUICE_TEST_CUDA
+
+int main(int argc, char** argv) {
+  for (int i = 1; i < argc; ++i) {
+    if (std::strncmp(argv[i], "--sluice-child=", 15) == 0) {
+#ifdef SLUICE_TEST_CUDA
+      return child_main(std::atoi(argv[i] + 15));
+#else
+      return 2;
+#endif
+    }
+  }
+  ::signal(SIGPIPE, SIG_IGN);
+  ::testing::InitGoogleTest(&argc, argv);
+  return RUN_ALL_TESTS();
+}
