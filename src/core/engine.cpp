@@ -349,7 +349,7 @@ void EngineImpl::handle_connection(net::Socket sock) {
         handle_hello(sock, msg.second);
         return;
       case MsgKind::kChannel:
-        handle_channel(std::move(sock), msg.second);
+        handle_channel(sock, msg.second);
         return;
       default:
         throw Error(ErrorCode::kProtocol, "unexpected bootstrap message kind " + std::to_string(int(msg.first)));
@@ -385,7 +385,7 @@ void EngineImpl::handle_hello(net::Socket& sock, const json& body) {
   bootstrap::send_msg(sock.fd(), MsgKind::kReply, {{"info", info().to_json()}});
 }
 
-void EngineImpl::handle_channel(net::Socket sock, const json& body) {
+void EngineImpl::handle_channel(net::Socket& sock, const json& body) {
   if (!body.contains("token") || !body.contains("index"))
     throw Error(ErrorCode::kProtocol, "channel attach is missing fields");
   uint64_t token = body["token"].get<uint64_t>();
@@ -398,12 +398,14 @@ void EngineImpl::handle_channel(net::Socket sock, const json& body) {
   }
   if (!ep) throw Error(ErrorCode::kProtocol, "channel attach for an unknown endpoint");
   if (index < 0 || index >= ep->channels()) throw Error(ErrorCode::kProtocol, "channel index out of range");
-  int fd = sock.fd();
+  // attach() owns the socket (and may close it) even when it throws: keep a duplicate so
+  // that the refusal reaches the peer and never lands on a reused descriptor number.
+  net::Socket reply(::dup(sock.fd()));
   bool ready = false;
   try {
     ready = ep->transport().attach(index, std::move(sock), body);
   } catch (const Error& e) {
-    bootstrap::send_error(fd, static_cast<int>(e.code()), e.what());
+    if (reply.valid()) bootstrap::send_error(reply.fd(), static_cast<int>(e.code()), e.what());
     throw;
   }
   if (!ready) return;

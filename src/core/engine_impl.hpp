@@ -48,7 +48,7 @@ class EngineImpl : public std::enable_shared_from_this<EngineImpl> {
   Transport* choose_transport(const EngineInfo& peer, const std::string& forced);
   void handle_connection(net::Socket sock);
   void handle_hello(net::Socket& sock, const nlohmann::json& body);
-  void handle_channel(net::Socket sock, const nlohmann::json& body);
+  void handle_channel(net::Socket& sock, const nlohmann::json& body);
   void watchdog();
   void release_owned(const RegionEntry& e);  // frees engine-allocated memory
 
