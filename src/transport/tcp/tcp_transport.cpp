@@ -269,7 +269,12 @@ class TcpEndpoint final : public TransportEndpoint, public StreamChannel::Handle
     Status st = claim.error;
     if (claim.dest) {
       uint64_t n = std::min(h.length, claim.capacity);
-      if (!payload.read(claim.dest, n)) return {ErrorCode::kPeerLost, "connection lost mid-message"};
+      if (!payload.read(claim.dest, n)) {
+        // Complete the matched recv (or its stash) instead of dropping the claim.
+        Status lost{ErrorCode::kPeerLost, "connection lost mid-message"};
+        events_->matcher().deliver(claim, lost);
+        return lost;
+      }
     }
     st = events_->matcher().deliver(claim, st);
     respond(ch, FrameType::kSendAck, h.op_id, 0, st);
