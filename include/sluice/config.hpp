@@ -34,6 +34,9 @@ struct EngineConfig {
   uint64_t stripe_threshold = 256ull << 10;
   // Bytes of unmatched incoming sends buffered before the peer is refused.
   uint64_t max_unexpected_bytes = 256ull << 20;  // env SLUICE_MAX_UNEXPECTED_BYTES
+  // Future::wait() polls this long before sleeping. -1 = automatic: 0 on hosts with <= 2
+  // hardware threads (a spinning waiter steals the progress threads' CPU), 20 us otherwise.
+  int busy_wait_us = -1;                          // env SLUICE_BUSY_WAIT_US
   LogLevel log_level = LogLevel::kWarn;           // env SLUICE_LOG_LEVEL=error|warn|info|debug|trace
 
   // Returns `base` with every SLUICE_* variable that is set applied on top. Throws

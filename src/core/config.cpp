@@ -93,6 +93,7 @@ EngineConfig EngineConfig::from_env(EngineConfig c) {
   if (auto v = env("SLUICE_STRIPE_THRESHOLD")) c.stripe_threshold = parse_u64("SLUICE_STRIPE_THRESHOLD", v);
   if (auto v = env("SLUICE_MAX_UNEXPECTED_BYTES"))
     c.max_unexpected_bytes = parse_u64("SLUICE_MAX_UNEXPECTED_BYTES", v);
+  if (auto v = env("SLUICE_BUSY_WAIT_US")) c.busy_wait_us = static_cast<int>(parse_u64("SLUICE_BUSY_WAIT_US", v));
   if (auto v = env("SLUICE_LOG_LEVEL")) c.log_level = parse_level(v);
   if (c.chunk_size < 4096) throw Error(ErrorCode::kInvalidArgument, "chunk_size must be >= 4096");
   return c;

@@ -1,4 +1,5 @@
 #include <string>
+#include <thread>
 
 #include "core/engine_impl.hpp"
 #include "core/log.hpp"
@@ -14,6 +15,12 @@ EndpointImpl::EndpointImpl(std::shared_ptr<EngineImpl> engine, const Transport* 
       channels_(channels),
       matcher_(engine_->config().max_unexpected_bytes) {
   set_peer(std::move(peer));
+  // A waiter that polls saves a wake-up, but only where a spare core runs the progress
+  // threads meanwhile: on a 2-core host it steals their CPU (measured here: 7.6 us round
+  // trip without polling, 10-30 us with a 30 us poll).
+  int us = engine_->config().busy_wait_us;
+  if (us < 0) us = std::thread::hardware_concurrency() > 2 ? 20 : 0;
+  busy_wait_ = std::chrono::microseconds(us);
 }
 
 EndpointImpl::~EndpointImpl() {
@@ -118,6 +125,7 @@ Future EndpointImpl::transfer(OpKind kind, const Batch& batch, uint32_t imm) {
   int parts = 0;
   for (auto& l : op->lanes) parts += l.pieces.empty() ? 0 : 1;
   op->future = std::make_shared<FutureState>(kind, parts);
+  op->future->set_busy_wait(busy_wait_);
   op->future->set_bytes(op->bytes);
   Future f(op->future);
   transport_->submit(std::move(op));
@@ -132,6 +140,7 @@ Future EndpointImpl::send(MemoryHandle h, uint64_t offset, uint64_t length) {
   op->length = length;
   op->seq = send_seq_.fetch_add(1, std::memory_order_relaxed);
   op->future = std::make_shared<FutureState>(OpKind::kSend);
+  op->future->set_busy_wait(busy_wait_);
   op->future->set_bytes(length);
   Future f(op->future);
   transport_->send(std::move(op));
@@ -145,6 +154,7 @@ Future EndpointImpl::recv(MemoryHandle h, uint64_t offset, uint64_t length) {
   op->ptr = op->pin.get()->base + offset;
   op->length = length;
   op->future = std::make_shared<FutureState>(OpKind::kRecv);
+  op->future->set_busy_wait(busy_wait_);
   Future f(op->future);
   matcher_.post_recv(std::move(op));
   return f;

@@ -67,6 +67,7 @@ class EndpointImpl final : public EndpointEvents, public std::enable_shared_from
   EngineInfo peer_;
   std::unordered_map<uint64_t, PeerRegion> remote_;
 
+  std::chrono::microseconds busy_wait_{0};
   std::atomic<uint64_t> send_seq_{0};
   std::atomic<unsigned> rotate_{0};
   std::atomic<int> failed_code_{0};

@@ -38,6 +38,8 @@ class FutureState {
   std::chrono::nanoseconds elapsed() const;
   void on_complete(Callback cb);
 
+  // How long wait() polls before sleeping (set by the endpoint from EngineConfig).
+  void set_busy_wait(std::chrono::microseconds us) { spin_ = us; }
   void set_bytes(uint64_t n) { bytes_.store(n, std::memory_order_relaxed); }
   uint64_t bytes() const { return bytes_.load(std::memory_order_relaxed); }
   void set_imm(uint32_t v) { imm_.store(v, std::memory_order_relaxed); }
@@ -48,6 +50,7 @@ class FutureState {
 
   const OpKind kind_;
   const Clock::time_point start_;
+  std::chrono::microseconds spin_{0};
   std::atomic<int> parts_;
   std::atomic<bool> done_{false};
   std::atomic<int> waiters_{0};
