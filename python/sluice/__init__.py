@@ -225,24 +225,26 @@ class Endpoint:
         """Completes with the next imm the peer delivered (``Future.imm``)."""
         return self._ep.imm_recv()
 
-    # asyncio
-    async def read_async(self, batch) -> Future:
-        return await self.read(batch)
+    # asyncio: each submits at once (caller errors raise here) and returns the Future, which
+    # is awaitable: ``f = await ep.read_async(batch)``. Completion wakes the event loop
+    # through call_soon_threadsafe; no thread per operation.
+    def read_async(self, batch) -> Future:
+        return self._ep.read(_as_batch(batch))
 
-    async def write_async(self, batch) -> Future:
-        return await self.write(batch)
+    def write_async(self, batch) -> Future:
+        return self._ep.write(_as_batch(batch))
 
-    async def write_with_imm_async(self, batch, imm: int) -> Future:
-        return await self.write_with_imm(batch, imm)
+    def write_with_imm_async(self, batch, imm: int) -> Future:
+        return self._ep.write_with_imm(_as_batch(batch), imm)
 
-    async def send_async(self, local, offset: int = 0, length: Optional[int] = None) -> Future:
-        return await self.send(local, offset, length)
+    def send_async(self, local, offset: int = 0, length: Optional[int] = None) -> Future:
+        return self._ep.send(*self._span(local, offset, length))
 
-    async def recv_async(self, local, offset: int = 0, length: Optional[int] = None) -> Future:
-        return await self.recv(local, offset, length)
+    def recv_async(self, local, offset: int = 0, length: Optional[int] = None) -> Future:
+        return self._ep.recv(*self._span(local, offset, length))
 
-    async def imm_recv_async(self) -> Future:
-        return await self.imm_recv()
+    def imm_recv_async(self) -> Future:
+        return self._ep.imm_recv()
 
     # peer regions
     def remote_region(self, name: str, refresh: bool = True) -> RemoteHandle:

@@ -10,6 +10,7 @@
 #include <pybind11/stl.h>
 #include <sys/mman.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstring>
 #include <map>
@@ -339,12 +340,17 @@ struct PyEndpoint {
 };
 
 struct PyEngine {
-  std::shared_ptr<sluice::Engine> engine;
+  std::shared_ptr<sluice::Engine> engine;  // guarded by mu
+  std::atomic<bool> closed{false};
   std::mutex mu;
   std::map<uint64_t, sluice::Allocation> allocations;
 
   std::shared_ptr<sluice::Engine> e() {
-    std::shared_ptr<sluice::Engine> p = engine;
+    std::shared_ptr<sluice::Engine> p;
+    {
+      std::lock_guard<std::mutex> lk(mu);
+      p = engine;
+    }
     if (!p) throw sluice::Error(ErrorCode::kClosed, "the engine is closed");
     return p;
   }
@@ -361,8 +367,12 @@ struct PyEngine {
 
   void close() {
     std::shared_ptr<sluice::Engine> e;
-    e.swap(engine);
+    {
+      std::lock_guard<std::mutex> lk(mu);
+      e.swap(engine);
+    }
     if (!e) return;
+    closed = true;
     py::gil_scoped_release nogil;
     e->close();
     e.reset();
@@ -548,12 +558,13 @@ PYBIND11_MODULE(_sluice, m) {
              wait_sliced(
                  [&](std::chrono::nanoseconds d) {
                    got = e->accept(std::chrono::duration_cast<std::chrono::milliseconds>(d));
-                   return got.has_value();
+                   return got.has_value() || pe.closed.load();
                  },
                  timeout);
+             if (!got && pe.closed) throw sluice::Error(ErrorCode::kClosed, "accept: the engine was closed");
              if (!got) return std::nullopt;
              return PyEndpoint{*got};
            })
-      .def_property_readonly("closed", [](const PyEngine& pe) { return !pe.engine; })
+      .def_property_readonly("closed", [](const PyEngine& pe) { return pe.closed.load(); })
       .def("close", &PyEngine::close);
 }
