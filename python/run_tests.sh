@@ -1,0 +1,83 @@
+#!/usr/bin/env bash
+# Build, install and test the sluice Python package from a clean clone.
+#
+#   python/run_tests.sh              venv in .venv-test, pip install ., pytest, examples
+#   SLUICE_VENV=/tmp/v python/run_tests.sh
+#   SLUICE_SKIP_TORCH=1 ...          do not install torch (its tests skip)
+#   SLUICE_SKIP_EXAMPLES=1 ...       pytest only
+#   extra arguments go to pytest, e.g. python/run_tests.sh -k async
+#
+# Needs python3 (>= 3.8) with pip, a C++20 compiler and the Python headers; CMake and Ninja
+# come from PyPI if the system has none. On Debian/Ubuntu the headers and venv support are
+# the python3-dev and python3-venv packages; the script installs them with apt-get when it
+# runs as root and they are missing (set SLUICE_NO_APT=1 to forbid that).
+set -euo pipefail
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+VENV=${SLUICE_VENV:-$ROOT/.venv-test}
+PY=${PYTHON:-python3}
+cd "$ROOT"
+
+say() { printf '\n=== %s\n' "$*"; }
+
+have_headers() {
+  "$PY" - <<'PYEOF'
+import os, sys, sysconfig
+sys.exit(0 if os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")) else 1)
+PYEOF
+}
+
+if ! have_headers; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null && [ -z "${SLUICE_NO_APT:-}" ]; then
+    say "Python headers missing: apt-get install python3-dev python3-venv"
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3-dev python3-venv >/dev/null
+  fi
+  if ! have_headers; then
+    echo "run_tests.sh: Python.h not found for $("$PY" -c 'import sys; print(sys.executable)');" \
+         "install the Python development headers (Debian/Ubuntu: apt-get install python3-dev)" >&2
+    exit 1
+  fi
+fi
+
+if [ ! -x "$VENV/bin/python" ]; then
+  say "creating $VENV"
+  if ! "$PY" -m venv "$VENV" 2>/dev/null; then
+    # Debian without python3-venv: no ensurepip. Make the venv bare and let the system pip
+    # install pip into it.
+    rm -rf "$VENV"
+    "$PY" -m venv --without-pip "$VENV"
+    "$PY" -m pip --python "$VENV/bin/python" install -q pip
+  fi
+fi
+VPY="$VENV/bin/python"
+
+say "installing test dependencies"
+"$VPY" -m pip install -q --disable-pip-version-check pytest pytest-timeout numpy
+if [ -z "${SLUICE_SKIP_TORCH:-}" ]; then
+  "$VPY" -c 'import torch' 2>/dev/null || "$VPY" -m pip install -q --disable-pip-version-check torch==2.13.0 ||
+    echo "run_tests.sh: torch==2.13.0 could not be installed; the torch tests will skip" >&2
+fi
+
+say "pip install . (scikit-build-core + CMake; build tree in build-wheel/)"
+"$VPY" -m pip install -q --disable-pip-version-check "$ROOT"
+
+# Run from a directory without a 'sluice' folder so that the installed package is tested.
+say "pytest"
+"$VPY" -m pytest "$ROOT/python/tests" -q --timeout=120 -p no:cacheprovider --rootdir "$ROOT" "$@"
+
+if [ -z "${SLUICE_SKIP_EXAMPLES:-}" ]; then
+  say "examples"
+  failed=0
+  for ex in "$ROOT"/examples/python/*.py; do
+    if timeout 120 "$VPY" "$ex" >/tmp/sluice-example.$$.log 2>&1; then
+      echo "ok    $(basename "$ex")"
+    else
+      echo "FAIL  $(basename "$ex")"
+      cat /tmp/sluice-example.$$.log
+      failed=1
+    fi
+  done
+  rm -f /tmp/sluice-example.$$.log
+  [ "$failed" = 0 ] || exit 1
+fi
+say "all Python tests passed"
