@@ -110,7 +110,7 @@ void EngineImpl::close() {
   {
     std::lock_guard<std::mutex> lk(mu_);
     eps.swap(endpoints_);
-    for (auto& [t, p] : passive_) eps.push_back(p);
+    for (auto& [t, p] : passive_) eps.push_back(p.ep);
     passive_.clear();
     accept_queue_.clear();
   }
@@ -193,7 +193,7 @@ Allocation EngineImpl::allocate(uint64_t length, Location location, const std::s
     ::close(fd);
     throw Error(ErrorCode::kSystem, "ftruncate(" + std::to_string(size) + "): " + net::errno_text(err));
   }
-  void* p = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  void* p = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
   if (p == MAP_FAILED) {
     int err = errno;
     ::close(fd);
@@ -210,6 +210,10 @@ Allocation EngineImpl::allocate(uint64_t length, Location location, const std::s
 }
 
 void EngineImpl::free(const Allocation& a) {
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (closed_) return;  // close() already released every engine allocation
+  }
   auto e = registry_.find(a.handle.id);
   if (!e || !e->owned || e->base != a.ptr)
     throw Error(ErrorCode::kUnknownHandle, "free: handle " + std::to_string(a.handle.id) + " is not an engine allocation");
@@ -380,7 +384,7 @@ void EngineImpl::handle_hello(net::Socket& sock, const json& body) {
     std::lock_guard<std::mutex> lk(mu_);
     if (closed_) throw Error(ErrorCode::kClosed, "engine is closing");
     if (passive_.count(token)) throw Error(ErrorCode::kProtocol, "endpoint token reused");
-    passive_[token] = ep;
+    passive_[token] = {ep, std::chrono::steady_clock::now()};
   }
   bootstrap::send_msg(sock.fd(), MsgKind::kReply, {{"info", info().to_json()}});
 }
@@ -394,7 +398,7 @@ void EngineImpl::handle_channel(net::Socket& sock, const json& body) {
   {
     std::lock_guard<std::mutex> lk(mu_);
     auto it = passive_.find(token);
-    if (it != passive_.end()) ep = it->second;
+    if (it != passive_.end()) ep = it->second.ep;
   }
   if (!ep) throw Error(ErrorCode::kProtocol, "channel attach for an unknown endpoint");
   if (index < 0 || index >= ep->channels()) throw Error(ErrorCode::kProtocol, "channel index out of range");
@@ -424,7 +428,22 @@ void EngineImpl::watchdog() {
     cv_.wait_for(lk, std::chrono::milliseconds(50));
     if (closed_) break;
     auto eps = endpoints_;
+    // A peer that said hello but never attached all its channels is dropped.
+    std::vector<std::shared_ptr<EndpointImpl>> stale;
+    auto now = std::chrono::steady_clock::now();
+    for (auto it = passive_.begin(); it != passive_.end();) {
+      if (now - it->second.since > 2 * config_.connect_timeout) {
+        stale.push_back(it->second.ep);
+        it = passive_.erase(it);
+      } else {
+        ++it;
+      }
+    }
     lk.unlock();
+    for (auto& ep : stale) {
+      SLUICE_LOG(kWarn, "dropped a half-open endpoint from " << ep->peer_engine_id() << ": its channels never arrived");
+      ep->close({ErrorCode::kTimeout, "channels never arrived"});
+    }
     for (auto& ep : eps) ep->check_progress(config_.op_timeout);
     lk.lock();
   }

@@ -63,7 +63,11 @@ class EngineImpl : public std::enable_shared_from_this<EngineImpl> {
   std::condition_variable cv_;
   bool closed_ = false;
   std::vector<std::shared_ptr<EndpointImpl>> endpoints_;
-  std::unordered_map<uint64_t, std::shared_ptr<EndpointImpl>> passive_;  // token -> not yet ready
+  struct Passive {
+    std::shared_ptr<EndpointImpl> ep;
+    std::chrono::steady_clock::time_point since;
+  };
+  std::unordered_map<uint64_t, Passive> passive_;  // token -> said hello, channels not all attached
   std::deque<std::shared_ptr<EndpointImpl>> accept_queue_;
   std::thread watchdog_;
 };
