@@ -60,10 +60,12 @@ class TcpEndpoint final : public TransportEndpoint, public StreamChannel::Handle
       auto& pieces = keep->lanes[c].pieces;
       if (pieces.empty()) continue;
       StreamChannel* ch = channels_[c].get();
+      std::unique_lock<std::mutex> read_lk;
       if (is_read) {
         // Responses come back in request order per channel; remember where each one goes
-        // before any request can be answered.
-        std::lock_guard<std::mutex> lk(read_mu_[c]);
+        // before any request can be answered. The lock is held until the requests are
+        // posted, so that concurrent submitters cannot reorder requests against the queue.
+        read_lk = std::unique_lock<std::mutex>(read_mu_[c]);
         for (size_t i = 0; i < pieces.size(); ++i)
           reads_[c].push_back({token, pieces[i].local, pieces[i].length, i + 1 == pieces.size()});
       }
