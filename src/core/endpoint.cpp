@@ -138,11 +138,14 @@ Future EndpointImpl::send(MemoryHandle h, uint64_t offset, uint64_t length) {
   op->pin = pin_local(h, offset, length, "send");
   op->ptr = op->pin.get()->base + offset;
   op->length = length;
-  op->seq = send_seq_.fetch_add(1, std::memory_order_relaxed);
   op->future = std::make_shared<FutureState>(OpKind::kSend);
   op->future->set_busy_wait(busy_wait_);
   op->future->set_bytes(length);
   Future f(op->future);
+  // The receiver matches by sequence number and requires them in order: number and hand
+  // over together, or two threads sending at once reorder their messages on the wire.
+  std::lock_guard<std::mutex> lk(send_mu_);
+  op->seq = send_seq_.fetch_add(1, std::memory_order_relaxed);
   transport_->send(std::move(op));
   return f;
 }

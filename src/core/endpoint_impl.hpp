@@ -68,6 +68,7 @@ class EndpointImpl final : public EndpointEvents, public std::enable_shared_from
   std::unordered_map<uint64_t, PeerRegion> remote_;
 
   std::chrono::microseconds busy_wait_{0};
+  std::mutex send_mu_;  // orders sequence numbering with hand-over to the transport
   std::atomic<uint64_t> send_seq_{0};
   std::atomic<unsigned> rotate_{0};
   std::atomic<int> failed_code_{0};
