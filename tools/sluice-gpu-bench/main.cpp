@@ -94,6 +94,10 @@ int main(int argc, char** argv) {
   if (pid == 0) {
     ::dup2(in[0], 0);
     ::dup2(outp[1], 1);
+    ::close(in[0]);
+    ::close(in[1]);
+    ::close(outp[0]);
+    ::close(outp[1]);
     std::string a1 = "--child=" + std::to_string(peer_dev), a2 = std::to_string(max_bytes);
     char* av[] = {const_cast<char*>("/proc/self/exe"), a1.data(), a2.data(), nullptr};
     ::execv("/proc/self/exe", av);
@@ -113,12 +117,11 @@ int main(int argc, char** argv) {
 
   struct Cfg {
     std::string name;
-    int channels;
-    uint64_t chunk;
-    const char* sm_copy;
+    const char* streams;
   };
-  std::vector<Cfg> cfgs = {{"default (2 lanes, 4 MiB pieces)", 2, 4ull << 20, "0"},
-                           {"4 lanes, 16 MiB pieces", 4, 16ull << 20, "0"}};
+  std::vector<Cfg> cfgs = {{"default: 1 copy stream (SLUICE_NVLINK_STREAMS=1)", "1"},
+                           {"SLUICE_NVLINK_STREAMS=2 (copies >= 8 MiB split over 2 streams)", "2"},
+                           {"SLUICE_NVLINK_STREAMS=4", "4"}};
 
   // Raw baseline buffers in this process on both devices.
   void *b0 = nullptr, *b1 = nullptr;
@@ -156,10 +159,9 @@ int main(int argc, char** argv) {
 
   std::vector<std::vector<double>> results;  // per cfg: per size: write, read
   for (auto& cfg : cfgs) {
-    ::setenv("SLUICE_NVLINK_SM_COPY_MAX", cfg.sm_copy, 1);
-    EngineConfig c;
-    c.channels = cfg.channels;
-    c.chunk_size = cfg.chunk;
+    ::setenv("SLUICE_NVLINK_SM_COPY_MAX", "0", 1);
+    ::setenv("SLUICE_NVLINK_STREAMS", cfg.streams, 1);
+    EngineConfig c;  // default channels and chunk size: the transport merges the pieces back
     Engine e(c);
     auto src = e.allocate(max_bytes, Location::cuda(0));
     auto ep = e.connect(info);
@@ -198,6 +200,7 @@ int main(int argc, char** argv) {
   out("|---|---|---|---|---|---|");
   std::vector<uint64_t> small = {8, 64, 512, 4096, 32768, 65536, 262144};
   std::vector<std::vector<double>> lat(small.size(), std::vector<double>(5));
+  ::setenv("SLUICE_NVLINK_STREAMS", "1", 1);
   for (int mode = 0; mode < 2; ++mode) {
     ::setenv("SLUICE_NVLINK_SM_COPY_MAX", mode ? "1048576" : "0", 1);
     EngineConfig c;
@@ -234,9 +237,9 @@ int main(int argc, char** argv) {
         fmt("%.1f", lat[k][2]) + " | " + fmt("%.1f", lat[k][3]) + " | " + fmt("%.1f", lat[k][4]) + " |");
   }
 
+  if (!out_path.empty()) std::ofstream(out_path) << report.str();
   ::close(in[1]);
   int st = 0;
   ::waitpid(pid, &st, 0);
-  if (!out_path.empty()) std::ofstream(out_path) << report.str();
   return 0;
 }

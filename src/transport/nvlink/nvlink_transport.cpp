@@ -9,6 +9,7 @@
 #include <cuda_runtime_api.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <condition_variable>
 #include <cstring>
 #include <deque>
@@ -42,12 +43,24 @@ struct OpTrack {
   std::atomic<bool> failed{false};
 };
 
+// One submitted op: the events of the streams its copies went on; when every event has
+// fired, each of its `lanes` non-empty lanes completes.
 struct Inflight {
   std::shared_ptr<TransferOp> op;
   uint64_t token = 0;
   std::shared_ptr<OpTrack> track;
-  cudaEvent_t event = nullptr;
+  std::vector<cudaEvent_t> events;
   int device = 0;
+  int lanes = 0;
+};
+
+// A copy after merging the op's pieces.
+struct Seg {
+  uint8_t* local;
+  uint64_t remote_id;
+  uint64_t remote_offset;
+  uint64_t remote_addr;
+  uint64_t length;
 };
 
 // Where a remote region's bytes are, as seen from this process.
@@ -61,11 +74,14 @@ class NvlinkEndpoint final : public TransportEndpoint, public StreamChannel::Han
  public:
   explicit NvlinkEndpoint(const EndpointSetup& s)
       : events_(s.events), peer_host_(s.peer.listen_host), peer_port_(s.peer.listen_port),
-        timeout_(s.config.connect_timeout), lanes_(s.channels) {
+        timeout_(s.config.connect_timeout) {
     const auto& a = s.peer.transports.at("nvlink");
     pid_ = a.value("pid", s.peer.pid);
     same_process_ = pid_ == ::getpid();
     sm_copy_max_ = env_u64("SLUICE_NVLINK_SM_COPY_MAX", 0);
+    nstreams_ = static_cast<int>(std::clamp<uint64_t>(env_u64("SLUICE_NVLINK_STREAMS", 1), 1, 16));
+    split_min_ = env_u64("SLUICE_NVLINK_SPLIT_MIN", 8ull << 20);
+    inline_max_ = env_u64("SLUICE_NVLINK_INLINE_MAX", 1ull << 20);
     load_peer(s.peer);
     poller_ = std::thread([this] { poll(); });
   }
@@ -86,26 +102,40 @@ class NvlinkEndpoint final : public TransportEndpoint, public StreamChannel::Han
   void submit(std::shared_ptr<TransferOp> op) override {
     uint64_t token = pending_.add(op);
     if (!token) return;
-    auto track = std::make_shared<OpTrack>();
-    int lanes = 0;
-    for (auto& l : op->lanes) lanes += l.pieces.empty() ? 0 : 1;
-    track->lanes_left = lanes;
+    Inflight f{op, token, std::make_shared<OpTrack>()};
+    for (auto& l : op->lanes) f.lanes += l.pieces.empty() ? 0 : 1;
+    f.track->lanes_left = f.lanes;
     auto* user = static_cast<cudaStream_t>(cu::current_user_stream());
-    for (size_t l = 0; l < op->lanes.size(); ++l) {
-      const Lane& lane = op->lanes[l];
-      if (lane.pieces.empty()) continue;
-      Inflight f{op, token, track};
-      Status st = failed_.load() ? Status{ErrorCode::kCancelled, "endpoint closed"} : enqueue(*op, lane, l, user, &f);
-      if (!st.ok() || !f.event) {
-        finish(f, st);
-        continue;
+    Status st = failed_.load() ? Status{ErrorCode::kCancelled, "endpoint closed"} : enqueue(*op, user, &f);
+    if (!st.ok() || f.events.empty()) {
+      for (auto e : f.events) {
+        cudaEventSynchronize(e);
+        give_event(f.device, e);
       }
-      {
-        std::lock_guard<std::mutex> lk(mu_);
-        inflight_.push_back(std::move(f));
-      }
-      cv_.notify_one();
+      f.events.clear();
+      finish_all(f, st);
+      return;
     }
+    // Small ops: wait here a moment, so that the caller's Future is already complete (no
+    // thread hand-off on the latency path). Never with a user stream: its earlier work may
+    // take any time.
+    if (!user && op->bytes <= inline_max_) {
+      auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(30);
+      while (std::chrono::steady_clock::now() < until) {
+        if (events_done(f) != cudaErrorNotReady) break;
+      }
+      cudaError_t e = events_done(f);
+      if (e != cudaErrorNotReady) {
+        complete(f, e);
+        return;
+      }
+    }
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      inflight_.push_back(std::move(f));
+      has_work_.store(true, std::memory_order_release);
+    }
+    cv_.notify_one();
   }
 
   void send(std::shared_ptr<MessageOp> op) override {
@@ -253,69 +283,129 @@ class NvlinkEndpoint final : public TransportEndpoint, public StreamChannel::Han
     event_pool_[device].push_back(e);
   }
 
-  // Enqueue one lane's copies; sets f->event (nullptr when the lane already completed
-  // synchronously).
-  Status enqueue(const TransferOp& op, const Lane& lane, size_t index, cudaStream_t user, Inflight* f) {
+  // The device of local address p (from the op's pins), or -1 for host memory.
+  static int local_device(const TransferOp& op, const uint8_t* p) {
+    for (const auto& pin : op.pins) {
+      const RegionEntry* e = pin.get();
+      if (p >= e->base && p < e->base + e->length) return e->location.is_host() ? -1 : e->location.device;
+    }
+    return cu::pointer_device(p);
+  }
+
+  // Enqueue every copy of the op: pieces contiguous on both sides are merged back into one
+  // copy (the core cut them for stream transports), large copies are split over
+  // SLUICE_NVLINK_STREAMS streams. Appends one event per stream used to f->events (none when
+  // everything completed synchronously).
+  Status enqueue(const TransferOp& op, cudaStream_t user, Inflight* f) {
     try {
       const bool write = op.kind != OpKind::kRead;
-      int device = -1;
-      for (const Piece& p : lane.pieces) {
-        int d = cu::pointer_device(p.local);
-        if (d >= 0) {
-          device = d;
-          break;
+      std::vector<Seg> segs;
+      for (const Lane& lane : op.lanes)
+        for (const Piece& p : lane.pieces) segs.push_back({p.local, p.remote_id, p.remote_offset, p.remote_addr, p.length});
+      if (op.lanes.size() > 1)
+        std::sort(segs.begin(), segs.end(), [](const Seg& a, const Seg& b) {
+          return a.remote_id != b.remote_id ? a.remote_id < b.remote_id : a.remote_offset < b.remote_offset;
+        });
+      std::vector<Seg> merged;
+      for (const Seg& g : segs) {
+        if (!merged.empty()) {
+          Seg& m = merged.back();
+          if (m.remote_id == g.remote_id && m.remote_offset + m.length == g.remote_offset && m.local + m.length == g.local) {
+            m.length += g.length;
+            continue;
+          }
         }
+        merged.push_back(g);
       }
+      int device = -1;
+      for (const Seg& g : merged)
+        if ((device = local_device(op, g.local)) >= 0) break;
       bool local_cuda = device >= 0;
       if (device < 0) cudaGetDevice(&device);
+      f->device = device;
       cu::check(cudaSetDevice(device), "cudaSetDevice");
-      cudaStream_t s = user ? user : stream(device, index);
-      bool async = false;
+      const int nstreams = user ? 1 : nstreams_;
+      std::vector<bool> used(nstreams, false);
+      auto stream_at = [&](int k) { return user ? user : stream(device, static_cast<size_t>(k)); };
       std::vector<cma::Span> spans;
-      for (const Piece& p : lane.pieces) {
-        RemoteView rv = view(p.remote_id, device);
+      int next = 0;
+      for (const Seg& g : merged) {
+        RemoteView rv = view(g.remote_id, device);
         if (rv.host) {
-          if (!local_cuda) {
-            spans.push_back({p.local, p.remote_addr, p.length});
+          if (!local_cuda || local_device(op, g.local) < 0) {
+            spans.push_back({g.local, g.remote_addr, g.length});
             continue;
           }
           // Local GPU, remote host: stage through host memory.
-          std::vector<uint8_t> tmp(p.length);
+          cudaStream_t s = stream_at(0);
+          std::vector<uint8_t> tmp(g.length);
           if (write) {
             cu::check(cudaStreamSynchronize(s), "cudaStreamSynchronize");
-            cu::check(cudaMemcpy(tmp.data(), p.local, p.length, cudaMemcpyDefault), "cudaMemcpy");
-            Status st = cma::move(pid_, {{tmp.data(), p.remote_addr, p.length}}, true);
+            cu::check(cudaMemcpy(tmp.data(), g.local, g.length, cudaMemcpyDefault), "cudaMemcpy");
+            Status st = cma::move(pid_, {{tmp.data(), g.remote_addr, g.length}}, true);
             if (!st.ok()) return st;
           } else {
-            Status st = cma::move(pid_, {{tmp.data(), p.remote_addr, p.length}}, false);
+            Status st = cma::move(pid_, {{tmp.data(), g.remote_addr, g.length}}, false);
             if (!st.ok()) return st;
-            cu::check(cudaMemcpyAsync(p.local, tmp.data(), p.length, cudaMemcpyDefault, s), "cudaMemcpyAsync");
+            cu::check(cudaMemcpyAsync(g.local, tmp.data(), g.length, cudaMemcpyDefault, s), "cudaMemcpyAsync");
             cu::check(cudaStreamSynchronize(s), "cudaStreamSynchronize");
           }
           continue;
         }
-        uint8_t* remote = rv.ptr + p.remote_offset;
-        void* dst = write ? static_cast<void*>(remote) : static_cast<void*>(p.local);
-        const void* src = write ? static_cast<const void*>(p.local) : static_cast<const void*>(remote);
-        if (local_cuda && p.length <= sm_copy_max_)
-          cu::check(cu::sm_copy(dst, src, p.length, s), "sm_copy");
-        else
-          cu::check(cudaMemcpyAsync(dst, src, p.length, cudaMemcpyDefault, s), "cudaMemcpyAsync");
-        async = true;
+        uint8_t* remote = rv.ptr + g.remote_offset;
+        uint8_t* dst = write ? remote : g.local;
+        const uint8_t* src = write ? g.local : remote;
+        int parts = g.length >= split_min_ ? nstreams : 1;
+        uint64_t step = (g.length / parts + 4095) / 4096 * 4096;
+        for (uint64_t off = 0; off < g.length; off += step) {
+          uint64_t n = std::min(step, g.length - off);
+          int k = next++ % nstreams;
+          cudaStream_t s = stream_at(k);
+          used[k] = true;
+          if (local_cuda && n <= sm_copy_max_)
+            cu::check(cu::sm_copy(dst + off, src + off, n, s), "sm_copy");
+          else
+            cu::check(cudaMemcpyAsync(dst + off, src + off, n, cudaMemcpyDefault, s), "cudaMemcpyAsync");
+        }
       }
       if (!spans.empty()) {
         Status st = cma::move(pid_, spans, write);
         if (!st.ok()) return st;
       }
-      if (async) {
-        f->device = device;
-        f->event = take_event(device);
-        cu::check(cudaEventRecord(f->event, s), "cudaEventRecord");
+      for (int k = 0; k < nstreams; ++k) {
+        if (!used[k]) continue;
+        cudaEvent_t e = take_event(device);
+        f->events.push_back(e);
+        cu::check(cudaEventRecord(e, stream_at(k)), "cudaEventRecord");
       }
       return Status::Ok();
     } catch (const Error& e) {
       return e.status();
     }
+  }
+
+  // cudaSuccess when every event fired, cudaErrorNotReady, or the first error.
+  static cudaError_t events_done(const Inflight& f) {
+    for (auto e : f.events) {
+      cudaError_t r = cudaEventQuery(e);
+      if (r != cudaSuccess) return r;
+    }
+    return cudaSuccess;
+  }
+
+  void complete(Inflight& f, cudaError_t e) {
+    Status st = Status::Ok();
+    if (e != cudaSuccess) {
+      cudaGetLastError();
+      st = {ErrorCode::kInternal, std::string("nvlink copy failed: ") + cudaGetErrorString(e)};
+    }
+    for (auto ev : f.events) give_event(f.device, ev);
+    f.events.clear();
+    finish_all(f, st);
+  }
+
+  void finish_all(Inflight& f, const Status& st) {
+    for (int i = 0; i < std::max(f.lanes, 1); ++i) finish(f, st);
   }
 
   // A lane finished (or failed): imm after the last lane of a write_with_imm, then complete.
@@ -332,7 +422,16 @@ class NvlinkEndpoint final : public TransportEndpoint, public StreamChannel::Han
 
   void poll() {
     std::deque<Inflight> mine;
+    auto idle_since = std::chrono::steady_clock::now();
     for (;;) {
+      if (mine.empty() && !has_work_.load(std::memory_order_acquire)) {
+        // Spin a little before sleeping: a new op is often right behind the last one.
+        if (std::chrono::steady_clock::now() - idle_since < std::chrono::microseconds(200)) {
+          if (stop_flag_.load(std::memory_order_acquire)) break;
+          std::this_thread::yield();
+          continue;
+        }
+      }
       {
         std::unique_lock<std::mutex> lk(mu_);
         if (mine.empty()) cv_.wait(lk, [&] { return stop_ || !inflight_.empty(); });
@@ -341,31 +440,28 @@ class NvlinkEndpoint final : public TransportEndpoint, public StreamChannel::Han
           mine.push_back(std::move(inflight_.front()));
           inflight_.pop_front();
         }
+        has_work_.store(false, std::memory_order_release);
       }
       bool progressed = false;
       for (auto it = mine.begin(); it != mine.end();) {
-        cudaError_t e = cudaEventQuery(it->event);
+        cudaError_t e = events_done(*it);
         if (e == cudaErrorNotReady) {
           ++it;
           continue;
         }
-        Status st = Status::Ok();
-        if (e != cudaSuccess) {
-          cudaGetLastError();
-          st = {ErrorCode::kInternal, std::string("nvlink copy failed: ") + cudaGetErrorString(e)};
-        }
-        give_event(it->device, it->event);
-        finish(*it, st);
+        complete(*it, e);
         it = mine.erase(it);
         progressed = true;
       }
+      if (mine.empty()) idle_since = std::chrono::steady_clock::now();
       if (!progressed && !mine.empty()) std::this_thread::yield();
     }
     // Closing: wait for the copies so that no engine thread touches memory after close().
-    for (auto& f : mine) {
-      cudaEventSynchronize(f.event);
-      give_event(f.device, f.event);
-    }
+    for (auto& f : mine)
+      for (auto e : f.events) {
+        cudaEventSynchronize(e);
+        give_event(f.device, e);
+      }
   }
 
   Status serve_rts(StreamChannel& ch, const FrameHeader& h) {
@@ -405,15 +501,17 @@ class NvlinkEndpoint final : public TransportEndpoint, public StreamChannel::Han
     {
       std::lock_guard<std::mutex> lk(mu_);
       stop_ = true;
+      stop_flag_.store(true);
       cv_.notify_all();
     }
     if (poller_.joinable() && poller_.get_id() != std::this_thread::get_id()) poller_.join();
     {
       std::lock_guard<std::mutex> lk(mu_);
-      for (auto& f : inflight_) {
-        cudaEventSynchronize(f.event);
-        give_event(f.device, f.event);
-      }
+      for (auto& f : inflight_)
+        for (auto e : f.events) {
+          cudaEventSynchronize(e);
+          give_event(f.device, e);
+        }
       inflight_.clear();
     }
     pending_.fail_all(why);
@@ -424,10 +522,12 @@ class NvlinkEndpoint final : public TransportEndpoint, public StreamChannel::Han
   std::string peer_host_;
   uint16_t peer_port_;
   std::chrono::milliseconds timeout_;
-  const int lanes_;
   pid_t pid_ = 0;
   bool same_process_ = false;
   uint64_t sm_copy_max_ = 0;
+  int nstreams_ = 1;
+  uint64_t split_min_ = 8ull << 20;
+  uint64_t inline_max_ = 1ull << 20;
   std::unique_ptr<StreamChannel> control_;
   PendingOps pending_;
   std::atomic<bool> failed_{false};
@@ -436,6 +536,8 @@ class NvlinkEndpoint final : public TransportEndpoint, public StreamChannel::Han
   std::condition_variable cv_;
   std::deque<Inflight> inflight_;
   bool stop_ = false;
+  std::atomic<bool> stop_flag_{false};
+  std::atomic<bool> has_work_{false};
   std::thread poller_;
 
   std::mutex res_mu_;
