@@ -1,0 +1,93 @@
+// One opened RDMA device port: context, protection domain, address (GID / LID / MTU) and the
+// memory-registration cache shared by every endpoint of the engine.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+
+#include <nlohmann/json.hpp>
+
+#include "core/registry.hpp"
+#include "sluice/error.hpp"
+#include "transport/rdma/verbs_loader.hpp"
+
+namespace sluice::detail::rdma {
+
+constexpr int kAccess = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ;
+
+// What the peer needs to reach one of our queue pairs.
+struct QpAddress {
+  uint32_t qpn = 0;
+  uint32_t psn = 0;
+  std::string gid;  // 32 hex digits
+  uint16_t lid = 0;
+  int mtu = 0;      // enum ibv_mtu value (1=256 .. 5=4096)
+  nlohmann::json to_json() const;
+  static QpAddress from_json(const nlohmann::json& j);
+};
+
+class Device {
+ public:
+  // Opens the first device/port that SLUICE_IB_HCA selects (every device when unset) and
+  // whose port is ACTIVE. Returns nullptr with *why ("no RDMA device ...") otherwise.
+  static std::shared_ptr<Device> open(const Verbs* v, const std::string& hca, const std::string& gid_index_env,
+                                      std::string* why);
+  ~Device();
+
+  const Verbs& v() const { return *v_; }
+  ibv_context* ctx() const { return ctx_; }
+  ibv_pd* pd() const { return pd_; }
+  const std::string& name() const { return name_; }
+  int port() const { return port_; }
+  bool ethernet() const { return link_layer_ == IBV_LINK_LAYER_ETHERNET; }
+  int gid_index() const { return gid_index_; }
+  const ibv_gid& gid() const { return gid_; }
+  uint16_t lid() const { return lid_; }
+  int active_mtu() const { return mtu_; }
+  const ibv_device_attr& attr() const { return attr_; }
+  nlohmann::json address() const;
+
+  // Registration cache. Returns the MR covering the whole region (registering it the first
+  // time; a region with the same range as a registered one shares its MR). Regions that are
+  // gone from the registry are deregistered by sweep().
+  ibv_mr* mr_for(const Registry& reg, const RegionEntry* e, Status* st);
+  // Registers every region of the registry (errors skipped) and returns {id: rkey}.
+  nlohmann::json rkeys(const Registry& reg);
+  void sweep();
+  size_t cached_mrs();
+  static std::string gid_text(const ibv_gid& g);
+  static bool parse_gid(const std::string& s, ibv_gid* g);
+
+ private:
+  ibv_mr* register_range(uint8_t* base, uint64_t len, const Location& loc, Status* st);
+
+  const Verbs* v_ = nullptr;
+  ibv_context* ctx_ = nullptr;
+  ibv_pd* pd_ = nullptr;
+  std::string name_;
+  int port_ = 1;
+  int link_layer_ = IBV_LINK_LAYER_INFINIBAND;
+  int gid_index_ = 0;
+  ibv_gid gid_{};
+  uint16_t lid_ = 0;
+  int mtu_ = IBV_MTU_1024;
+  ibv_device_attr attr_{};
+
+  struct Range {
+    ibv_mr* mr = nullptr;
+    int refs = 0;
+  };
+  struct ByRegion {
+    std::weak_ptr<RegionEntry> region;
+    std::pair<uintptr_t, uint64_t> key;
+  };
+  std::mutex mu_;
+  std::map<std::pair<uintptr_t, uint64_t>, Range> ranges_;
+  std::unordered_map<uint64_t, ByRegion> regions_;
+};
+
+}  // namespace sluice::detail::rdma

@@ -1,0 +1,456 @@
+// RDMA conformance: every operation over the rdma transport (or the one named by
+// SLUICE_TEST_TRANSPORT, so the checks themselves can be validated over tcp on any host).
+// Needs an RDMA device: tests/rdma/run.sh runs it inside a SoftRoCE guest. Without one every
+// test is skipped.
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "sluice/sluice.hpp"
+
+using namespace std::chrono_literals;
+using namespace sluice;
+
+namespace {
+
+std::string g_transport = "rdma";
+std::string g_self;
+
+EngineConfig cfg(int channels = 2, std::chrono::milliseconds op_timeout = 20s) {
+  EngineConfig c;
+  c.transports = {g_transport};
+  c.channels = channels;
+  c.op_timeout = op_timeout;
+  c.connect_timeout = 10s;
+  if (const char* ip = std::getenv("SLUICE_TEST_LISTEN_HOST")) c.listen_host = ip;
+  return c;
+}
+
+void fill(uint8_t* p, uint64_t n, std::mt19937_64& rng) {
+  uint64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    uint64_t v = rng();
+    std::memcpy(p + i, &v, 8);
+  }
+  for (; i < n; ++i) p[i] = static_cast<uint8_t>(rng());
+}
+
+bool rdma_available(std::string* why) {
+  try {
+    Engine e(cfg());
+    return true;
+  } catch (const Error& e) {
+    *why = e.what();
+    return false;
+  }
+}
+
+class Rdma : public ::testing::TestWithParam<int> {
+ protected:
+  static constexpr uint64_t kBytes = 8ull << 20;
+  void SetUp() override {
+    std::string why;
+    if (!rdma_available(&why)) GTEST_SKIP() << "transport " << g_transport << " unavailable: " << why;
+    a_ = std::make_unique<Engine>(cfg(GetParam()));
+    b_ = std::make_unique<Engine>(cfg(GetParam()));
+    la_.assign(kBytes, 0);
+    lb_.assign(kBytes, 0);
+    ha_ = a_->register_memory(la_.data(), la_.size(), Location::host(), "a");
+    hb_ = b_->register_memory(lb_.data(), lb_.size(), Location::host(), "b");
+    ep_ = a_->connect(b_->local_info());
+    ASSERT_EQ(ep_.transport(), g_transport);
+    ASSERT_EQ(ep_.channels(), GetParam());
+    auto acc = b_->accept(10s);
+    ASSERT_TRUE(acc.has_value());
+    peer_ = *acc;
+    rb_ = *ep_.remote_region("b");
+    ra_ = *peer_.remote_region("a");
+  }
+  void TearDown() override {
+    ep_ = {};
+    peer_ = {};
+    if (a_) a_->close();
+    if (b_) b_->close();
+  }
+  std::unique_ptr<Engine> a_, b_;
+  std::vector<uint8_t> la_, lb_;
+  MemoryHandle ha_, hb_;
+  RemoteHandle rb_, ra_;
+  Endpoint ep_, peer_;
+};
+
+TEST_P(Rdma, RandomWritesReadsWithOffsets) {
+  std::mt19937_64 rng(1 + GetParam());
+  for (int i = 0; i < 60; ++i) {
+    uint64_t len = 1 + rng() % ((i % 3 == 0) ? 64 : (i % 3 == 1) ? 8192 : (1 << 20));
+    uint64_t lo = rng() % (kBytes / 2 - len + 1), ro = rng() % (kBytes - len + 1);
+    fill(la_.data() + lo, len, rng);
+    std::vector<uint8_t> before = lb_;
+    auto f = ep_.write({{ha_, lo, rb_, ro, len}});
+    ASSERT_TRUE(f.wait().ok()) << f.status().to_string();
+    ASSERT_EQ(0, std::memcmp(lb_.data() + ro, la_.data() + lo, len)) << "len " << len;
+    ASSERT_EQ(0, std::memcmp(lb_.data(), before.data(), ro));
+    ASSERT_EQ(0, std::memcmp(lb_.data() + ro + len, before.data() + ro + len, kBytes - ro - len));
+    uint64_t back = kBytes / 2 + rng() % (kBytes / 2 - len + 1);
+    auto r = ep_.read({{ha_, back, rb_, ro, len}});
+    ASSERT_TRUE(r.wait().ok()) << r.status().to_string();
+    ASSERT_EQ(0, std::memcmp(la_.data() + back, lb_.data() + ro, len));
+  }
+}
+
+TEST_P(Rdma, MultiAssignmentBatchesStripeOverQps) {
+  std::mt19937_64 rng(5);
+  for (int round = 0; round < 8; ++round) {
+    Batch batch;
+    uint64_t at = 0;
+    int n = 1 + static_cast<int>(rng() % 40);
+    for (int i = 0; i < n; ++i) {
+      uint64_t len = 1 + rng() % (256 << 10);
+      if (at + len > kBytes / 2) break;
+      batch.push_back({ha_, at, rb_, kBytes / 2 + at, len});
+      at += len + rng() % 100;
+    }
+    fill(la_.data(), kBytes / 2, rng);
+    auto f = round % 2 ? ep_.write(batch) : ep_.write_with_imm(batch, 1000 + round);
+    ASSERT_TRUE(f.wait().ok()) << f.status().to_string();
+    if (round % 2 == 0) {
+      auto imm = peer_.imm_recv();
+      ASSERT_TRUE(imm.wait_for(10s));
+      EXPECT_EQ(imm.imm(), 1000u + round);
+    }
+    for (auto& a : batch) ASSERT_EQ(0, std::memcmp(lb_.data() + a.remote_offset, la_.data() + a.local_offset, a.length));
+    // and back with one read batch
+    Batch rd;
+    for (auto& a : batch) rd.push_back({ha_, kBytes / 2 + a.local_offset, rb_, a.remote_offset, a.length});
+    ASSERT_TRUE(ep_.read(rd).wait().ok());
+    for (auto& a : batch)
+      ASSERT_EQ(0, std::memcmp(la_.data() + kBytes / 2 + a.local_offset, la_.data() + a.local_offset, a.length));
+  }
+}
+
+TEST_P(Rdma, WriteWithImmDataVisibleAndOrdered) {
+  std::mt19937_64 rng(9);
+  // Single-lane batches: imms arrive in submission order.
+  const int n = 300;
+  std::vector<Future> fs;
+  for (int i = 0; i < n; ++i) {
+    uint64_t off = uint64_t(i) * 4096;
+    fill(la_.data() + off, 4096, rng);
+    fs.push_back(ep_.write_with_imm({{ha_, off, rb_, off, uint64_t(1 + (i * 37) % 4096)}}, i));
+  }
+  // rdma promises submission order for single-lane batches (their imm rides on QP 0);
+  // other transports only exactly-once.
+  std::vector<bool> seen(n, false);
+  for (int i = 0; i < n; ++i) {
+    auto imm = peer_.imm_recv();
+    ASSERT_TRUE(imm.wait_for(20s)) << i;
+    ASSERT_TRUE(imm.status().ok()) << imm.status().to_string();
+    uint32_t k = imm.imm();
+    if (g_transport == "rdma") ASSERT_EQ(k, uint32_t(i));
+    ASSERT_LT(k, uint32_t(n));
+    ASSERT_FALSE(seen[k]) << "imm " << k << " twice";
+    seen[k] = true;
+    uint64_t off = uint64_t(k) * 4096, len = 1 + (k * 37) % 4096;
+    ASSERT_EQ(0, std::memcmp(lb_.data() + off, la_.data() + off, len)) << "imm " << k << " before its bytes";
+  }
+  for (auto& f : fs) ASSERT_TRUE(f.wait().ok());
+  // Striped batches (2 MiB > stripe threshold): exactly one imm each, after every byte.
+  for (int i = 0; i < 6; ++i) {
+    fill(la_.data(), 2 << 20, rng);
+    auto f = ep_.write_with_imm({{ha_, 0, rb_, 4 << 20, 2 << 20}}, 7000 + i);
+    auto imm = peer_.imm_recv();
+    ASSERT_TRUE(imm.wait_for(20s));
+    EXPECT_EQ(imm.imm(), 7000u + i);
+    ASSERT_EQ(0, std::memcmp(lb_.data() + (4 << 20), la_.data(), 2 << 20));
+    ASSERT_TRUE(f.wait().ok());
+  }
+  auto extra = peer_.imm_recv();
+  EXPECT_FALSE(extra.wait_for(300ms)) << "an extra imm arrived";
+}
+
+TEST_P(Rdma, SendRecvRandomSizesBothOrders) {
+  std::mt19937_64 rng(3);
+  for (int i = 0; i < 60; ++i) {
+    uint64_t len = rng() % ((i % 2) ? 100 : (2 << 20));
+    if (len == 0) len = 1;
+    fill(la_.data(), len, rng);
+    uint64_t ro = rng() % (kBytes - len + 1);
+    Future r, s;
+    if (i % 3 == 0) {  // unexpected: send first
+      s = ep_.send(ha_, 0, len);
+      std::this_thread::sleep_for(1ms);
+      r = peer_.recv(hb_, ro, len);
+    } else {
+      r = peer_.recv(hb_, ro, len + rng() % 100);
+      s = ep_.send(ha_, 0, len);
+    }
+    ASSERT_TRUE(s.wait().ok()) << s.status().to_string();
+    ASSERT_TRUE(r.wait().ok()) << r.status().to_string();
+    ASSERT_EQ(r.bytes(), len);
+    ASSERT_EQ(0, std::memcmp(lb_.data() + ro, la_.data(), len));
+  }
+  // The other direction, many in flight.
+  std::vector<Future> rs, ss;
+  for (int i = 0; i < 500; ++i) rs.push_back(ep_.recv(ha_, uint64_t(i) * 1024, 1024));
+  for (int i = 0; i < 500; ++i) {
+    lb_[uint64_t(i) * 512] = static_cast<uint8_t>(i);
+    ss.push_back(peer_.send(hb_, uint64_t(i) * 512, 512));
+  }
+  for (int i = 0; i < 500; ++i) {
+    ASSERT_TRUE(ss[i].wait().ok());
+    ASSERT_TRUE(rs[i].wait().ok());
+    ASSERT_EQ(la_[uint64_t(i) * 1024], static_cast<uint8_t>(i));
+  }
+}
+
+TEST_P(Rdma, SendTruncatedFailsBothSides) {
+  auto r = peer_.recv(hb_, 0, 100);
+  auto s = ep_.send(ha_, 0, 1000);
+  EXPECT_EQ(r.wait().code, ErrorCode::kTruncated);
+  EXPECT_EQ(s.wait().code, ErrorCode::kTruncated);
+  // and the endpoint still works
+  auto r2 = peer_.recv(hb_, 0, 100);
+  ASSERT_TRUE(ep_.send(ha_, 0, 50).wait().ok());
+  ASSERT_TRUE(r2.wait().ok());
+}
+
+TEST_P(Rdma, SixtyFourMiBMessages) {
+  const uint64_t big = 64ull << 20;
+  std::vector<uint8_t> src(big), dst(big);
+  std::mt19937_64 rng(4);
+  fill(src.data(), big, rng);
+  auto hs = a_->register_memory(src.data(), big);
+  auto hd = b_->register_memory(dst.data(), big, Location::host(), "big");
+  ep_.refresh_remote_regions();
+  auto rd = *ep_.remote_region("big");
+  auto w = ep_.write({{hs, 0, rd, 0, big}});
+  ASSERT_TRUE(w.wait().ok()) << w.status().to_string();
+  ASSERT_EQ(0, std::memcmp(src.data(), dst.data(), big));
+  std::memset(src.data(), 0, big);
+  auto r = ep_.read({{hs, 0, rd, 0, big}});
+  ASSERT_TRUE(r.wait().ok()) << r.status().to_string();
+  ASSERT_EQ(0, std::memcmp(src.data(), dst.data(), big));
+  fill(src.data(), big, rng);
+  auto rv = peer_.recv(hd, 0, big);
+  auto sd = ep_.send(hs, 0, big);
+  ASSERT_TRUE(sd.wait().ok()) << sd.status().to_string();
+  ASSERT_TRUE(rv.wait().ok());
+  ASSERT_EQ(0, std::memcmp(src.data(), dst.data(), big));
+  b_->unregister_memory(hd);
+  a_->unregister_memory(hs);
+}
+
+TEST_P(Rdma, ThousandsOfOutstandingWrs) {
+  // Far more WRs than the send queues hold: the backlog must post them as slots free up.
+  const int n = 6000;
+  std::vector<Future> fs;
+  fs.reserve(n);
+  for (int i = 0; i < n; ++i) {
+    uint64_t off = uint64_t(i) * 64;
+    la_[off] = static_cast<uint8_t>(i * 7);
+    fs.push_back(i % 2 ? ep_.write({{ha_, off, rb_, off, 64}}) : ep_.write({{ha_, off, rb_, off, 64}, {ha_, off + 1, rb_, off + 1, 8}}));
+  }
+  for (auto& f : fs) ASSERT_TRUE(f.wait().ok()) << f.status().to_string();
+  for (int i = 0; i < n; ++i) ASSERT_EQ(lb_[uint64_t(i) * 64], static_cast<uint8_t>(i * 7));
+  // one batch with thousands of pieces
+  Batch b;
+  for (int i = 0; i < 5000; ++i) b.push_back({ha_, uint64_t(i) * 100, rb_, uint64_t(i) * 100, 50});
+  ASSERT_TRUE(ep_.read(b).wait().ok());
+}
+
+TEST_P(Rdma, RegionRegisteredAfterConnectAndCache) {
+  std::vector<uint8_t> late(1 << 20, 0);
+  auto hl = b_->register_memory(late.data(), late.size(), Location::host(), "late");
+  ep_.refresh_remote_regions();
+  auto rl = ep_.remote_region("late");
+  ASSERT_TRUE(rl.has_value());
+  std::memset(la_.data(), 0x5A, 4096);
+  auto f = ep_.write({{ha_, 0, *rl, 100, 4096}});
+  ASSERT_TRUE(f.wait().ok()) << f.status().to_string();
+  EXPECT_EQ(late[100], 0x5A);
+  EXPECT_EQ(late[4195], 0x5A);
+  // Registering the same range again (a second handle) reuses the registration.
+  auto h2 = a_->register_memory(la_.data(), la_.size());
+  ASSERT_TRUE(ep_.write({{h2, 0, rb_, 0, 100}}).wait().ok());
+  a_->unregister_memory(h2);
+  b_->unregister_memory(hl);
+}
+
+TEST_P(Rdma, StaleRkeyFailsTheOpAndEngineKeepsRunning) {
+  std::vector<uint8_t> victim(1 << 20, 0);
+  auto hv = b_->register_memory(victim.data(), victim.size(), Location::host(), "victim");
+  ep_.refresh_remote_regions();
+  auto rv = *ep_.remote_region("victim");
+  ASSERT_TRUE(ep_.write({{ha_, 0, rv, 0, 4096}}).wait().ok());
+  b_->unregister_memory(hv);  // the peer's MR goes away (sweep) but we still hold its rkey
+  std::this_thread::sleep_for(500ms);
+  auto f = ep_.write({{ha_, 0, rv, 0, 4096}});
+  Status st = f.wait();
+  ASSERT_FALSE(st.ok());
+  if (g_transport == "rdma") EXPECT_NE(st.message.find("remote access"), std::string::npos) << st.message;
+  std::printf("      stale rkey -> %s\n", st.to_string().c_str());
+  // The engines keep running: a new endpoint works.
+  auto ep2 = a_->connect(b_->local_info());
+  auto acc = b_->accept(10s);
+  ASSERT_TRUE(acc.has_value());
+  std::memset(la_.data(), 0x77, 1000);
+  ASSERT_TRUE(ep2.write({{ha_, 0, rb_, 0, 1000}}).wait().ok());
+  EXPECT_EQ(lb_[999], 0x77);
+}
+
+TEST_P(Rdma, UnregisterdLocalGpuLikeRegionFailsCleanly) {
+  // A "cuda" region the device cannot register (a bogus device pointer, no GPU here): the op
+  // fails with the registration error and the endpoint stays usable.
+  if (g_transport != "rdma") GTEST_SKIP();
+  void* bogus = reinterpret_cast<void*>(uintptr_t(0x7f0000000000ull));
+  MemoryHandle hg;
+  try {
+    hg = a_->register_memory(bogus, 1 << 20, Location::cuda(0));
+  } catch (const Error& e) {
+    GTEST_SKIP() << "engine refuses cuda regions here: " << e.what();
+  }
+  Future f;
+  try {
+    f = ep_.write({{hg, 0, rb_, 0, 4096}});
+  } catch (const Error& e) {
+    std::printf("      refused at submit: %s\n", e.what());
+    return;
+  }
+  Status st = f.wait();
+  EXPECT_FALSE(st.ok());
+  std::printf("      gpu registration failure -> %s\n", st.to_string().c_str());
+  ASSERT_TRUE(ep_.write({{ha_, 0, rb_, 0, 100}}).wait().ok());
+}
+
+TEST_P(Rdma, PeerKilledMidTransferFailsPendingOps) {
+  if (g_self.empty()) GTEST_SKIP();
+  int pipefd[2];
+  ASSERT_EQ(0, ::pipe(pipefd));
+  pid_t pid = ::fork();
+  if (pid == 0) {
+    ::dup2(pipefd[1], 1);
+    std::string ch = std::to_string(GetParam());
+    ::execl(g_self.c_str(), g_self.c_str(), "--peer-target", ch.c_str(), (char*)nullptr);
+    ::_exit(127);
+  }
+  ::close(pipefd[1]);
+  std::string addr;
+  char c;
+  while (::read(pipefd[0], &c, 1) == 1 && c != '\n') addr += c;
+  ASSERT_FALSE(addr.empty()) << "child did not start";
+  Engine e(cfg(GetParam(), 5s));
+  std::vector<uint8_t> buf(32 << 20, 1);
+  auto h = e.register_memory(buf.data(), buf.size());
+  auto ep = e.connect(addr);
+  auto rt = *ep.remote_region("sink");
+  ASSERT_TRUE(ep.write({{h, 0, rt, 0, 4096}}).wait().ok());
+  auto recv = ep.recv(h, 0, 100);  // a recv the dead peer will never satisfy
+  std::vector<Future> fs;
+  auto t0 = std::chrono::steady_clock::now();
+  std::atomic<bool> stop{false};
+  std::thread killer([&] {
+    std::this_thread::sleep_for(300ms);
+    ::kill(pid, SIGKILL);
+  });
+  while (std::chrono::steady_clock::now() - t0 < 600ms) {
+    try {
+      fs.push_back(ep.write({{h, 0, rt, 0, 32 << 20}}));
+      fs.push_back(ep.read({{h, 0, rt, 0, 1 << 20}}));
+    } catch (const Error&) {
+      break;  // endpoint already failed
+    }
+    std::this_thread::sleep_for(20ms);
+  }
+  killer.join();
+  int failed = 0;
+  for (auto& f : fs) {
+    ASSERT_TRUE(f.wait_for(15s)) << "a pending op outlived the dead peer";
+    failed += !f.status().ok();
+  }
+  ASSERT_TRUE(recv.wait_for(15s));
+  EXPECT_FALSE(recv.status().ok());
+  auto dt = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - t0).count();
+  std::printf("      %zu ops, %d failed, all done %lld ms after start; last: %s\n", fs.size(), failed, (long long)dt,
+              fs.empty() ? "-" : fs.back().status().to_string().c_str());
+  EXPECT_GT(failed, 0);
+  int status;
+  ::waitpid(pid, &status, 0);
+  // and the engine still connects elsewhere
+  Engine other(cfg(GetParam()));
+  std::vector<uint8_t> ob(4096);
+  other.register_memory(ob.data(), ob.size(), Location::host(), "o");
+  auto ep2 = e.connect(other.local_info());
+  ASSERT_TRUE(ep2.write({{h, 0, *ep2.remote_region("o"), 0, 4096}}).wait().ok());
+}
+
+INSTANTIATE_TEST_SUITE_P(Channels, Rdma, ::testing::Values(1, 2, 4),
+                         [](const testing::TestParamInfo<int>& i) { return "ch" + std::to_string(i.param); });
+
+TEST(RdmaDevice, HcaFilterExcludingEveryDeviceMeansNoDevice) {
+  std::string why;
+  if (g_transport != "rdma" || !rdma_available(&why)) GTEST_SKIP() << why;
+  ::setenv("SLUICE_IB_HCA", "^=rxe0,mlx5_0,mlx5_1,mlx5_2,mlx5_3,irdma0,bnxt_re0,efa_0", 1);
+  ::setenv("SLUICE_IB_HCA", "^", 1);  // parse error also means no engine
+  try {
+    Engine e(cfg());
+    ADD_FAILURE() << "engine created with a malformed SLUICE_IB_HCA";
+  } catch (const Error& e) {
+    std::printf("      SLUICE_IB_HCA=^ -> %s\n", e.what());
+  }
+  ::setenv("SLUICE_IB_HCA", "=no_such_dev", 1);
+  try {
+    Engine e(cfg());
+    ADD_FAILURE() << "engine created with SLUICE_IB_HCA=no_such_dev";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kNoDevice);
+    EXPECT_NE(std::string(e.what()).find("no RDMA device"), std::string::npos) << e.what();
+  }
+  const char* dev = std::getenv("RXE_DEV");
+  ::setenv("SLUICE_IB_HCA", (std::string("=") + (dev ? dev : "rxe0") + ":1").c_str(), 1);
+  EXPECT_NO_THROW(Engine e(cfg()));
+  ::unsetenv("SLUICE_IB_HCA");
+}
+
+}  // namespace
+
+int peer_target(int channels) {
+  Engine e(cfg(channels));
+  std::vector<uint8_t> sink(32 << 20);
+  e.register_memory(sink.data(), sink.size(), Location::host(), "sink");
+  std::printf("%s\n", e.listen_address().c_str());
+  std::fflush(stdout);
+  for (;;) std::this_thread::sleep_for(1s);
+}
+
+int main(int argc, char** argv) {
+  if (const char* t = std::getenv("SLUICE_TEST_TRANSPORT")) g_transport = t;
+  if (argc >= 3 && std::string(argv[1]) == "--peer-target") return peer_target(std::atoi(argv[2]));
+  if (argc >= 2 && std::string(argv[1]) == "--expect-unavailable") {
+    // Run with SLUICE_IBVERBS_LIB=/nonexistent or no device: the transport must say why.
+    try {
+      Engine e(cfg());
+      std::printf("FAIL: rdma engine created\n");
+      return 1;
+    } catch (const Error& e) {
+      std::printf("rdma unavailable as expected: %s\n", e.what());
+      std::string want = argc >= 3 ? argv[2] : "";
+      return std::string(e.what()).find(want) != std::string::npos ? 0 : 1;
+    }
+  }
+  char buf[4096];
+  ssize_t n = ::readlink("/proc/self/exe", buf, sizeof buf - 1);
+  if (n > 0) g_self.assign(buf, n);
+  ::signal(SIGPIPE, SIG_IGN);
+  ::testing::InitGoogleTest(&argc, argv);
+  return RUN_ALL_TESTS();
+}

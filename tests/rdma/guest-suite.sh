@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Runs INSIDE the SoftRoCE guest (started by run-in-guest.sh): every RDMA check against the
+# real kernel verbs stack, one boot. Usage: guest-suite.sh BUILD_DIR
+set -u
+B=${1:?build dir}
+export SLUICE_LISTEN=${RXE_IP:-10.0.0.1}:0   # engine handshakes over the rxe netdev
+export SLUICE_LOG_LEVEL=${SLUICE_LOG_LEVEL:-warn}
+fails=0; total=0
+step() {  # name, command...
+  local name=$1; shift
+  total=$((total+1))
+  local t0=$(date +%s.%N)
+  echo "=== [$name] $*"
+  "$@"; local rc=$?
+  printf '=== [%s] rc=%d (%.1fs)\n' "$name" $rc "$(echo "$(date +%s.%N) - $t0" | bc)"
+  [ $rc = 0 ] || { fails=$((fails+1)); FAILED="${FAILED:-} $name"; }
+}
+echo "guest: $(uname -r), device $RXE_DEV on $RXE_NETDEV $RXE_IP, RoCE v2 GID index $RXE_GID_INDEX, active_mtu $(cat /sys/class/infiniband/$RXE_DEV/ports/1/active_mtu 2>/dev/null)"
+step devices ibv_devinfo -d "$RXE_DEV"
+step hca-filter "$B/tests/rdma/rdma_hca_filter_test" --gtest_brief=1
+step no-libibverbs env SLUICE_IBVERBS_LIB=/nonexistent/libibverbs.so.1 "$B/tests/rdma/rdma_conformance" --expect-unavailable "libibverbs not found"
+step hca-excludes-all env SLUICE_IB_HCA="^=$RXE_DEV" "$B/tests/rdma/rdma_conformance" --expect-unavailable "no RDMA device"
+step conformance "$B/tests/rdma/rdma_conformance" ${SLUICE_RDMA_GTEST_ARGS:-}
+if [ -x "$B/tests/rdma/rdma_shared_suites" ]; then
+  step shared-suites "$B/tests/rdma/rdma_shared_suites" --gtest_filter='Rdma/*' ${SLUICE_RDMA_GTEST_ARGS:-}
+fi
+echo "guest suite: $((total-fails))/$total steps passed${FAILED:+; failed:$FAILED}"
+[ $fails = 0 ]

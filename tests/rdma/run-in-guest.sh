@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Boot one SoftRoCE guest and run the whole RDMA suite (guest-suite.sh) in it.
+# Usage: tests/rdma/run-in-guest.sh [BUILD_DIR]   (default: build-rdma next to the sources)
+# Installs what the guest needs with apt when missing (qemu-system-x86, linux-image-amd64,
+# busybox-static, rdma-core, ibverbs-providers, ibverbs-utils, perftest, ...).
+set -euo pipefail
+HERE=$(cd "$(dirname "$0")" && pwd)
+ROOT=$(cd "$HERE/../.." && pwd)
+B=$(realpath "${1:-${SLUICE_BUILD_DIR:-$ROOT/build-rdma}}")
+[ -x "$B/tests/rdma/rdma_conformance" ] || { echo "run-in-guest.sh: $B/tests/rdma/rdma_conformance not built" >&2; exit 2; }
+exec "$HERE/rxe-guest.sh" -q -t "${RXE_TIMEOUT:-900}" -s "$B" -C "$B" \
+  ${SLUICE_RDMA_GTEST_ARGS:+-e SLUICE_RDMA_GTEST_ARGS} -e SLUICE_LOG_LEVEL=${SLUICE_LOG_LEVEL:-warn} \
+  -- bash "$HERE/guest-suite.sh" "$B"
