@@ -3,6 +3,7 @@
 // serves simple commands (checksums, fills, recvs, imm_recv) over a second pipe.
 #pragma once
 
+#include <dirent.h>
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
@@ -335,6 +336,36 @@ class Child {
 
   void kill(int sig) {
     if (pid_ > 0) ::kill(pid_, sig);
+  }
+  // SIGSTOP, then wait until every thread of the child is really stopped (delivery is
+  // asynchronous: a thread running on another core may still make progress for a moment).
+  bool stop(std::chrono::milliseconds timeout = 5s) {
+    if (pid_ <= 0) return false;
+    ::kill(pid_, SIGSTOP);
+    auto deadline = std::chrono::steady_clock::now() + timeout;
+    while (std::chrono::steady_clock::now() < deadline) {
+      bool all = true, any = false;
+      std::string dir = "/proc/" + std::to_string(pid_) + "/task";
+      if (DIR* d = ::opendir(dir.c_str())) {
+        while (dirent* e = ::readdir(d)) {
+          if (e->d_name[0] == '.') continue;
+          std::FILE* f = std::fopen((dir + "/" + e->d_name + "/stat").c_str(), "r");
+          if (!f) continue;
+          char buf[512] = {};
+          size_t n = std::fread(buf, 1, sizeof(buf) - 1, f);
+          std::fclose(f);
+          const char* close_paren = std::strrchr(buf, ')');
+          if (n == 0 || !close_paren || close_paren[1] == 0) continue;
+          char state = close_paren[2];
+          any = true;
+          if (state != 'T' && state != 't') all = false;
+        }
+        ::closedir(d);
+      }
+      if (any && all) return true;
+      std::this_thread::sleep_for(1ms);
+    }
+    return false;
   }
   void reap_killed() {
     if (pid_ > 0) {
