@@ -282,4 +282,44 @@ TEST_P(LoopbackTest, ConcurrentReadersOnOneEndpoint) {
   EXPECT_TRUE(ep_.connected());
 }
 
+class UnexpectedBound : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(UnexpectedBound, SendsBeyondTheBufferFailAndLaterMessagesStillMatch) {
+  EngineConfig cb = engine_config(GetParam(), 2, 10s);
+  cb.max_unexpected_bytes = 64 * 1024;
+  Engine a(engine_config(GetParam(), 2, 10s));
+  Engine b(cb);
+  std::vector<uint8_t> la(256 * 1024), lb(256 * 1024, 0);
+  std::mt19937_64 rng(9);
+  fill_random(la.data(), la.size(), rng);
+  auto ha = a.register_memory(la.data(), la.size());
+  auto hb = b.register_memory(lb.data(), lb.size());
+  Endpoint ep = a.connect(b.local_info());
+  auto peer = b.accept(5s);
+  ASSERT_TRUE(peer.has_value());
+  // No recv posted: two 32 KiB messages fit the 64 KiB buffer, the third does not.
+  std::vector<Future> sends;
+  for (int i = 0; i < 3; ++i) sends.push_back(ep.send(ha, i * 32768, 32768));
+  EXPECT_TRUE(sends[0].wait().ok());
+  EXPECT_TRUE(sends[1].wait().ok());
+  Status third = sends[2].wait();
+  EXPECT_FALSE(third.ok());
+  EXPECT_EQ(third.code, ErrorCode::kRemoteError) << third.to_string();
+  // The recvs match in order; the one matched with the refused message fails.
+  std::vector<Future> recvs;
+  for (int i = 0; i < 3; ++i) recvs.push_back(peer->recv(hb, i * 32768, 32768));
+  EXPECT_TRUE(recvs[0].wait().ok());
+  EXPECT_TRUE(recvs[1].wait().ok());
+  EXPECT_FALSE(recvs[2].wait().ok());
+  EXPECT_EQ(0, std::memcmp(lb.data(), la.data(), 65536));
+  // The budget was returned: matching continues normally.
+  auto r = peer->recv(hb, 100000, 50000);
+  ASSERT_TRUE(ep.send(ha, 1000, 50000).wait().ok());
+  ASSERT_TRUE(r.wait().ok());
+  EXPECT_EQ(0, std::memcmp(lb.data() + 100000, la.data() + 1000, 50000));
+  EXPECT_TRUE(ep.connected());
+}
+
+INSTANTIATE_TEST_SUITE_P(Transports, UnexpectedBound, ::testing::Values("tcp", "shm"), transport_name);
+
 INSTANTIATE_TEST_SUITE_P(Transports, LoopbackTest, ::testing::Values("tcp", "shm"), transport_name);
