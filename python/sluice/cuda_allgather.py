@@ -89,6 +89,7 @@ class AllGather:
         arr = (ctypes.c_char_p * self.world_size)(*[h.encode() for h in handles])
         if self._lib.sluice_ag_connect(self._h, arr, self.world_size, self._err, 1024) != 0:
             raise RuntimeError("sluice AllGather: " + self._err.value.decode())
+        self._run = self._lib.sluice_ag_run
 
     def all_gather(self, tensor, out=None, stream=None):
         """out = concat over ranks of `tensor` along dim 0 (like all_gather_into_tensor)."""
@@ -103,8 +104,7 @@ class AllGather:
         if out.numel() * out.element_size() != nbytes * self.world_size or not out.is_contiguous():
             raise ValueError("out must be contiguous and world_size times the input's size")
         s = stream if stream is not None else torch.cuda.current_stream(tensor.device)
-        if self._lib.sluice_ag_run(self._h, tensor.data_ptr(), out.data_ptr(), nbytes, s.cuda_stream,
-                                   self._err, 1024) != 0:
+        if self._run(self._h, tensor.data_ptr(), out.data_ptr(), nbytes, s.cuda_stream, self._err, 1024) != 0:
             raise RuntimeError("sluice AllGather: " + self._err.value.decode())
         return out
 

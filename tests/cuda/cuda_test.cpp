@@ -102,13 +102,13 @@ TEST(Nvlink, InProcessWriteRead) {
   ASSERT_TRUE(r.has_value());
   auto data = pattern(n, 3);
   CK(cudaMemcpy(src.ptr, data.data(), n, cudaMemcpyHostToDevice));
-  ASSERT_TRUE(ep.write({{src.handle, 0, *r, 4096, n}}).wait().ok());
+  { auto st_ = ep.write({{src.handle, 0, *r, 4096, n}}).wait(); ASSERT_TRUE(st_.ok()) << st_.to_string(); }
   std::vector<uint8_t> back(n);
   CK(cudaMemcpy(back.data(), static_cast<uint8_t*>(dst.ptr) + 4096, n, cudaMemcpyDeviceToHost));
   EXPECT_TRUE(back == data);
   CK(cudaMemset(src.ptr, 0, n));
   CK(cudaDeviceSynchronize());
-  ASSERT_TRUE(ep.read({{src.handle, 0, *r, 4096, n}}).wait().ok());
+  { auto st_ = ep.read({{src.handle, 0, *r, 4096, n}}).wait(); ASSERT_TRUE(st_.ok()) << st_.to_string(); }
   CK(cudaMemcpy(back.data(), src.ptr, n, cudaMemcpyDeviceToHost));
   EXPECT_TRUE(back == data);
 }
@@ -198,10 +198,10 @@ TEST(Nvlink, CrossProcessOffsetsImmAndStreams) {
   // Into a tensor that is not at the start of its allocation (cudaIpc base + offset) and into
   // an engine allocation (cuMem POSIX fd).
   for (auto remote : {*tensor, *alloc}) {
-    ASSERT_TRUE(ep.write({{src.handle, 5, remote, 1000, n}}).wait().ok());
+    { auto st_ = ep.write({{src.handle, 5, remote, 1000, n}}).wait(); ASSERT_TRUE(st_.ok()) << st_.to_string(); }
     CK(cudaMemset(static_cast<uint8_t*>(src.ptr) + (4 << 20), 0, n + 16));
     CK(cudaDeviceSynchronize());
-    ASSERT_TRUE(ep.read({{src.handle, (4 << 20) + 3, remote, 1000, n}}).wait().ok());
+    { auto st_ = ep.read({{src.handle, (4 << 20) + 3, remote, 1000, n}}).wait(); ASSERT_TRUE(st_.ok()) << st_.to_string(); }
     std::vector<uint8_t> back(n);
     CK(cudaMemcpy(back.data(), static_cast<uint8_t*>(src.ptr) + (4 << 20) + 3, n, cudaMemcpyDeviceToHost));
     EXPECT_TRUE(back == data) << "remote " << remote.id;
@@ -209,9 +209,9 @@ TEST(Nvlink, CrossProcessOffsetsImmAndStreams) {
   // Many small pieces in one batch.
   Batch batch;
   for (int i = 0; i < 64; ++i) batch.push_back({src.handle, uint64_t(i) * 4096, *tensor, uint64_t(i) * 8192, 1000});
-  ASSERT_TRUE(ep.write(batch).wait().ok());
+  { auto st_ = ep.write(batch).wait(); ASSERT_TRUE(st_.ok()) << st_.to_string(); }
   // write_with_imm: the peer gets the imm; we can't see it from here, but the op completes.
-  ASSERT_TRUE(ep.write_with_imm({{src.handle, 0, *alloc, 0, 4096}}, 42).wait().ok());
+  { auto st_ = ep.write_with_imm({{src.handle, 0, *alloc, 0, 4096}}, 42).wait(); ASSERT_TRUE(st_.ok()) << st_.to_string(); }
 
   // Stream ordering: a memset queued on the user's stream must land before the write reads.
   cudaStream_t s;
@@ -222,19 +222,19 @@ TEST(Nvlink, CrossProcessOffsetsImmAndStreams) {
   auto f = cuda::write_on_stream(ep, {{src.handle, 0, *tensor, 0, m}}, s);
   CK(cudaMemsetAsync(src.ptr, 0xCD, m, s));  // after the write on the stream
   CK(cudaStreamSynchronize(s));
-  ASSERT_TRUE(f.wait().ok());
+  { auto st_ = f.wait(); ASSERT_TRUE(st_.ok()) << st_.to_string(); }
   auto g = cuda::read_on_stream(ep, {{src.handle, 2 << 20, *tensor, 0, m}}, s);
   std::vector<uint8_t> back(m);
   CK(cudaMemcpyAsync(back.data(), static_cast<uint8_t*>(src.ptr) + (2 << 20), m, cudaMemcpyDeviceToHost, s));
   CK(cudaStreamSynchronize(s));
-  ASSERT_TRUE(g.wait().ok());
+  { auto st_ = g.wait(); ASSERT_TRUE(st_.ok()) << st_.to_string(); }
   for (size_t i = 0; i < m; ++i) ASSERT_EQ(back[i], 0xAB) << i;
   cudaStreamDestroy(s);
   // Host memory over the same endpoint (CMA path).
   std::vector<uint8_t> hbuf(1 << 16, 5);
   auto hh = e.register_memory(hbuf.data(), hbuf.size());
-  ASSERT_TRUE(ep.write({{hh, 0, *tensor, 0, hbuf.size()}}).wait().ok());
-  ASSERT_TRUE(ep.read({{hh, 0, *tensor, 4096, 4096}}).wait().ok());
+  { auto st_ = ep.write({{hh, 0, *tensor, 0, hbuf.size()}}).wait(); ASSERT_TRUE(st_.ok()) << st_.to_string(); }
+  { auto st_ = ep.read({{hh, 0, *tensor, 4096, 4096}}).wait(); ASSERT_TRUE(st_.ok()) << st_.to_string(); }
   ep.close();
 }
 

@@ -45,6 +45,11 @@ int child_main(int dev, uint64_t bytes) {
   Engine e(c);
   auto a = e.allocate(bytes, Location::cuda(dev), "dst");
   (void)a;
+  // The same size in plain cudaMalloc memory (shared through cudaIpc handles).
+  void* p = nullptr;
+  cudaSetDevice(dev);
+  if (cudaMalloc(&p, bytes) != cudaSuccess) return 3;
+  e.register_memory(p, bytes, Location::cuda(dev), "dst_malloc");
   std::printf("%s\n", e.local_info().c_str());
   std::fflush(stdout);
   char ch;
@@ -118,10 +123,13 @@ int main(int argc, char** argv) {
   struct Cfg {
     std::string name;
     const char* streams;
+    bool malloc_mem;  // cudaMalloc memory registered on both sides instead of engine allocations
   };
-  std::vector<Cfg> cfgs = {{"default: 1 copy stream (SLUICE_NVLINK_STREAMS=1)", "1"},
-                           {"SLUICE_NVLINK_STREAMS=2 (copies >= 8 MiB split over 2 streams)", "2"},
-                           {"SLUICE_NVLINK_STREAMS=4", "4"}};
+  std::vector<Cfg> cfgs = {
+      {"engine allocations (cuMem, POSIX fd), 1 copy stream (default)", "1", false},
+      {"cudaMalloc memory registered on both sides (cudaIpc), 1 copy stream", "1", true},
+      {"engine allocations, SLUICE_NVLINK_STREAMS=2 (copies >= 8 MiB split over 2 streams)", "2", false},
+      {"cudaMalloc memory, SLUICE_NVLINK_STREAMS=2", "2", true}};
 
   // Raw baseline buffers in this process on both devices.
   void *b0 = nullptr, *b1 = nullptr;
@@ -138,19 +146,21 @@ int main(int argc, char** argv) {
   CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
 
   auto iters_for = [](uint64_t n) { return (int)std::clamp<uint64_t>((4ull << 30) / n, 10, 200); };
-  auto raw = [&](uint64_t n, bool write, int iters) {
-    for (int w = 0; w < 3; ++w) {
+  // `depth` copies in flight: issue depth, then wait for all (depth 1 = one at a time).
+  auto raw = [&](uint64_t n, bool write, int iters, int depth = 1) {
+    auto issue = [&] {
       if (write) CK(cudaMemcpyPeerAsync(b1, peer_dev, b0, 0, n, s));
       else CK(cudaMemcpyPeerAsync(b0, 0, b1, peer_dev, n, s));
-      CK(cudaStreamSynchronize(s));
-    }
+    };
+    for (int w = 0; w < 3; ++w) issue();
+    CK(cudaStreamSynchronize(s));
+    int rounds = std::max(1, iters / depth);
     auto t0 = Clock::now();
-    for (int i = 0; i < iters; ++i) {
-      if (write) CK(cudaMemcpyPeerAsync(b1, peer_dev, b0, 0, n, s));
-      else CK(cudaMemcpyPeerAsync(b0, 0, b1, peer_dev, n, s));
+    for (int i = 0; i < rounds; ++i) {
+      for (int d = 0; d < depth; ++d) issue();
       CK(cudaStreamSynchronize(s));
     }
-    return secs(Clock::now() - t0) / iters;
+    return secs(Clock::now() - t0) / (rounds * depth);
   };
 
   std::vector<uint64_t> sizes;
@@ -163,34 +173,73 @@ int main(int argc, char** argv) {
     ::setenv("SLUICE_NVLINK_STREAMS", cfg.streams, 1);
     EngineConfig c;  // default channels and chunk size: the transport merges the pieces back
     Engine e(c);
-    auto src = e.allocate(max_bytes, Location::cuda(0));
+    Allocation src;
+    if (cfg.malloc_mem) {
+      src.ptr = b0;
+      src.length = max_bytes;
+      src.handle = e.register_memory(b0, max_bytes, Location::cuda(0));
+    } else {
+      src = e.allocate(max_bytes, Location::cuda(0));
+    }
     auto ep = e.connect(info);
     if (ep.transport() != "nvlink") {
       out("endpoint runs over " + ep.transport() + ", not nvlink");
       return 1;
     }
-    auto dst = *ep.remote_region("dst");
+    auto dst = *ep.remote_region(cfg.malloc_mem ? "dst_malloc" : "dst");
     out("");
     out("## Bandwidth, " + cfg.name + " (one op at a time, GB/s = 1e9 B/s)");
-    out("| size | sluice WRITE | raw cudaMemcpyPeerAsync 0->1 | ratio | sluice READ | raw 1->0 | ratio |");
-    out("|---|---|---|---|---|---|---|");
+    out("| size | in flight | sluice WRITE | raw cudaMemcpyPeerAsync 0->1 | ratio | sluice READ | raw 1->0 | ratio |");
+    out("|---|---|---|---|---|---|---|---|");
     for (uint64_t n : sizes) {
       int iters = iters_for(n);
-      double t[2];
-      for (int dir = 0; dir < 2; ++dir) {
-        Batch b{{src.handle, 0, dst, 0, n}};
-        for (int w = 0; w < 3; ++w) (dir == 0 ? ep.write(b) : ep.read(b)).get();
-        auto t0 = Clock::now();
-        for (int i = 0; i < iters; ++i) (dir == 0 ? ep.write(b) : ep.read(b)).get();
-        t[dir] = secs(Clock::now() - t0) / iters;
+      for (int depth : {1, 4}) {
+        double t[2];
+        int rounds = std::max(1, iters / depth);
+        for (int dir = 0; dir < 2; ++dir) {
+          Batch b{{src.handle, 0, dst, 0, n}};
+          for (int w = 0; w < 3; ++w) (dir == 0 ? ep.write(b) : ep.read(b)).get();
+          std::vector<Future> fs(depth);
+          auto t0 = Clock::now();
+          for (int i = 0; i < rounds; ++i) {
+            for (int d = 0; d < depth; ++d) fs[d] = dir == 0 ? ep.write(b) : ep.read(b);
+            for (auto& f : fs) f.get();
+          }
+          t[dir] = secs(Clock::now() - t0) / (rounds * depth);
+        }
+        double rw = raw(n, true, iters, depth), rr = raw(n, false, iters, depth);
+        auto gb = [&](double t) { return n / t / 1e9; };
+        out("| " + human(n) + " | " + std::to_string(depth) + " | " + fmt("%.1f", gb(t[0])) + " | " + fmt("%.1f", gb(rw)) +
+            " | " + fmt("%.3f", rw / t[0]) + " | " + fmt("%.1f", gb(t[1])) + " | " + fmt("%.1f", gb(rr)) + " | " +
+            fmt("%.3f", rr / t[1]) + " |");
       }
-      double rw = raw(n, true, iters), rr = raw(n, false, iters);
-      auto gb = [&](double t) { return n / t / 1e9; };
-      out("| " + human(n) + " | " + fmt("%.1f", gb(t[0])) + " | " + fmt("%.1f", gb(rw)) + " | " +
-          fmt("%.3f", rw / t[0]) + " | " + fmt("%.1f", gb(t[1])) + " | " + fmt("%.1f", gb(rr)) + " | " +
-          fmt("%.3f", rr / t[1]) + " |");
     }
     ep.close();
+  }
+
+  // Diagnostic: the raw copy between cuMem (engine) allocations of one process.
+  {
+    Engine e;
+    auto v0 = e.allocate(max_bytes, Location::cuda(0));
+    auto v1 = e.allocate(max_bytes, Location::cuda(peer_dev));
+    out("");
+    out("## Raw cudaMemcpyAsync between cuMem allocations in one process vs cudaMalloc (GB/s)");
+    out("| size | cuMem 0->1 | cudaMalloc 0->1 |");
+    out("|---|---|---|");
+    for (uint64_t n : sizes) {
+      if (n < (16ull << 20)) continue;
+      int iters = iters_for(n);
+      for (int w = 0; w < 3; ++w) CK(cudaMemcpyAsync(v1.ptr, v0.ptr, n, cudaMemcpyDefault, s));
+      CK(cudaStreamSynchronize(s));
+      auto t0 = Clock::now();
+      for (int i = 0; i < iters; ++i) {
+        CK(cudaMemcpyAsync(v1.ptr, v0.ptr, n, cudaMemcpyDefault, s));
+        CK(cudaStreamSynchronize(s));
+      }
+      double tv = secs(Clock::now() - t0) / iters;
+      double tr = raw(n, true, iters);
+      out("| " + human(n) + " | " + fmt("%.1f", n / tv / 1e9) + " | " + fmt("%.1f", n / tr / 1e9) + " |");
+    }
   }
 
   // Small-op latency: submit -> Future complete, one at a time.

@@ -1,9 +1,11 @@
 // nvlink: peers on the same host with CUDA memory. Each side exports its cuda regions in its
 // info blob (cuMem* allocations as POSIX fds fetched with pidfd_getfd, cudaMalloc memory as
 // cudaIpc handles, both with the region's offset inside its allocation); the other side maps
-// them once and moves bytes with cudaMemcpyAsync on dedicated per-lane streams (the copy
-// engine) or, for small pieces, an SM copy kernel. CUDA events signal completion to a poller
-// thread. Host memory on both sides moves with process_vm_readv/writev; host <-> peer-host
+// them once and moves bytes with cudaMemcpyAsync on dedicated streams (the copy engine; an
+// SM copy kernel for pieces up to SLUICE_NVLINK_SM_COPY_MAX, off by default: slower here).
+// The pieces the core cut for stream transports are merged back into one copy per contiguous
+// range. CUDA events signal completion: small ops are polled on the submitting thread, the
+// rest by a poller thread. Host memory on both sides moves with process_vm_readv/writev; host <-> peer-host
 // with a local cuda side stages through host memory. A control StreamChannel carries imm
 // values and send rendezvous, as in shm.
 #include <cuda_runtime_api.h>
@@ -81,7 +83,12 @@ class NvlinkEndpoint final : public TransportEndpoint, public StreamChannel::Han
     sm_copy_max_ = env_u64("SLUICE_NVLINK_SM_COPY_MAX", 0);
     nstreams_ = static_cast<int>(std::clamp<uint64_t>(env_u64("SLUICE_NVLINK_STREAMS", 1), 1, 16));
     split_min_ = env_u64("SLUICE_NVLINK_SPLIT_MIN", 8ull << 20);
-    inline_max_ = env_u64("SLUICE_NVLINK_INLINE_MAX", 1ull << 20);
+    inline_max_ = env_u64("SLUICE_NVLINK_INLINE_MAX", 64ull << 10);
+    // Where the engine lets waiters poll (spare cores), let them poll for about as long as
+    // the copy should take, as cudaStreamSynchronize does: a sleeping waiter wakes late.
+    int us = s.config.busy_wait_us;
+    if (us < 0) us = std::thread::hardware_concurrency() > 2 ? 20 : 0;
+    poll_waiters_ = us > 0;
     load_peer(s.peer);
     poller_ = std::thread([this] { poll(); });
   }
@@ -102,7 +109,10 @@ class NvlinkEndpoint final : public TransportEndpoint, public StreamChannel::Han
   void submit(std::shared_ptr<TransferOp> op) override {
     uint64_t token = pending_.add(op);
     if (!token) return;
-    Inflight f{op, token, std::make_shared<OpTrack>()};
+    Inflight f;
+    f.op = op;
+    f.token = token;
+    f.track = std::make_shared<OpTrack>();
     for (auto& l : op->lanes) f.lanes += l.pieces.empty() ? 0 : 1;
     f.track->lanes_left = f.lanes;
     auto* user = static_cast<cudaStream_t>(cu::current_user_stream());
@@ -129,6 +139,11 @@ class NvlinkEndpoint final : public TransportEndpoint, public StreamChannel::Han
         complete(f, e);
         return;
       }
+    }
+    if (poll_waiters_) {
+      // ~300 GB/s over NVLink, plus the completion path; at most 2 ms.
+      uint64_t us = std::min<uint64_t>(op->bytes / 300000 + 30, 2000);
+      op->future->set_busy_wait(std::chrono::microseconds(us));
     }
     {
       std::lock_guard<std::mutex> lk(mu_);
@@ -239,6 +254,13 @@ class NvlinkEndpoint final : public TransportEndpoint, public StreamChannel::Han
           uint64_t base = desc.at("base").get<uint64_t>();
           uint64_t off = desc.at("offset").get<uint64_t>();
           if (same_process_) {
+            // Our own process: the address is valid here; let `device` reach it directly.
+            int owner = desc.value("device", device);
+            if (owner != device) {
+              int can = 0;
+              cudaDeviceCanAccessPeer(&can, device, owner);
+              if (can && cudaDeviceEnablePeerAccess(owner, 0) != cudaSuccess) cudaGetLastError();
+            }
             rv.ptr = reinterpret_cast<uint8_t*>(base + off);
           } else {
             auto& imp = imports_[base];
@@ -527,7 +549,8 @@ class NvlinkEndpoint final : public TransportEndpoint, public StreamChannel::Han
   uint64_t sm_copy_max_ = 0;
   int nstreams_ = 1;
   uint64_t split_min_ = 8ull << 20;
-  uint64_t inline_max_ = 1ull << 20;
+  uint64_t inline_max_ = 64ull << 10;
+  bool poll_waiters_ = false;
   std::unique_ptr<StreamChannel> control_;
   PendingOps pending_;
   std::atomic<bool> failed_{false};
