@@ -282,6 +282,42 @@ TEST_P(LoopbackTest, ConcurrentReadersOnOneEndpoint) {
   EXPECT_TRUE(ep_.connected());
 }
 
+// KNOWN BUG (shm, not fixed): the shm transport moves one-sided data with process_vm_writev
+// or a mapping and never asks the owner, so a write through a stale handle still lands in
+// memory whose owner has unregistered (and may have freed) it. The fix needs the owner to
+// take part (revocation or target-side validation), which is not a local change. The shm
+// instance is therefore registered as DISABLED_ (ctest shows it as "Not Run (Disabled)";
+// run it with --gtest_also_run_disabled_tests). tcp validates on the target and passes.
+class PeerUnregister : public LoopbackTest {};
+
+TEST_P(PeerUnregister, PeerUnregisteredRegionIsRefused) {
+  // The peer stops exposing a region; our stale handle must not reach its memory any more.
+  std::vector<uint8_t> victim(64 * 1024);
+  fill_pattern(victim.data(), victim.size(), 3);
+  auto snap = victim;
+  auto hv = b_->register_memory(victim.data(), victim.size(), Location::host(), "victim");
+  ep_.refresh_remote_regions();
+  auto rv = ep_.remote_region("victim");
+  ASSERT_TRUE(rv.has_value());
+  ASSERT_TRUE(ep_.read({{ha_, 0, *rv, 0, 4096}}).wait().ok());
+  b_->unregister_memory(hv);
+  Status st;
+  try {
+    st = ep_.write({{ha_, 0, *rv, 0, 4096}}).wait();
+  } catch (const Error& e) {
+    st = e.status();
+  }
+  EXPECT_FALSE(st.ok()) << "a write to an unregistered peer region succeeded";
+  EXPECT_EQ(victim, snap) << "a write reached a region its owner had unregistered";
+  // After a refresh the handle is gone from our table and refused at once.
+  ep_.refresh_remote_regions();
+  EXPECT_FALSE(ep_.remote_region("victim").has_value());
+  EXPECT_EQ(code_of([&] { ep_.write({{ha_, 0, *rv, 0, 16}}); }), ErrorCode::kUnknownHandle);
+}
+
+INSTANTIATE_TEST_SUITE_P(Transports, PeerUnregister, ::testing::Values("tcp"), transport_name);
+INSTANTIATE_TEST_SUITE_P(DISABLED_KnownBugShm, PeerUnregister, ::testing::Values("shm"), transport_name);
+
 class UnexpectedBound : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(UnexpectedBound, SendsBeyondTheBufferFailAndLaterMessagesStillMatch) {
