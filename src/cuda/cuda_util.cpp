@@ -400,6 +400,9 @@ std::shared_ptr<Import> import_region(int pid, const nlohmann::json& desc, int d
     void* p = nullptr;
     check(cudaIpcOpenMemHandle(&p, ih, cudaIpcMemLazyEnablePeerAccess), "cudaIpcOpenMemHandle");
     imp->base = static_cast<uint8_t*>(p);
+  } else if (kind == "none") {
+    throw Error(ErrorCode::kUnsupported, "the peer's cuda region cannot be shared with another process: " +
+                                             desc.value("why", std::string("unknown reason")));
   } else {
     throw Error(ErrorCode::kProtocol, "import: unknown export kind '" + kind + "'");
   }

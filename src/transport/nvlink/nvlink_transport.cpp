@@ -591,7 +591,11 @@ class NvlinkTransport final : public Transport {
         d["addr"] = reinterpret_cast<uint64_t>(e->base);
         regions.push_back(std::move(d));
       } catch (const Error& err) {
+        // Engines of this same process can still use the address directly.
         SLUICE_LOG(kInfo, "nvlink: region " << e->id << " is not shareable: " << err.what());
+        auto addr = reinterpret_cast<uint64_t>(e->base);
+        regions.push_back({{"id", e->id}, {"addr", addr}, {"base", addr}, {"offset", 0}, {"base_size", e->length},
+                           {"device", e->location.device}, {"kind", "none"}, {"why", err.what()}});
       }
     }
     return {{"pid", static_cast<int>(::getpid())}, {"devices", cu::device_count()}, {"regions", regions}};
