@@ -218,6 +218,8 @@ class RdmaEndpoint final : public TransportEndpoint {
   std::atomic<bool> failed_{false};
   std::atomic<bool> closed_{false};
   std::atomic<bool> failing_{false};
+  std::atomic<bool> sleeping_{false};
+  std::atomic<std::chrono::steady_clock::rep> last_submit_{0};  // the progress thread is (about to be) in poll()
   std::atomic<bool> notified_{false};
   unsigned cq_events_ = 0;
   std::chrono::microseconds spin_{50};
@@ -502,6 +504,8 @@ void RdmaEndpoint::submit(std::shared_ptr<TransferOp> op) {
   auto keep = op;
   uint64_t token = pending_.add(std::move(op));
   if (!token) return;
+  last_submit_.store(std::chrono::steady_clock::now().time_since_epoch().count(), std::memory_order_relaxed);
+  if (sleeping_.load()) wake();  // start busy-polling while the WRs travel
   std::vector<int> lanes;
   for (size_t c = 0; c < keep->lanes.size(); ++c)
     if (!keep->lanes[c].pieces.empty()) lanes.push_back(static_cast<int>(c));
@@ -630,6 +634,8 @@ void RdmaEndpoint::post_ctrl(const CtrlMsg& m) {
 void RdmaEndpoint::send(std::shared_ptr<MessageOp> op) {
   std::lock_guard<std::mutex> lk(send_mu_);  // keeps RTS in submission order
   if (!pending_.add_send(op)) return;
+  last_submit_.store(std::chrono::steady_clock::now().time_since_epoch().count(), std::memory_order_relaxed);
+  if (sleeping_.load()) wake();
   if (sends_inflight_ >= kMaxSends || !send_wait_.empty()) {
     send_wait_.push_back(std::move(op));
     return;
@@ -917,7 +923,12 @@ void RdmaEndpoint::progress() {
       dev_->sweep();
       last_sweep = now;
     }
-    if (now - idle_since < spin_) continue;  // busy-poll phase
+    // Busy-poll while operations are outstanding (their completions are a round trip
+    // away) and for spin_ after the last completion; sleep on the channel only when idle.
+    // (Bounded: 20 ms without any completion or submission and it sleeps anyway.)
+    auto last = std::max(idle_since, std::chrono::steady_clock::time_point(
+                                         std::chrono::steady_clock::duration(last_submit_.load(std::memory_order_relaxed))));
+    if (now - idle_since < spin_ || (pending_.size() > 0 && now - last < std::chrono::milliseconds(20))) continue;
     if (!armed) {
       if (ibv_req_notify_cq(cq_, 0)) {
         fail({ErrorCode::kSystem, "rdma: ibv_req_notify_cq failed"}, true);
@@ -935,7 +946,14 @@ void RdmaEndpoint::progress() {
         fds.push_back({chans_[c]->sock.fd(), POLLIN, 0});
         which.push_back(c);
       }
+    sleeping_.store(true);
+    if (std::chrono::steady_clock::now() - std::chrono::steady_clock::time_point(std::chrono::steady_clock::duration(
+                                                 last_submit_.load())) < std::chrono::milliseconds(1)) {  // raced a submit
+      sleeping_.store(false);
+      continue;
+    }
     int rc = ::poll(fds.data(), fds.size(), 100);
+    sleeping_.store(false);
     if (rc <= 0) continue;
     if (fds[0].revents & POLLIN) {
       ibv_cq* ev_cq;

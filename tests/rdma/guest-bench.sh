@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# Runs INSIDE the SoftRoCE guest (started by bench.sh): sluice-bench over rdma and perftest
+# on the same rxe device in the same run, then the ratios. Usage: guest-bench.sh BENCH_BINARY
+set -u
+BENCH=${1:?sluice-bench binary}
+DEV=${RXE_DEV:-rxe0}; GIDX=${RXE_GID_INDEX:-1}; IP=${RXE_IP:-10.0.0.1}
+SIZES=${SLUICE_BENCH_SIZES:-"65536 262144 1048576"}
+CH=${SLUICE_BENCH_CHANNELS:-2}
+export SLUICE_LOG_LEVEL=error
+T=$(mktemp -d)
+echo "guest: $(uname -r); $DEV on $RXE_NETDEV $IP, GID index $GIDX, $(ibv_devinfo -d $DEV | grep -m1 active_mtu | tr -s " \t" " ")"
+
+# perftest: server in the background, client against it; prints the client's report.
+perf() {  # tool args...
+  local tool=$1; shift
+  "$tool" -d "$DEV" -x "$GIDX" -F "$@" > "$T/srv" 2>&1 &
+  local spid=$!
+  local out=""
+  for try in 1 2 3 4 5 6 7 8 9 10; do
+    sleep 0.3
+    if out=$("$tool" -d "$DEV" -x "$GIDX" -F "$@" "$IP" 2>&1); then break; fi
+  done
+  wait $spid 2>/dev/null
+  echo "$out"
+}
+perf_bw() {  # tool size -> MB/s (10^6 bytes/s)
+  perf "$1" -s "$2" -n "${3:-2000}" --report_gbits | awk -v s="$2" '$1==s && NF>=4 {printf "%.1f", $4*1000/8; exit}'
+}
+perf_lat() {  # tool -> typical one-way latency in us (perftest: half the round trip)
+  perf "$1" -s 2 -n "${2:-2000}" | awk '$1==2 && NF>=5 {print $5; exit}'
+}
+sluice_bw() {  # op size -> MB/s
+  "$BENCH" --transport rdma --listen "$IP:0" --op "$1" --size "$2" --batch-size 8 --concurrency 8 \
+    --channels "$CH" --iterations "${3:-40}" --csv --quiet 2>"$T/err" | awk -F, 'NR>1 {print $7; exit}'
+}
+sluice_lat() {  # -> average completion latency of a 2-byte write in us (a full round trip)
+  "$BENCH" --transport rdma --listen "$IP:0" --op write --size 2 --batch-size 1 --concurrency 1 \
+    --channels "$CH" --iterations "${1:-2000}" --csv --quiet 2>"$T/err" | awk -F, 'NR>1 {printf "%.1f", $6*1000; exit}'
+}
+ratio() { awk -v a="$1" -v b="$2" 'BEGIN { if (b+0 > 0 && a != "") printf "%.2f", a/b; else printf "n/a" }'; }
+
+printf '\n%-22s %10s %14s %16s %8s\n' "op" "size" "sluice MB/s" "perftest MB/s" "ratio"
+for op in write read; do
+  tool=ib_${op}_bw
+  for s in $SIZES; do
+    it=$(( 8 * 1024 * 1024 * 64 / s )); [ $it -gt 4000 ] && it=4000
+    p=$(perf_bw "$tool" "$s" "$it")
+    b=$(sluice_bw "$op" "$s" 40)
+    [ -n "$b" ] || { echo "sluice-bench failed:"; cat "$T/err"; }
+    printf '%-22s %10s %14s %16s %8s\n' "$op ($tool)" "$s" "${b:-FAIL}" "${p:-FAIL}" "$(ratio "$b" "$p")"
+  done
+done
+pl=$(perf_lat ib_write_lat 2000)
+sl=$(sluice_lat 2000)
+[ -n "$sl" ] || { echo "sluice-bench failed:"; cat "$T/err"; }
+rtt=$(awk -v x="$pl" 'BEGIN { if (x != "") printf "%.2f", 2*x }')
+printf '\n%-34s %12s\n' "2-byte write latency" "us"
+printf '%-34s %12s\n' "sluice (write completion = RTT)" "${sl:-FAIL}"
+printf '%-34s %12s\n' "ib_write_lat t_typical (RTT/2)" "${pl:-FAIL}"
+printf '%-34s %12s\n' "ib_write_lat as round trip (x2)" "${rtt:-n/a}"
+printf '%-34s %12s\n' "ratio sluice / perftest RTT" "$(ratio "$sl" "$rtt")"
+rm -rf "$T"
+[ -n "$sl" ]
