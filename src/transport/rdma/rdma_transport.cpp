@@ -223,11 +223,13 @@ class RdmaEndpoint final : public TransportEndpoint {
   std::atomic<bool> notified_{false};
   unsigned cq_events_ = 0;
   std::chrono::microseconds spin_{50};
+  std::chrono::milliseconds busy_{20};
 };
 
 RdmaEndpoint::RdmaEndpoint(std::shared_ptr<Device> dev, const Registry* reg, const EndpointSetup& s)
     : dev_(std::move(dev)), v_(dev_->v()), reg_(reg), events_(s.events), setup_(s), nchan_(s.channels), remote_(s.channels) {
   if (const char* e = std::getenv("SLUICE_RDMA_SPIN_US")) spin_ = std::chrono::microseconds(std::atoi(e));
+  if (const char* e = std::getenv("SLUICE_RDMA_BUSY_MS")) busy_ = std::chrono::milliseconds(std::atoi(e));
   for (int i = 0; i < nchan_; ++i) chans_.push_back(std::make_unique<Chan>());
   try {
     setup_resources();
@@ -925,10 +927,11 @@ void RdmaEndpoint::progress() {
     }
     // Busy-poll while operations are outstanding (their completions are a round trip
     // away) and for spin_ after the last completion; sleep on the channel only when idle.
-    // (Bounded: 20 ms without any completion or submission and it sleeps anyway.)
+    // (Bounded: SLUICE_RDMA_BUSY_MS, default 20 ms, without any completion or submission
+    // and it sleeps anyway; 0 = never spin for pending operations.)
     auto last = std::max(idle_since, std::chrono::steady_clock::time_point(
                                          std::chrono::steady_clock::duration(last_submit_.load(std::memory_order_relaxed))));
-    if (now - idle_since < spin_ || (pending_.size() > 0 && now - last < std::chrono::milliseconds(20))) continue;
+    if (now - idle_since < spin_ || (pending_.size() > 0 && now - last < busy_)) continue;
     if (!armed) {
       if (ibv_req_notify_cq(cq_, 0)) {
         fail({ErrorCode::kSystem, "rdma: ibv_req_notify_cq failed"}, true);
