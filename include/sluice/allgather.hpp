@@ -14,6 +14,7 @@
 // soon as it lands.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -36,6 +37,9 @@ class AllGather {
   std::string handle() const;
   // handles[r] = rank r's handle() (this rank's own entry is ignored).
   void connect(const std::vector<std::string>& handles);
+  // A simple bootstrap instead of connect(): rank 0 listens on root ("host:port"), the others
+  // connect to it (retrying until the timeout), handles are exchanged, then connect().
+  void bootstrap(const std::string& root, std::chrono::milliseconds timeout = std::chrono::seconds(60));
 
   // out[r * count + i] = rank r's in[i] for count elements of dtype; `stream` is a
   // cudaStream_t (nullptr = the legacy default stream).

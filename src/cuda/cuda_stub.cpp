@@ -37,6 +37,7 @@ AllGather::AllGather(uint64_t, uint64_t, DType, int, int, int) {
 AllGather::~AllGather() = default;
 std::string AllGather::handle() const { return {}; }
 void AllGather::connect(const std::vector<std::string>&) {}
+void AllGather::bootstrap(const std::string&, std::chrono::milliseconds) {}
 void AllGather::all_gather(const void*, void*, uint64_t, void*) {}
 void AllGather::all_gather_bytes(const void*, void*, uint64_t, void*) {}
 uint64_t AllGather::max_bytes() const { return 0; }
@@ -44,3 +45,19 @@ uint64_t AllGather::ll_max_bytes() const { return 0; }
 int AllGather::world_size() const { return 0; }
 int AllGather::rank() const { return 0; }
 }  // namespace sluice::cuda
+
+// Staging without CUDA: nothing can be staged.
+#include "cuda/staging.hpp"
+
+namespace sluice::detail::staging {
+namespace {
+[[noreturn]] void no_cuda() { throw Error(ErrorCode::kUnsupported, "cuda memory needs the CUDA build of libsluice"); }
+}  // namespace
+bool available() { return false; }
+bool is_device_ptr(const void*) { return false; }
+std::shared_ptr<uint8_t> pinned(uint64_t) { no_cuda(); }
+void download(void*, const void*, uint64_t) { no_cuda(); }
+void upload(void*, const void*, uint64_t) { no_cuda(); }
+std::shared_ptr<uint8_t> download_copy(const void*, uint64_t) { no_cuda(); }
+bool receive(void*, uint64_t, const std::function<bool(void*, uint64_t)>&) { no_cuda(); }
+}  // namespace sluice::detail::staging

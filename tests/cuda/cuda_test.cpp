@@ -303,6 +303,102 @@ TEST(AllGather, TwoRanksInProcessAndGraph) {
   EXPECT_THROW(ag[0]->all_gather_bytes(nullptr, nullptr, max_bytes + 1, nullptr), Error);
 }
 
+TEST(AllGather, TcpBootstrap) {
+  NEED_GPUS(2);
+  const std::string root = "127.0.0.1:" + std::to_string(20000 + ::getpid() % 20000);
+  std::vector<std::unique_ptr<cuda::AllGather>> ag(2);
+  std::vector<std::string> errors(2);
+  auto run = [&](int r) {
+    try {
+      cudaSetDevice(r);
+      ag[r] = std::make_unique<cuda::AllGather>(1024, 4, cuda::DType::kFloat32, 2, r, r);
+      ag[r]->bootstrap(root, std::chrono::seconds(20));
+      std::vector<float> mine(1000, float(r + 1));
+      float *in, *out;
+      cudaMalloc(reinterpret_cast<void**>(&in), 4000);
+      cudaMalloc(reinterpret_cast<void**>(&out), 8000);
+      cudaMemcpy(in, mine.data(), 4000, cudaMemcpyHostToDevice);
+      ag[r]->all_gather(in, out, 1000, nullptr);
+      std::vector<float> got(2000);
+      cudaMemcpy(got.data(), out, 8000, cudaMemcpyDeviceToHost);
+      for (int i = 0; i < 2000; ++i)
+        if (got[i] != float(i / 1000 + 1)) {
+          errors[r] = "mismatch at " + std::to_string(i);
+          break;
+        }
+    } catch (const std::exception& e) {
+      errors[r] = e.what();
+    }
+  };
+  std::thread t0(run, 0), t1(run, 1);
+  t0.join();
+  t1.join();
+  EXPECT_EQ(errors[0], "");
+  EXPECT_EQ(errors[1], "");
+}
+
+// tcp stages cuda memory through pinned host buffers on both sides.
+TEST(Staging, TcpCudaToCuda) {
+  NEED_GPUS(1);
+  Engine a(quiet()), b(quiet());
+  const size_t n = (9 << 20) + 123;
+  auto src = a.allocate(n + 4096, Location::cuda(0));
+  auto dst = b.allocate(n + 4096, Location::cuda(second_device()), "dst");
+  std::vector<uint8_t> hbuf(n);
+  auto hh = b.register_memory(hbuf.data(), n, Location::host(), "host");
+  ConnectOptions o;
+  o.transport = "tcp";
+  auto ep = a.connect(b.local_info(), o);
+  ASSERT_EQ(ep.transport(), "tcp");
+  auto r = *ep.remote_region("dst");
+  auto data = pattern(n, 21);
+  CK(cudaMemcpy(static_cast<uint8_t*>(src.ptr) + 1, data.data(), n, cudaMemcpyHostToDevice));
+  { auto st_ = ep.write({{src.handle, 1, r, 7, n}}).wait(); ASSERT_TRUE(st_.ok()) << st_.to_string(); }
+  std::vector<uint8_t> back(n);
+  CK(cudaMemcpy(back.data(), static_cast<uint8_t*>(dst.ptr) + 7, n, cudaMemcpyDeviceToHost));
+  EXPECT_TRUE(back == data);
+  CK(cudaMemset(src.ptr, 0, n + 4096));
+  CK(cudaDeviceSynchronize());
+  { auto st_ = ep.read({{src.handle, 3, r, 7, n}}).wait(); ASSERT_TRUE(st_.ok()) << st_.to_string(); }
+  CK(cudaMemcpy(back.data(), static_cast<uint8_t*>(src.ptr) + 3, n, cudaMemcpyDeviceToHost));
+  EXPECT_TRUE(back == data);
+  // cuda here -> host there
+  { auto st_ = ep.write({{src.handle, 3, *ep.remote_region("host"), 0, n}}).wait(); ASSERT_TRUE(st_.ok()) << st_.to_string(); }
+  EXPECT_TRUE(hbuf == data);
+  (void)hh;
+}
+
+// shm stages cuda memory on this side; the peer's cuda memory is out of its reach.
+TEST(Staging, ShmCudaToHost) {
+  NEED_GPUS(1);
+  Engine a(quiet()), b(quiet());
+  const size_t n = (5 << 20) + 5;
+  auto src = a.allocate(n, Location::cuda(0));
+  auto hdst = b.allocate(n, Location::host(), "host");
+  auto ddst = b.allocate(4096, Location::cuda(0), "dev");
+  ConnectOptions o;
+  o.transport = "shm";
+  auto ep = a.connect(b.local_info(), o);
+  ASSERT_EQ(ep.transport(), "shm");
+  auto data = pattern(n, 33);
+  CK(cudaMemcpy(src.ptr, data.data(), n, cudaMemcpyHostToDevice));
+  { auto st_ = ep.write({{src.handle, 0, *ep.remote_region("host"), 0, n}}).wait(); ASSERT_TRUE(st_.ok()) << st_.to_string(); }
+  EXPECT_EQ(std::memcmp(hdst.ptr, data.data(), n), 0);
+  CK(cudaMemset(src.ptr, 0, n));
+  CK(cudaDeviceSynchronize());
+  { auto st_ = ep.read({{src.handle, 0, *ep.remote_region("host"), 0, n}}).wait(); ASSERT_TRUE(st_.ok()) << st_.to_string(); }
+  std::vector<uint8_t> back(n);
+  CK(cudaMemcpy(back.data(), src.ptr, n, cudaMemcpyDeviceToHost));
+  EXPECT_TRUE(back == data);
+  bool refused = false;
+  try {
+    refused = !ep.write({{src.handle, 0, *ep.remote_region("dev"), 0, 4096}}).wait().ok();
+  } catch (const Error&) {
+    refused = true;
+  }
+  EXPECT_TRUE(refused);
+}
+
 #endif  // SLUICE_TEST_CUDA
 
 int main(int argc, char** argv) {
