@@ -150,6 +150,8 @@ def wait_all(futures: Iterable[Future], timeout: Optional[float] = None) -> None
 
 def _as_batch(batch):
     """Lists/tuples go to C++ as they are; numpy arrays become a C-contiguous (N, 5) uint64."""
+    if type(batch) is list:  # the common case, without the getattr miss below
+        return batch
     dtype = getattr(batch, "dtype", None)
     if dtype is None:
         return batch

@@ -148,6 +148,17 @@ struct PyFuture {
 
   // True once complete (raises the operation's error if it failed); False on timeout.
   bool wait(std::optional<double> timeout) const {
+    if (!f.test() && (!timeout || *timeout > 0)) {
+      // Like Future::wait(): a short spin before sleeping hides the wake-up latency of small
+      // operations (the GIL is released meanwhile).
+      py::gil_scoped_release nogil;
+      auto end = std::chrono::steady_clock::now() + std::chrono::microseconds(30);
+      while (!f.test() && std::chrono::steady_clock::now() < end) {
+#if defined(__x86_64__) || defined(__i386__)
+        for (int i = 0; i < 64; ++i) __builtin_ia32_pause();
+#endif
+      }
+    }
     if (!f.test()) {
       auto fut = f;
       if (!wait_sliced([&](std::chrono::nanoseconds d) { return fut.wait_for(d); }, timeout)) return false;
