@@ -30,6 +30,7 @@ EndpointImpl::~EndpointImpl() {
 const Registry& EndpointImpl::registry() const { return engine_->registry(); }
 
 void EndpointImpl::set_peer(EngineInfo peer) {
+  if (transport_) transport_->peer_updated(peer);
   std::lock_guard<std::mutex> lk(peer_mu_);
   remote_.clear();
   for (const auto& r : peer.regions) remote_[r.info.id] = r;

@@ -54,6 +54,7 @@ using nlohmann::json;
 
 EngineImpl::EngineImpl(EngineConfig config) : config_(EngineConfig::from_env(std::move(config))) {
   log::set_level(config_.log_level);
+  registry_.set_lease_timeout(config_.op_timeout);
   if (config_.channels < 1 || config_.channels > 64)
     throw Error(ErrorCode::kInvalidArgument, "channels must be 1..64, got " + std::to_string(config_.channels));
   engine_id_ = hex(random_u64());
@@ -143,7 +144,11 @@ EngineInfo EngineImpl::info() const {
   e.listen_host = config_.listen_host.empty() || config_.listen_host == "0.0.0.0" ? "127.0.0.1" : config_.listen_host;
   e.listen_port = listener_.port();
   for (const auto& t : transports_) e.transports[t->name()] = t->local_address();
-  for (const auto& r : registry_.entries()) e.regions.push_back({r->info(), r->memfd});
+  if (registry_.leases().ok()) {
+    e.lease_memfd = registry_.leases().memfd();
+    e.lease_slots = registry_.leases().slots();
+  }
+  for (const auto& r : registry_.entries()) e.regions.push_back({r->info(), r->memfd, r->lease_slot});
   std::sort(e.regions.begin(), e.regions.end(), [](auto& a, auto& b) { return a.info.id < b.info.id; });
   return e;
 }

@@ -16,6 +16,7 @@ json EngineInfo::to_json() const {
                {"location", r.info.location.to_string()},
                {"name", r.info.name}};
     if (r.info.shareable) jr["memfd"] = r.memfd;
+    if (r.lease_slot != 0xffffffffu) jr["lease"] = r.lease_slot;
     regs.push_back(std::move(jr));
   }
   json tr = json::object();
@@ -26,6 +27,7 @@ json EngineInfo::to_json() const {
           {"pid", pid},
           {"listen", listen_address()},
           {"transports", tr},
+          {"leases", {{"memfd", lease_memfd}, {"slots", lease_slots}}},
           {"regions", regs}};
 }
 
@@ -64,6 +66,11 @@ EngineInfo EngineInfo::from_json(const json& j) {
   auto tr = field<json>(j, "transports", "engine info");
   if (!tr.is_object()) throw Error(ErrorCode::kProtocol, "engine info: 'transports' is not an object");
   for (auto it = tr.begin(); it != tr.end(); ++it) e.transports[it.key()] = it.value();
+  if (j.contains("leases")) {
+    auto l = field<json>(j, "leases", "engine info");
+    e.lease_memfd = field<int>(l, "memfd", "leases");
+    e.lease_slots = field<uint32_t>(l, "slots", "leases");
+  }
   auto regs = field<json>(j, "regions", "engine info");
   if (!regs.is_array()) throw Error(ErrorCode::kProtocol, "engine info: 'regions' is not an array");
   for (const auto& jr : regs) {
@@ -77,6 +84,7 @@ EngineInfo EngineInfo::from_json(const json& j) {
       throw Error(ErrorCode::kProtocol, std::string("region: ") + err.what());
     }
     r.info.name = field<std::string>(jr, "name", "region");
+    if (jr.contains("lease")) r.lease_slot = field<uint32_t>(jr, "lease", "region");
     if (jr.contains("memfd")) {
       r.memfd = field<int>(jr, "memfd", "region");
       r.info.shareable = true;

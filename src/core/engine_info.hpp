@@ -15,6 +15,7 @@ namespace sluice::detail {
 struct PeerRegion {
   RegionInfo info;
   int memfd = -1;  // the owner's descriptor number for shareable memory
+  uint32_t lease_slot = 0xffffffffu;  // its slot in the owner's lease table
 };
 
 struct EngineInfo {
@@ -25,6 +26,8 @@ struct EngineInfo {
   std::string listen_host;
   uint16_t listen_port = 0;
   std::map<std::string, nlohmann::json> transports;  // name -> transport-specific address
+  int lease_memfd = -1;  // the owner's lease table (see core/lease_table.hpp)
+  uint32_t lease_slots = 0;
   std::vector<PeerRegion> regions;
 
   std::string listen_address() const { return listen_host + ":" + std::to_string(listen_port); }

@@ -51,6 +51,7 @@ MemoryHandle Registry::add(void* ptr, uint64_t length, Location location, const 
   if (!name.empty() && names_.count(name))
     throw Error(ErrorCode::kInvalidArgument, "register_memory: name '" + name + "' is already registered");
   e->id = next_id_++;
+  e->lease_slot = leases_.open(e->id);
   regions_[e->id] = e;
   if (!name.empty()) names_[name] = e->id;
   generation_.fetch_add(1);
@@ -69,8 +70,11 @@ std::shared_ptr<RegionEntry> Registry::remove(uint64_t id) {
     if (!e->name.empty()) names_.erase(e->name);
     generation_.fetch_add(1);
   }
-  std::unique_lock<std::mutex> lk(e->mu);
-  e->drained.wait(lk, [&] { return e->inflight.load(std::memory_order_acquire) == 0; });
+  {
+    std::unique_lock<std::mutex> lk(e->mu);
+    e->drained.wait(lk, [&] { return e->inflight.load(std::memory_order_acquire) == 0; });
+  }
+  leases_.close(e->lease_slot, e->id, lease_timeout_);
   return e;
 }
 

@@ -11,6 +11,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "core/lease_table.hpp"
 #include "sluice/error.hpp"
 #include "sluice/types.hpp"
 
@@ -23,6 +24,7 @@ struct RegionEntry {
   Location location;
   std::string name;
   int memfd = -1;         // engine-allocated shareable memory, else -1
+  uint32_t lease_slot = kNoLease;  // slot in the engine's lease table (same-host peers)
   bool owned = false;     // allocated by the engine (freed on removal)
   std::atomic<int64_t> inflight{0};
   std::mutex mu;
@@ -53,7 +55,8 @@ class Registry {
  public:
   MemoryHandle add(void* ptr, uint64_t length, Location location, const std::string& name, int memfd = -1,
                    bool owned = false);
-  // Removes the handle (new lookups fail) and waits until every pin is released.
+  // Removes the handle (new lookups fail) and waits until every pin is released, local ones
+  // and same-host peers' leases (the latter at most lease_timeout).
   // Returns the entry so the caller can free engine-owned memory.
   std::shared_ptr<RegionEntry> remove(uint64_t id);
 
@@ -64,6 +67,8 @@ class Registry {
   std::vector<RegionInfo> snapshot() const;
   std::vector<std::shared_ptr<RegionEntry>> entries() const;
   uint64_t generation() const { return generation_.load(); }
+  const LeaseTable& leases() const { return leases_; }
+  void set_lease_timeout(std::chrono::milliseconds t) { lease_timeout_ = t; }
 
  private:
   mutable std::shared_mutex mu_;
@@ -71,6 +76,8 @@ class Registry {
   std::unordered_map<std::string, uint64_t> names_;
   uint64_t next_id_ = 1;
   std::atomic<uint64_t> generation_{0};
+  LeaseTable leases_;
+  std::chrono::milliseconds lease_timeout_{30000};
 };
 
 // offset + length inside [0, size) without overflow.

@@ -65,6 +65,8 @@ class TransportEndpoint {
   virtual bool attach(int index, net::Socket sock, const nlohmann::json& hello) = 0;
   virtual void submit(std::shared_ptr<TransferOp> op) = 0;
   virtual void send(std::shared_ptr<MessageOp> op) = 0;
+  // The peer's info changed (hello reply, refresh_remote_regions): new regions, new keys.
+  virtual void peer_updated(const EngineInfo& peer) {}
   // Operations submitted and not yet completed.
   virtual size_t pending() const = 0;
   // When the peer last showed progress (for the engine's watchdog).

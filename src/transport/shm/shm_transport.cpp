@@ -14,6 +14,7 @@
 #include <unordered_map>
 
 #include "bootstrap/messages.hpp"
+#include "core/lease_table.hpp"
 #include "core/log.hpp"
 #include "transport/common/pending_ops.hpp"
 #include "transport/common/stream_channel.hpp"
@@ -49,7 +50,9 @@ class ShmEndpoint final : public TransportEndpoint, public StreamChannel::Handle
  public:
   explicit ShmEndpoint(const EndpointSetup& s) : events_(s.events), nworkers_(s.channels) {
     pid_ = s.peer.transports.at("shm").value("pid", s.peer.pid);
-    set_regions(s.peer);
+    if (!leases_.map(pid_, s.peer.lease_memfd, s.peer.lease_slots))
+      throw Error(ErrorCode::kUnsupported, "shm: cannot map the peer's lease table");
+    peer_updated(s.peer);
     for (int i = 0; i < nworkers_; ++i) workers_.emplace_back([this] { work(); });
   }
   ~ShmEndpoint() override { close({ErrorCode::kCancelled, "endpoint destroyed"}); }
@@ -130,11 +133,43 @@ class ShmEndpoint final : public TransportEndpoint, public StreamChannel::Handle
     control_->start();
   }
 
-  void set_regions(const EngineInfo& peer) {
+  void peer_updated(const EngineInfo& peer) override {
     std::lock_guard<std::mutex> lk(map_mu_);
-    for (const auto& r : peer.regions)
+    for (const auto& r : peer.regions) {
+      slots_[r.info.id] = r.lease_slot;
       if (r.info.shareable && r.memfd >= 0) memfds_[r.info.id] = {r.memfd, r.info.length};
+    }
   }
+
+  uint32_t lease_slot(uint64_t id) {
+    std::lock_guard<std::mutex> lk(map_mu_);
+    auto it = slots_.find(id);
+    return it == slots_.end() ? kNoLease : it->second;
+  }
+
+  // Holds leases on every peer region a lane touches, so the peer cannot unregister one
+  // while we copy (and we never touch one it already unregistered).
+  class LaneLeases {
+   public:
+    explicit LaneLeases(PeerLeases& l) : leases_(l) {}
+    ~LaneLeases() {
+      for (uint32_t s : held_) leases_.leave(s);
+    }
+    Status enter(uint32_t slot, uint64_t id) {
+      for (size_t i = 0; i < ids_.size(); ++i)
+        if (ids_[i] == id) return Status::Ok();
+      if (slot == kNoLease || !leases_.enter(slot, id))
+        return {ErrorCode::kUnknownHandle, "peer region " + std::to_string(id) + " is no longer registered"};
+      held_.push_back(slot);
+      ids_.push_back(id);
+      return Status::Ok();
+    }
+
+   private:
+    PeerLeases& leases_;
+    std::vector<uint32_t> held_;
+    std::vector<uint64_t> ids_;
+  };
 
   // The peer's memfd region `id` mapped here, or nullptr (then CMA is used).
   uint8_t* mapped(uint64_t id) {
@@ -164,6 +199,11 @@ class ShmEndpoint final : public TransportEndpoint, public StreamChannel::Handle
 
   Status run_lane(const TransferOp& op, const Lane& lane) {
     const bool write = op.kind != OpKind::kRead;
+    LaneLeases held(leases_);
+    for (const Piece& p : lane.pieces) {
+      Status st = held.enter(lease_slot(p.remote_id), p.remote_id);
+      if (!st.ok()) return st;
+    }
     std::vector<cma::Span> spans;
     for (const Piece& p : lane.pieces) {
       if (uint8_t* base = mapped(p.remote_id)) {
@@ -250,6 +290,8 @@ class ShmEndpoint final : public TransportEndpoint, public StreamChannel::Handle
 
   std::mutex map_mu_;
   std::unordered_map<uint64_t, std::pair<int, uint64_t>> memfds_;  // id -> (peer fd, length)
+  std::unordered_map<uint64_t, uint32_t> slots_;                    // id -> peer lease slot
+  PeerLeases leases_;
   std::unordered_map<uint64_t, std::shared_ptr<Mapping>> maps_;
 };
 
@@ -285,6 +327,12 @@ class ShmTransport final : public Transport {
         value != a["probe_value"].get<uint64_t>()) {
       *why = std::string("the kernel denies cross-process access (process_vm_readv: ") +
              (err ? std::strerror(err) : "wrong probe value") + ")";
+      SLUICE_LOG(kWarn, "shm: " << *why << "; falling back to the next transport");
+      return false;
+    }
+    PeerLeases probe_leases;
+    if (!probe_leases.map(a["pid"].get<int>(), peer.lease_memfd, peer.lease_slots)) {
+      *why = "cannot map the peer's lease table (/proc/<pid>/fd)";
       SLUICE_LOG(kWarn, "shm: " << *why << "; falling back to the next transport");
       return false;
     }
