@@ -6,6 +6,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "bootstrap/messages.hpp"
 #include "core/log.hpp"
 #include "transport/common/pending_ops.hpp"
 #include "transport/common/stream_channel.hpp"
@@ -295,14 +296,6 @@ class TcpEndpoint final : public TransportEndpoint, public StreamChannel::Handle
   std::mutex imm_mu_;
   std::unordered_map<uint64_t, ImmProgress> imm_;
 };
-
-}  // namespace
-}  // namespace sluice::detail
-
-#include "bootstrap/messages.hpp"
-
-namespace sluice::detail {
-namespace {
 
 void TcpEndpoint::bootstrap_reply(net::Socket& sock) {
   bootstrap::send_msg(sock.fd(), bootstrap::MsgKind::kReply, nlohmann::json::object());
