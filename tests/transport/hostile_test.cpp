@@ -2,6 +2,7 @@
 // truncated handshakes, forged bootstrap messages, forged and malformed frames, writes
 // outside any region. The engine must refuse them, leave memory alone and keep serving.
 #include <gtest/gtest.h>
+#include <dirent.h>
 #include <netinet/in.h>
 #include <poll.h>
 #include <sys/socket.h>
@@ -434,6 +435,57 @@ TEST_F(Hostile, ForgedSendsReachOnlyPostedRecvsAndPeerDeathFailsThem) {
   EXPECT_FALSE(ep->connected());
   expect_guards_intact();
   expect_still_serving();
+}
+
+int thread_count() {
+  int n = 0;
+  if (DIR* d = ::opendir("/proc/self/task")) {
+    while (dirent* e = ::readdir(d))
+      if (e->d_name[0] != '.') ++n;
+    ::closedir(d);
+  }
+  return n;
+}
+
+TEST_F(Hostile, HalfOpenEndpointFloodIsBoundedAndExpires) {
+  // Hellos whose channels never come: each one makes the victim build a passive endpoint
+  // (for shm, with worker threads). A flood of them must neither pile up without bound nor
+  // stop honest peers from connecting, and they must be dropped after the handshake timeout.
+  EngineConfig c = engine_config("tcp", 1, 10s);
+  c.transports = {"tcp", "shm"};
+  c.connect_timeout = 1000ms;
+  Engine victim(c);
+  auto [host, port] = detail::split_host_port(victim.listen_address());
+  json info = fake_info();
+  info["transports"]["shm"] = {{"pid", static_cast<int>(::getpid())}, {"probe_addr", 0}, {"probe_value", 0}};
+  const int base = thread_count();
+  int refused = 0;
+  for (int i = 0; i < 300; ++i) {
+    net::Socket s = net::connect_tcp(host, port, 2s);
+    net::set_io_timeout(s.fd(), 5s);
+    boot::send_msg(s.fd(), boot::MsgKind::kHello,
+                   {{"info", info}, {"token", 50000 + i}, {"transport", "shm"}, {"channels", 64}});
+    if (code_of([&] { boot::expect_reply(s.fd(), "hello"); }) != ErrorCode::kOk) ++refused;
+  }
+  const int peak = thread_count();
+  EXPECT_LT(peak - base, 2000) << "half-open endpoints grew the victim to " << peak << " threads";
+  // Honest peers still get through.
+  {
+    Engine good(engine_config("tcp", 2, 10s));
+    std::vector<uint8_t> buf(4096, 1);
+    auto h = good.register_memory(buf.data(), buf.size());
+    std::vector<uint8_t> vbuf(4096, 0);
+    victim.register_memory(vbuf.data(), vbuf.size(), Location::host(), "v");
+    Endpoint ep = good.connect(victim.local_info());
+    ASSERT_TRUE(ep.write({{h, 0, *ep.remote_region("v"), 0, 4096}}).wait().ok());
+    EXPECT_EQ(vbuf, buf);
+  }
+  // After the handshake timeout the half-open endpoints are gone.
+  auto deadline = std::chrono::steady_clock::now() + 6s;
+  while (thread_count() > base + 20 && std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(50ms);
+  EXPECT_LE(thread_count(), base + 20) << "half-open endpoints were never dropped (" << thread_count() << " threads, "
+                                       << base << " before the flood; " << refused << " hellos refused)";
 }
 
 }  // namespace
