@@ -292,8 +292,8 @@ TEST_P(Rdma, StaleRkeyFailsTheOpAndEngineKeepsRunning) {
   ep_.refresh_remote_regions();
   auto rv = *ep_.remote_region("victim");
   ASSERT_TRUE(ep_.write({{ha_, 0, rv, 0, 4096}}).wait().ok());
-  b_->unregister_memory(hv);  // the peer's MR goes away (sweep) but we still hold its rkey
-  std::this_thread::sleep_for(500ms);
+  // unregister_memory returns only once the MR is deregistered, but we still hold its rkey.
+  b_->unregister_memory(hv);
   auto f = ep_.write({{ha_, 0, rv, 0, 4096}});
   Status st = f.wait();
   ASSERT_FALSE(st.ok());

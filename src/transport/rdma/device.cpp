@@ -162,10 +162,35 @@ std::shared_ptr<Device> Device::open(const Verbs* v, const std::string& hca, con
 }
 
 Device::~Device() {
+  {
+    std::lock_guard<std::mutex> lk(stop_mu_);
+    stop_ = true;
+  }
+  stop_cv_.notify_all();
+  if (sweeper_.joinable()) sweeper_.join();
   for (auto& [k, r] : ranges_)
     if (r.mr) v_->dereg_mr(r.mr);
+  regions_.clear();  // releases the pins
   if (pd_) v_->dealloc_pd(pd_);
   if (ctx_) v_->close_device(ctx_);
+}
+
+void Device::start_sweeper(const Registry* reg) {
+  sweeper_ = std::thread([this, reg] {
+    uint64_t seen = reg->generation();
+    bool waiting = false;
+    std::unique_lock<std::mutex> lk(stop_mu_);
+    while (!stop_) {
+      stop_cv_.wait_for(lk, std::chrono::milliseconds(2));
+      if (stop_) break;
+      uint64_t g = reg->generation();
+      if (g == seen && !waiting) continue;
+      seen = g;
+      lk.unlock();
+      waiting = sweep(*reg);
+      lk.lock();
+    }
+  });
 }
 
 nlohmann::json Device::address() const {
@@ -230,7 +255,7 @@ ibv_mr* Device::mr_for(const Registry& reg, const RegionEntry* e, Status* st) {
     }
   }
   r.refs++;
-  regions_[e->id] = {region, key};
+  regions_[e->id] = ByRegion{RegionPin(std::move(region)), key};
   return r.mr;
 }
 
@@ -244,20 +269,32 @@ nlohmann::json Device::rkeys(const Registry& reg) {
   return out;
 }
 
-void Device::sweep() {
-  std::lock_guard<std::mutex> lk(mu_);
-  for (auto it = regions_.begin(); it != regions_.end();) {
-    if (!it->second.region.expired()) {
-      ++it;
-      continue;
+bool Device::sweep(const Registry& reg) {
+  std::vector<RegionPin> release;  // released after mu_: releasing wakes Registry::remove()
+  bool waiting = false;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    for (auto it = regions_.begin(); it != regions_.end();) {
+      RegionEntry* e = it->second.pin.get();
+      if (reg.find(it->first)) {
+        ++it;
+        continue;
+      }
+      if (e->inflight.load(std::memory_order_acquire) > 1) {  // operations still use it
+        waiting = true;
+        ++it;
+        continue;
+      }
+      auto r = ranges_.find(it->second.key);
+      if (r != ranges_.end() && --r->second.refs <= 0) {
+        v_->dereg_mr(r->second.mr);
+        ranges_.erase(r);
+      }
+      release.push_back(std::move(it->second.pin));
+      it = regions_.erase(it);
     }
-    auto r = ranges_.find(it->second.key);
-    if (r != ranges_.end() && --r->second.refs <= 0) {
-      v_->dereg_mr(r->second.mr);
-      ranges_.erase(r);
-    }
-    it = regions_.erase(it);
   }
+  return waiting;
 }
 
 size_t Device::cached_mrs() {

@@ -7,7 +7,9 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <unordered_map>
+#include <condition_variable>
 
 #include <nlohmann/json.hpp>
 
@@ -52,12 +54,16 @@ class Device {
   nlohmann::json address() const;
 
   // Registration cache. Returns the MR covering the whole region (registering it the first
-  // time; a region with the same range as a registered one shares its MR). Regions that are
-  // gone from the registry are deregistered by sweep().
+  // time; a region with the same range as a registered one shares its MR). The cache holds a
+  // pin on every region it registered, so Registry::remove() (unregister_memory, free, engine
+  // close) waits until the sweeper thread has deregistered the MR: once unregister returns, a
+  // peer's stale rkey can no longer reach the memory.
   ibv_mr* mr_for(const Registry& reg, const RegionEntry* e, Status* st);
   // Registers every region of the registry (errors skipped) and returns {id: rkey}.
   nlohmann::json rkeys(const Registry& reg);
-  void sweep();
+  // Starts the thread that deregisters regions removed from `reg` (checks the registry's
+  // generation every 2 ms).
+  void start_sweeper(const Registry* reg);
   size_t cached_mrs();
   static std::string gid_text(const ibv_gid& g);
   static bool parse_gid(const std::string& s, ibv_gid* g);
@@ -82,9 +88,14 @@ class Device {
     int refs = 0;
   };
   struct ByRegion {
-    std::weak_ptr<RegionEntry> region;
+    RegionPin pin;
     std::pair<uintptr_t, uint64_t> key;
   };
+  bool sweep(const Registry& reg);  // returns true while a removed region still has pins
+  std::thread sweeper_;
+  std::mutex stop_mu_;
+  std::condition_variable stop_cv_;
+  bool stop_ = false;
   std::mutex mu_;
   std::map<std::pair<uintptr_t, uint64_t>, Range> ranges_;
   std::unordered_map<uint64_t, ByRegion> regions_;

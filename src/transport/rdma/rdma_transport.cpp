@@ -905,7 +905,6 @@ void RdmaEndpoint::wake() {
 
 void RdmaEndpoint::progress() {
   ibv_wc wcs[32];
-  auto last_sweep = std::chrono::steady_clock::now();
   auto idle_since = std::chrono::steady_clock::now();
   bool armed = false;
   while (!stop_.load(std::memory_order_acquire)) {
@@ -921,10 +920,6 @@ void RdmaEndpoint::progress() {
       continue;
     }
     auto now = std::chrono::steady_clock::now();
-    if (now - last_sweep > std::chrono::milliseconds(100)) {
-      dev_->sweep();
-      last_sweep = now;
-    }
     // Busy-poll while operations are outstanding (their completions are a round trip
     // away) and for spin_ after the last completion; sleep on the channel only when idle.
     // (Bounded: SLUICE_RDMA_BUSY_MS, default 20 ms, without any completion or submission
@@ -1097,6 +1092,7 @@ SLUICE_REGISTER_TRANSPORT(rdma, "rdma", [](const EngineContext& ctx, std::string
   const char* gidx = std::getenv("SLUICE_IB_GID_INDEX");
   auto dev = Device::open(v, hca ? hca : "", gidx ? gidx : "", why);
   if (!dev) return nullptr;
+  dev->start_sweeper(ctx.registry);
   return std::make_unique<RdmaTransport>(std::move(dev), ctx.registry);
 });
 
