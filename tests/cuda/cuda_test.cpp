@@ -128,6 +128,7 @@ int child_main(int dev) {
   cudaMemset(p, 0, 16 << 20);
   cudaDeviceSynchronize();
   e.register_memory(static_cast<uint8_t*>(p) + (1 << 20) + 256, 4 << 20, Location::cuda(dev), "tensor");
+  e.allocate(4 << 20, Location::host(), "hostalloc");  // memfd: nvlink maps it for host pieces
   std::string info = e.local_info();
   std::printf("%s\n", info.c_str());
   std::fflush(stdout);
@@ -234,6 +235,22 @@ TEST(Nvlink, CrossProcessOffsetsImmAndStreams) {
   std::vector<uint8_t> hbuf(1 << 16, 5);
   auto hh = e.register_memory(hbuf.data(), hbuf.size());
   { auto st_ = ep.write({{hh, 0, *tensor, 0, hbuf.size()}}).wait(); ASSERT_TRUE(st_.ok()) << st_.to_string(); }
+  // Host <-> the peer's memfd host memory (mapped), and cuda here <-> it.
+  auto hostalloc = ep.remote_region("hostalloc");
+  ASSERT_TRUE(hostalloc);
+  { auto st_ = ep.write({{hh, 0, *hostalloc, 100, hbuf.size()}}).wait(); ASSERT_TRUE(st_.ok()) << st_.to_string(); }
+  std::vector<uint8_t> hback(hbuf.size(), 0);
+  auto hb = e.register_memory(hback.data(), hback.size());
+  { auto st_ = ep.read({{hb, 0, *hostalloc, 100, hback.size()}}).wait(); ASSERT_TRUE(st_.ok()) << st_.to_string(); }
+  EXPECT_TRUE(hback == hbuf);
+  { auto st_ = ep.write({{src.handle, 0, *hostalloc, 0, 1 << 20}}).wait(); ASSERT_TRUE(st_.ok()) << st_.to_string(); }
+  CK(cudaMemset(static_cast<uint8_t*>(src.ptr) + (6 << 20), 0, 1 << 20));
+  CK(cudaDeviceSynchronize());
+  { auto st_ = ep.read({{src.handle, 6 << 20, *hostalloc, 0, 1 << 20}}).wait(); ASSERT_TRUE(st_.ok()) << st_.to_string(); }
+  std::vector<uint8_t> a1(1 << 20), a2(1 << 20);
+  CK(cudaMemcpy(a1.data(), src.ptr, a1.size(), cudaMemcpyDeviceToHost));
+  CK(cudaMemcpy(a2.data(), static_cast<uint8_t*>(src.ptr) + (6 << 20), a2.size(), cudaMemcpyDeviceToHost));
+  EXPECT_TRUE(a1 == a2);
   { auto st_ = ep.read({{hh, 0, *tensor, 4096, 4096}}).wait(); ASSERT_TRUE(st_.ok()) << st_.to_string(); }
   ep.close();
 }

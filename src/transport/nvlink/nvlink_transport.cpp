@@ -9,6 +9,9 @@
 // with a local cuda side stages through host memory. A control StreamChannel carries imm
 // values and send rendezvous, as in shm.
 #include <cuda_runtime_api.h>
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -67,9 +70,18 @@ struct Seg {
 
 // Where a remote region's bytes are, as seen from this process.
 struct RemoteView {
-  uint8_t* ptr = nullptr;  // device-accessible address of the region's byte 0 (cuda regions)
-  bool host = false;       // a host region: use CMA with its virtual address
+  uint8_t* ptr = nullptr;  // byte 0 as addressable here: cuda regions, mapped memfd host regions
+  bool host = false;       // a host region: mapped (ptr) or else moved with CMA at its address
   uint64_t addr = 0;       // the peer's virtual address of byte 0
+};
+
+// A peer's engine-allocated (memfd) host region mapped here, as shm does.
+struct HostMapping {
+  uint8_t* base = nullptr;
+  uint64_t length = 0;
+  ~HostMapping() {
+    if (base) ::munmap(base, length);
+  }
 };
 
 class NvlinkEndpoint final : public TransportEndpoint, public StreamChannel::Handler {
@@ -177,6 +189,8 @@ class NvlinkEndpoint final : public TransportEndpoint, public StreamChannel::Han
     event_pool_.clear();
     std::lock_guard<std::mutex> lk2(map_mu_);
     imports_.clear();
+    views_.clear();
+    host_maps_.clear();
   }
 
   Status on_frame(StreamChannel& ch, const FrameHeader& h, PayloadReader& payload) override {
@@ -214,6 +228,7 @@ class NvlinkEndpoint final : public TransportEndpoint, public StreamChannel::Han
     for (const auto& r : peer.regions) {
       region_addr_[r.info.id] = r.info.addr;
       region_host_[r.info.id] = r.info.location.is_host();
+      if (r.info.shareable && r.memfd >= 0) memfds_[r.info.id] = {r.memfd, r.info.length};
     }
     auto it = peer.transports.find("nvlink");
     if (it == peer.transports.end() || !it->second.contains("regions")) return;
@@ -242,7 +257,7 @@ class NvlinkEndpoint final : public TransportEndpoint, public StreamChannel::Han
         if (v != views_.end()) return v->second;
         auto h = region_host_.find(id);
         if (h != region_host_.end() && h->second) {
-          RemoteView rv{nullptr, true, region_addr_[id]};
+          RemoteView rv{map_host(id), true, region_addr_[id]};
           views_[id] = rv;
           return rv;
         }
@@ -275,6 +290,29 @@ class NvlinkEndpoint final : public TransportEndpoint, public StreamChannel::Han
     }
     throw Error(ErrorCode::kUnsupported, "nvlink: the peer does not export region " + std::to_string(id) +
                                              " (cuda memory that cannot be shared?)");
+  }
+
+  // The peer's memfd host region `id` mapped here (map_mu_ held), or nullptr (then CMA).
+  uint8_t* map_host(uint64_t id) {
+    auto it = memfds_.find(id);
+    if (it == memfds_.end() || same_process_) return nullptr;
+    std::string path = "/proc/" + std::to_string(pid_) + "/fd/" + std::to_string(it->second.first);
+    int fd = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
+    if (fd < 0) return nullptr;
+    struct stat st {};
+    uint8_t* out = nullptr;
+    if (::fstat(fd, &st) == 0 && static_cast<uint64_t>(st.st_size) >= it->second.second) {
+      void* p = ::mmap(nullptr, it->second.second, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+      if (p != MAP_FAILED) {
+        auto m = std::make_shared<HostMapping>();
+        m->base = static_cast<uint8_t*>(p);
+        m->length = it->second.second;
+        host_maps_[id] = m;
+        out = m->base;
+      }
+    }
+    ::close(fd);
+    return out;
   }
 
   cudaStream_t stream(int device, size_t lane) {
@@ -353,6 +391,20 @@ class NvlinkEndpoint final : public TransportEndpoint, public StreamChannel::Han
       int next = 0;
       for (const Seg& g : merged) {
         RemoteView rv = view(g.remote_id, device);
+        if (rv.host && rv.ptr) {
+          // The peer's memfd memory is mapped here: a plain memcpy, or a copy from / to the GPU.
+          uint8_t* remote = rv.ptr + g.remote_offset;
+          if (!local_cuda || local_device(op, g.local) < 0) {
+            if (write) std::memcpy(remote, g.local, g.length);
+            else std::memcpy(g.local, remote, g.length);
+          } else {
+            cudaStream_t s = stream_at(0);
+            used[0] = true;
+            cu::check(cudaMemcpyAsync(write ? remote : g.local, write ? g.local : remote, g.length, cudaMemcpyDefault, s),
+                      "cudaMemcpyAsync");
+          }
+          continue;
+        }
         if (rv.host) {
           if (!local_cuda || local_device(op, g.local) < 0) {
             spans.push_back({g.local, g.remote_addr, g.length});
@@ -573,6 +625,8 @@ class NvlinkEndpoint final : public TransportEndpoint, public StreamChannel::Han
   std::unordered_map<uint64_t, bool> region_host_;
   std::unordered_map<uint64_t, std::shared_ptr<cu::Import>> imports_;  // peer allocation base -> mapping
   std::unordered_map<uint64_t, RemoteView> views_;
+  std::unordered_map<uint64_t, std::pair<int, uint64_t>> memfds_;  // peer host region id -> (fd, length)
+  std::unordered_map<uint64_t, std::shared_ptr<HostMapping>> host_maps_;
 };
 
 class NvlinkTransport final : public Transport {
