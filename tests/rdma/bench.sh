@@ -16,5 +16,5 @@ fi
 BENCH=$B/tools/sluice-bench/sluice-bench
 [ -x "$BENCH" ] || { echo "bench.sh: $BENCH not built" >&2; exit 2; }
 exec "$HERE/rxe-guest.sh" -q -t "${RXE_TIMEOUT:-900}" -s "$B" -C "$B" \
-  ${SLUICE_BENCH_SIZES:+-e SLUICE_BENCH_SIZES} ${SLUICE_BENCH_CHANNELS:+-e SLUICE_BENCH_CHANNELS} \
+  ${SLUICE_BENCH_SIZES:+-e SLUICE_BENCH_SIZES} ${SLUICE_BENCH_CHANNELS:+-e SLUICE_BENCH_CHANNELS} ${SLUICE_RDMA_BUSY_MS:+-e SLUICE_RDMA_BUSY_MS} \
   -- bash "$HERE/guest-bench.sh" "$BENCH"
