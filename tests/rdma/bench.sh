@@ -10,7 +10,7 @@ HERE=$(cd "$(dirname "$0")" && pwd)
 ROOT=$(cd "$HERE/../.." && pwd)
 B=$(realpath -m "${SLUICE_BUILD_DIR:-$ROOT/build-rdma}")
 if [ "${SLUICE_RDMA_SKIP_BUILD:-0}" != 1 ]; then
-  [ -f "$B/CMakeCache.txt" ] || cmake -S "$ROOT" -B "$B" -DCMAKE_BUILD_TYPE=Release >/dev/null
+  [ -f "$B/CMakeCache.txt" ] || cmake -S "$ROOT" -B "$B" -DCMAKE_BUILD_TYPE=Release ${SLUICE_CMAKE_ARGS:-} >/dev/null
   cmake --build "$B" -j "${SLUICE_BUILD_JOBS:-2}" --target sluice sluice-bench
 fi
 BENCH=$B/tools/sluice-bench/sluice-bench

@@ -926,7 +926,7 @@ void RdmaEndpoint::progress() {
     // and it sleeps anyway; 0 = never spin for pending operations.)
     auto last = std::max(idle_since, std::chrono::steady_clock::time_point(
                                          std::chrono::steady_clock::duration(last_submit_.load(std::memory_order_relaxed))));
-    if (now - idle_since < spin_ || (pending_.size() > 0 && now - last < busy_)) continue;
+    if (now - last < spin_ || (pending_.size() > 0 && now - last < busy_)) continue;
     if (!armed) {
       if (ibv_req_notify_cq(cq_, 0)) {
         fail({ErrorCode::kSystem, "rdma: ibv_req_notify_cq failed"}, true);
