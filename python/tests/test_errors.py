@@ -96,6 +96,22 @@ def test_unknown_handle(tcp_pair):
         p.a.unregister(h)
 
 
+def test_peer_unregistered_region_refused(pair):
+    # shm reads the peer's memory without asking it; its lease table must still refuse.
+    p = pair
+    h = p.a.register(np.zeros(64, np.uint8))
+    victim = np.full(64, 7, np.uint8)
+    rh = p.b.register(victim, name="victim")
+    r = p.ep.remote_region("victim")
+    p.ep.read([(h, 0, r, 0, 8)]).result(10)
+    p.b.unregister(rh)
+    with pytest.raises(sluice.UnknownHandleError):
+        p.ep.read([(h, 0, r, 0, 8)]).result(10)
+    with pytest.raises(sluice.UnknownHandleError):
+        p.ep.write([(h, 0, r, 0, 8)]).result(10)
+    assert (victim == 7).all()
+
+
 def test_out_of_range(pair):
     h = pair.a.register(np.zeros(64, np.uint8))
     pair.b.register(np.zeros(64, np.uint8), name="r")
