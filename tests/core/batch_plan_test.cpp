@@ -170,7 +170,9 @@ TEST(BatchPlan, RandomisedInvariants) {
     for (auto l : lens) total += l;
     int used = 0;
     for (auto& l : lanes) used += !l.pieces.empty();
-    if (total <= opt.stripe_threshold || opt.channels == 1) EXPECT_EQ(used, 1);
+    if (total <= opt.stripe_threshold || opt.channels == 1) {
+      EXPECT_EQ(used, 1);
+    }
     for (auto& l : lanes)
       for (size_t i = 1; i < l.pieces.size(); ++i) EXPECT_LT(l.pieces[i - 1].local, l.pieces[i].local);
   }

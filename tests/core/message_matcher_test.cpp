@@ -44,7 +44,9 @@ TEST(MessageMatcher, KthSendMatchesKthRecvWhateverTheSizes) {
     EXPECT_TRUE(ops[i]->future->status().ok());
     EXPECT_EQ(ops[i]->future->bytes(), msgs[i].size());
     EXPECT_EQ(std::string(bufs[i].begin(), bufs[i].begin() + msgs[i].size()), msgs[i]);
-    if (msgs[i].size() < 64) EXPECT_EQ(bufs[i][msgs[i].size()], 0xAA) << "bytes past the message were written";
+    if (msgs[i].size() < 64) {
+      EXPECT_EQ(bufs[i][msgs[i].size()], 0xAA) << "bytes past the message were written";
+    }
   }
 }
 

@@ -81,7 +81,9 @@ Frame read_frame(int fd, std::chrono::milliseconds timeout = 5s) {
 
 void send_frame(int fd, const FrameHeader& h, const void* payload = nullptr, size_t n = 0) {
   ASSERT_TRUE(write_all(fd, &h, sizeof(h)));
-  if (n) ASSERT_TRUE(write_all(fd, payload, n));
+  if (n) {
+    ASSERT_TRUE(write_all(fd, payload, n));
+  }
 }
 
 class Hostile : public ::testing::Test {
@@ -345,7 +347,9 @@ TEST_F(Hostile, ForgedFramesOnADataChannel) {
   // Acks for operations that do not exist: the victim drops the channel (kError frame).
   send_frame(fd, make_frame(FrameType::kAck, 555, 0, 0, 0, kLaneEnd));
   Frame err = read_frame(fd);
-  if (err.ok) EXPECT_EQ(err.h.type, static_cast<uint8_t>(FrameType::kError));
+  if (err.ok) {
+    EXPECT_EQ(err.h.type, static_cast<uint8_t>(FrameType::kError));
+  }
   EXPECT_TRUE(closed_by_peer(fd, 5s));
   EXPECT_EQ(mem_, snap_);
   expect_still_serving();
@@ -385,7 +389,9 @@ TEST_F(Hostile, MalformedFramesCloseTheChannel) {
     uint8_t junk[8] = {1, 2, 3, 4, 5, 6, 7, 8};
     send_frame(ch.fd(), c.h, junk, sizeof(junk));
     Frame f = read_frame(ch.fd());
-    if (f.ok) EXPECT_EQ(f.h.type, static_cast<uint8_t>(FrameType::kError)) << c.what;
+    if (f.ok) {
+      EXPECT_EQ(f.h.type, static_cast<uint8_t>(FrameType::kError)) << c.what;
+    }
     EXPECT_TRUE(closed_by_peer(ch.fd(), 5s)) << c.what << ": channel stayed open";
   }
   EXPECT_EQ(mem_, snap_);

@@ -29,7 +29,9 @@ TEST_P(LoopbackTest, WriteThenReadBack) {
     ASSERT_TRUE(f.wait().ok());
     EXPECT_EQ(f.bytes(), len);
     ASSERT_EQ(0, std::memcmp(la_.data() + back, lb_.data() + ro, len));
-    if (back + len < kBytes) ASSERT_EQ(la_[back + len], 0xEE);
+    if (back + len < kBytes) {
+      ASSERT_EQ(la_[back + len], 0xEE);
+    }
   }
 }
 
