@@ -286,23 +286,46 @@ TEST_P(Rdma, RegionRegisteredAfterConnectAndCache) {
   b_->unregister_memory(hl);
 }
 
-TEST_P(Rdma, StaleRkeyFailsTheOpAndEngineKeepsRunning) {
+TEST_P(Rdma, StaleRegionIsRefusedAndEndpointStaysUsable) {
   std::vector<uint8_t> victim(1 << 20, 0);
+  auto snap = victim;
   auto hv = b_->register_memory(victim.data(), victim.size(), Location::host(), "victim");
   ep_.refresh_remote_regions();
   auto rv = *ep_.remote_region("victim");
-  ASSERT_TRUE(ep_.write({{ha_, 0, rv, 0, 4096}}).wait().ok());
-  // unregister_memory returns only once the MR is deregistered, but we still hold its rkey.
+  ASSERT_TRUE(ep_.read({{ha_, 0, rv, 0, 4096}}).wait().ok());
+  // unregister_memory returns only once the peer dropped the rkey and the MR is gone.
   b_->unregister_memory(hv);
+  std::memset(la_.data(), 0x42, 4096);
   auto f = ep_.write({{ha_, 0, rv, 0, 4096}});
   Status st = f.wait();
   ASSERT_FALSE(st.ok());
-  if (g_transport == "rdma") EXPECT_NE(st.message.find("remote access"), std::string::npos) << st.message;
-  std::printf("      stale rkey -> %s\n", st.to_string().c_str());
-  // The engines keep running: a new endpoint works.
-  auto ep2 = a_->connect(b_->local_info());
+  EXPECT_EQ(victim, snap);
+  std::printf("      stale region -> %s\n", st.to_string().c_str());
+  ASSERT_TRUE(ep_.write({{ha_, 0, rb_, 0, 100}}).wait().ok()) << "endpoint broken by a stale region";
+}
+
+TEST_P(Rdma, BadRkeyRemoteAccessErrorReachesCallerEngineKeepsRunning) {
+  if (g_transport != "rdma") GTEST_SKIP();
+  // Fault injection: every rkey of the next endpoint is corrupted, so the target's NIC
+  // answers with a remote access NAK; the QP goes to the error state.
+  ::setenv("SLUICE_RDMA_FAULT_RKEY_XOR", "0x5a5a5a5a", 1);
+  auto bad = a_->connect(b_->local_info());
+  ::unsetenv("SLUICE_RDMA_FAULT_RKEY_XOR");
   auto acc = b_->accept(10s);
   ASSERT_TRUE(acc.has_value());
+  auto f = bad.write({{ha_, 0, rb_, 0, 4096}});
+  Status st = f.wait();
+  ASSERT_FALSE(st.ok());
+  EXPECT_NE(st.message.find("remote access"), std::string::npos) << st.message;
+  std::printf("      bad rkey -> %s\n", st.to_string().c_str());
+  // that endpoint is dead; later ops fail at once, the engines and other endpoints work
+  try {
+    EXPECT_FALSE(bad.write({{ha_, 0, rb_, 0, 16}}).wait().ok());
+  } catch (const Error&) {  // refused at once: the endpoint is already marked failed
+  }
+  ASSERT_TRUE(ep_.write({{ha_, 0, rb_, 0, 1000}}).wait().ok());
+  auto ep2 = a_->connect(b_->local_info());
+  ASSERT_TRUE(b_->accept(10s).has_value());
   std::memset(la_.data(), 0x77, 1000);
   ASSERT_TRUE(ep2.write({{ha_, 0, rb_, 0, 1000}}).wait().ok());
   EXPECT_EQ(lb_[999], 0x77);
@@ -357,12 +380,18 @@ TEST_P(Rdma, PeerKilledMidTransferFailsPendingOps) {
   auto recv = ep.recv(h, 0, 100);  // a recv the dead peer will never satisfy
   std::vector<Future> fs;
   auto t0 = std::chrono::steady_clock::now();
-  std::atomic<bool> stop{false};
+  std::atomic<bool> killed{false};
   std::thread killer([&] {
     std::this_thread::sleep_for(300ms);
     ::kill(pid, SIGKILL);
+    killed = true;
   });
-  while (std::chrono::steady_clock::now() - t0 < 600ms) {
+  // Keep operations in flight until well after the kill (under emulation one submission
+  // can take long, so the loop is not bounded by wall time alone).
+  auto t_end = std::chrono::steady_clock::time_point::max();
+  while (std::chrono::steady_clock::now() < t_end) {
+    if (killed && t_end == std::chrono::steady_clock::time_point::max())
+      t_end = std::chrono::steady_clock::now() + 300ms;
     try {
       fs.push_back(ep.write({{h, 0, rt, 0, 32 << 20}}));
       fs.push_back(ep.read({{h, 0, rt, 0, 1 << 20}}));

@@ -270,31 +270,57 @@ nlohmann::json Device::rkeys(const Registry& reg) {
 }
 
 bool Device::sweep(const Registry& reg) {
-  std::vector<RegionPin> release;  // released after mu_: releasing wakes Registry::remove()
   bool waiting = false;
+  std::vector<uint64_t> gone;
   {
     std::lock_guard<std::mutex> lk(mu_);
-    for (auto it = regions_.begin(); it != regions_.end();) {
-      RegionEntry* e = it->second.pin.get();
-      if (reg.find(it->first)) {
-        ++it;
-        continue;
-      }
-      if (e->inflight.load(std::memory_order_acquire) > 1) {  // operations still use it
+    for (auto& [id, r] : regions_) {
+      if (reg.find(id)) continue;
+      if (r.pin.get()->inflight.load(std::memory_order_acquire) > 1) {  // operations still use it
         waiting = true;
-        ++it;
         continue;
       }
+      gone.push_back(id);
+    }
+  }
+  if (gone.empty()) return waiting;
+  // Tell every connected peer first (they drop the rkey and refuse the region locally).
+  std::vector<std::shared_ptr<GoneListener>> ls;
+  {
+    std::lock_guard<std::mutex> lk(listeners_mu_);
+    for (auto it = listeners_.begin(); it != listeners_.end();) {
+      if (auto l = it->lock()) {
+        ls.push_back(std::move(l));
+        ++it;
+      } else {
+        it = listeners_.erase(it);
+      }
+    }
+  }
+  for (uint64_t id : gone)
+    for (auto& l : ls) l->region_gone(id);
+  ls.clear();
+  std::vector<RegionPin> release;  // released after mu_: releasing wakes Registry::remove()
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    for (uint64_t id : gone) {
+      auto it = regions_.find(id);
+      if (it == regions_.end()) continue;
       auto r = ranges_.find(it->second.key);
       if (r != ranges_.end() && --r->second.refs <= 0) {
         v_->dereg_mr(r->second.mr);
         ranges_.erase(r);
       }
       release.push_back(std::move(it->second.pin));
-      it = regions_.erase(it);
+      regions_.erase(it);
     }
   }
   return waiting;
+}
+
+void Device::add_listener(std::weak_ptr<GoneListener> l) {
+  std::lock_guard<std::mutex> lk(listeners_mu_);
+  listeners_.push_back(std::move(l));
 }
 
 size_t Device::cached_mrs() {

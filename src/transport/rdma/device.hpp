@@ -32,6 +32,16 @@ struct QpAddress {
   static QpAddress from_json(const nlohmann::json& j);
 };
 
+// Endpoints hear about regions being unregistered before their MR goes away, so that they can
+// tell their peer (which then refuses operations on the region locally instead of breaking the
+// QP with a remote access error).
+class GoneListener {
+ public:
+  virtual ~GoneListener() = default;
+  // Blocks until the peer acknowledged (bounded; returns at once on a failed endpoint).
+  virtual void region_gone(uint64_t id) = 0;
+};
+
 class Device {
  public:
   // Opens the first device/port that SLUICE_IB_HCA selects (every device when unset) and
@@ -65,6 +75,7 @@ class Device {
   // generation every 2 ms).
   void start_sweeper(const Registry* reg);
   size_t cached_mrs();
+  void add_listener(std::weak_ptr<GoneListener> l);
   static std::string gid_text(const ibv_gid& g);
   static bool parse_gid(const std::string& s, ibv_gid* g);
 
@@ -92,6 +103,8 @@ class Device {
     std::pair<uintptr_t, uint64_t> key;
   };
   bool sweep(const Registry& reg);  // returns true while a removed region still has pins
+  std::mutex listeners_mu_;
+  std::vector<std::weak_ptr<GoneListener>> listeners_;
   std::thread sweeper_;
   std::mutex stop_mu_;
   std::condition_variable stop_cv_;

@@ -31,6 +31,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <condition_variable>
 #include <cstring>
 #include <deque>
 #include <random>
@@ -85,7 +86,7 @@ struct Wr {
   uint32_t aux = 0;
 };
 
-enum CtrlType : uint32_t { kRts = 1, kFin = 2 };
+enum CtrlType : uint32_t { kRts = 1, kFin = 2, kGone = 3, kGoneAck = 4 };
 
 struct CtrlMsg {
   uint32_t type;
@@ -125,7 +126,7 @@ Status wc_status(const Verbs& v, const ibv_wc& wc, const std::string& what) {
 
 class RdmaTransport;
 
-class RdmaEndpoint final : public TransportEndpoint {
+class RdmaEndpoint final : public TransportEndpoint, public rdma::GoneListener {
  public:
   RdmaEndpoint(std::shared_ptr<Device> dev, const Registry* reg, const EndpointSetup& s);
   ~RdmaEndpoint() override { close({ErrorCode::kCancelled, "endpoint destroyed"}); }
@@ -137,6 +138,7 @@ class RdmaEndpoint final : public TransportEndpoint {
   size_t pending() const override { return pending_.size(); }
   std::chrono::steady_clock::time_point last_progress() const override { return pending_.last_progress(); }
   void close(const Status& why) override;
+  void region_gone(uint64_t id) override;
 
  private:
   void setup_resources();
@@ -209,6 +211,10 @@ class RdmaEndpoint final : public TransportEndpoint {
 
   std::mutex rkey_mu_;
   std::unordered_map<uint64_t, uint32_t> rkeys_;
+  std::unordered_map<uint64_t, bool> gone_;  // regions the peer unregistered
+  std::mutex gone_mu_;
+  std::condition_variable gone_cv_;
+  uint64_t gone_sent_ = 0, gone_acked_ = 0;
 
   std::mutex attach_mu_;
   int attached_ = 0;
@@ -219,6 +225,8 @@ class RdmaEndpoint final : public TransportEndpoint {
   std::atomic<bool> closed_{false};
   std::atomic<bool> failing_{false};
   std::atomic<bool> sleeping_{false};
+  std::atomic<bool> ready_{false};      // every QP is in RTS and the progress thread runs
+  uint32_t fault_rkey_xor_ = 0;         // test-only fault injection (SLUICE_RDMA_FAULT_RKEY_XOR)
   std::atomic<std::chrono::steady_clock::rep> last_submit_{0};  // the progress thread is (about to be) in poll()
   std::atomic<bool> notified_{false};
   unsigned cq_events_ = 0;
@@ -230,6 +238,7 @@ RdmaEndpoint::RdmaEndpoint(std::shared_ptr<Device> dev, const Registry* reg, con
     : dev_(std::move(dev)), v_(dev_->v()), reg_(reg), events_(s.events), setup_(s), nchan_(s.channels), remote_(s.channels) {
   if (const char* e = std::getenv("SLUICE_RDMA_SPIN_US")) spin_ = std::chrono::microseconds(std::atoi(e));
   if (const char* e = std::getenv("SLUICE_RDMA_BUSY_MS")) busy_ = std::chrono::milliseconds(std::atoi(e));
+  if (const char* e = std::getenv("SLUICE_RDMA_FAULT_RKEY_XOR")) fault_rkey_xor_ = static_cast<uint32_t>(std::strtoul(e, nullptr, 0));
   for (int i = 0; i < nchan_; ++i) chans_.push_back(std::make_unique<Chan>());
   try {
     setup_resources();
@@ -355,7 +364,10 @@ void RdmaEndpoint::take_peer(const json& j) {
   if (!j.is_object()) return;
   if (j.contains("rkeys") && j["rkeys"].is_object()) {
     std::lock_guard<std::mutex> lk(rkey_mu_);
-    for (auto& [k, val] : j["rkeys"].items()) rkeys_[std::stoull(k)] = val.get<uint32_t>();
+    for (auto& [k, val] : j["rkeys"].items()) {
+      uint64_t id = std::stoull(k);
+      if (!gone_.count(id)) rkeys_[id] = val.get<uint32_t>();
+    }
   }
   if (j.contains("scratch_rkey")) {
     peer_scratch_addr_ = j["scratch_addr"].get<uint64_t>();
@@ -393,6 +405,7 @@ bool RdmaEndpoint::attach(int index, net::Socket sock, const json& hello) {
 
 void RdmaEndpoint::start_thread() {
   thread_ = std::thread([this] { progress(); });
+  ready_.store(true);
 }
 
 void RdmaEndpoint::post_recv_slot(uint32_t slot) {
@@ -472,6 +485,7 @@ bool RdmaEndpoint::rkey_for(uint64_t remote_id, uint32_t* rkey) {
         *rkey = it->second;
         return true;
       }
+      if (gone_.count(remote_id)) return false;
     }
     if (attempt == 0) refresh_rkeys();
   }
@@ -537,8 +551,8 @@ void RdmaEndpoint::submit(std::shared_ptr<TransferOp> op) {
       if (!region) st = {ErrorCode::kInternal, "rdma: piece outside its pinned regions"};
       uint32_t rkey = 0;
       if (mr && !rkey_for(p.remote_id, &rkey))
-        st = {ErrorCode::kUnknownHandle, "rdma: peer " + setup_.peer.engine_id + " advertised no memory key for region " +
-                                             std::to_string(p.remote_id)};
+        st = {ErrorCode::kUnknownHandle, "rdma: peer " + setup_.peer.engine_id + " unregistered region " +
+                                             std::to_string(p.remote_id) + " (or advertised no memory key for it)"};
       if (!st.ok()) {
         if (imm && !imm_chained) {
           std::lock_guard<std::mutex> lk(imm_mu_);
@@ -554,7 +568,7 @@ void RdmaEndpoint::submit(std::shared_ptr<TransferOp> op) {
         w.sge = {reinterpret_cast<uintptr_t>(p.local + off), static_cast<uint32_t>(n), mr->lkey};
         w.wr.opcode = is_read ? IBV_WR_RDMA_READ : IBV_WR_RDMA_WRITE;
         w.wr.wr.rdma.remote_addr = p.remote_addr + off;
-        w.wr.wr.rdma.rkey = rkey;
+        w.wr.wr.rdma.rkey = rkey ^ fault_rkey_xor_;
         if (!is_read && n <= max_inline_) w.wr.send_flags |= IBV_SEND_INLINE;
         w.token = token;
         wrs.push_back(w);
@@ -786,6 +800,22 @@ void RdmaEndpoint::handle_recv(const ibv_wc& wc) {
   }
   if (m.type == kRts) on_rts(m);
   else if (m.type == kFin) on_fin(m);
+  else if (m.type == kGone) {
+    {
+      std::lock_guard<std::mutex> lk(rkey_mu_);
+      rkeys_.erase(m.seq);
+      gone_[m.seq] = true;
+    }
+    CtrlMsg ack{};
+    ack.type = kGoneAck;
+    ack.seq = m.seq;
+    ack.addr = m.addr;
+    post_ctrl(ack);
+  } else if (m.type == kGoneAck) {
+    std::lock_guard<std::mutex> lk(gone_mu_);
+    gone_acked_ = std::max<uint64_t>(gone_acked_, m.addr);
+    gone_cv_.notify_all();
+  }
   else fail({ErrorCode::kProtocol, "rdma: unknown control message " + std::to_string(m.type)}, true);
 }
 
@@ -1003,7 +1033,29 @@ void RdmaEndpoint::fail(const Status& why, bool notify) {
       send_wait_.clear();
     }
   }
+  {
+    std::lock_guard<std::mutex> lk(gone_mu_);
+    gone_cv_.notify_all();
+  }
   if (notify && events_ && !notified_.exchange(true)) events_->on_failure(why);
+}
+
+// A local region is being unregistered: tell the peer and wait (bounded) for its ack, so that
+// it refuses the region from now on instead of hitting the deregistered MR.
+void RdmaEndpoint::region_gone(uint64_t id) {
+  if (failed_.load() || !ready_.load()) return;
+  uint64_t nonce;
+  {
+    std::lock_guard<std::mutex> lk(gone_mu_);
+    nonce = ++gone_sent_;
+  }
+  CtrlMsg m{};
+  m.type = kGone;
+  m.seq = id;
+  m.addr = nonce;
+  post_ctrl(m);
+  std::unique_lock<std::mutex> lk(gone_mu_);
+  gone_cv_.wait_for(lk, std::chrono::milliseconds(1000), [&] { return gone_acked_ >= nonce || failed_.load(); });
 }
 
 void RdmaEndpoint::close(const Status& why) {
@@ -1075,7 +1127,9 @@ class RdmaTransport final : public Transport {
     return true;
   }
   std::shared_ptr<TransportEndpoint> create_endpoint(const EndpointSetup& setup) override {
-    return std::make_shared<RdmaEndpoint>(dev_, reg_, setup);
+    auto ep = std::make_shared<RdmaEndpoint>(dev_, reg_, setup);
+    dev_->add_listener(ep);
+    return ep;
   }
 
  private:
