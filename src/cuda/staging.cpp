@@ -12,7 +12,7 @@ namespace {
 namespace cu = sluice::detail::cuda;
 
 constexpr uint64_t kChunk = 1ull << 20;
-constexpr size_t kPoolPerClass = 8;
+constexpr size_t kPoolPerClass = 32;  // at most 32 idle buffers per size class are kept
 
 std::mutex g_mu;
 std::map<uint64_t, std::vector<uint8_t*>> g_pool;  // size class -> free buffers

@@ -50,6 +50,7 @@ int child_main(int dev, uint64_t bytes) {
   cudaSetDevice(dev);
   if (cudaMalloc(&p, bytes) != cudaSuccess) return 3;
   e.register_memory(p, bytes, Location::cuda(dev), "dst_malloc");
+  e.allocate(64 << 20, Location::host(), "host_dst");  // for the staged tcp / shm numbers
   std::printf("%s\n", e.local_info().c_str());
   std::fflush(stdout);
   char ch;
@@ -284,6 +285,39 @@ int main(int argc, char** argv) {
     lat[k][4] = v[v.size() / 2];
     out("| " + human(small[k]) + " | " + fmt("%.1f", lat[k][0]) + " | " + fmt("%.1f", lat[k][1]) + " | " +
         fmt("%.1f", lat[k][2]) + " | " + fmt("%.1f", lat[k][3]) + " | " + fmt("%.1f", lat[k][4]) + " |");
+  }
+
+  // cuda memory over tcp and shm (staged through pinned host buffers).
+  out("");
+  out("## Staged cuda memory over tcp / shm, 64 MiB, one op at a time (GB/s)");
+  out("| transport | here | remote | WRITE | READ |");
+  out("|---|---|---|---|---|");
+  for (const char* t : {"tcp", "shm"}) {
+    for (int k = 0; k < 3; ++k) {
+      const char* remote = k == 0 ? "dst" : "host_dst";
+      const bool here_host = k == 2;  // the host-memory ceiling of the same transport
+      const std::string label = std::string("| ") + t + " | " + (here_host ? "host (memfd)" : "cuda") + " | " +
+                                (remote[0] == 'd' ? "cuda" : "host (memfd)") + " | ";
+      try {
+        Engine e;
+        auto src = e.allocate(64 << 20, here_host ? Location::host() : Location::cuda(0));
+        ConnectOptions o;
+        o.transport = t;
+        auto ep = e.connect(info, o);
+        auto r = *ep.remote_region(remote);
+        double tt[2];
+        for (int dir = 0; dir < 2; ++dir) {
+          Batch b{{src.handle, 0, r, 0, 64ull << 20}};
+          (dir == 0 ? ep.write(b) : ep.read(b)).get();
+          auto t0 = Clock::now();
+          for (int i = 0; i < 5; ++i) (dir == 0 ? ep.write(b) : ep.read(b)).get();
+          tt[dir] = secs(Clock::now() - t0) / 5;
+        }
+        out(label + fmt("%.1f", (64 << 20) / tt[0] / 1e9) + " | " + fmt("%.1f", (64 << 20) / tt[1] / 1e9) + " |");
+      } catch (const std::exception& ex) {
+        out(label + ex.what() + " | |");
+      }
+    }
   }
 
   if (!out_path.empty()) std::ofstream(out_path) << report.str();
