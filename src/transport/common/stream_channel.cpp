@@ -220,7 +220,13 @@ void StreamChannel::reader_loop() {
     bool exact = exact_header_;
     exact_header_ = false;
     if (!fill(sizeof(FrameHeader), exact ? sizeof(FrameHeader) : rbuf_.size())) {
-      if (!stop_) why = {ErrorCode::kPeerLost, std::string("connection to peer lost: ") + net::errno_text(errno)};
+      const int err = errno;
+      bool stopping;
+      {
+        std::lock_guard<std::mutex> lk(mu_);  // stop_ is written under mu_ by shutdown()
+        stopping = stop_;
+      }
+      if (!stopping) why = {ErrorCode::kPeerLost, std::string("connection to peer lost: ") + net::errno_text(err)};
       else why = {ErrorCode::kCancelled, "channel closed"};
       break;
     }
