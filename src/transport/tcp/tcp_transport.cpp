@@ -38,6 +38,7 @@ class TcpEndpoint final : public TransportEndpoint, public StreamChannel::Handle
   void connect(const ChannelOpener& open) override {
     for (int i = 0; i < nchan_; ++i) {
       auto [sock, reply] = open(i, nlohmann::json::object());
+      std::lock_guard<std::mutex> lk(attach_mu_);
       install(i, std::move(sock));
     }
   }
@@ -104,8 +105,13 @@ class TcpEndpoint final : public TransportEndpoint, public StreamChannel::Handle
 
   void close(const Status& why) override {
     fail(why, /*notify=*/false);
-    for (auto& ch : channels_)
-      if (ch) ch->join();
+    std::vector<StreamChannel*> chans;  // channels_ slots are filled under attach_mu_
+    {
+      std::lock_guard<std::mutex> lk(attach_mu_);
+      for (auto& ch : channels_)
+        if (ch) chans.push_back(ch.get());
+    }
+    for (auto* ch : chans) ch->join();
   }
 
   // StreamChannel::Handler
@@ -141,15 +147,20 @@ class TcpEndpoint final : public TransportEndpoint, public StreamChannel::Handle
  private:
   static void bootstrap_reply(net::Socket& sock);
 
+  // Callers hold attach_mu_, which also guards fail()'s walk over channels_.
   void install(int index, net::Socket sock) {
     channels_[index] = std::make_unique<StreamChannel>(std::move(sock), this, index);
     channels_[index]->start();
+    if (failed_.load()) channels_[index]->shutdown();  // fail() ran before this channel existed
   }
 
   void fail(const Status& why, bool notify) {
     if (failed_.exchange(true)) return;
-    for (auto& ch : channels_)
-      if (ch) ch->shutdown();
+    {
+      std::lock_guard<std::mutex> lk(attach_mu_);
+      for (auto& ch : channels_)
+        if (ch) ch->shutdown();
+    }
     pending_.fail_all(why);
     if (notify) events_->on_failure(why);
   }
