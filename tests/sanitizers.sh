@@ -43,7 +43,7 @@ if [[ "$WHICH" == all || "$WHICH" == tsan ]]; then
   echo "=== TSan: $ROOT/build-tsan (tests labelled nofork) ==="
   configure_and_build build-tsan "thread"
   ( cd "$ROOT/build-tsan" &&
-    TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1" \
+    TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1:suppressions=$ROOT/tests/tsan.supp" \
     ctest -L nofork -j "$JOBS" --output-on-failure --no-tests=error ) || status=1
 fi
 
