@@ -173,6 +173,9 @@ class NvlinkEndpoint final : public TransportEndpoint, public StreamChannel::Han
     control_->post(std::move(f));
   }
 
+  // New regions (hello reply, refresh_remote_regions): take their export entries.
+  void peer_updated(const EngineInfo& peer) override { load_peer(peer); }
+
   size_t pending() const override { return pending_.size(); }
   std::chrono::steady_clock::time_point last_progress() const override { return pending_.last_progress(); }
 
