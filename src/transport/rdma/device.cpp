@@ -181,7 +181,7 @@ void Device::start_sweeper(const Registry* reg) {
     bool waiting = false;
     std::unique_lock<std::mutex> lk(stop_mu_);
     while (!stop_) {
-      stop_cv_.wait_for(lk, std::chrono::milliseconds(2));
+      stop_cv_.wait_for(lk, std::chrono::milliseconds(10));
       if (stop_) break;
       uint64_t g = reg->generation();
       if (g == seen && !waiting) continue;

@@ -72,7 +72,7 @@ class Device {
   // Registers every region of the registry (errors skipped) and returns {id: rkey}.
   nlohmann::json rkeys(const Registry& reg);
   // Starts the thread that deregisters regions removed from `reg` (checks the registry's
-  // generation every 2 ms).
+  // generation every 10 ms).
   void start_sweeper(const Registry* reg);
   size_t cached_mrs();
   void add_listener(std::weak_ptr<GoneListener> l);
