@@ -320,6 +320,7 @@ bool Device::sweep(const Registry& reg) {
 
 void Device::add_listener(std::weak_ptr<GoneListener> l) {
   std::lock_guard<std::mutex> lk(listeners_mu_);
+  std::erase_if(listeners_, [](const auto& w) { return w.expired(); });
   listeners_.push_back(std::move(l));
 }
 
