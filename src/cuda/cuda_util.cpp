@@ -232,7 +232,11 @@ void release(const DeviceBuffer& b) {
     }
   }
   if (!b.ptr) return;
+  int prev = 0;
+  cudaGetDevice(&prev);
+  cudaSetDevice(b.device);
   cudaDeviceSynchronize();
+  cudaSetDevice(prev);
   if (b.vmm) {
     const Driver& d = driver();
     auto p = reinterpret_cast<CUdeviceptr>(b.ptr);
@@ -274,6 +278,14 @@ nlohmann::json export_region(const void* ptr, uint64_t length) {
   const Driver& d = driver();
   int dev = pointer_device(ptr);
   if (dev < 0) throw Error(ErrorCode::kInvalidArgument, "export: not device memory");
+  // The driver calls below need a current context; this may be any engine thread.
+  int prev = 0;
+  cudaGetDevice(&prev);
+  check(cudaSetDevice(dev), "cudaSetDevice");
+  struct Restore {
+    int d;
+    ~Restore() { cudaSetDevice(d); }
+  } restore{prev};
   CUdeviceptr base = 0;
   size_t size = 0;
   if (d.memGetAddressRange) check_cu(d.memGetAddressRange(&base, &size, reinterpret_cast<CUdeviceptr>(ptr)),
