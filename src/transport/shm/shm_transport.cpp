@@ -16,6 +16,7 @@
 #include "bootstrap/messages.hpp"
 #include "core/lease_table.hpp"
 #include "core/log.hpp"
+#include "cuda/staging.hpp"
 #include "transport/common/pending_ops.hpp"
 #include "transport/common/stream_channel.hpp"
 #include "transport/shm/cma.hpp"
@@ -198,6 +199,43 @@ class ShmEndpoint final : public TransportEndpoint, public StreamChannel::Handle
   }
 
   Status run_lane(const TransferOp& op, const Lane& lane) {
+    for (const auto& pin : op.pins)
+      if (staging::is_device(pin.get()->location)) return run_lane_staged(op, lane);
+    return run_lane_host(op, lane);
+  }
+
+  // cuda memory on this side moves through pinned host copies of its pieces (downloaded
+  // before a write, uploaded after a read). The peer's cuda memory is out of shm's reach: the
+  // copy into it fails (process_vm_*: address not mapped).
+  Status run_lane_staged(const TransferOp& op, const Lane& lane) {
+    const bool write = op.kind != OpKind::kRead;
+    auto on_device = [&](const uint8_t* p) {
+      for (const auto& pin : op.pins) {
+        const RegionEntry* e = pin.get();
+        if (p >= e->base && p < e->base + e->length) return staging::is_device(e->location);
+      }
+      return false;
+    };
+    Lane host = lane;
+    std::vector<std::pair<size_t, std::shared_ptr<uint8_t>>> bufs;
+    try {
+      for (size_t i = 0; i < host.pieces.size(); ++i) {
+        Piece& p = host.pieces[i];
+        if (!on_device(p.local)) continue;
+        auto b = write ? staging::download_copy(p.local, p.length) : staging::pinned(p.length);
+        p.local = b.get();
+        bufs.emplace_back(i, std::move(b));
+      }
+      Status st = run_lane_host(op, host);
+      if (!st.ok() || write) return st;
+      for (auto& [i, b] : bufs) staging::upload(lane.pieces[i].local, b.get(), lane.pieces[i].length);
+      return Status::Ok();
+    } catch (const Error& e) {
+      return e.status();
+    }
+  }
+
+  Status run_lane_host(const TransferOp& op, const Lane& lane) {
     const bool write = op.kind != OpKind::kRead;
     LaneLeases held(leases_);
     for (const Piece& p : lane.pieces) {
@@ -305,7 +343,8 @@ class ShmTransport final : public Transport {
   }
   std::string name() const override { return "shm"; }
   int priority() const override { return 20; }
-  bool supports(const Location& loc) const override { return loc.is_host(); }
+  // cuda memory on this side is staged through pinned host buffers (CUDA builds with a GPU).
+  bool supports(const Location& loc) const override { return loc.is_host() || staging::available(); }
   nlohmann::json local_address() const override {
     return {{"pid", static_cast<int>(::getpid())},
             {"probe_addr", reinterpret_cast<uint64_t>(&g_probe_word)},

@@ -8,6 +8,7 @@
 
 #include "bootstrap/messages.hpp"
 #include "core/log.hpp"
+#include "cuda/staging.hpp"
 #include "transport/common/pending_ops.hpp"
 #include "transport/common/stream_channel.hpp"
 #include "transport/transport.hpp"
@@ -20,7 +21,17 @@ struct ReadPiece {
   uint8_t* dest;
   uint64_t length;
   bool lane_end;
+  bool device = false;  // dest is cuda memory: staged through pinned host buffers
 };
+
+// Whether local address p lies in one of the op's cuda regions.
+bool on_device(const TransferOp& op, const uint8_t* p) {
+  for (const auto& pin : op.pins) {
+    const RegionEntry* e = pin.get();
+    if (p >= e->base && p < e->base + e->length) return staging::is_device(e->location);
+  }
+  return false;
+}
 
 struct ImmProgress {
   uint32_t lanes_seen = 0;
@@ -56,12 +67,30 @@ class TcpEndpoint final : public TransportEndpoint, public StreamChannel::Handle
     uint64_t token = pending_.add(std::move(op));
     if (!token) return;
     const bool is_read = keep->kind == OpKind::kRead;
+    // cuda memory here: writes send pinned host copies of the pieces (each lane staged just
+    // before it is posted, so a CUDA error fails the lanes not yet posted); reads land in
+    // pinned chunks that are uploaded as they arrive.
+    bool any_device = false;
+    for (const auto& pin : keep->pins) any_device |= staging::is_device(pin.get()->location);
+    std::unordered_map<const uint8_t*, std::shared_ptr<uint8_t>> staged;
     uint32_t nlanes = 0;
     for (auto& lane : keep->lanes) nlanes += lane.pieces.empty() ? 0 : 1;
     for (size_t c = 0; c < keep->lanes.size(); ++c) {
       auto& pieces = keep->lanes[c].pieces;
       if (pieces.empty()) continue;
       StreamChannel* ch = channels_[c].get();
+      if (any_device && !is_read) {
+        // Stage this lane, then post it: the channel sends it while the next lane stages.
+        try {
+          staged.clear();
+          for (auto& p : pieces)
+            if (on_device(*keep, p.local)) staged[p.local] = staging::download_copy(p.local, p.length);
+        } catch (const Error& e) {
+          for (size_t d = c; d < keep->lanes.size(); ++d)
+            if (!keep->lanes[d].pieces.empty()) pending_.lane_done(token, e.status());
+          return;
+        }
+      }
       std::unique_lock<std::mutex> read_lk;
       if (is_read) {
         // Responses come back in request order per channel; remember where each one goes
@@ -69,7 +98,8 @@ class TcpEndpoint final : public TransportEndpoint, public StreamChannel::Handle
         // posted, so that concurrent submitters cannot reorder requests against the queue.
         read_lk = std::unique_lock<std::mutex>(read_mu_[c]);
         for (size_t i = 0; i < pieces.size(); ++i)
-          reads_[c].push_back({token, pieces[i].local, pieces[i].length, i + 1 == pieces.size()});
+          reads_[c].push_back({token, pieces[i].local, pieces[i].length, i + 1 == pieces.size(),
+                               any_device && on_device(*keep, pieces[i].local)});
       }
       for (size_t i = 0; i < pieces.size(); ++i) {
         const Piece& p = pieces[i];
@@ -86,6 +116,13 @@ class TcpEndpoint final : public TransportEndpoint, public StreamChannel::Handle
           f.hdr = make_frame(FrameType::kWrite, token, p.remote_id, p.remote_offset, p.length, flags,
                              imm ? keep->imm : 0, imm ? nlanes : 0);
           f.data = p.local;
+          if (any_device) {
+            auto st = staged.find(p.local);
+            if (st != staged.end()) {
+              f.data = st->second.get();
+              f.keep = st->second;
+            }
+          }
         }
         ch->post(std::move(f));
       }
@@ -97,6 +134,16 @@ class TcpEndpoint final : public TransportEndpoint, public StreamChannel::Handle
     OutFrame f;
     f.hdr = make_frame(FrameType::kSend, op->seq, 0, 0, op->length);
     f.data = op->ptr;
+    if (staging::is_device(op->pin.get()->location)) {
+      try {
+        auto b = staging::download_copy(op->ptr, op->length);
+        f.data = b.get();
+        f.keep = b;
+      } catch (const Error& e) {
+        if (auto o = pending_.take_send(op->seq)) o->future->complete(e.status());
+        return;
+      }
+    }
     channels_[0]->post(std::move(f));  // one channel keeps messages in order
   }
 
@@ -182,9 +229,16 @@ class TcpEndpoint final : public TransportEndpoint, public StreamChannel::Handle
     Status st;
     {
       RegionPin pin = events_->registry().pin(h.region, h.offset, h.length, &st, "target");
-      if (pin && !pin.get()->location.is_host())
-        st = {ErrorCode::kUnsupported, "tcp cannot write into " + pin.get()->location.to_string() + " memory"};
-      if (st.ok()) {
+      if (st.ok() && staging::is_device(pin.get()->location)) {
+        bool got = false;
+        try {
+          got = staging::receive(pin.get()->base + h.offset, h.length,
+                                 [&](void* b, uint64_t k) { return payload.read(b, k); });
+        } catch (const Error& e) {
+          st = e.status();
+        }
+        if (st.ok() && !got) return {ErrorCode::kPeerLost, "connection lost mid-write"};
+      } else if (st.ok()) {
         if (!payload.read(pin.get()->base + h.offset, h.length)) return {ErrorCode::kPeerLost, "connection lost mid-write"};
       } else {
         SLUICE_LOG(kDebug, "tcp: refused a write: " << st.message);
@@ -229,9 +283,15 @@ class TcpEndpoint final : public TransportEndpoint, public StreamChannel::Handle
     uint64_t length = (uint64_t(h.aux) << 32) | h.imm;
     Status st;
     RegionPin pin = events_->registry().pin(h.region, h.offset, length, &st, "target");
-    if (pin && !pin.get()->location.is_host())
-      st = {ErrorCode::kUnsupported, "tcp cannot read from " + pin.get()->location.to_string() + " memory"};
     if (st.ok() && length > kMaxFramePayload) st = {ErrorCode::kInvalidArgument, "read piece too large"};
+    std::shared_ptr<uint8_t> staged;
+    if (st.ok() && staging::is_device(pin.get()->location)) {
+      try {
+        staged = staging::download_copy(pin.get()->base + h.offset, length);
+      } catch (const Error& e) {
+        st = e.status();
+      }
+    }
     if (!st.ok()) {
       respond(ch, FrameType::kNack, h.op_id, h.flags & kLaneEnd, st);
       return Status::Ok();
@@ -240,6 +300,10 @@ class TcpEndpoint final : public TransportEndpoint, public StreamChannel::Handle
     f.hdr = make_frame(FrameType::kReadResp, h.op_id, 0, 0, length, h.flags & kLaneEnd);
     f.data = pin.get()->base + h.offset;
     f.keep = std::make_shared<RegionPin>(std::move(pin));
+    if (staged) {
+      f.data = staged.get();
+      f.keep = staged;
+    }
     ch.post(std::move(f));
     return Status::Ok();
   }
@@ -257,7 +321,23 @@ class TcpEndpoint final : public TransportEndpoint, public StreamChannel::Handle
     if (rp.lane_end != bool(h.flags & kLaneEnd)) return {ErrorCode::kProtocol, "read response lane mismatch"};
     if (refused.ok()) {
       if (h.length != rp.length) return {ErrorCode::kProtocol, "read response of the wrong length"};
-      if (!payload.read(rp.dest, rp.length)) return {ErrorCode::kPeerLost, "connection lost mid-read"};
+      if (rp.device) {
+        bool got = false;
+        Status up;
+        try {
+          got = staging::receive(rp.dest, rp.length, [&](void* b, uint64_t k) { return payload.read(b, k); });
+        } catch (const Error& e) {
+          up = e.status();
+        }
+        if (up.ok() && !got) return {ErrorCode::kPeerLost, "connection lost mid-read"};
+        if (!up.ok()) {
+          if (rp.lane_end) pending_.lane_done(rp.token, up);
+          else pending_.note_error(rp.token, up);
+          return Status::Ok();
+        }
+      } else if (!payload.read(rp.dest, rp.length)) {
+        return {ErrorCode::kPeerLost, "connection lost mid-read"};
+      }
     }
     if (rp.lane_end)
       pending_.lane_done(rp.token, refused);
@@ -283,7 +363,20 @@ class TcpEndpoint final : public TransportEndpoint, public StreamChannel::Handle
     Status st = claim.error;
     if (claim.dest) {
       uint64_t n = std::min(h.length, claim.capacity);
-      if (!payload.read(claim.dest, n)) {
+      bool got = true;
+      Status up;
+      if (staging::available() && staging::is_device_ptr(claim.dest)) {
+        try {
+          got = staging::receive(claim.dest, n, [&](void* b, uint64_t k) { return payload.read(b, k); });
+        } catch (const Error& e) {
+          up = e.status();
+        }
+      } else {
+        got = payload.read(claim.dest, n);
+      }
+      if (!up.ok()) {
+        st = up;
+      } else if (!got) {
         // Complete the matched recv (or its stash) instead of dropping the claim.
         Status lost{ErrorCode::kPeerLost, "connection lost mid-message"};
         events_->matcher().deliver(claim, lost);
@@ -316,7 +409,8 @@ class TcpTransport final : public Transport {
  public:
   std::string name() const override { return "tcp"; }
   int priority() const override { return 10; }
-  bool supports(const Location& loc) const override { return loc.is_host(); }
+  // cuda memory is staged through pinned host buffers (CUDA builds with a GPU).
+  bool supports(const Location& loc) const override { return loc.is_host() || staging::available(); }
   nlohmann::json local_address() const override { return nlohmann::json::object(); }  // the listener itself
   bool can_reach(const EngineInfo&, std::string*) override { return true; }
   std::shared_ptr<TransportEndpoint> create_endpoint(const EndpointSetup& setup) override {
