@@ -72,29 +72,34 @@ int connect_to(uint16_t port) {
 
 }  // namespace
 
-double tcp_stream_mbps(uint64_t chunk, uint64_t total) {
+double tcp_stream_mbps(uint64_t chunk, uint64_t total, uint64_t footprint) {
+  footprint = std::max(footprint, chunk);
+  const uint64_t slots = footprint / chunk;
+  const uint64_t iters = std::max<uint64_t>(1, total / chunk);
+  total = iters * chunk;
   uint16_t port = 0;
   int ls = listen_any(&port);
   pid_t child = ::fork();
   if (child == 0) {
     int s = ::accept(ls, nullptr, nullptr);
-    std::vector<char> buf(std::min<uint64_t>(std::max<uint64_t>(chunk, 1 << 16), 4 << 20));
-    uint64_t got = 0;
-    ssize_t r;
-    while (got < total && (r = ::read(s, buf.data(), buf.size())) > 0) got += static_cast<uint64_t>(r);
+    std::vector<char> buf(footprint, 0);
+    uint64_t got = 0, i = 0;
+    while (got < total) {
+      char* dst = buf.data() + (i++ % slots) * chunk;
+      if (!read_all(s, dst, chunk)) break;
+      got += chunk;
+    }
     char ack = 1;
     write_all(s, &ack, 1);
     ::_exit(0);
   }
   ::close(ls);
   int s = connect_to(port);
-  std::vector<char> buf(chunk, 7);
-  uint64_t iters = std::max<uint64_t>(1, total / chunk);
+  std::vector<char> buf(footprint, 7);
   double t0 = now();
   for (uint64_t i = 0; i < iters; ++i)
-    if (!write_all(s, buf.data(), chunk)) break;
+    if (!write_all(s, buf.data() + (i % slots) * chunk, chunk)) break;
   char ack;
-  ::shutdown(s, SHUT_WR);
   read_all(s, &ack, 1);
   double dt = now() - t0;
   ::close(s);

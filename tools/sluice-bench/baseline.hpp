@@ -7,8 +7,9 @@
 namespace bench {
 
 // Raw loopback TCP stream: one connection, blocking write() of `chunk` bytes until `total`
-// bytes are sent, receiver acks at the end. MB/s (1e6).
-double tcp_stream_mbps(uint64_t chunk, uint64_t total);
+// bytes are sent, receiver acks at the end. Both sides walk `footprint`-byte buffers (the
+// memory the engine's batches touch), so both run in the same cache/DRAM regime. MB/s (1e6).
+double tcp_stream_mbps(uint64_t chunk, uint64_t total, uint64_t footprint);
 // Raw socket ping-pong of `size` bytes; returns the mean round trip in microseconds.
 double tcp_pingpong_us(uint64_t size, int iterations);
 // process_vm_readv of `size` bytes (one iovec per call) from a child's buffer of `footprint`

@@ -244,7 +244,7 @@ void baseline(Row& r, const Options& o, uint64_t moved, uint64_t region) {
   // The same footprint as the engine's batches: (batch x size) wrapped in the region.
   uint64_t footprint = std::min<uint64_t>(region, r.size * static_cast<uint64_t>(o.batch));
   if (r.transport == "tcp") {
-    r.ceiling_mbps = bench::tcp_stream_mbps(r.size, std::clamp<uint64_t>(moved, 64ull << 20, 2ull << 30));
+    r.ceiling_mbps = bench::tcp_stream_mbps(r.size, std::clamp<uint64_t>(moved, 64ull << 20, 2ull << 30), footprint);
   } else if (r.transport == "shm") {
     int it = static_cast<int>(std::clamp<uint64_t>((1ull << 30) / r.size, 8, 100000));
     r.ceiling_mbps = o.memfd ? bench::memcpy_mbps(r.size, footprint, it) : bench::cma_read_mbps(r.size, footprint, it);
