@@ -113,6 +113,41 @@ TEST(Nvlink, InProcessWriteRead) {
   EXPECT_TRUE(back == data);
 }
 
+TEST(Nvlink, PeerUnregisteredRegionIsRefused) {
+  // nvlink copies without asking the owner; the owner's lease table must still refuse a
+  // stale handle, and the memory must stay untouched.
+  NEED_GPUS(1);
+  Engine a(quiet()), b(quiet());
+  const size_t n = 1 << 20;
+  auto src = a.allocate(n, Location::cuda(0));
+  void* victim = nullptr;
+  CK(cudaSetDevice(second_device()));
+  CK(cudaMalloc(&victim, n));
+  auto data = pattern(n, 9);
+  CK(cudaMemcpy(victim, data.data(), n, cudaMemcpyHostToDevice));
+  auto hv = b.register_memory(victim, n, Location::cuda(second_device()), "victim");
+  auto ep = a.connect(b.local_info());
+  ASSERT_EQ(ep.transport(), "nvlink");
+  auto r = ep.remote_region("victim");
+  ASSERT_TRUE(r.has_value());
+  { auto st_ = ep.read({{src.handle, 0, *r, 0, n}}).wait(); ASSERT_TRUE(st_.ok()) << st_.to_string(); }
+  b.unregister_memory(hv);
+  CK(cudaSetDevice(0));
+  CK(cudaMemset(src.ptr, 0xab, n));
+  CK(cudaDeviceSynchronize());
+  Status st;
+  try {
+    st = ep.write({{src.handle, 0, *r, 0, n}}).wait();
+  } catch (const Error& e) {
+    st = e.status();
+  }
+  EXPECT_EQ(st.code, ErrorCode::kUnknownHandle) << st.to_string();
+  std::vector<uint8_t> back(n);
+  CK(cudaMemcpy(back.data(), victim, n, cudaMemcpyDeviceToHost));
+  EXPECT_TRUE(back == data) << "a write reached a region its owner had unregistered";
+  CK(cudaFree(victim));
+}
+
 namespace {
 
 // The peer process: engine on cuda:dev with an engine allocation "alloc" and a user

@@ -24,6 +24,7 @@
 #include <unordered_map>
 
 #include "bootstrap/messages.hpp"
+#include "core/lease_table.hpp"
 #include "core/log.hpp"
 #include "cuda/copy_kernels.hpp"
 #include "cuda/cuda_util.hpp"
@@ -57,6 +58,18 @@ struct Inflight {
   std::vector<cudaEvent_t> events;
   int device = 0;
   int lanes = 0;
+  std::shared_ptr<struct LeaseHold> leases;  // released when the op's copies are done
+};
+
+// Leases on the peer regions an op touches (see core/lease_table.hpp): the peer cannot finish
+// unregistering one while our copies may still reach it.
+struct LeaseHold {
+  PeerLeases* leases = nullptr;
+  std::vector<uint32_t> slots;
+  std::vector<uint64_t> ids;
+  ~LeaseHold() {
+    for (uint32_t s : slots) leases->leave(s);
+  }
 };
 
 // A copy after merging the op's pieces.
@@ -101,6 +114,8 @@ class NvlinkEndpoint final : public TransportEndpoint, public StreamChannel::Han
     int us = s.config.busy_wait_us;
     if (us < 0) us = std::thread::hardware_concurrency() > 2 ? 20 : 0;
     poll_waiters_ = us > 0;
+    if (!leases_.map(pid_, s.peer.lease_memfd, s.peer.lease_slots))
+      throw Error(ErrorCode::kUnsupported, "nvlink: cannot map the peer's lease table");
     load_peer(s.peer);
     poller_ = std::thread([this] { poll(); });
   }
@@ -127,6 +142,12 @@ class NvlinkEndpoint final : public TransportEndpoint, public StreamChannel::Han
     f.track = std::make_shared<OpTrack>();
     for (auto& l : op->lanes) f.lanes += l.pieces.empty() ? 0 : 1;
     f.track->lanes_left = f.lanes;
+    f.leases = std::make_shared<LeaseHold>();
+    f.leases->leases = &leases_;
+    if (Status ls = hold_leases(*op, *f.leases); !ls.ok()) {
+      finish_all(f, ls);
+      return;
+    }
     auto* user = static_cast<cudaStream_t>(cu::current_user_stream());
     Status st = failed_.load() ? Status{ErrorCode::kCancelled, "endpoint closed"} : enqueue(*op, user, &f);
     if (!st.ok() || f.events.empty()) {
@@ -226,9 +247,28 @@ class NvlinkEndpoint final : public TransportEndpoint, public StreamChannel::Han
     control_->start();
   }
 
+  Status hold_leases(const TransferOp& op, LeaseHold& h) {
+    for (const Lane& lane : op.lanes)
+      for (const Piece& p : lane.pieces) {
+        if (std::find(h.ids.begin(), h.ids.end(), p.remote_id) != h.ids.end()) continue;
+        uint32_t slot = kNoLease;
+        {
+          std::lock_guard<std::mutex> lk(map_mu_);
+          auto it = lease_slots_.find(p.remote_id);
+          if (it != lease_slots_.end()) slot = it->second;
+        }
+        if (slot == kNoLease || !leases_.enter(slot, p.remote_id))
+          return {ErrorCode::kUnknownHandle, "peer region " + std::to_string(p.remote_id) + " is no longer registered"};
+        h.slots.push_back(slot);
+        h.ids.push_back(p.remote_id);
+      }
+    return Status::Ok();
+  }
+
   void load_peer(const EngineInfo& peer) {
     std::lock_guard<std::mutex> lk(map_mu_);
     for (const auto& r : peer.regions) {
+      lease_slots_[r.info.id] = r.lease_slot;
       region_addr_[r.info.id] = r.info.addr;
       region_host_[r.info.id] = r.info.location.is_host();
       if (r.info.shareable && r.memfd >= 0) memfds_[r.info.id] = {r.memfd, r.info.length};
@@ -612,6 +652,7 @@ class NvlinkEndpoint final : public TransportEndpoint, public StreamChannel::Han
 
   std::mutex mu_;
   std::condition_variable cv_;
+  PeerLeases leases_;  // declared before inflight_: destroyed after the ops holding leases
   std::deque<Inflight> inflight_;
   bool stop_ = false;
   std::atomic<bool> stop_flag_{false};
@@ -623,6 +664,7 @@ class NvlinkEndpoint final : public TransportEndpoint, public StreamChannel::Han
   std::map<int, std::vector<cudaEvent_t>> event_pool_;
 
   std::mutex map_mu_;
+  std::unordered_map<uint64_t, uint32_t> lease_slots_;  // peer region id -> its lease slot
   std::unordered_map<uint64_t, nlohmann::json> exports_;  // peer region id -> export desc
   std::unordered_map<uint64_t, uint64_t> region_addr_;
   std::unordered_map<uint64_t, bool> region_host_;
