@@ -17,6 +17,7 @@
 #include "core/lease_table.hpp"
 #include "core/log.hpp"
 #include "cuda/staging.hpp"
+#include "transport/common/control_frames.hpp"
 #include "transport/common/pending_ops.hpp"
 #include "transport/common/stream_channel.hpp"
 #include "transport/shm/cma.hpp"
@@ -111,17 +112,8 @@ class ShmEndpoint final : public TransportEndpoint, public StreamChannel::Handle
         events_->matcher().push_imm(h.imm);
         return Status::Ok();
       case FrameType::kSendRts: return serve_rts(ch, h);
-      case FrameType::kSendAck: {
-        Status st = h.status ? Status{static_cast<ErrorCode>(std::min<int>(h.status, int(ErrorCode::kInternal))),
-                                      "peer: " + payload.read_text(kMaxMessageText)}
-                             : Status::Ok();
-        auto op = pending_.take_send(h.op_id);
-        if (!op) return {ErrorCode::kProtocol, "send ack for an unknown message"};
-        op->future->complete(st);
-        return Status::Ok();
-      }
-      case FrameType::kError:
-        return {ErrorCode::kRemoteError, "peer closed the connection: " + payload.read_text(kMaxMessageText)};
+      case FrameType::kSendAck: return complete_send_ack(pending_, h, payload);
+      case FrameType::kError: return peer_error(payload);
       default: return {ErrorCode::kProtocol, "unexpected frame type " + std::to_string(h.type) + " on shm control"};
     }
   }
@@ -293,10 +285,7 @@ class ShmEndpoint final : public TransportEndpoint, public StreamChannel::Handle
       if (n) st = cma::move(pid_, {{claim.dest, h.region, n}}, /*write=*/false);
     }
     st = events_->matcher().deliver(claim, st);
-    OutFrame f;
-    f.text = st.message.substr(0, kMaxMessageText);
-    f.hdr = make_frame(FrameType::kSendAck, h.op_id, 0, 0, f.text.size(), 0, 0, 0, static_cast<uint16_t>(st.code));
-    ch.post(std::move(f));
+    post_status(ch, FrameType::kSendAck, h.op_id, 0, st);
     return Status::Ok();
   }
 

@@ -9,6 +9,7 @@
 #include "bootstrap/messages.hpp"
 #include "core/log.hpp"
 #include "cuda/staging.hpp"
+#include "transport/common/control_frames.hpp"
 #include "transport/common/pending_ops.hpp"
 #include "transport/common/stream_channel.hpp"
 #include "transport/transport.hpp"
@@ -174,17 +175,8 @@ class TcpEndpoint final : public TransportEndpoint, public StreamChannel::Handle
         return Status::Ok();
       case FrameType::kNack: return take_nack(ch, h, payload);
       case FrameType::kSend: return serve_send(ch, h, payload);
-      case FrameType::kSendAck: {
-        Status st = status_of(h, payload);
-        auto op = pending_.take_send(h.op_id);
-        if (!op) return {ErrorCode::kProtocol, "send ack for an unknown message"};
-        op->future->complete(st);
-        return Status::Ok();
-      }
-      case FrameType::kError: {
-        std::string text = payload.read_text(kMaxMessageText);
-        return {ErrorCode::kRemoteError, "peer closed the connection: " + text};
-      }
+      case FrameType::kSendAck: return complete_send_ack(pending_, h, payload);
+      case FrameType::kError: return peer_error(payload);
       default: return {ErrorCode::kProtocol, "unexpected frame type " + std::to_string(h.type) + " on a tcp channel"};
     }
   }
@@ -212,19 +204,6 @@ class TcpEndpoint final : public TransportEndpoint, public StreamChannel::Handle
     if (notify) events_->on_failure(why);
   }
 
-  static Status status_of(const FrameHeader& h, PayloadReader& payload) {
-    if (h.status == 0) return Status::Ok();
-    int code = h.status <= static_cast<int>(ErrorCode::kInternal) ? h.status : static_cast<int>(ErrorCode::kRemoteError);
-    return {static_cast<ErrorCode>(code), "peer: " + payload.read_text(kMaxMessageText)};
-  }
-
-  static void respond(StreamChannel& ch, FrameType type, uint64_t op_id, uint8_t flags, const Status& st) {
-    OutFrame f;
-    f.text = st.message.substr(0, kMaxMessageText);
-    f.hdr = make_frame(type, op_id, 0, 0, f.text.size(), flags, 0, 0, static_cast<uint16_t>(st.code));
-    ch.post(std::move(f));
-  }
-
   Status serve_write(StreamChannel& ch, const FrameHeader& h, PayloadReader& payload) {
     Status st;
     {
@@ -250,9 +229,9 @@ class TcpEndpoint final : public TransportEndpoint, public StreamChannel::Handle
       imm_failed(h.op_id);
     }
     if (!st.ok())
-      respond(ch, FrameType::kNack, h.op_id, h.flags & kLaneEnd, st);
+      post_status(ch, FrameType::kNack, h.op_id, h.flags & kLaneEnd, st);
     else if (h.flags & kLaneEnd)
-      respond(ch, FrameType::kAck, h.op_id, kLaneEnd, st);
+      post_status(ch, FrameType::kAck, h.op_id, kLaneEnd, st);
     return Status::Ok();
   }
 
@@ -293,7 +272,7 @@ class TcpEndpoint final : public TransportEndpoint, public StreamChannel::Handle
       }
     }
     if (!st.ok()) {
-      respond(ch, FrameType::kNack, h.op_id, h.flags & kLaneEnd, st);
+      post_status(ch, FrameType::kNack, h.op_id, h.flags & kLaneEnd, st);
       return Status::Ok();
     }
     OutFrame f;
@@ -347,7 +326,7 @@ class TcpEndpoint final : public TransportEndpoint, public StreamChannel::Handle
   }
 
   Status take_nack(StreamChannel& ch, const FrameHeader& h, PayloadReader& payload) {
-    Status st = status_of(h, payload);
+    Status st = frame_status(h, payload);
     if (st.ok()) st = {ErrorCode::kRemoteError, "peer refused the request"};
     auto op = pending_.find(h.op_id);
     if (!op) return {ErrorCode::kProtocol, "nack for an unknown operation"};
@@ -384,7 +363,7 @@ class TcpEndpoint final : public TransportEndpoint, public StreamChannel::Handle
       }
     }
     st = events_->matcher().deliver(claim, st);
-    respond(ch, FrameType::kSendAck, h.op_id, 0, st);
+    post_status(ch, FrameType::kSendAck, h.op_id, 0, st);
     return Status::Ok();
   }
 
