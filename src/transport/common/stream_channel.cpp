@@ -125,6 +125,7 @@ bool StreamChannel::write_frames(std::vector<OutFrame>& frames, bool nonblocking
       }
       return false;
     }
+    if (w > 0) touch_io();
     uint64_t left = static_cast<uint64_t>(w);
     while (first < frames.size() && left > 0) {
       OutFrame& f = frames[first];
@@ -186,6 +187,7 @@ bool StreamChannel::fill(size_t min_bytes, size_t max_read) {
     size_t room = std::min(rbuf_.size() - rend_, std::max(max_read, min_bytes - rend_));
     ssize_t r = ::recv(sock_.fd(), rbuf_.data() + rend_, room, 0);
     if (r > 0) {
+      touch_io();
       rend_ += static_cast<size_t>(r);
     } else if (r == 0) {
       errno = ECONNRESET;
@@ -206,7 +208,9 @@ bool StreamChannel::read_payload(uint8_t* dest, uint64_t n) {
   if (n == 0) return true;
   if (n >= kDirectRead) {
     exact_header_ = true;
-    return net::read_full(sock_.fd(), dest, n);
+    bool ok = net::read_full(sock_.fd(), dest, n);
+    touch_io();
+    return ok;
   }
   if (!fill(n, rbuf_.size())) return false;
   std::memcpy(dest, rbuf_.data() + rpos_, n);

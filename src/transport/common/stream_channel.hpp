@@ -67,6 +67,11 @@ class StreamChannel {
   void shutdown();
   void join();
   int index() const { return index_; }
+  // When bytes last moved on this socket, either way. A peer that is still accepting a long
+  // write is not silent even though it has nothing to answer yet.
+  std::chrono::steady_clock::time_point last_io() const {
+    return std::chrono::steady_clock::time_point(std::chrono::steady_clock::duration(last_io_.load(std::memory_order_relaxed)));
+  }
   bool down() const { return down_.load(std::memory_order_acquire); }
 
  private:
@@ -86,6 +91,8 @@ class StreamChannel {
   std::thread reader_;
   std::thread writer_;
   std::atomic<bool> down_{false};
+  std::atomic<std::chrono::steady_clock::rep> last_io_{std::chrono::steady_clock::now().time_since_epoch().count()};
+  void touch_io() { last_io_.store(std::chrono::steady_clock::now().time_since_epoch().count(), std::memory_order_relaxed); }
 
   std::mutex mu_;
   std::condition_variable cv_;

@@ -149,7 +149,13 @@ class TcpEndpoint final : public TransportEndpoint, public StreamChannel::Handle
   }
 
   size_t pending() const override { return pending_.size(); }
-  std::chrono::steady_clock::time_point last_progress() const override { return pending_.last_progress(); }
+  std::chrono::steady_clock::time_point last_progress() const override {
+    auto t = pending_.last_progress();
+    std::lock_guard<std::mutex> lk(attach_mu_);
+    for (const auto& ch : channels_)
+      if (ch) t = std::max(t, ch->last_io());
+    return t;
+  }
 
   void close(const Status& why) override {
     fail(why, /*notify=*/false);
@@ -373,7 +379,7 @@ class TcpEndpoint final : public TransportEndpoint, public StreamChannel::Handle
   std::vector<std::deque<ReadPiece>> reads_;
   std::vector<std::mutex> read_mu_;
   PendingOps pending_;
-  std::mutex attach_mu_;
+  mutable std::mutex attach_mu_;
   int attached_ = 0;
   std::atomic<bool> failed_{false};
   std::mutex imm_mu_;
