@@ -8,6 +8,10 @@ HERE=$(cd "$(dirname "$0")" && pwd)
 ROOT=$(cd "$HERE/../.." && pwd)
 B=$(realpath "${1:-${SLUICE_BUILD_DIR:-$ROOT/build-rdma}}")
 [ -x "$B/tests/rdma/rdma_conformance" ] || { echo "run-in-guest.sh: $B/tests/rdma/rdma_conformance not built" >&2; exit 2; }
-exec "$HERE/rxe-guest.sh" -q -t "${RXE_TIMEOUT:-900}" -s "$B" -C "$B" \
+# The guest sees the host's root read-only but mounts fresh tmpfs on /tmp, /run, /var/tmp and
+# /root: share the sources too, so a checkout under one of those (a CI clone in /tmp) is visible.
+shares=(-s "$ROOT")
+case "$B/" in "$ROOT"/*) ;; *) shares+=(-s "$B") ;; esac
+exec "$HERE/rxe-guest.sh" -q -t "${RXE_TIMEOUT:-900}" "${shares[@]}" -C "$B" \
   ${SLUICE_RDMA_GTEST_ARGS:+-e SLUICE_RDMA_GTEST_ARGS} -e SLUICE_LOG_LEVEL=${SLUICE_LOG_LEVEL:-warn} \
   -- bash "$HERE/guest-suite.sh" "$B"
