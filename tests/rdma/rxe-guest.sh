@@ -21,6 +21,10 @@
 #   -n, --netdev D     dummy (default) | veth | lo | virtio (env RXE_NETDEV)
 #       --mtu N        netdev MTU (1500 -> RDMA active_mtu 1024; 9000 -> 4096) (env RXE_MTU)
 #       --ip A.B.C.D   IPv4 (/24) of the netdev (default 10.0.0.1; env RXE_IP_ADDR)
+#       --rxe-devices N  create N SoftRoCE devices rxe0..rxe{N-1} (default 1, env RXE_DEVICES):
+#                      rxe0 as above; rxe<k> (k>=1) on its own dummy netdev dummy<k> with
+#                      10.0.<k>.1/24. (Two rxe devices of one guest do not talk to each other
+#                      on kernel 6.1; each one's own loopback works.)
 #   -e, --env N[=V]    set env var N in the guest (to V, or to its host value)
 #   -q, --quiet        no harness notes on stderr
 #   -v, --verbose      also print the guest kernel console at the end
@@ -30,7 +34,9 @@
 #
 # Exit status: COMMAND's; 124 = timeout; 125 = the harness or guest failed.
 # In the guest: root, RLIMIT_MEMLOCK unlimited, RXE_GUEST=1, RXE_DEV=rxe0, RXE_NETDEV,
-# RXE_IP, RXE_GID_INDEX (index of the RoCE v2 GID ::ffff:RXE_IP).
+# RXE_IP, RXE_GID_INDEX (index of the RoCE v2 GID ::ffff:RXE_IP), and for all devices, in
+# the same order: RXE_DEVS="rxe0 rxe1 ...", RXE_NETDEVS="dummy0 dummy1 ...",
+# RXE_IPS="10.0.0.1 10.0.1.1 ...", RXE_GID_INDEXES="1 1 ..." (RoCE v2 GID index of each).
 #
 # Under TCG (no VT-x) the guest still boots in ~3 s: the uncompressed vmlinux is booted via
 # its PVH entry point, the CPU model drops ERMS/FSRM (slow "rep movsb" under TCG) and the
@@ -51,6 +57,7 @@ ACCEL=${RXE_ACCEL:-auto}
 NETDEV=${RXE_NETDEV:-dummy}
 MTU=${RXE_MTU:-}
 IPADDR=${RXE_IP_ADDR:-10.0.0.1}
+NDEVS=${RXE_DEVICES:-1}
 VERBOSE=0
 QUIETH=0
 ENVS=()
@@ -69,6 +76,7 @@ while [ $# -gt 0 ]; do
     -n|--netdev)  NETDEV=$2; shift 2;;
     --mtu)        MTU=$2; shift 2;;
     --ip)         IPADDR=$2; shift 2;;
+    --rxe-devices) NDEVS=$2; shift 2;;
     -v|--verbose) VERBOSE=1; shift;;
     -q|--quiet)   QUIETH=1; shift;;
     -e|--env)     case $2 in *=*) ENVS+=("$2");; *) ENVS+=("$2=${!2-}");; esac; shift 2;;
@@ -84,6 +92,8 @@ done
 [ ${#SHARES[@]} -gt 0 ] || SHARES=("$PWD")
 case $NETDEV in dummy|veth|lo|virtio) ;; *) die "bad --netdev $NETDEV";; esac
 case $ACCEL in auto|kvm|tcg) ;; *) die "bad --accel $ACCEL";; esac
+case $NDEVS in ''|*[!0-9]*) die "bad --rxe-devices $NDEVS";; esac
+[ "$NDEVS" -ge 1 ] && [ "$NDEVS" -le 64 ] || die "--rxe-devices must be 1..64"
 
 # --------------------------------------------------------------- dependencies
 need_pkgs=()
@@ -198,21 +208,46 @@ IP=${RXE_IP_ADDR:-10.0.0.1}; [ "$ND" = lo ] && IP=127.0.0.1
 [ -n "$RXE_MTU" ] && ip link set $ND mtu $RXE_MTU
 ip link set $ND up
 hip rdma link add rxe0 type rxe netdev $ND || fail "rdma link add rxe0 failed"
-# wait for the port to be ACTIVE and the IPv4 GID to show up
-GIDX=
-n=0
-while [ $n -lt 100 ]; do
-  if grep -q ACTIVE /sys/class/infiniband/rxe0/ports/1/state 2>/dev/null; then
-    for g in 0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15; do   # (the table has 1024 entries)
-      v=; read -r v < /sys/class/infiniband/rxe0/ports/1/gids/$g 2>/dev/null
-      case $v in 0000:0000:0000:0000:0000:ffff:*) GIDX=$g; break;; esac
-    done
-    [ -n "$GIDX" ] && break
-    [ "$ND" = lo ] && break
-  fi
-  n=$((n+1)); usleep 50000
+# extra devices (--rxe-devices N): rxe<k> on dummy<k>, 10.0.<k>.1/24
+DEVS=rxe0; NDS=$ND; IPS=$IP
+k=1
+while [ $k -lt ${RXE_DEVICES:-1} ]; do
+  hip ip link add dummy$k type dummy || fail "ip link add dummy$k failed"
+  ip addr add 10.0.$k.1/24 dev dummy$k
+  [ -n "$RXE_MTU" ] && ip link set dummy$k mtu $RXE_MTU
+  ip link set dummy$k up
+  hip rdma link add rxe$k type rxe netdev dummy$k || fail "rdma link add rxe$k failed"
+  DEVS="$DEVS rxe$k"; NDS="$NDS dummy$k"; IPS="$IPS 10.0.$k.1"
+  k=$((k+1))
 done
-[ -n "$GIDX" ] || GIDX=0
+# wait for each port to be ACTIVE and its IPv4 (RoCE v2) GID to show up
+gid_index() {  # dev -> index of its ::ffff:a.b.c.d RoCE v2 GID (empty if none yet)
+  local g v ty
+  for g in 0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15; do   # (the table has 1024 entries)
+    v=; read -r v < /sys/class/infiniband/$1/ports/1/gids/$g 2>/dev/null
+    case $v in 0000:0000:0000:0000:0000:ffff:*)
+      ty=; read -r ty < /sys/class/infiniband/$1/ports/1/gid_attrs/types/$g 2>/dev/null
+      case $ty in *[Vv]1*) continue;; esac
+      echo $g; return;;
+    esac
+  done
+}
+GIDXS=
+for d in $DEVS; do
+  x=
+  n=0
+  while [ $n -lt 100 ]; do
+    if grep -q ACTIVE /sys/class/infiniband/$d/ports/1/state 2>/dev/null; then
+      x=$(gid_index $d)
+      [ -n "$x" ] && break
+      [ "$ND" = lo ] && [ $d = rxe0 ] && break
+    fi
+    n=$((n+1)); usleep 50000
+  done
+  [ -n "$x" ] || x=0
+  GIDXS="${GIDXS:+$GIDXS }$x"
+done
+GIDX=${GIDXS%% *}
 t rxe-up
 # run the command: stdout -> ttyS1, stderr -> ttyS2 (both raw)
 stty -F /dev/ttyS1 raw -echo 2>/dev/null
@@ -223,6 +258,7 @@ cd /host
 env -i HOME=/root TERM=dumb USER=root LOGNAME=root \
   PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
   RXE_DEV=rxe0 RXE_NETDEV=$ND RXE_IP=$IP RXE_GID_INDEX=$GIDX RXE_GUEST=1 \
+  RXE_DEVS="$DEVS" RXE_NETDEVS="$NDS" RXE_IPS="$IPS" RXE_GID_INDEXES="$GIDXS" \
   chroot /host /bin/bash /run/rxe-ctl/cmd.sh < /dev/null > /dev/ttyS1 2> /dev/ttyS2
 echo $? > /ctl/rc
 t command-done
@@ -308,7 +344,7 @@ trap 'exit 130' INT TERM
   printf 'exec'; printf ' %q' "$@"; printf '\n'
 } > "$RUN/cmd.sh"
 printf '%s\n' "${SHARES[@]}" > "$RUN/shares"
-printf 'RXE_NETDEV=%s\nRXE_MTU=%s\nRXE_IP_ADDR=%s\n' "$NETDEV" "$MTU" "$IPADDR" > "$RUN/env"
+printf 'RXE_NETDEV=%s\nRXE_MTU=%s\nRXE_IP_ADDR=%s\nRXE_DEVICES=%s\n' "$NETDEV" "$MTU" "$IPADDR" "$NDEVS" > "$RUN/env"
 
 VIRTFS=(-virtfs "local,path=/,mount_tag=hostroot,security_model=none,readonly=on,multidevs=remap"
         -virtfs "local,path=$RUN,mount_tag=rxectl,security_model=none")
