@@ -25,6 +25,11 @@
 #                      rxe0 as above; rxe<k> (k>=1) on its own dummy netdev dummy<k> with
 #                      10.0.<k>.1/24. (Two rxe devices of one guest do not talk to each other
 #                      on kernel 6.1; each one's own loopback works.)
+#       --socket-net listen:PORT|connect:PORT
+#                      put rxe0 on a virtio NIC joined to another guest's by a QEMU socket
+#                      network on the host's 127.0.0.1:PORT (implies --netdev virtio; the
+#                      "listen" guest must be started first; MAC 52:54:00:00:00:<last octet
+#                      of --ip>). Used by two-guests.sh. (env RXE_SOCKET_NET)
 #   -e, --env N[=V]    set env var N in the guest (to V, or to its host value)
 #   -q, --quiet        no harness notes on stderr
 #   -v, --verbose      also print the guest kernel console at the end
@@ -58,6 +63,7 @@ NETDEV=${RXE_NETDEV:-dummy}
 MTU=${RXE_MTU:-}
 IPADDR=${RXE_IP_ADDR:-10.0.0.1}
 NDEVS=${RXE_DEVICES:-1}
+SOCKNET=${RXE_SOCKET_NET:-}
 VERBOSE=0
 QUIETH=0
 ENVS=()
@@ -77,6 +83,7 @@ while [ $# -gt 0 ]; do
     --mtu)        MTU=$2; shift 2;;
     --ip)         IPADDR=$2; shift 2;;
     --rxe-devices) NDEVS=$2; shift 2;;
+    --socket-net) SOCKNET=$2; shift 2;;
     -v|--verbose) VERBOSE=1; shift;;
     -q|--quiet)   QUIETH=1; shift;;
     -e|--env)     case $2 in *=*) ENVS+=("$2");; *) ENVS+=("$2=${!2-}");; esac; shift 2;;
@@ -93,6 +100,10 @@ done
 case $NETDEV in dummy|veth|lo|virtio) ;; *) die "bad --netdev $NETDEV";; esac
 case $ACCEL in auto|kvm|tcg) ;; *) die "bad --accel $ACCEL";; esac
 case $NDEVS in ''|*[!0-9]*) die "bad --rxe-devices $NDEVS";; esac
+if [ -n "$SOCKNET" ]; then
+  case $SOCKNET in listen:[0-9]*|connect:[0-9]*) ;; *) die "bad --socket-net $SOCKNET (listen:PORT or connect:PORT)";; esac
+  NETDEV=virtio
+fi
 [ "$NDEVS" -ge 1 ] && [ "$NDEVS" -le 64 ] || die "--rxe-devices must be 1..64"
 
 # --------------------------------------------------------------- dependencies
@@ -354,7 +365,10 @@ for s in "${SHARES[@]}"; do
 done
 NET=()
 if [ "$NETDEV" = virtio ]; then
-  if [ -n "${RXE_QEMU_NET:-}" ]; then read -r -a NET <<<"$RXE_QEMU_NET"
+  if [ -n "$SOCKNET" ]; then
+    mac=$(printf '52:54:00:00:00:%02x' "${IPADDR##*.}")
+    NET=(-netdev "socket,id=n0,${SOCKNET%%:*}=127.0.0.1:${SOCKNET#*:}" -device "virtio-net-pci,netdev=n0,mac=$mac")
+  elif [ -n "${RXE_QEMU_NET:-}" ]; then read -r -a NET <<<"$RXE_QEMU_NET"
   else NET=(-netdev user,id=n0,restrict=on -device virtio-net-pci,netdev=n0); fi
 fi
 

@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# The rdma transport across a real (emulated) wire: two SoftRoCE guests joined by a QEMU
+# socket network (each: rxe0 on a virtio NIC; A = 10.0.0.1, B = 10.0.0.2). Guest A runs
+# `rdma_wire_peer server`, guest B `rdma_wire_peer client` (wire-guest.sh): random-size
+# write/read-back checked by both sides, write_with_imm ordering and exactly-once, striped
+# multi-piece batches over 2 QPs, send/recv both ways. Round 2 repeats it with `netem loss 1%`
+# on B's NIC (when the guest kernel has sch_netem), so rxe retransmits.
+#
+# Usage: tests/rdma/two-guests.sh [BUILD_DIR]   (default $SLUICE_BUILD_DIR or build-rdma)
+# Needs BUILD_DIR/tests/rdma/rdma_wire_peer (run.sh builds it). Env: WIRE_NETEM=0 skips the
+# loss round; WIRE_SECONDS (default 4) / WIRE_NETEM_SECONDS (2): client random write/read
+# time per round; RXE_TIMEOUT: per-guest limit (default 240 s); SLUICE_CHANNELS: QPs (2).
+# Exit status: the client's (or the server's, if only the server failed); 124 = timeout.
+set -euo pipefail
+HERE=$(cd "$(dirname "$0")" && pwd)
+ROOT=$(cd "$HERE/../.." && pwd)
+B=$(realpath "${1:-${SLUICE_BUILD_DIR:-$ROOT/build-rdma}}")
+PEER=$B/tests/rdma/rdma_wire_peer
+[ -x "$PEER" ] || { echo "two-guests.sh: $PEER not built (cmake --build $B --target rdma_wire_peer)" >&2; exit 2; }
+start=$(date +%s)
+
+# The guests see the host's root read-only and mount tmpfs on /tmp etc.: share the checkout
+# and the build dir explicitly.
+shares=(-s "$ROOT")
+case "$B/" in "$ROOT"/*) ;; *) shares+=(-s "$B") ;; esac
+
+# Loss round only when the guest kernel has netem (the guest's modules are the host's
+# /lib/modules/<guest kernel>, visible through the shared root) and the host has tc.
+ROUNDS=plain
+if [ "${WIRE_NETEM:-1}" != 0 ]; then
+  if command -v tc >/dev/null && ls /lib/modules/*/kernel/net/sched/sch_netem.ko* >/dev/null 2>&1; then
+    ROUNDS="plain netem"
+  else
+    echo "two-guests.sh: sch_netem or tc not available: the loss round is skipped"
+  fi
+fi
+
+# A free host port for the QEMU socket network (listening sockets in /proc/net/tcp*).
+in_use() { awk -v p="$(printf '%04X' "$1")" 'NR>1 { split($2, a, ":"); if (a[2] == p) f=1 } END { exit !f }' /proc/net/tcp /proc/net/tcp6 2>/dev/null; }
+QPORT=
+for _ in $(seq 50); do
+  p=$((20000 + RANDOM % 30000))
+  in_use $p || { QPORT=$p; break; }
+done
+[ -n "$QPORT" ] || { echo "two-guests.sh: no free port" >&2; exit 125; }
+WPORT=18515   # rdma_wire_peer's listener inside guest A (round k uses WPORT+k-1)
+
+GT=${RXE_TIMEOUT:-240}
+common=(-q -t "$GT" -j 1 -m "${RXE_MEM:-1024}" "${shares[@]}" -C "$B"
+        -e SLUICE_LOG_LEVEL="${SLUICE_LOG_LEVEL:-warn}" -e WIRE_ROUNDS="$ROUNDS"
+        -e WIRE_SECONDS="${WIRE_SECONDS:-4}" -e WIRE_NETEM_SECONDS="${WIRE_NETEM_SECONDS:-2}"
+        -e WIRE_PEER_TIMEOUT="${WIRE_PEER_TIMEOUT:-100}" ${SLUICE_CHANNELS:+-e SLUICE_CHANNELS})
+echo "two-guests.sh: build $B; QEMU socket network on 127.0.0.1:$QPORT; rounds: $ROUNDS"
+
+OUT=$(mktemp -d "${TMPDIR:-/tmp}/sluice-wire.XXXXXX")
+APID=
+cleanup() { [ -n "$APID" ] && pkill -TERM -P "$APID" 2>/dev/null; rm -rf "$OUT"; return 0; }
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+set +e
+( "$HERE/rxe-guest.sh" "${common[@]}" --socket-net "listen:$QPORT" --ip 10.0.0.1 \
+    -- bash "$HERE/wire-guest.sh" server "$B" 10.0.0.2 $WPORT > >(sed -u 's/^/[A] /') 2>&1
+  echo $? > "$OUT/a.rc" ) &
+APID=$!
+# Guest B's QEMU connects to A's socket: wait until A's QEMU listens.
+for _ in $(seq 300); do in_use "$QPORT" && break; kill -0 $APID 2>/dev/null || break; sleep 0.1; done
+"$HERE/rxe-guest.sh" "${common[@]}" --socket-net "connect:$QPORT" --ip 10.0.0.2 \
+  -- bash "$HERE/wire-guest.sh" client "$B" 10.0.0.1 $WPORT > >(sed -u 's/^/[B] /') 2>&1
+brc=$?
+# The server ends by itself once its client quit; if the client gave up early it would wait
+# for its own timeout: give it 10 s, then stop guest A.
+for _ in $(seq 100); do kill -0 $APID 2>/dev/null || break; sleep 0.1; done
+if kill -0 $APID 2>/dev/null; then
+  echo "two-guests.sh: stopping guest A (its server is still waiting)"
+  pkill -TERM -P $APID 2>/dev/null
+fi
+wait $APID
+APID=
+arc=$(cat "$OUT/a.rc" 2>/dev/null || echo 125)
+sleep 0.2   # let the prefixing seds flush
+set -e
+rc=$brc
+[ $rc = 0 ] && [ "$arc" != 0 ] && { echo "two-guests.sh: the client passed but the server (guest A) exited $arc"; rc=$arc; }
+echo "two-guests.sh: client (guest B) exit $brc, server (guest A) exit $arc; $(( $(date +%s) - start )) s in all"
+exit $rc

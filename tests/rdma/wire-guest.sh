@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Runs INSIDE one of the two guests of two-guests.sh: the rdma_wire_peer server or client
+# against the other guest, over rxe0 on the virtio NIC of the QEMU socket network.
+# Usage: wire-guest.sh server|client BUILD_DIR PEER_IP PORT
+# Env: WIRE_ROUNDS ("plain" or "plain netem"), WIRE_SECONDS (client's random write/read
+# time per round), WIRE_PEER_TIMEOUT (each rdma_wire_peer's total timeout).
+# Round "netem": the client guest adds `netem loss 1%` to its NIC's egress first, so the rxe
+# retransmission path (NAK / timeout and go-back-N) runs; the rxe retry counters are printed.
+set -u
+ROLE=${1:?role}; B=${2:?build dir}; PEER=${3:?peer ip}; PORT=${4:?port}
+P=$B/tests/rdma/rdma_wire_peer
+T=${WIRE_PEER_TIMEOUT:-100}
+export SLUICE_LOG_LEVEL=${SLUICE_LOG_LEVEL:-warn}
+echo "guest $ROLE: $(uname -r), $RXE_DEV on $RXE_NETDEV $RXE_IP (RoCE v2 GID index $RXE_GID_INDEX), peer $PEER," \
+  "$(ibv_devinfo -d "$RXE_DEV" | grep -E 'state:|active_mtu' | tr -s ' \t' ' ' | tr '\n' ';')"
+counters() {  # non-zero rxe counters (retransmissions, NAKs, duplicates)
+  local d=/sys/class/infiniband/$RXE_DEV/ports/1/hw_counters f v out=
+  for f in "$d"/*; do v=$(cat "$f" 2>/dev/null) || continue; [ "${v:-0}" != 0 ] && out="$out ${f##*/}=$v"; done
+  echo "guest $ROLE: $RXE_DEV counters:${out:- (all zero)}"
+}
+rc=0; n=0
+for round in ${WIRE_ROUNDS:-plain}; do
+  port=$((PORT + n)); n=$((n + 1))
+  if [ "$round" = netem ] && [ "$ROLE" = client ]; then
+    modprobe sch_netem && tc qdisc add dev "$RXE_NETDEV" root netem loss 1% \
+      || { echo "guest client: FAIL: cannot add netem loss on $RXE_NETDEV"; rc=1; break; }
+    echo "guest client: $(tc qdisc show dev "$RXE_NETDEV")"
+  fi
+  t0=$(date +%s.%N)
+  echo "=== round $n ($round) $ROLE"
+  if [ "$ROLE" = server ]; then
+    "$P" server --listen "$RXE_IP:$port" --timeout "$T"; r=$?
+  else
+    secs=${WIRE_SECONDS:-4}; [ "$round" = netem ] && secs=${WIRE_NETEM_SECONDS:-2}
+    "$P" client --connect "$PEER:$port" --bind "$RXE_IP" --seconds "$secs" --timeout "$T"; r=$?
+  fi
+  printf '=== round %d (%s) %s: rc=%d (%.1fs)\n' $n "$round" "$ROLE" $r "$(echo "$(date +%s.%N) - $t0" | bc)"
+  if [ "$round" = netem ] && [ "$ROLE" = client ]; then
+    echo "guest client: $(tc -s qdisc show dev "$RXE_NETDEV" | tr -s ' \n' ' ')"
+    tc qdisc del dev "$RXE_NETDEV" root 2>/dev/null
+  fi
+  counters
+  # The client stops at its first failed round; the server serves every round (two-guests.sh
+  # stops its guest once the client is done).
+  [ $r = 0 ] || { rc=$r; [ "$ROLE" = client ] && break; }
+done
+exit $rc
