@@ -126,7 +126,7 @@ Future EndpointImpl::transfer(OpKind kind, const Batch& batch, uint32_t imm) {
   int parts = 0;
   for (auto& l : op->lanes) parts += l.pieces.empty() ? 0 : 1;
   op->future = std::make_shared<FutureState>(kind, parts);
-  op->future->set_busy_wait(busy_wait_);
+  prepare(*op->future);
   op->future->set_bytes(op->bytes);
   Future f(op->future);
   transport_->submit(std::move(op));
@@ -140,7 +140,7 @@ Future EndpointImpl::send(MemoryHandle h, uint64_t offset, uint64_t length) {
   op->ptr = op->pin.get()->base + offset;
   op->length = length;
   op->future = std::make_shared<FutureState>(OpKind::kSend);
-  op->future->set_busy_wait(busy_wait_);
+  prepare(*op->future);
   op->future->set_bytes(length);
   Future f(op->future);
   // The receiver matches by sequence number and requires them in order: number and hand
@@ -158,7 +158,7 @@ Future EndpointImpl::recv(MemoryHandle h, uint64_t offset, uint64_t length) {
   op->ptr = op->pin.get()->base + offset;
   op->length = length;
   op->future = std::make_shared<FutureState>(OpKind::kRecv);
-  op->future->set_busy_wait(busy_wait_);
+  prepare(*op->future);
   Future f(op->future);
   matcher_.post_recv(std::move(op));
   return f;
@@ -166,7 +166,14 @@ Future EndpointImpl::recv(MemoryHandle h, uint64_t offset, uint64_t length) {
 
 Future EndpointImpl::imm_recv() {
   check_usable();
-  return Future(matcher_.imm_recv());
+  auto f = matcher_.imm_recv();
+  prepare(*f);
+  return Future(std::move(f));
+}
+
+void EndpointImpl::prepare(FutureState& f) const {
+  f.set_busy_wait(busy_wait_);
+  f.set_progress(progress_);
 }
 
 void EndpointImpl::on_failure(const Status& why) {

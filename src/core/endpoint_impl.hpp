@@ -23,7 +23,10 @@ class EndpointImpl final : public EndpointEvents, public std::enable_shared_from
   EndpointImpl(std::shared_ptr<EngineImpl> engine, const Transport* kind, EngineInfo peer, uint64_t token, int channels);
   ~EndpointImpl() override;
 
-  void set_transport(std::shared_ptr<TransportEndpoint> t) { transport_ = std::move(t); }
+  void set_transport(std::shared_ptr<TransportEndpoint> t) {
+    transport_ = std::move(t);
+    progress_ = transport_ ? transport_->progress_source() : nullptr;
+  }
   TransportEndpoint& transport() { return *transport_; }
 
   Future transfer(OpKind kind, const Batch& batch, uint32_t imm);
@@ -53,6 +56,7 @@ class EndpointImpl final : public EndpointEvents, public std::enable_shared_from
 
  private:
   void check_usable() const;
+  void prepare(FutureState& f) const;
   RegionPin pin_local(MemoryHandle h, uint64_t offset, uint64_t length, const char* what) const;
 
   std::shared_ptr<EngineImpl> engine_;
@@ -61,6 +65,7 @@ class EndpointImpl final : public EndpointEvents, public std::enable_shared_from
   const uint64_t token_;
   const int channels_;
   std::shared_ptr<TransportEndpoint> transport_;
+  std::weak_ptr<ProgressSource> progress_;
   MessageMatcher matcher_;
 
   mutable std::mutex peer_mu_;

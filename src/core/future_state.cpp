@@ -1,5 +1,6 @@
 #include "core/future_state.hpp"
 
+#include <algorithm>
 #include <thread>
 
 #include "sluice/future.hpp"
@@ -55,7 +56,26 @@ bool FutureState::finish(const Status& status) {
   return true;
 }
 
+void FutureState::drive(Clock::time_point deadline) {
+  auto src = progress_.lock();
+  if (!src || done()) return;
+  src->begin_polling();
+  const auto budget = src->poll_budget();
+  auto last = Clock::now();
+  while (!done()) {
+    if (src->progress()) {
+      last = Clock::now();
+      continue;
+    }
+    auto now = Clock::now();
+    if (now - last > budget || now >= deadline) break;
+    cpu_relax();
+  }
+  src->end_polling();
+}
+
 Status FutureState::wait() {
+  drive(Clock::time_point::max());
   auto spin_end = Clock::now() + spin_;
   while (!done()) {
     if (Clock::now() > spin_end) break;
@@ -70,6 +90,10 @@ Status FutureState::wait() {
 
 bool FutureState::wait_for(std::chrono::nanoseconds timeout) {
   if (done()) return true;
+  auto start = Clock::now();
+  drive(timeout >= std::chrono::hours(24 * 365) ? Clock::time_point::max() : start + timeout);
+  if (done()) return true;
+  timeout -= std::min<std::chrono::nanoseconds>(timeout, Clock::now() - start);
   std::unique_lock<std::mutex> lk(mu_);
   waiters_.fetch_add(1, std::memory_order_relaxed);
   bool ok = cv_.wait_for(lk, timeout, [&] { return done_.load(std::memory_order_relaxed); });

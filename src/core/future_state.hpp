@@ -6,6 +6,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <vector>
 
@@ -13,6 +14,21 @@
 #include "sluice/types.hpp"
 
 namespace sluice::detail {
+
+// Something a waiter can drive itself instead of sleeping until another thread completes its
+// future: a transport whose completions are polled (an RDMA CQ). Saves the hand-off from the
+// transport's progress thread to the waiter, the largest cost of a small operation.
+class ProgressSource {
+ public:
+  virtual ~ProgressSource() = default;
+  // Poll once without blocking; true if anything completed.
+  virtual bool progress() = 0;
+  // A waiter starts / stops driving (the transport's own thread may step aside meanwhile).
+  virtual void begin_polling() {}
+  virtual void end_polling() {}
+  // How long a waiter keeps polling without any completion before it sleeps.
+  virtual std::chrono::microseconds poll_budget() const = 0;
+};
 
 class FutureState {
  public:
@@ -40,6 +56,9 @@ class FutureState {
 
   // How long wait() polls before sleeping (set by the endpoint from EngineConfig).
   void set_busy_wait(std::chrono::microseconds us) { spin_ = us; }
+  // Waiters drive `source` (if it still exists) before sleeping. Set before the future is
+  // handed out.
+  void set_progress(std::weak_ptr<ProgressSource> source) { progress_ = std::move(source); }
   void set_bytes(uint64_t n) { bytes_.store(n, std::memory_order_relaxed); }
   uint64_t bytes() const { return bytes_.load(std::memory_order_relaxed); }
   void set_imm(uint32_t v) { imm_.store(v, std::memory_order_relaxed); }
@@ -47,10 +66,13 @@ class FutureState {
 
  private:
   bool finish(const Status& status);
+  // Drive progress_ until done, the deadline, or poll_budget() without any completion.
+  void drive(Clock::time_point deadline);
 
   const OpKind kind_;
   const Clock::time_point start_;
   std::chrono::microseconds spin_{0};
+  std::weak_ptr<ProgressSource> progress_;
   std::atomic<int> parts_;
   std::atomic<bool> done_{false};
   std::atomic<int> waiters_{0};

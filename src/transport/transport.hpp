@@ -67,6 +67,9 @@ class TransportEndpoint {
   virtual void send(std::shared_ptr<MessageOp> op) = 0;
   // The peer's info changed (hello reply, refresh_remote_regions): new regions, new keys.
   virtual void peer_updated(const EngineInfo& peer) {}
+  // What a waiter on this endpoint's futures may poll instead of sleeping (nullptr: nothing,
+  // completions arrive from the transport's own threads).
+  virtual std::shared_ptr<ProgressSource> progress_source() { return nullptr; }
   // Operations submitted and not yet completed.
   virtual size_t pending() const = 0;
   // When the peer last showed progress (for the engine's watchdog).
