@@ -71,134 +71,118 @@ bool Device::parse_gid(const std::string& s, ibv_gid* g) {
   return true;
 }
 
-std::shared_ptr<Device> Device::open(const Verbs* v, const std::string& hca, const std::string& gid_env, std::string* why) {
+Device::Context::~Context() {
+  if (pd) v->dealloc_pd(pd);
+  if (ctx) v->close_device(ctx);
+}
+
+std::vector<std::shared_ptr<Device>> Device::open_all(const Verbs* v, const std::string& hca, const std::string& gid_env,
+                                                      std::string* why) {
+  std::vector<std::shared_ptr<Device>> out;
   HcaFilter filter;
   try {
     filter = HcaFilter::parse(hca);
   } catch (const Error& e) {
     *why = e.what();
-    return nullptr;
+    return out;
   }
   int n = 0;
   ibv_device** list = v->get_device_list(&n);
   if (!list || n == 0) {
     if (list) v->free_device_list(list);
     *why = "no RDMA device";
-    return nullptr;
+    return out;
   }
   std::string seen;
-  std::shared_ptr<Device> chosen;
-  for (int i = 0; i < n && !chosen; ++i) {
+  for (int i = 0; i < n; ++i) {
     std::string name = v->get_device_name(list[i]);
-    ibv_context* ctx = v->open_device(list[i]);
-    if (!ctx) {
+    bool any_port = false;
+    for (int p = 1; p <= 16 && !any_port; ++p) any_port = filter.matches(name, p);
+    if (!any_port) {
+      seen += " " + name + "(excluded by SLUICE_IB_HCA)";
+      continue;
+    }
+    auto c = std::make_shared<Context>();
+    c->v = v;
+    c->ctx = v->open_device(list[i]);
+    if (!c->ctx) {
       seen += " " + name + "(cannot open)";
       continue;
     }
-    ibv_device_attr attr{};
-    if (v->query_device(ctx, &attr) != 0) {
-      v->close_device(ctx);
+    if (v->query_device(c->ctx, &c->attr) != 0) {
+      seen += " " + name + "(cannot query)";
       continue;
     }
-    for (int p = 1; p <= attr.phys_port_cnt && !chosen; ++p) {
+    c->pd = v->alloc_pd(c->ctx);
+    if (!c->pd) {
+      seen += " " + name + "(cannot allocate a protection domain)";
+      continue;
+    }
+    for (int p = 1; p <= c->attr.phys_port_cnt; ++p) {
+      std::string where = " " + name + ":" + std::to_string(p);
       if (!filter.matches(name, p)) {
-        seen += " " + name + ":" + std::to_string(p) + "(excluded by SLUICE_IB_HCA)";
+        seen += where + "(excluded by SLUICE_IB_HCA)";
         continue;
       }
       ibv_port_attr pa{};
-      if (v->query_port(ctx, static_cast<uint8_t>(p), &pa) != 0) continue;
+      if (v->query_port(c->ctx, static_cast<uint8_t>(p), &pa) != 0) continue;
       if (pa.state != IBV_PORT_ACTIVE) {
-        seen += " " + name + ":" + std::to_string(p) + "(port not ACTIVE)";
+        seen += where + "(port not ACTIVE)";
         continue;
       }
       auto d = std::shared_ptr<Device>(new Device());
       d->v_ = v;
-      d->ctx_ = ctx;
+      d->ctx_ = c;
       d->name_ = name;
       d->port_ = p;
-      d->attr_ = attr;
       d->link_layer_ = pa.link_layer == IBV_LINK_LAYER_ETHERNET ? IBV_LINK_LAYER_ETHERNET : IBV_LINK_LAYER_INFINIBAND;
       d->lid_ = pa.lid;
       d->mtu_ = pa.active_mtu;
+      if (!out.empty() && out[0]->ethernet() != d->ethernet()) {
+        seen += where + "(link layer differs from " + out[0]->name() + ")";
+        continue;
+      }
       if (!gid_env.empty()) {
         d->gid_index_ = std::atoi(gid_env.c_str());
       } else if (d->ethernet()) {
         d->gid_index_ = find_roce_v2_ipv4_gid(name, p, pa.gid_tbl_len);
         if (d->gid_index_ < 0) {
-          seen += " " + name + ":" + std::to_string(p) + "(no RoCE v2 IPv4 GID)";
-          d->ctx_ = nullptr;
+          seen += where + "(no RoCE v2 IPv4 GID)";
           continue;
         }
       }
-      if (v->query_gid(ctx, static_cast<uint8_t>(p), d->gid_index_, &d->gid_) != 0) {
-        seen += " " + name + ":" + std::to_string(p) + "(cannot read GID " + std::to_string(d->gid_index_) + ")";
-        d->ctx_ = nullptr;
+      if (v->query_gid(c->ctx, static_cast<uint8_t>(p), d->gid_index_, &d->gid_) != 0) {
+        seen += where + "(cannot read GID " + std::to_string(d->gid_index_) + ")";
         continue;
       }
       if (!d->ethernet() && d->lid_ == 0) {
-        seen += " " + name + ":" + std::to_string(p) + "(IB port without a LID)";
-        d->ctx_ = nullptr;
+        seen += where + "(IB port without a LID)";
         continue;
       }
-      d->pd_ = v->alloc_pd(ctx);
-      if (!d->pd_) {
-        seen += " " + name + "(cannot allocate a protection domain)";
-        d->ctx_ = nullptr;
-        continue;
-      }
-      chosen = d;
+      d->locality_ = nic_locality("/sys", name);
+      out.push_back(std::move(d));
     }
-    if (!chosen) v->close_device(ctx);
   }
   v->free_device_list(list);
-  if (!chosen) {
+  if (out.empty()) {
     *why = "no RDMA device" + (seen.empty() ? std::string() : " usable:" + seen);
-    return nullptr;
+    return out;
   }
-  SLUICE_LOG(kInfo, "rdma: using " << chosen->name_ << ":" << chosen->port_ << " ("
-                                   << (chosen->ethernet() ? "RoCE" : "InfiniBand") << ", gid index " << chosen->gid_index_
-                                   << ", active_mtu " << (128 << chosen->mtu_) << ")");
-  return chosen;
+  for (auto& d : out)
+    SLUICE_LOG(kInfo, "rdma: rail " << d->name_ << ":" << d->port_ << " (" << (d->ethernet() ? "RoCE" : "InfiniBand")
+                                    << ", gid index " << d->gid_index_ << ", active_mtu " << (128 << d->mtu_) << ", numa "
+                                    << d->locality_.numa << ")");
+  return out;
 }
 
-Device::~Device() {
-  {
-    std::lock_guard<std::mutex> lk(stop_mu_);
-    stop_ = true;
-  }
-  stop_cv_.notify_all();
-  if (sweeper_.joinable()) sweeper_.join();
-  for (auto& [k, r] : ranges_)
-    if (r.mr) v_->dereg_mr(r.mr);
-  regions_.clear();  // releases the pins
-  if (pd_) v_->dealloc_pd(pd_);
-  if (ctx_) v_->close_device(ctx_);
-}
-
-void Device::start_sweeper(const Registry* reg) {
-  sweeper_ = std::thread([this, reg] {
-    uint64_t seen = reg->generation();
-    bool waiting = false;
-    std::unique_lock<std::mutex> lk(stop_mu_);
-    while (!stop_) {
-      stop_cv_.wait_for(lk, std::chrono::milliseconds(10));
-      if (stop_) break;
-      uint64_t g = reg->generation();
-      if (g == seen && !waiting) continue;
-      seen = g;
-      lk.unlock();
-      waiting = sweep(*reg);
-      lk.lock();
-    }
-  });
-}
+Device::~Device() = default;
 
 nlohmann::json Device::address() const {
   return {{"dev", name_}, {"port", port_}, {"link", ethernet() ? "eth" : "ib"}, {"gid", gid_text(gid_)},
           {"lid", lid_}, {"mtu", mtu_}};
 }
 
-ibv_mr* Device::register_range(uint8_t* base, uint64_t len, const Location& loc, Status* st) {
+ibv_mr* Device::register_range(uint8_t* base, uint64_t len, const Location& loc, Status* st) const {
   ibv_mr* mr = nullptr;
   std::string dmabuf_why;
   if (!loc.is_host()) {
@@ -214,7 +198,7 @@ ibv_mr* Device::register_range(uint8_t* base, uint64_t len, const Location& loc,
       size_t span = (reinterpret_cast<uintptr_t>(base) + len - page + 0xffff) & ~size_t(0xffff);
       int rc = get(&fd, page, span, 1 /*CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD*/, 0);
       if (rc == 0 && fd >= 0) {
-        mr = v_->reg_dmabuf_mr(pd_, reinterpret_cast<uintptr_t>(base) - page, len, reinterpret_cast<uintptr_t>(base), fd,
+        mr = v_->reg_dmabuf_mr(pd(), reinterpret_cast<uintptr_t>(base) - page, len, reinterpret_cast<uintptr_t>(base), fd,
                                kAccess);
         int err = errno;
         ::close(fd);
@@ -226,7 +210,7 @@ ibv_mr* Device::register_range(uint8_t* base, uint64_t len, const Location& loc,
       dmabuf_why = std::string(cuda ? "" : "libcuda not found; ") + (v_->reg_dmabuf_mr ? "" : "no ibv_reg_dmabuf_mr; ");
     }
   }
-  if (!mr) mr = v_->reg_mr(pd_, base, len, kAccess);
+  if (!mr) mr = v_->reg_mr(pd(), base, len, kAccess);
   if (!mr) {
     int err = errno;
     *st = {loc.is_host() ? ErrorCode::kSystem : ErrorCode::kUnsupported,
@@ -234,99 +218,6 @@ ibv_mr* Device::register_range(uint8_t* base, uint64_t len, const Location& loc,
                ", +" + std::to_string(len) + ") with " + name_ + ": " + dmabuf_why + "ibv_reg_mr: " + std::strerror(err)};
   }
   return mr;
-}
-
-ibv_mr* Device::mr_for(const Registry& reg, const RegionEntry* e, Status* st) {
-  std::lock_guard<std::mutex> lk(mu_);
-  auto it = regions_.find(e->id);
-  if (it != regions_.end()) return ranges_[it->second.key].mr;
-  auto region = reg.find(e->id);
-  if (!region) {
-    *st = {ErrorCode::kUnknownHandle, "rdma: region " + std::to_string(e->id) + " is no longer registered"};
-    return nullptr;
-  }
-  auto key = std::make_pair(reinterpret_cast<uintptr_t>(e->base), e->length);
-  Range& r = ranges_[key];
-  if (!r.mr) {
-    r.mr = register_range(e->base, e->length, e->location, st);
-    if (!r.mr) {
-      ranges_.erase(key);
-      return nullptr;
-    }
-  }
-  r.refs++;
-  regions_[e->id] = ByRegion{RegionPin(std::move(region)), key};
-  return r.mr;
-}
-
-nlohmann::json Device::rkeys(const Registry& reg) {
-  nlohmann::json out = nlohmann::json::object();
-  for (const auto& e : reg.entries()) {
-    Status st;
-    ibv_mr* mr = mr_for(reg, e.get(), &st);
-    if (mr) out[std::to_string(e->id)] = mr->rkey;
-  }
-  return out;
-}
-
-bool Device::sweep(const Registry& reg) {
-  bool waiting = false;
-  std::vector<uint64_t> gone;
-  {
-    std::lock_guard<std::mutex> lk(mu_);
-    for (auto& [id, r] : regions_) {
-      if (reg.find(id)) continue;
-      if (r.pin.get()->inflight.load(std::memory_order_acquire) > 1) {  // operations still use it
-        waiting = true;
-        continue;
-      }
-      gone.push_back(id);
-    }
-  }
-  if (gone.empty()) return waiting;
-  // Tell every connected peer first (they drop the rkey and refuse the region locally).
-  std::vector<std::shared_ptr<GoneListener>> ls;
-  {
-    std::lock_guard<std::mutex> lk(listeners_mu_);
-    for (auto it = listeners_.begin(); it != listeners_.end();) {
-      if (auto l = it->lock()) {
-        ls.push_back(std::move(l));
-        ++it;
-      } else {
-        it = listeners_.erase(it);
-      }
-    }
-  }
-  for (uint64_t id : gone)
-    for (auto& l : ls) l->region_gone(id);
-  ls.clear();
-  std::vector<RegionPin> release;  // released after mu_: releasing wakes Registry::remove()
-  {
-    std::lock_guard<std::mutex> lk(mu_);
-    for (uint64_t id : gone) {
-      auto it = regions_.find(id);
-      if (it == regions_.end()) continue;
-      auto r = ranges_.find(it->second.key);
-      if (r != ranges_.end() && --r->second.refs <= 0) {
-        v_->dereg_mr(r->second.mr);
-        ranges_.erase(r);
-      }
-      release.push_back(std::move(it->second.pin));
-      regions_.erase(it);
-    }
-  }
-  return waiting;
-}
-
-void Device::add_listener(std::weak_ptr<GoneListener> l) {
-  std::lock_guard<std::mutex> lk(listeners_mu_);
-  std::erase_if(listeners_, [](const auto& w) { return w.expired(); });
-  listeners_.push_back(std::move(l));
-}
-
-size_t Device::cached_mrs() {
-  std::lock_guard<std::mutex> lk(mu_);
-  return ranges_.size();
 }
 
 }  // namespace sluice::detail::rdma

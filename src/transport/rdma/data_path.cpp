@@ -1,0 +1,344 @@
+// rdma endpoint: READ / WRITE / WRITE_WITH_IMM work requests, posting with back-pressure,
+// send completions and imm ordering (see endpoint.hpp).
+#include <arpa/inet.h>
+
+#include "bootstrap/messages.hpp"
+#include "core/log.hpp"
+#include "transport/rdma/endpoint.hpp"
+
+namespace sluice::detail::rdma {
+
+using nlohmann::json;
+
+namespace {
+
+// Link n work requests starting at `first` (vector or deque iterator; elements stay put) into
+// one chain, assign signalling and completion contexts, and post it.
+template <class It>
+Status post_range(const Verbs&, Chan& ch, int c, It first, size_t n) {
+  It it = first;
+  for (size_t i = 0; i < n; ++i, ++it) {
+    Wr& w = *it;
+    ch.free--;
+    const bool sig = w.signal || ch.unsig + 1 >= kSignalEvery || ch.free == 0;
+    if (sig) {
+      ch.ring[ch.tail % ch.ring.size()] = {w.kind, ch.unsig + 1, w.token, w.aux};
+      w.wr.wr_id = kTagCtx | (uint64_t(c) << 40) | (ch.tail & kSeqMask);
+      ch.tail++;
+      ch.unsig = 0;
+      w.wr.send_flags |= IBV_SEND_SIGNALED;
+    } else {
+      ch.unsig++;
+      w.wr.wr_id = kTagUnsig | w.token;
+    }
+    w.wr.sg_list = w.has_sge ? &w.sge : nullptr;
+    w.wr.num_sge = w.has_sge ? 1 : 0;
+    w.wr.next = nullptr;
+    if (i + 1 < n) {
+      It next = it;
+      ++next;
+      w.wr.next = &next->wr;
+    }
+  }
+  ibv_send_wr* bad = nullptr;
+  if (int rc = ibv_post_send(ch.qp, &first->wr, &bad))
+    return {ErrorCode::kSystem, "rdma: ibv_post_send on QP " + std::to_string(ch.qp->qp_num) + ": " + std::strerror(rc)};
+  return Status::Ok();
+}
+
+}  // namespace
+
+Status RdmaEndpoint::post_chain(Chan& ch, int c, Wr* first, size_t n) { return post_range(v_, ch, c, first, n); }
+
+Status RdmaEndpoint::drain(Chan& ch, int c) {
+  if (failed_.load()) {
+    ch.backlog.clear();
+    return Status::Ok();
+  }
+  while (!ch.backlog.empty() && ch.free > 0) {
+    size_t n = std::min<size_t>(ch.backlog.size(), ch.free);
+    Status st = post_range(v_, ch, c, ch.backlog.begin(), n);
+    ch.backlog.erase(ch.backlog.begin(), ch.backlog.begin() + static_cast<std::ptrdiff_t>(n));
+    if (!st.ok()) {
+      ch.backlog.clear();
+      return st;
+    }
+  }
+  return Status::Ok();
+}
+
+// Queue WRs on channel c and post what fits. A failure is returned, not acted on: callers may
+// hold locks that completion callbacks (run by fail()) could need.
+Status RdmaEndpoint::post(int c, std::vector<Wr>& wrs) {
+  Chan& ch = *chans_[c];
+  std::lock_guard<std::mutex> lk(ch.mu);
+  if (failed_.load()) return Status::Ok();  // fail() completed (or will complete) the op
+  if (ch.backlog.empty() && ch.free >= static_cast<int>(wrs.size())) return post_chain(ch, c, wrs.data(), wrs.size());
+  for (auto& w : wrs) ch.backlog.push_back(std::move(w));
+  return drain(ch, c);
+}
+
+bool RdmaEndpoint::rkey_for(uint64_t remote_id, int peer_rail, uint32_t* rkey) {
+  for (int attempt = 0; attempt < 2; ++attempt) {
+    {
+      std::lock_guard<std::mutex> lk(rkey_mu_);
+      auto it = rkeys_.find(remote_id);
+      if (it != rkeys_.end() && peer_rail < static_cast<int>(it->second.size())) {
+        *rkey = it->second[peer_rail];
+        return true;
+      }
+      if (gone_.count(remote_id)) return false;
+    }
+    if (attempt == 0) refresh_rkeys();
+  }
+  return false;
+}
+
+// A region the peer registered after we connected: ask its listener for its current info,
+// whose rdma part carries the rkeys of every region it has (registering them lazily).
+void RdmaEndpoint::refresh_rkeys() {
+  try {
+    net::Socket s = net::connect_tcp(setup_.peer.listen_host, setup_.peer.listen_port, setup_.config.connect_timeout);
+    net::set_io_timeout(s.fd(), setup_.config.connect_timeout);
+    bootstrap::send_msg(s.fd(), bootstrap::MsgKind::kInfo, json::object());
+    json reply = bootstrap::expect_reply(s.fd(), "rdma rkey refresh");
+    if (reply.contains("info") && reply["info"].contains("transports") && reply["info"]["transports"].contains("rdma"))
+      take_peer(reply["info"]["transports"]["rdma"]);
+  } catch (const std::exception& e) {
+    SLUICE_LOG(kWarn, "rdma: cannot refresh the peer's memory keys: " << e.what());
+  }
+}
+
+const std::vector<int>& RdmaEndpoint::chans_near(uint32_t mask) {
+  if (rails_->size() == 1) return all_chans_;
+  std::lock_guard<std::mutex> lk(near_mu_);
+  auto it = near_.find(mask);
+  if (it != near_.end()) return it->second;
+  std::vector<int> v;
+  for (int c = 0; c < nchan_; ++c)
+    if (mask >> chans_[c]->rail & 1) v.push_back(c);
+  if (v.empty()) v = all_chans_;  // no channel on a near rail (fewer channels than rails)
+  return near_.emplace(mask, std::move(v)).first->second;
+}
+
+void RdmaEndpoint::fail_op(uint64_t token, const Status& st) {
+  auto op = pending_.find(token);
+  if (!op) return;
+  op->future->complete(st);
+  // drop it from the table: complete the remaining parts (no-ops on a completed future)
+  for (size_t i = 0; i < op->lanes.size(); ++i)
+    if (!pending_.lane_done(token, st)) break;
+}
+
+void RdmaEndpoint::submit(std::shared_ptr<TransferOp> op) {
+  auto keep = op;
+  const uint64_t token = pending_.add(std::move(op));
+  if (!token) return;
+  last_submit_.store(std::chrono::steady_clock::now().time_since_epoch().count(), std::memory_order_relaxed);
+  // Start the progress thread busy-polling while the WRs travel (a waiter polls by itself).
+  if (busy_.count() > 0 && sleeping_.load()) wake();
+  const bool is_read = keep->kind == OpKind::kRead;
+  const bool imm = keep->kind == OpKind::kWriteImm;
+  std::vector<int> lanes;
+  for (size_t l = 0; l < keep->lanes.size(); ++l)
+    if (!keep->lanes[l].pieces.empty()) lanes.push_back(static_cast<int>(l));
+  // Lanes go to the channels on the rails nearest to the batch's (first) local region.
+  Status st;
+  const RegionKeys* first_keys = rails_->keys_for(*reg_, keep->pins.front().get(), &st);
+  if (!first_keys) {
+    fail_op(token, st);
+    return;
+  }
+  const std::vector<int>& near = chans_near(first_keys->near);
+  std::vector<int> chan(lanes.size());
+  for (size_t li = 0; li < lanes.size(); ++li) chan[li] = near[(lanes[li]) % near.size()];
+  // A single-lane imm batch chains its imm behind its data on QP 0 (RC ordering) when QP 0 is
+  // near enough; otherwise the imm follows the data's completion.
+  const bool chain_imm = imm && lanes.size() == 1 && std::find(near.begin(), near.end(), 0) != near.end();
+  if (chain_imm) chan[0] = 0;
+  // Resolve every key first so that a failure transfers nothing.
+  std::vector<std::vector<Wr>> chains(lanes.size());
+  const RegionEntry* last_region = nullptr;
+  const RegionKeys* keys = nullptr;
+  for (size_t li = 0; li < lanes.size(); ++li) {
+    const Chan& ch = *chans_[chan[li]];
+    auto& wrs = chains[li];
+    for (const Piece& p : keep->lanes[lanes[li]].pieces) {
+      if (!last_region || p.local < last_region->base || p.local + p.length > last_region->base + last_region->length) {
+        last_region = nullptr;
+        for (auto& pin : keep->pins) {
+          const RegionEntry* e = pin.get();
+          if (p.local >= e->base && p.local + p.length <= e->base + e->length) {
+            last_region = e;
+            break;
+          }
+        }
+        keys = last_region ? rails_->keys_for(*reg_, last_region, &st) : nullptr;
+        if (!last_region) st = {ErrorCode::kInternal, "rdma: piece outside its pinned regions"};
+      }
+      uint32_t rkey = 0;
+      if (keys && !rkey_for(p.remote_id, ch.peer_rail, &rkey))
+        st = {ErrorCode::kUnknownHandle, "rdma: peer " + setup_.peer.engine_id + " unregistered region " +
+                                             std::to_string(p.remote_id) + " (or advertised no memory key for it)"};
+      if (!keys || !st.ok()) {
+        fail_op(token, st);
+        return;
+      }
+      const uint32_t lkey = keys->mrs[ch.rail]->lkey;
+      for (uint64_t off = 0; off < p.length; off += max_wr_bytes_) {
+        uint64_t n = std::min(max_wr_bytes_, p.length - off);
+        Wr w;
+        w.has_sge = true;
+        w.sge = {reinterpret_cast<uintptr_t>(p.local + off), static_cast<uint32_t>(n), lkey};
+        w.wr.opcode = is_read ? IBV_WR_RDMA_READ : IBV_WR_RDMA_WRITE;
+        w.wr.wr.rdma.remote_addr = p.remote_addr + off;
+        w.wr.wr.rdma.rkey = rkey ^ fault_rkey_xor_;
+        if (!is_read && n <= max_inline_) w.wr.send_flags |= IBV_SEND_INLINE;
+        w.token = token;
+        wrs.push_back(w);
+      }
+    }
+    wrs.back().signal = true;
+    wrs.back().kind = imm ? CtxKind::kImmLaneEnd : CtxKind::kLaneEnd;
+  }
+  if (imm) {
+    std::unique_lock<std::mutex> lk(imm_mu_);
+    if (chain_imm && imm_order_.empty() && imm_inflight_ < kMaxImms) {
+      Wr& last = chains[0].back();
+      last.wr.opcode = IBV_WR_RDMA_WRITE_WITH_IMM;
+      last.wr.imm_data = htonl(keep->imm);
+      last.kind = CtxKind::kImmChainEnd;
+      imm_inflight_++;
+      st = post(0, chains[0]);  // under imm_mu_: imms reach QP 0 in submission order
+      lk.unlock();
+      if (!st.ok()) fail(st, true);
+      return;
+    }
+    const auto n = static_cast<uint32_t>(lanes.size());
+    imm_batches_[token] = {keep->imm, n, n};
+    imm_order_.push_back(token);
+  }
+  for (size_t li = 0; li < lanes.size(); ++li) {
+    st = post(chan[li], chains[li]);
+    if (!st.ok()) {
+      fail(st, true);
+      return;
+    }
+  }
+}
+
+// imm_mu_ held. Posts the zero-length WRITE_WITH_IMM that completes a two-step imm batch.
+void RdmaEndpoint::post_imm(uint64_t token, uint32_t imm, uint32_t lanes) {
+  imm_inflight_++;
+  std::vector<Wr> w(1);
+  w[0].wr.opcode = IBV_WR_RDMA_WRITE_WITH_IMM;
+  w[0].wr.imm_data = htonl(imm);
+  w[0].wr.wr.rdma.remote_addr = peer_scratch_addr_;
+  w[0].wr.wr.rdma.rkey = peer_scratch_rkey_;
+  w[0].signal = true;
+  w[0].kind = CtxKind::kImmFinal;
+  w[0].token = token;
+  w[0].aux = lanes;
+  Status st = post(0, w);
+  if (!st.ok()) throw Error(st);
+}
+
+// Post the imms of the batches at the head of the submission order whose data is complete.
+void RdmaEndpoint::release_imms() {
+  Status failed;
+  {
+    std::lock_guard<std::mutex> lk(imm_mu_);
+    while (!imm_order_.empty() && imm_inflight_ < kMaxImms) {
+      auto it = imm_batches_.find(imm_order_.front());
+      if (it != imm_batches_.end() && it->second.left > 0) break;
+      uint64_t token = imm_order_.front();
+      imm_order_.pop_front();
+      if (it == imm_batches_.end()) continue;  // failed meanwhile
+      ImmBatch b = it->second;
+      imm_batches_.erase(it);
+      try {
+        post_imm(token, b.imm, b.lanes);
+      } catch (const Error& e) {
+        failed = e.status();
+        break;
+      }
+    }
+  }
+  if (!failed.ok()) fail(failed, true);
+}
+
+void RdmaEndpoint::handle_send_completion(const ibv_wc& wc) {
+  const int c = static_cast<int>((wc.wr_id & ~kTagMask) >> 40);
+  const uint64_t seq = wc.wr_id & kSeqMask;
+  if (c < 0 || c >= nchan_) {
+    fail({ErrorCode::kInternal, "rdma: completion for an unknown channel"}, true);
+    return;
+  }
+  Chan& ch = *chans_[c];
+  WrCtx ctx;
+  Status st;
+  {
+    std::lock_guard<std::mutex> lk(ch.mu);
+    if (ch.head == ch.tail || (ch.head & kSeqMask) != seq) {
+      st = {ErrorCode::kInternal, "rdma: send completion out of order on QP " + std::to_string(ch.qp->qp_num)};
+    } else {
+      ctx = ch.ring[ch.head % ch.ring.size()];
+      ch.head++;
+      ch.free += ctx.slots;
+      st = drain(ch, c);
+    }
+  }
+  if (!st.ok()) {
+    fail(st, true);
+    return;
+  }
+  if (ctx.kind == CtxKind::kCtrl) {
+    std::lock_guard<std::mutex> lk(ctrl_mu_);
+    ctrl_free_.push_back(ctx.aux);
+  }
+  if (wc.status != IBV_WC_SUCCESS) {
+    const char* what = ctx.kind == CtxKind::kCtrl ? "control send" : ctx.kind == CtxKind::kRdvRead ? "message read" : "transfer";
+    Status err = wc_status(v_, wc, what);
+    if (wc.status != IBV_WC_WR_FLUSH_ERR) {
+      if (ctx.kind != CtxKind::kSlots && ctx.kind != CtxKind::kCtrl && ctx.kind != CtxKind::kRdvRead) fail_op(ctx.token, err);
+      if (ctx.kind == CtxKind::kRdvRead) finish_rendezvous(ctx.token, err);
+    }
+    fail({err.code, "QP " + std::to_string(ch.qp ? ch.qp->qp_num : 0) + " in error state after: " + err.message}, true);
+    return;
+  }
+  switch (ctx.kind) {
+    case CtxKind::kSlots:
+    case CtxKind::kCtrl: break;
+    case CtxKind::kLaneEnd: pending_.lane_done(ctx.token, Status::Ok()); break;
+    case CtxKind::kImmChainEnd:
+      pending_.lane_done(ctx.token, Status::Ok());
+      {
+        std::lock_guard<std::mutex> lk(imm_mu_);
+        imm_inflight_--;
+      }
+      release_imms();
+      break;
+    case CtxKind::kImmLaneEnd: {
+      bool head = false;
+      {
+        std::lock_guard<std::mutex> lk(imm_mu_);
+        auto it = imm_batches_.find(ctx.token);
+        if (it != imm_batches_.end() && it->second.left > 0 && --it->second.left == 0)
+          head = !imm_order_.empty() && imm_order_.front() == ctx.token;
+      }
+      if (head) release_imms();
+      break;
+    }
+    case CtxKind::kImmFinal:
+      for (uint32_t i = 0; i < ctx.aux; ++i) pending_.lane_done(ctx.token, Status::Ok());
+      {
+        std::lock_guard<std::mutex> lk(imm_mu_);
+        imm_inflight_--;
+      }
+      release_imms();
+      break;
+    case CtxKind::kRdvRead: finish_rendezvous(ctx.token, Status::Ok()); break;
+  }
+}
+
+}  // namespace sluice::detail::rdma

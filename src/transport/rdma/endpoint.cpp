@@ -1,0 +1,306 @@
+// rdma endpoint: queue-pair set-up, connection and teardown (see endpoint.hpp).
+#include <fcntl.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
+
+#include <cstring>
+
+#include "bootstrap/messages.hpp"
+#include "core/log.hpp"
+#include "transport/rdma/endpoint.hpp"
+
+namespace sluice::detail::rdma {
+
+using nlohmann::json;
+
+Status wc_status(const Verbs& v, const ibv_wc& wc, const std::string& what) {
+  ErrorCode code = ErrorCode::kRemoteError;
+  if (wc.status == IBV_WC_RETRY_EXC_ERR || wc.status == IBV_WC_RNR_RETRY_EXC_ERR) code = ErrorCode::kPeerLost;
+  if (wc.status == IBV_WC_WR_FLUSH_ERR) code = ErrorCode::kPeerLost;
+  if (wc.status == IBV_WC_LOC_PROT_ERR || wc.status == IBV_WC_LOC_LEN_ERR || wc.status == IBV_WC_LOC_QP_OP_ERR)
+    code = ErrorCode::kInternal;
+  char vendor[16];
+  std::snprintf(vendor, sizeof vendor, "%x", wc.vendor_err);
+  return {code, "rdma " + what + " failed: " + v.wc_status_str(wc.status) + " (status " + std::to_string(wc.status) +
+                    ", vendor error 0x" + vendor + ")"};
+}
+
+RdmaEndpoint::RdmaEndpoint(std::shared_ptr<Rails> rails, const Registry* reg, const EndpointSetup& s)
+    : rails_(std::move(rails)), v_(rails_->v()), reg_(reg), events_(s.events), setup_(s), nchan_(s.channels), remote_(s.channels) {
+  if (const char* e = std::getenv("SLUICE_RDMA_SPIN_US")) spin_ = std::chrono::microseconds(std::atoi(e));
+  if (const char* e = std::getenv("SLUICE_RDMA_BUSY_MS")) busy_ = std::chrono::milliseconds(std::atoi(e));
+  if (const char* e = std::getenv("SLUICE_RDMA_POLL_US")) poll_budget_ = std::chrono::microseconds(std::atoi(e));
+  if (const char* e = std::getenv("SLUICE_RDMA_FAULT_RKEY_XOR")) fault_rkey_xor_ = static_cast<uint32_t>(std::strtoul(e, nullptr, 0));
+  sq_depth_ = 1024;
+  for (int r = 0; r < rails_->size(); ++r) sq_depth_ = std::min(sq_depth_, rails_->at(r).attr().max_qp_wr);
+  max_inline_ = 256;
+  for (int i = 0; i < nchan_; ++i) {
+    chans_.push_back(std::make_unique<Chan>());
+    all_chans_.push_back(i);
+  }
+  try {
+    wake_fd_ = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    if (wake_fd_ < 0) throw Error(ErrorCode::kSystem, std::string("rdma: eventfd: ") + std::strerror(errno));
+    ctrl_mem_.assign(size_t(kRecvSlots + kCtrlSendSlots) * kSlotBytes, 0);
+    ctrl_mr_ = v_.reg_mr(rails_->at(0).pd(), ctrl_mem_.data(), ctrl_mem_.size(), kAccess);
+    if (!ctrl_mr_) throw Error(ErrorCode::kSystem, std::string("rdma: cannot register control slots: ") + std::strerror(errno));
+    for (uint32_t i = 0; i < kCtrlSendSlots; ++i) ctrl_free_.push_back(kRecvSlots + i);
+  } catch (...) {
+    close({ErrorCode::kCancelled, "setup failed"});
+    throw;
+  }
+  auto it = s.peer.transports.find("rdma");
+  if (it != s.peer.transports.end()) take_peer(it->second);
+}
+
+RdmaEndpoint::~RdmaEndpoint() {
+  close({ErrorCode::kCancelled, "endpoint destroyed"});
+  release();
+}
+
+RailCq& RdmaEndpoint::cq_for(int rail) {
+  std::lock_guard<std::mutex> lk(cq_mu_);
+  for (auto& c : cqs_)
+    if (c.rail == rail) return c;
+  const Device& d = rails_->at(rail);
+  RailCq c;
+  c.rail = rail;
+  c.comp = v_.create_comp_channel(d.ctx());
+  if (!c.comp) throw Error(ErrorCode::kSystem, std::string("rdma: ibv_create_comp_channel: ") + std::strerror(errno));
+  ::fcntl(c.comp->fd, F_SETFL, ::fcntl(c.comp->fd, F_GETFL) | O_NONBLOCK);
+  int depth = std::min(d.attr().max_cqe, nchan_ * sq_depth_ + kRecvSlots + 64);
+  c.cq = v_.create_cq(d.ctx(), depth, nullptr, c.comp, 0);
+  if (!c.cq) {
+    int err = errno;
+    v_.destroy_comp_channel(c.comp);
+    throw Error(ErrorCode::kSystem, std::string("rdma: ibv_create_cq: ") + std::strerror(err));
+  }
+  cqs_.reserve(rails_->size());  // references handed out stay valid
+  cqs_.push_back(c);
+  return cqs_.back();
+}
+
+void RdmaEndpoint::create_qp(int index, int rail, int peer_rail) {
+  const Device& d = rails_->at(rail);
+  ibv_cq* cq = cq_for(rail).cq;
+  ibv_qp_init_attr ia{};
+  ia.send_cq = cq;
+  ia.recv_cq = cq;
+  ia.qp_type = IBV_QPT_RC;
+  ia.sq_sig_all = 0;
+  ia.cap.max_send_wr = sq_depth_;
+  ia.cap.max_recv_wr = index == 0 ? std::min(kRecvSlots, d.attr().max_qp_wr) : 1;
+  ia.cap.max_send_sge = 1;
+  ia.cap.max_recv_sge = 1;
+  ibv_qp* qp = nullptr;
+  for (uint32_t inl : {256u, 64u, 0u}) {
+    ia.cap.max_inline_data = inl;
+    qp = v_.create_qp(d.pd(), &ia);
+    if (qp) break;
+  }
+  if (!qp) throw Error(ErrorCode::kSystem, std::string("rdma: ibv_create_qp on ") + d.name() + ": " + std::strerror(errno));
+  Chan& ch = *chans_[index];
+  ch.qp = qp;
+  ch.rail = rail;
+  ch.peer_rail = peer_rail;
+  ch.free = sq_depth_;
+  ch.ring.assign(sq_depth_, WrCtx{});
+  max_inline_ = std::min(max_inline_, ia.cap.max_inline_data);
+  ibv_qp_attr at{};
+  at.qp_state = IBV_QPS_INIT;
+  at.pkey_index = 0;
+  at.port_num = static_cast<uint8_t>(d.port());
+  at.qp_access_flags = kAccess;
+  if (int rc = v_.modify_qp(qp, &at, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS))
+    throw Error(ErrorCode::kSystem, std::string("rdma: QP to INIT: ") + std::strerror(rc));
+  if (index == 0)
+    for (uint32_t i = 0; i < static_cast<uint32_t>(ia.cap.max_recv_wr); ++i) post_recv_slot(i);
+}
+
+QpAddress RdmaEndpoint::local_qp_address(int index) const {
+  const Chan& ch = *chans_[index];
+  const Device& d = rails_->at(ch.rail);
+  QpAddress a;
+  a.qpn = ch.qp->qp_num;
+  a.psn = (a.qpn * 2654435761u) & 0xffffff;
+  a.gid = Device::gid_text(d.gid());
+  a.lid = d.lid();
+  a.mtu = d.active_mtu();
+  return a;
+}
+
+void RdmaEndpoint::bring_up(int index, const QpAddress& r) {
+  Chan& ch = *chans_[index];
+  const Device& d = rails_->at(ch.rail);
+  ibv_gid dgid{};
+  if (!Device::parse_gid(r.gid, &dgid)) throw Error(ErrorCode::kProtocol, "rdma: peer sent a malformed GID");
+  const int rd_atom = std::max(1, std::min(16, d.attr().max_qp_rd_atom));
+  ibv_qp_attr at{};
+  at.qp_state = IBV_QPS_RTR;
+  at.path_mtu = static_cast<ibv_mtu>(std::min(d.active_mtu(), r.mtu));
+  at.dest_qp_num = r.qpn;
+  at.rq_psn = r.psn;
+  at.max_dest_rd_atomic = static_cast<uint8_t>(rd_atom);
+  at.min_rnr_timer = 12;
+  at.ah_attr.port_num = static_cast<uint8_t>(d.port());
+  if (d.ethernet()) {
+    at.ah_attr.is_global = 1;
+    at.ah_attr.grh.dgid = dgid;
+    at.ah_attr.grh.sgid_index = static_cast<uint8_t>(d.gid_index());
+    at.ah_attr.grh.hop_limit = 64;
+  } else {
+    at.ah_attr.dlid = r.lid;  // IB: route by the remote LID
+  }
+  int rc = v_.modify_qp(ch.qp, &at,
+                        IBV_QP_STATE | IBV_QP_AV | IBV_QP_PATH_MTU | IBV_QP_DEST_QPN | IBV_QP_RQ_PSN |
+                            IBV_QP_MAX_DEST_RD_ATOMIC | IBV_QP_MIN_RNR_TIMER);
+  if (rc) throw Error(ErrorCode::kSystem, std::string("rdma: QP to RTR: ") + std::strerror(rc));
+  ibv_qp_attr rts{};
+  rts.qp_state = IBV_QPS_RTS;
+  rts.timeout = 14;  // 4.096 us * 2^14 = 67 ms per try
+  rts.retry_cnt = 7;
+  rts.rnr_retry = 7;  // the window accounting keeps RNR away; this is only a safety net
+  rts.sq_psn = local_qp_address(index).psn;
+  rts.max_rd_atomic = static_cast<uint8_t>(rd_atom);
+  rc = v_.modify_qp(ch.qp, &rts,
+                    IBV_QP_STATE | IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT | IBV_QP_RNR_RETRY | IBV_QP_SQ_PSN |
+                        IBV_QP_MAX_QP_RD_ATOMIC);
+  if (rc) throw Error(ErrorCode::kSystem, std::string("rdma: QP to RTS: ") + std::strerror(rc));
+  remote_[index] = r;
+}
+
+json RdmaEndpoint::hello_body(int index) {
+  const Chan& ch = *chans_[index];
+  json j = local_qp_address(index).to_json();
+  j["rail"] = ch.peer_rail;  // the receiver's rail for this channel
+  j["src_rail"] = ch.rail;
+  if (index == 0) {
+    j["rkeys"] = rails_->rkeys(*reg_);
+    j["scratch_addr"] = reinterpret_cast<uintptr_t>(ctrl_mem_.data());
+    j["scratch_rkey"] = ctrl_mr_->rkey;
+  }
+  return j;
+}
+
+int RdmaEndpoint::peer_rails() const {
+  auto it = setup_.peer.transports.find("rdma");
+  if (it == setup_.peer.transports.end() || !it->second.contains("rails") || !it->second["rails"].is_array()) return 1;
+  return std::max<int>(1, static_cast<int>(it->second["rails"].size()));
+}
+
+void RdmaEndpoint::take_peer(const json& j) {
+  if (!j.is_object()) return;
+  if (j.contains("rkeys") && j["rkeys"].is_object()) {
+    std::lock_guard<std::mutex> lk(rkey_mu_);
+    for (auto& [k, val] : j["rkeys"].items()) {
+      if (!val.is_array()) continue;
+      uint64_t id = std::strtoull(k.c_str(), nullptr, 10);
+      if (gone_.count(id)) continue;
+      std::vector<uint32_t> keys;
+      for (auto& x : val)
+        if (x.is_number_unsigned()) keys.push_back(x.get<uint32_t>());
+      rkeys_[id] = std::move(keys);
+    }
+  }
+  if (j.contains("scratch_rkey")) {
+    peer_scratch_addr_ = j["scratch_addr"].get<uint64_t>();
+    peer_scratch_rkey_ = j["scratch_rkey"].get<uint32_t>();
+  }
+}
+
+void RdmaEndpoint::connect(const ChannelOpener& open) {
+  const int local = rails_->size(), peer = peer_rails();
+  if (nchan_ < std::min(local, peer))
+    SLUICE_LOG(kInfo, "rdma: " << nchan_ << " channel(s) use " << nchan_ << " of " << std::min(local, peer)
+                               << " rails (raise SLUICE_CHANNELS to stripe over all)");
+  for (int i = 0; i < nchan_; ++i) {
+    create_qp(i, i % local, i % peer);
+    auto [sock, reply] = open(i, {{"rdma", hello_body(i)}});
+    if (!reply.contains("rdma")) throw Error(ErrorCode::kProtocol, "rdma: channel reply without queue pair address");
+    take_peer(reply["rdma"]);
+    bring_up(i, QpAddress::from_json(reply["rdma"]));
+    chans_[i]->sock = std::move(sock);
+    chans_[i]->sock_live = true;
+  }
+  start_thread();
+}
+
+bool RdmaEndpoint::attach(int index, net::Socket sock, const json& hello) {
+  std::lock_guard<std::mutex> lk(attach_mu_);
+  if (index < 0 || index >= nchan_) throw Error(ErrorCode::kProtocol, "rdma: channel index out of range");
+  if (chans_[index]->qp) throw Error(ErrorCode::kProtocol, "channel " + std::to_string(index) + " attached twice");
+  if (!hello.contains("rdma") || !hello["rdma"].is_object())
+    throw Error(ErrorCode::kProtocol, "rdma: channel hello without queue pair address");
+  const json& h = hello["rdma"];
+  int rail = h.value("rail", 0), peer_rail = h.value("src_rail", 0);
+  if (rail < 0 || rail >= rails_->size() || peer_rail < 0)
+    throw Error(ErrorCode::kProtocol, "rdma: channel hello names rail " + std::to_string(rail) + " of " +
+                                          std::to_string(rails_->size()));
+  create_qp(index, rail, peer_rail);
+  take_peer(h);
+  bring_up(index, QpAddress::from_json(h));
+  bootstrap::send_msg(sock.fd(), bootstrap::MsgKind::kReply, {{"rdma", hello_body(index)}});
+  chans_[index]->sock = std::move(sock);
+  chans_[index]->sock_live = true;
+  if (++attached_ == nchan_) {
+    start_thread();
+    return true;
+  }
+  return false;
+}
+
+void RdmaEndpoint::start_thread() {
+  thread_ = std::thread([this] { run(); });
+  ready_.store(true);
+}
+
+void RdmaEndpoint::close(const Status& why) {
+  fail(why, false);
+  if (closed_.exchange(true)) return;
+  stop_.store(true, std::memory_order_release);
+  wake();
+  if (thread_.joinable()) {
+    if (thread_.get_id() == std::this_thread::get_id()) thread_.detach();
+    else thread_.join();
+  }
+  for (auto& ch : chans_) {
+    ch->sock.shutdown();
+    ch->sock.close();
+  }
+  // A completion callback run by a polling waiter closed us: that waiter is still inside
+  // poll_locked(); the destructor releases the verbs objects instead.
+  if (poll_owner_.load() == std::this_thread::get_id()) return;
+  release();
+}
+
+void RdmaEndpoint::release() {
+  std::lock_guard<std::mutex> poll(poll_mu_);  // waiters out of the CQs (stop_ keeps them out)
+  if (released_.exchange(true)) return;
+  {
+    std::lock_guard<std::mutex> lk(rdv_mu_);
+    for (auto& [id, r] : rdv_)
+      if (r.stash_mr) v_.dereg_mr(r.stash_mr);
+    rdv_.clear();
+  }
+  for (auto& ch : chans_)
+    if (ch->qp) {
+      v_.destroy_qp(ch->qp);
+      ch->qp = nullptr;
+    }
+  for (auto& c : cqs_) {
+    if (c.events) v_.ack_cq_events(c.cq, c.events);
+    v_.destroy_cq(c.cq);
+    v_.destroy_comp_channel(c.comp);
+  }
+  cqs_.clear();
+  if (ctrl_mr_) {
+    v_.dereg_mr(ctrl_mr_);
+    ctrl_mr_ = nullptr;
+  }
+  if (wake_fd_ >= 0) {
+    ::close(wake_fd_);
+    wake_fd_ = -1;
+  }
+}
+
+}  // namespace sluice::detail::rdma

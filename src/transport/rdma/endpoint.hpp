@@ -1,0 +1,263 @@
+// One rdma endpoint: N RC queue pairs ("channels") to one peer, spread over the engine's rails
+// (QP c on our rail c % L and the peer's rail c % R). See docs/rdma.md for the design; the
+// implementation is split by concern:
+//   endpoint.cpp   QP set-up, connection, teardown
+//   data_path.cpp  READ / WRITE / WRITE_WITH_IMM: work requests, posting, back-pressure,
+//                  completions, imm ordering
+//   messages.cpp   control messages on QP 0: SEND/RECV rendezvous, region-gone notices
+//   progress.cpp   completion polling (progress thread and polling waiters), failure
+#pragma once
+
+#include <infiniband/verbs.h>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "transport/common/pending_ops.hpp"
+#include "transport/rdma/rails.hpp"
+#include "transport/transport.hpp"
+
+namespace sluice::detail::rdma {
+
+constexpr int kRecvSlots = 1024;  // control receive WQEs pre-posted on QP 0
+constexpr int kSlotBytes = 64;
+constexpr int kMaxSends = 128;    // RTS in flight per direction
+constexpr int kMaxImms = 256;     // imm writes in flight per direction
+constexpr int kCtrlSendSlots = 2 * kMaxSends + 16;
+constexpr int kSignalEvery = 64;
+constexpr uint64_t kMaxWrBytes = 1ull << 30;
+constexpr std::chrono::milliseconds kCallerWindow{1};
+
+// wr_id layout: the top two bits tag the kind.
+constexpr uint64_t kTagCtx = 0ull << 62;    // signalled WR: channel << 40 | ring sequence
+constexpr uint64_t kTagUnsig = 1ull << 62;  // unsignalled data WR: op token
+constexpr uint64_t kTagRecv = 2ull << 62;   // receive slot index
+constexpr uint64_t kTagMask = 3ull << 62;
+constexpr uint64_t kSeqMask = (1ull << 40) - 1;
+
+enum class CtxKind : uint8_t { kSlots, kLaneEnd, kImmChainEnd, kImmLaneEnd, kImmFinal, kCtrl, kRdvRead };
+
+// What a signalled work request's completion must do.
+struct WrCtx {
+  CtxKind kind = CtxKind::kSlots;
+  int slots = 0;       // send-queue slots it returns (itself and the unsignalled WRs before it)
+  uint64_t token = 0;  // op token / rendezvous id
+  uint32_t aux = 0;    // ctrl send slot / lane count
+};
+
+struct Wr {
+  ibv_send_wr wr{};
+  ibv_sge sge{};
+  bool has_sge = false;
+  bool signal = false;
+  CtxKind kind = CtxKind::kSlots;
+  uint64_t token = 0;
+  uint32_t aux = 0;
+};
+
+enum CtrlType : uint32_t { kRts = 1, kFin = 2, kGone = 3, kGoneAck = 4 };
+
+struct CtrlMsg {
+  uint32_t type;
+  uint32_t status;  // FIN: ErrorCode
+  uint64_t seq;
+  uint64_t addr;
+  uint64_t len;
+  uint32_t rkey;
+  uint32_t pad;
+};
+static_assert(sizeof(CtrlMsg) <= kSlotBytes);
+
+// One queue pair and its send-side state.
+struct Chan {
+  int rail = 0;       // our rail
+  int peer_rail = 0;  // the peer's rail it connects to
+  ibv_qp* qp = nullptr;
+  std::mutex mu;
+  int free = 0;
+  int unsig = 0;
+  std::deque<Wr> backlog;  // WRs waiting for send-queue slots, in order
+  // Signalled WRs in flight, in posting order: an RC send queue completes in order, so the
+  // completion of sequence s is ring[s % size] (no lookup table).
+  std::vector<WrCtx> ring;
+  uint64_t head = 0, tail = 0;
+  net::Socket sock;
+  bool sock_live = false;
+};
+
+// A completion queue (and its channel) per rail this endpoint has queue pairs on.
+struct RailCq {
+  int rail = 0;
+  ibv_comp_channel* comp = nullptr;
+  ibv_cq* cq = nullptr;
+  unsigned events = 0;
+};
+
+struct Rendezvous {
+  MessageMatcher::Claim claim;
+  ibv_mr* stash_mr = nullptr;
+};
+
+// A write_with_imm batch whose imm is posted after its data (striped, or queued behind one).
+struct ImmBatch {
+  uint32_t imm = 0;
+  uint32_t lanes = 0;
+  uint32_t left = 0;
+};
+
+Status wc_status(const Verbs& v, const ibv_wc& wc, const std::string& what);
+
+class RdmaEndpoint final : public TransportEndpoint,
+                           public GoneListener,
+                           public ProgressSource,
+                           public std::enable_shared_from_this<RdmaEndpoint> {
+ public:
+  RdmaEndpoint(std::shared_ptr<Rails> rails, const Registry* reg, const EndpointSetup& s);
+  ~RdmaEndpoint() override;
+
+  // TransportEndpoint
+  void connect(const ChannelOpener& open) override;
+  bool attach(int index, net::Socket sock, const nlohmann::json& hello) override;
+  void submit(std::shared_ptr<TransferOp> op) override;
+  void send(std::shared_ptr<MessageOp> op) override;
+  std::shared_ptr<ProgressSource> progress_source() override { return shared_from_this(); }
+  size_t pending() const override { return pending_.size(); }
+  std::chrono::steady_clock::time_point last_progress() const override { return pending_.last_progress(); }
+  void close(const Status& why) override;
+
+  // GoneListener
+  void region_gone(uint64_t id) override;
+
+  // ProgressSource: a waiter polls the CQs itself (no hand-off from the progress thread).
+  bool progress() override;
+  void begin_polling() override;
+  void end_polling() override;
+  std::chrono::microseconds poll_budget() const override { return poll_budget_; }
+
+ private:
+  // endpoint.cpp
+  RailCq& cq_for(int rail);
+  void create_qp(int index, int rail, int peer_rail);
+  void bring_up(int index, const QpAddress& remote);
+  QpAddress local_qp_address(int index) const;
+  nlohmann::json hello_body(int index);
+  void take_peer(const nlohmann::json& j);
+  int peer_rails() const;
+  void start_thread();
+  void release();
+  // data_path.cpp
+  [[nodiscard]] Status post(int c, std::vector<Wr>& wrs);
+  Status post_chain(Chan& ch, int c, Wr* first, size_t n);  // ch.mu held; slots available
+  Status drain(Chan& ch, int c);                            // ch.mu held
+  void handle_send_completion(const ibv_wc& wc);
+  bool rkey_for(uint64_t remote_id, int peer_rail, uint32_t* rkey);
+  void refresh_rkeys();
+  const std::vector<int>& chans_near(uint32_t rails_mask);
+  void release_imms();
+  void post_imm(uint64_t token, uint32_t imm, uint32_t lanes);  // imm_mu_ held
+  void fail_op(uint64_t token, const Status& st);
+  // messages.cpp
+  void post_recv_slot(uint32_t slot);
+  void handle_recv(const ibv_wc& wc);
+  void post_ctrl(const CtrlMsg& m);
+  void start_send(std::shared_ptr<MessageOp> op);
+  void on_rts(const CtrlMsg& m);
+  void finish_rendezvous(uint64_t id, const Status& st);
+  void on_fin(const CtrlMsg& m);
+  // progress.cpp
+  void run();
+  int poll_locked();  // poll_mu_ held: poll every CQ once; the count or -1
+  void handle(const ibv_wc& wc);
+  bool arm_all();
+  void sleep_on_events(int timeout_ms);
+  void fail(const Status& why, bool notify);
+  void wake();
+
+  std::shared_ptr<Rails> rails_;
+  const Verbs& v_;
+  const Registry* reg_;
+  EndpointEvents* events_;
+  EndpointSetup setup_;
+  const int nchan_;
+  std::vector<std::unique_ptr<Chan>> chans_;
+  std::vector<RailCq> cqs_;
+  std::mutex cq_mu_;  // cqs_ grows while channels attach
+  std::vector<QpAddress> remote_;
+  int sq_depth_ = 0;
+  uint32_t max_inline_ = 0;
+  uint64_t max_wr_bytes_ = kMaxWrBytes;
+  // control slots (QP 0): receive ring and send ring, one registration on QP 0's rail
+  std::vector<uint8_t> ctrl_mem_;
+  ibv_mr* ctrl_mr_ = nullptr;
+  uint64_t peer_scratch_addr_ = 0;
+  uint32_t peer_scratch_rkey_ = 0;
+  std::mutex ctrl_mu_;
+  std::vector<uint32_t> ctrl_free_;
+
+  PendingOps pending_;
+
+  // Channels by preferred-rail mask (every channel when L == 1).
+  std::mutex near_mu_;
+  std::unordered_map<uint32_t, std::vector<int>> near_;
+  std::vector<int> all_chans_;
+
+  // imms: at most kMaxImms in flight; batches whose imm follows their data complete in
+  // submission order (imm_order_), and a single-lane batch chains its imm only behind none.
+  std::mutex imm_mu_;
+  int imm_inflight_ = 0;
+  std::unordered_map<uint64_t, ImmBatch> imm_batches_;
+  std::deque<uint64_t> imm_order_;
+
+  std::mutex send_mu_;
+  int sends_inflight_ = 0;
+  std::deque<std::shared_ptr<MessageOp>> send_wait_;
+
+  std::mutex rdv_mu_;
+  std::unordered_map<uint64_t, Rendezvous> rdv_;
+  uint64_t next_rdv_ = 1;
+
+  std::mutex rkey_mu_;
+  std::unordered_map<uint64_t, std::vector<uint32_t>> rkeys_;  // region -> rkey by peer rail
+  std::unordered_map<uint64_t, bool> gone_;                    // regions the peer unregistered
+  std::mutex gone_mu_;
+  std::condition_variable gone_cv_;
+  uint64_t gone_sent_ = 0, gone_acked_ = 0;
+
+  std::mutex attach_mu_;
+  int attached_ = 0;
+  std::thread thread_;
+  int wake_fd_ = -1;
+  std::atomic<bool> stop_{false};
+  std::atomic<bool> failed_{false};
+  std::atomic<bool> closed_{false};
+  std::atomic<bool> failing_{false};
+  std::atomic<bool> sleeping_{false};  // in poll() with the CQs armed
+  std::atomic<bool> ready_{false};     // every QP is in RTS and the progress thread runs
+  std::atomic<bool> notified_{false};
+  uint32_t fault_rkey_xor_ = 0;        // test-only fault injection (SLUICE_RDMA_FAULT_RKEY_XOR)
+  std::atomic<std::chrono::steady_clock::rep> last_submit_{0};
+  std::chrono::microseconds spin_{50};
+  std::chrono::milliseconds busy_{20};
+  // Caller-driven progress: waiters poll the CQs under poll_mu_ (try_lock, so nobody blocks on
+  // it); while any does, and for kCallerWindow after one left, the progress thread keeps out of
+  // the CQs (unarmed: an armed CQ wakes it on every completion) and only watches the sockets;
+  // a waiter that leaves operations behind hands the CQs back at once (handoff_).
+  std::mutex poll_mu_;
+  std::atomic<int> callers_polling_{0};
+  std::atomic<std::chrono::steady_clock::rep> last_caller_end_{0};
+  std::atomic<bool> handoff_{false};
+  std::atomic<std::thread::id> poll_owner_{};
+  std::atomic<bool> released_{false};
+  std::chrono::microseconds poll_budget_{20000};
+};
+
+}  // namespace sluice::detail::rdma

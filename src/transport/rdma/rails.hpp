@@ -1,0 +1,94 @@
+// The RDMA ports ("rails") an engine stripes over, and the memory registrations on each:
+// every region is registered with every rail (one MR per protection domain), so any queue
+// pair can move it; the rails nearest to the region's memory are its preferred ones.
+#pragma once
+
+#include <condition_variable>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "core/registry.hpp"
+#include "transport/rdma/device.hpp"
+
+namespace sluice::detail::rdma {
+
+// Endpoints hear about regions being unregistered before their MRs go away, so that they can
+// tell their peer (which then refuses operations on the region locally instead of breaking the
+// QP with a remote access error).
+class GoneListener {
+ public:
+  virtual ~GoneListener() = default;
+  // Blocks until the peer acknowledged (bounded; returns at once on a failed endpoint).
+  virtual void region_gone(uint64_t id) = 0;
+};
+
+// A region's registration on every rail.
+struct RegionKeys {
+  std::vector<ibv_mr*> mrs;  // by rail
+  uint32_t near = 0;         // bit i: rail i is among the nearest to the memory
+};
+
+class Rails {
+ public:
+  // Every selected ACTIVE port (Device::open_all). nullptr with *why when there is none.
+  static std::shared_ptr<Rails> open(const Verbs* v, const std::string& hca, const std::string& gid_index_env,
+                                     std::string* why);
+  ~Rails();
+
+  const Verbs& v() const { return *v_; }
+  int size() const { return static_cast<int>(devs_.size()); }
+  const Device& at(int i) const { return *devs_[i]; }
+  bool ethernet() const { return devs_[0]->ethernet(); }
+  // {"link": "eth"|"ib", "rails": [Device::address(), ...]}
+  nlohmann::json address() const;
+
+  // Registration cache. Returns the region's keys on every rail (registering it the first time;
+  // a region with the same range as a registered one shares its MRs); nullptr with *st. The
+  // cache holds a pin on every region it registered, so Registry::remove() (unregister_memory,
+  // free, engine close) waits until the sweeper thread has deregistered the MRs: once
+  // unregister returns, a peer's stale rkey can no longer reach the memory. The result stays
+  // valid while the caller holds a pin on the region.
+  const RegionKeys* keys_for(const Registry& reg, const RegionEntry* e, Status* st);
+  // Registers every region of the registry (errors skipped): {id: [rkey on rail 0, ...]}.
+  nlohmann::json rkeys(const Registry& reg);
+  // Starts the thread that deregisters regions removed from `reg` (checks the registry's
+  // generation every 10 ms).
+  void start_sweeper(const Registry* reg);
+  size_t cached_regions();
+  void add_listener(std::weak_ptr<GoneListener> l);
+
+ private:
+  struct Range {
+    RegionKeys keys;
+    int refs = 0;
+  };
+  struct ByRegion {
+    RegionPin pin;
+    std::pair<uintptr_t, uint64_t> key;
+  };
+  uint32_t near_rails(const RegionEntry& e) const;
+  bool sweep(const Registry& reg);  // returns true while a removed region still has pins
+  void deregister(RegionKeys& k);
+
+  const Verbs* v_ = nullptr;
+  std::vector<std::shared_ptr<Device>> devs_;
+  std::vector<Locality> nics_;
+  std::mutex listeners_mu_;
+  std::vector<std::weak_ptr<GoneListener>> listeners_;
+  std::thread sweeper_;
+  std::mutex stop_mu_;
+  std::condition_variable stop_cv_;
+  bool stop_ = false;
+  std::mutex mu_;
+  std::map<std::pair<uintptr_t, uint64_t>, Range> ranges_;
+  std::unordered_map<uint64_t, ByRegion> regions_;
+};
+
+}  // namespace sluice::detail::rdma
