@@ -20,7 +20,8 @@
 // random-size (1 B - 4 MiB) random-offset write + read-back + server CHECK for --seconds,
 // server FILL + client read, single-lane write_with_imm batches (ordered, exactly one imm
 // each), striped multi-piece batches over the endpoint's QPs (SLUICE_CHANNELS, default 2)
-// with write, read and write_with_imm, and send/recv in both directions; then prints a
+// with write, read and write_with_imm (also several at once: imms in submission order), and
+// send/recv in both directions; then prints a
 // PASS/FAIL summary. Exit: 0 all passed, 1 a check failed, 2 usage/setup error, 3 total
 // timeout (--timeout, default 150 s: neither role hangs when its peer is gone).
 #include <unistd.h>
@@ -385,11 +386,11 @@ struct Client {
   }
 
   // Disjoint random pieces inside [0, kBuf): n pieces of 1..max_len bytes, shuffled order.
-  std::vector<Piece> layout(int n, uint64_t max_len, uint64_t group = 0) {
+  std::vector<Piece> layout(int n, uint64_t max_len, uint64_t group = 0, uint64_t min_len = 1) {
     std::vector<Piece> ps;
     uint64_t at = rnd(0, 4096);
     for (int i = 0; i < n; ++i) {
-      uint64_t len = rnd(1, max_len);
+      uint64_t len = rnd(min_len, max_len);
       if (at + len > kBuf) break;
       ps.push_back({at, len, rng(), group});
       at += len + rnd(0, 300);
@@ -488,6 +489,29 @@ struct Client {
     }
   }
 
+  void imm_striped_concurrent() {
+    // Several striped batches (8 pieces of 64-128 KiB each: above the stripe threshold, so
+    // spread over the QPs) submitted back to back: one imm each, after all of the batch's
+    // bytes, and in submission order.
+    check("write_with_imm striped, concurrent", [&] {
+      const uint64_t batches = 4;
+      auto ps = layout(static_cast<int>(8 * batches), 128 << 10, 0, 64 << 10);
+      for (size_t i = 0; i < ps.size(); ++i) ps[i].group = i % batches;
+      for (auto& p : ps) gen(src(p.off), p.len, p.seed);
+      uint32_t base = static_cast<uint32_t>(rnd(1, 1u << 30));
+      command(kImm, ps, base, 0, [&] {
+        std::vector<Future> fs;
+        for (uint64_t g = 0; g < batches; ++g) {
+          Batch b;
+          for (auto& p : ps)
+            if (p.group == g) b.push_back({hm, p.off, wire, p.off, p.len});
+          fs.push_back(ep.write_with_imm(b, base + static_cast<uint32_t>(g)));
+        }
+        for (auto& f : fs) must(f, "striped write_with_imm");
+      });
+    });
+  }
+
   void send_recv() {
     for (int round = 0; round < 3; ++round) {
       check("send client->server", [&] {
@@ -556,6 +580,7 @@ int run_client(const std::string& connect, const std::string& bind, double secon
       c.random_write_read(seconds);
       c.imm_single_lane();
       c.striped();
+      c.imm_striped_concurrent();
       c.send_recv();
       c.check("quit (exactly-once imms)", [&] { c.command(kQuit, {}); });
     } catch (const std::exception& e) {
