@@ -71,7 +71,7 @@ void FutureState::drive(Clock::time_point deadline) {
     if (now - last > budget || now >= deadline) break;
     cpu_relax();
   }
-  src->end_polling();
+  src->end_polling(done());
 }
 
 Status FutureState::wait() {

@@ -25,7 +25,9 @@ class ProgressSource {
   virtual bool progress() = 0;
   // A waiter starts / stops driving (the transport's own thread may step aside meanwhile).
   virtual void begin_polling() {}
-  virtual void end_polling() {}
+  // `satisfied`: the waiter's future completed (otherwise it gave up and now sleeps, so the
+  // transport's own thread must take over at once).
+  virtual void end_polling(bool satisfied) {}
   // How long a waiter keeps polling without any completion before it sleeps.
   virtual std::chrono::microseconds poll_budget() const = 0;
 };

@@ -90,6 +90,12 @@ MessageMatcher::Claim MessageMatcher::claim(uint64_t seq, uint64_t length) {
   return c;
 }
 
+Status MessageMatcher::sender_status(const Claim& c, const Status& transfer) {
+  if (c.recv) return transfer.ok() && c.length > c.capacity ? truncation(c.length, c.capacity) : transfer;
+  if (c.stash) return transfer;
+  return c.error.ok() ? transfer : c.error;
+}
+
 Status MessageMatcher::deliver(Claim& c, const Status& transfer) {
   if (c.recv) {
     uint64_t n = std::min(c.length, c.capacity);

@@ -49,6 +49,10 @@ class MessageMatcher {
 
   void post_recv(std::shared_ptr<MessageOp> op);
   Claim claim(uint64_t seq, uint64_t length);
+  // What deliver() will report to the sender, without delivering: a transport can acknowledge
+  // the sender before it completes the receiver's future (a receiver that closes as soon as
+  // its recv completes must not leave the sender without its acknowledgement).
+  static Status sender_status(const Claim& c, const Status& transfer);
   // Completes the claim once its bytes landed (or failed to). Returns the status for the sender.
   Status deliver(Claim& claim, const Status& transfer);
 

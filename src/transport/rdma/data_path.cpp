@@ -134,9 +134,7 @@ void RdmaEndpoint::submit(std::shared_ptr<TransferOp> op) {
   auto keep = op;
   const uint64_t token = pending_.add(std::move(op));
   if (!token) return;
-  last_submit_.store(std::chrono::steady_clock::now().time_since_epoch().count(), std::memory_order_relaxed);
-  // Start the progress thread busy-polling while the WRs travel (a waiter polls by itself).
-  if (busy_.count() > 0 && sleeping_.load()) wake();
+  wake_for_submit();
   const bool is_read = keep->kind == OpKind::kRead;
   const bool imm = keep->kind == OpKind::kWriteImm;
   std::vector<int> lanes;

@@ -254,7 +254,22 @@ void RdmaEndpoint::start_thread() {
   ready_.store(true);
 }
 
+void RdmaEndpoint::flush_control(std::chrono::milliseconds limit) {
+  if (failed_.load() || !ready_.load() || poll_owner_.load() == std::this_thread::get_id()) return;
+  const auto end = std::chrono::steady_clock::now() + limit;
+  while (std::chrono::steady_clock::now() < end) {
+    {
+      std::lock_guard<std::mutex> lk(ctrl_mu_);
+      if (ctrl_free_.size() == static_cast<size_t>(kCtrlSendSlots)) return;
+    }
+    if (!progress()) std::this_thread::yield();
+  }
+}
+
 void RdmaEndpoint::close(const Status& why) {
+  // Control messages already posted (a FIN answering the peer's send) leave before the queue
+  // pairs are torn down.
+  if (!closed_.load()) flush_control(std::chrono::milliseconds(200));
   fail(why, false);
   if (closed_.exchange(true)) return;
   stop_.store(true, std::memory_order_release);

@@ -36,6 +36,7 @@ constexpr int kCtrlSendSlots = 2 * kMaxSends + 16;
 constexpr int kSignalEvery = 64;
 constexpr uint64_t kMaxWrBytes = 1ull << 30;
 constexpr std::chrono::milliseconds kCallerWindow{1};
+constexpr std::chrono::milliseconds kCallersModeSleep{5};
 
 // wr_id layout: the top two bits tag the kind.
 constexpr uint64_t kTagCtx = 0ull << 62;    // signalled WR: channel << 40 | ring sequence
@@ -140,7 +141,7 @@ class RdmaEndpoint final : public TransportEndpoint,
   // ProgressSource: a waiter polls the CQs itself (no hand-off from the progress thread).
   bool progress() override;
   void begin_polling() override;
-  void end_polling() override;
+  void end_polling(bool satisfied) override;
   std::chrono::microseconds poll_budget() const override { return poll_budget_; }
 
  private:
@@ -154,6 +155,7 @@ class RdmaEndpoint final : public TransportEndpoint,
   int peer_rails() const;
   void start_thread();
   void release();
+  void flush_control(std::chrono::milliseconds limit);  // wait for control sends in flight
   // data_path.cpp
   [[nodiscard]] Status post(int c, std::vector<Wr>& wrs);
   Status post_chain(Chan& ch, int c, Wr* first, size_t n);  // ch.mu held; slots available
@@ -181,6 +183,7 @@ class RdmaEndpoint final : public TransportEndpoint,
   void sleep_on_events(int timeout_ms);
   void fail(const Status& why, bool notify);
   void wake();
+  void wake_for_submit();  // a submit: records it and wakes the thread if it must watch the CQs
 
   std::shared_ptr<Rails> rails_;
   const Verbs& v_;
@@ -255,6 +258,7 @@ class RdmaEndpoint final : public TransportEndpoint,
   std::atomic<int> callers_polling_{0};
   std::atomic<std::chrono::steady_clock::rep> last_caller_end_{0};
   std::atomic<bool> handoff_{false};
+  std::atomic<bool> callers_mode_{false};  // the thread sleeps with the CQs left to waiters
   std::atomic<std::thread::id> poll_owner_{};
   std::atomic<bool> released_{false};
   std::chrono::microseconds poll_budget_{20000};

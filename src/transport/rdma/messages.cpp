@@ -58,8 +58,7 @@ void RdmaEndpoint::send(std::shared_ptr<MessageOp> op) {
     send_wait_.clear();  // failed endpoint: pending_ completed them
     return;
   }
-  last_submit_.store(std::chrono::steady_clock::now().time_since_epoch().count(), std::memory_order_relaxed);
-  if (busy_.count() > 0 && sleeping_.load()) wake();
+  wake_for_submit();
   if (sends_inflight_ >= kMaxSends || !send_wait_.empty()) {
     send_wait_.push_back(std::move(op));
     return;
@@ -154,13 +153,14 @@ void RdmaEndpoint::finish_rendezvous(uint64_t id, const Status& transfer) {
     rdv_.erase(it);
   }
   if (r.stash_mr) v_.dereg_mr(r.stash_mr);
-  uint64_t seq = r.claim.seq;
-  Status st = events_->matcher().deliver(r.claim, transfer);
+  // FIN first: the receiver's application may close the endpoint as soon as its recv
+  // completes, and the sender must still learn that its message arrived.
   CtrlMsg fin{};
   fin.type = kFin;
-  fin.seq = seq;
-  fin.status = static_cast<uint32_t>(st.code);
+  fin.seq = r.claim.seq;
+  fin.status = static_cast<uint32_t>(MessageMatcher::sender_status(r.claim, transfer).code);
   post_ctrl(fin);
+  events_->matcher().deliver(r.claim, transfer);
 }
 
 void RdmaEndpoint::on_fin(const CtrlMsg& m) {

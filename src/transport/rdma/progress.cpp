@@ -19,6 +19,8 @@ namespace sluice::detail::rdma {
 using Clock = std::chrono::steady_clock;
 
 bool RdmaEndpoint::progress() {
+  // A completion callback that waits on another of our futures: this thread already polls.
+  if (poll_owner_.load(std::memory_order_relaxed) == std::this_thread::get_id()) return false;
   std::unique_lock<std::mutex> lk(poll_mu_, std::try_to_lock);
   if (!lk.owns_lock() || stop_.load(std::memory_order_acquire)) return false;
   return poll_locked() > 0;
@@ -29,10 +31,11 @@ void RdmaEndpoint::begin_polling() {
   callers_polling_.fetch_add(1, std::memory_order_acq_rel);
 }
 
-void RdmaEndpoint::end_polling() {
+void RdmaEndpoint::end_polling(bool satisfied) {
   last_caller_end_.store(Clock::now().time_since_epoch().count(), std::memory_order_relaxed);
-  // Operations still outstanding (the waiter gave up or timed out): hand the CQs back now.
-  if (callers_polling_.fetch_sub(1, std::memory_order_acq_rel) == 1 && pending_.size() > 0) {
+  // The waiter gave up (it now sleeps until someone else completes its future), or operations
+  // are still outstanding: hand the CQs back now.
+  if (callers_polling_.fetch_sub(1, std::memory_order_acq_rel) == 1 && (!satisfied || pending_.size() > 0)) {
     handoff_.store(true, std::memory_order_relaxed);
     wake();
   }
@@ -91,8 +94,10 @@ void RdmaEndpoint::run() {
         (!handoff_.load(std::memory_order_relaxed) && since_caller < kCallerWindow)) {
       // Waiters drive the CQs: leave them unarmed (an armed CQ makes every completion wake this
       // thread, inside the poster's system call under SoftRoCE). Watch the sockets (peer death)
-      // and look again now and then.
-      sleep_on_events(1);
+      // and look again now and then; a submit after the waiters left wakes us sooner.
+      callers_mode_.store(true, std::memory_order_relaxed);
+      sleep_on_events(static_cast<int>(kCallersModeSleep.count()));
+      callers_mode_.store(false, std::memory_order_relaxed);
       armed = false;
       continue;
     }
@@ -173,6 +178,20 @@ void RdmaEndpoint::sleep_on_events(int timeout_ms) {
       chans_[which[i]]->sock_live = false;  // nothing is ever sent after the reply
     }
   }
+}
+
+void RdmaEndpoint::wake_for_submit() {
+  last_submit_.store(Clock::now().time_since_epoch().count(), std::memory_order_relaxed);
+  // Asleep with the CQs armed: start busy-polling while the WRs travel (if configured to).
+  if (busy_.count() > 0 && sleeping_.load()) {
+    wake();
+    return;
+  }
+  // Asleep with the CQs left to waiters, who are gone: whoever submits now may never wait.
+  // (A submit right after a wait, the loop of a waiting caller, does not pay for a wake-up.)
+  if (callers_mode_.load(std::memory_order_relaxed) && callers_polling_.load(std::memory_order_relaxed) == 0 &&
+      Clock::now() - Clock::time_point(Clock::duration(last_caller_end_.load(std::memory_order_relaxed))) >= kCallerWindow)
+    wake();
 }
 
 void RdmaEndpoint::wake() {

@@ -35,13 +35,16 @@ std::shared_ptr<Rails> Rails::open(const Verbs* v, const std::string& hca, const
   return r;
 }
 
-Rails::~Rails() {
-  {
-    std::lock_guard<std::mutex> lk(stop_mu_);
-    stop_ = true;
-  }
-  stop_cv_.notify_all();
+void Rails::stop_sweeper() {
+  std::lock_guard<std::mutex> lk(sweeper_mu_);
+  stop_.store(true);
+  if (reg_) reg_->wake_waiters();
   if (sweeper_.joinable()) sweeper_.join();
+  reg_ = nullptr;
+}
+
+Rails::~Rails() {
+  stop_sweeper();
   for (auto& [k, r] : ranges_) deregister(r.keys);
   regions_.clear();  // releases the pins
 }
@@ -115,19 +118,18 @@ nlohmann::json Rails::rkeys(const Registry& reg) {
 }
 
 void Rails::start_sweeper(const Registry* reg) {
+  reg_ = reg;
   sweeper_ = std::thread([this, reg] {
     uint64_t seen = reg->generation();
     bool waiting = false;
-    std::unique_lock<std::mutex> lk(stop_mu_);
-    while (!stop_) {
-      stop_cv_.wait_for(lk, std::chrono::milliseconds(10));
-      if (stop_) break;
-      uint64_t g = reg->generation();
+    while (!stop_.load()) {
+      // Sleep until a region comes or goes; poll every 10 ms only while a removed region
+      // still has operations in flight.
+      uint64_t g = reg->wait_generation(seen, waiting ? std::chrono::milliseconds(10) : std::chrono::milliseconds(1000));
+      if (stop_.load()) break;
       if (g == seen && !waiting) continue;
       seen = g;
-      lk.unlock();
       waiting = sweep(*reg);
-      lk.lock();
     }
   });
 }

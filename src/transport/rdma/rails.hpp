@@ -3,7 +3,7 @@
 // pair can move it; the rails nearest to the region's memory are its preferred ones.
 #pragma once
 
-#include <condition_variable>
+#include <atomic>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -58,9 +58,11 @@ class Rails {
   const RegionKeys* keys_for(const Registry& reg, const RegionEntry* e, Status* st);
   // Registers every region of the registry (errors skipped): {id: [rkey on rail 0, ...]}.
   nlohmann::json rkeys(const Registry& reg);
-  // Starts the thread that deregisters regions removed from `reg` (checks the registry's
-  // generation every 10 ms).
+  // Starts the thread that deregisters regions removed from `reg` (woken by the registry when
+  // regions come or go). `reg` must outlive this object.
   void start_sweeper(const Registry* reg);
+  // Joins the sweeper (the transport calls it before its engine's registry goes away).
+  void stop_sweeper();
   size_t cached_regions();
   void add_listener(std::weak_ptr<GoneListener> l);
 
@@ -83,9 +85,9 @@ class Rails {
   std::mutex listeners_mu_;
   std::vector<std::weak_ptr<GoneListener>> listeners_;
   std::thread sweeper_;
-  std::mutex stop_mu_;
-  std::condition_variable stop_cv_;
-  bool stop_ = false;
+  const Registry* reg_ = nullptr;
+  std::mutex sweeper_mu_;
+  std::atomic<bool> stop_{false};
   std::mutex mu_;
   std::map<std::pair<uintptr_t, uint64_t>, Range> ranges_;
   std::unordered_map<uint64_t, ByRegion> regions_;

@@ -16,6 +16,8 @@ using rdma::Rails;
 class RdmaTransport final : public Transport {
  public:
   RdmaTransport(std::shared_ptr<Rails> rails, const Registry* reg) : rails_(std::move(rails)), reg_(reg) {}
+  // Endpoints may keep the rails alive longer; the sweeper must not outlive the registry.
+  ~RdmaTransport() override { rails_->stop_sweeper(); }
   std::string name() const override { return "rdma"; }
   // Above tcp, below shm: on one host shared memory is faster than the NIC loopback.
   int priority() const override { return 15; }
