@@ -494,6 +494,13 @@ INSTANTIATE_TEST_SUITE_P(Channels, Rdma, ::testing::Values(1, 2, 4),
 TEST(RdmaDevice, HcaFilterExcludingEveryDeviceMeansNoDevice) {
   std::string why;
   if (g_transport != "rdma" || !rdma_available(&why)) GTEST_SKIP() << why;
+  // The suite may run with a device selection (one rail or several): put it back after.
+  const char* was = std::getenv("SLUICE_IB_HCA");
+  struct Restore {
+    std::string value;
+    bool set;
+    ~Restore() { set ? ::setenv("SLUICE_IB_HCA", value.c_str(), 1) : ::unsetenv("SLUICE_IB_HCA"); }
+  } restore{was ? was : "", was != nullptr};
   ::setenv("SLUICE_IB_HCA", "^=rxe0,mlx5_0,mlx5_1,mlx5_2,mlx5_3,irdma0,bnxt_re0,efa_0", 1);
   ::setenv("SLUICE_IB_HCA", "^", 1);  // parse error also means no engine
   try {
@@ -513,7 +520,6 @@ TEST(RdmaDevice, HcaFilterExcludingEveryDeviceMeansNoDevice) {
   const char* dev = std::getenv("RXE_DEV");
   ::setenv("SLUICE_IB_HCA", (std::string("=") + (dev ? dev : "rxe0") + ":1").c_str(), 1);
   EXPECT_NO_THROW(Engine e(cfg()));
-  ::unsetenv("SLUICE_IB_HCA");
 }
 
 }  // namespace

@@ -19,10 +19,18 @@ echo "guest: $(uname -r), device $RXE_DEV on $RXE_NETDEV $RXE_IP, RoCE v2 GID in
 step devices ibv_devinfo -d "$RXE_DEV"
 step hca-filter "$B/tests/rdma/rdma_hca_filter_test" --gtest_brief=1
 step no-libibverbs env SLUICE_IBVERBS_LIB=/nonexistent/libibverbs.so.1 "$B/tests/rdma/rdma_conformance" --expect-unavailable "libibverbs not found"
-step hca-excludes-all env SLUICE_IB_HCA="^=$RXE_DEV" "$B/tests/rdma/rdma_conformance" --expect-unavailable "no RDMA device"
-step conformance "$B/tests/rdma/rdma_conformance" ${SLUICE_RDMA_GTEST_ARGS:-}
+DEVS=${RXE_DEVS:-$RXE_DEV}
+ALL=$(echo $DEVS | tr ' ' ',')
+step hca-excludes-all env SLUICE_IB_HCA="^=$ALL" "$B/tests/rdma/rdma_conformance" --expect-unavailable "no RDMA device"
+step affinity "$B/tests/rdma/rdma_affinity_test" --gtest_brief=1
+# One rail: every check on rxe0 alone.
+step conformance-1rail env SLUICE_IB_HCA="=$RXE_DEV" "$B/tests/rdma/rdma_conformance" ${SLUICE_RDMA_GTEST_ARGS:-}
+if [ "$(echo $DEVS | wc -w)" -ge 2 ]; then
+  # Every device: queue pairs striped over the rails (QP c on rail c % rails).
+  step conformance-rails env SLUICE_IB_HCA="=$ALL" "$B/tests/rdma/rdma_conformance" ${SLUICE_RDMA_GTEST_ARGS:-}
+fi
 if [ -x "$B/tests/rdma/rdma_shared_suites" ]; then
-  step shared-suites "$B/tests/rdma/rdma_shared_suites" --gtest_filter='*/rdma' ${SLUICE_RDMA_GTEST_ARGS:-}
+  step shared-suites env SLUICE_IB_HCA="=$ALL" "$B/tests/rdma/rdma_shared_suites" --gtest_filter='*/rdma' ${SLUICE_RDMA_GTEST_ARGS:-}
 fi
 echo "guest suite: $((total-fails))/$total steps passed${FAILED:+; failed:$FAILED}"
 [ $fails = 0 ]
