@@ -31,8 +31,11 @@ perf() {  # tool args...
 perf_bw() {  # tool size -> MB/s (10^6 bytes/s)
   perf "$1" -s "$2" -n "${3:-2000}" --report_gbits | awk -v s="$2" '$1==s && NF>=4 {printf "%.1f", $4*1000/8; exit}'
 }
-perf_lat() {  # tool -> typical one-way latency in us (perftest: half the round trip)
-  perf "$1" -s 2 -n "${2:-2000}" | awk '$1==2 && NF>=5 {print $5; exit}'
+perf_lat() {  # tool -> "t_typical t_avg" one-way latency in us (perftest: half the round trip)
+  perf "$1" -s 2 -n "${2:-2000}" | awk '$1==2 && NF>=6 {print $5, $6; exit}'
+}
+perf_op_us() {  # ib_write_bw -s 2 -t 1: one write at a time -> us per write completion
+  perf ib_write_bw -s 2 -t 1 -n "${1:-5000}" | awk '$1==2 && NF>=5 && $5+0 > 0 {printf "%.2f", 1/$5; exit}'
 }
 sluice_bw() {  # op size -> MB/s
   "$BENCH" --transport rdma --listen "$IP:0" --op "$1" --size "$2" --batch-size 8 --concurrency 8 \
@@ -55,14 +58,23 @@ for op in write read; do
     printf '%-22s %10s %14s %16s %8s\n' "$op ($tool)" "$s" "${b:-FAIL}" "${p:-FAIL}" "$(ratio "$b" "$p")"
   done
 done
-pl=$(perf_lat ib_write_lat 2000)
+sluice_pingpong() {  # -> half round trip of a 2-byte write_with_imm ping-pong in us
+  "$BENCH" --transport rdma --listen "$IP:0" --op pingpong --min-size 2 --max-size 2 \
+    --channels "$CH" --iterations "${1:-2000}" --csv --quiet 2>"$T/err" | awk -F, 'NR>1 {printf "%.2f", $6*1000; exit}'
+}
+set -- $(perf_lat ib_write_lat 2000); pt=${1:-}; pa=${2:-}
+sp=$(sluice_pingpong 2000)
+[ -n "$sp" ] || { echo "sluice-bench pingpong failed:"; cat "$T/err"; }
+po=$(perf_op_us 5000)
 sl=$(sluice_lat 2000)
 [ -n "$sl" ] || { echo "sluice-bench failed:"; cat "$T/err"; }
-rtt=$(awk -v x="$pl" 'BEGIN { if (x != "") printf "%.2f", 2*x }')
-printf '\n%-34s %12s\n' "2-byte write latency" "us"
-printf '%-34s %12s\n' "sluice (write completion = RTT)" "${sl:-FAIL}"
-printf '%-34s %12s\n' "ib_write_lat t_typical (RTT/2)" "${pl:-FAIL}"
-printf '%-34s %12s\n' "ib_write_lat as round trip (x2)" "${rtt:-n/a}"
-printf '%-34s %12s\n' "ratio sluice / perftest RTT" "$(ratio "$sl" "$rtt")"
+printf '\n%-52s %10s\n' "2-byte write latency" "us"
+printf '%-52s %10s\n' "sluice pingpong, half round trip (mean)" "${sp:-FAIL}"
+printf '%-52s %10s\n' "ib_write_lat, half round trip (t_avg)" "${pa:-FAIL}"
+printf '%-52s %10s\n' "ib_write_lat t_typical" "${pt:-FAIL}"
+printf '%-52s %10s\n' "ratio sluice / ib_write_lat (means; bar 1.1)" "$(ratio "$sp" "$pa")"
+printf '%-52s %10s\n' "sluice write completion, batch 1 (mean)" "${sl:-FAIL}"
+printf '%-52s %10s\n' "ib_write_bw -t 1: one write to completion (mean)" "${po:-FAIL}"
+printf '%-52s %10s\n' "ratio sluice / perftest (write to completion)" "$(ratio "$sl" "$po")"
 rm -rf "$T"
-[ -n "$sl" ]
+[ -n "$sl" ] && [ -n "$sp" ]

@@ -12,6 +12,7 @@
 #include <deque>
 #include <iostream>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -27,6 +28,7 @@ namespace {
 
 constexpr uint64_t kMaxRegion = 256ull << 20;
 constexpr const char* kRegionName = "bench";
+constexpr const char* kInitiatorRegion = "bench-initiator";  // pingpong: where the target writes back
 
 uint64_t region_length(const Options& o) {
   uint64_t want = o.max_size * static_cast<uint64_t>(o.batch);
@@ -90,6 +92,30 @@ void serve_endpoint(sluice::Endpoint ep, Buffer& buf, const Options& o) {
       if (!window.front().wait_for(200ms)) continue;
       if (!window.front().status().ok()) break;
       window.pop_front();
+    }
+  } else if (o.op == "pingpong") {
+    // Echo every imm with a write of the same size (the imm carries it) into the initiator's
+    // region, found once it announced it.
+    std::optional<sluice::RemoteHandle> back;
+    uint64_t back_len = 0;
+    while (!g_stop && ep.connected()) {
+      auto f = ep.imm_recv();
+      while (!f.wait_for(200ms) && !g_stop) {
+      }
+      if (!f.test() || !f.status().ok()) break;
+      uint64_t size = f.imm();
+      if (!back) {
+        ep.refresh_remote_regions();
+        back = ep.remote_region(kInitiatorRegion);
+        for (auto& r : ep.remote_regions())
+          if (back && r.id == back->id) back_len = r.length;
+        if (!back) {
+          std::fprintf(stderr, "pingpong: the initiator has no region named %s\n", kInitiatorRegion);
+          break;
+        }
+      }
+      size = std::max<uint64_t>(1, std::min({size, back_len, buf.length}));
+      if (!ep.write_with_imm({{buf.handle, 0, *back, 0, size}}, static_cast<uint32_t>(size)).wait().ok()) break;
     }
   } else if (o.op == "write_imm") {
     while (!g_stop && ep.connected()) {
@@ -176,7 +202,7 @@ bool verify(sluice::Endpoint& ep, const Options& o, uint64_t size, Buffer& local
   uint64_t seed = 0;
   if (o.op == "read") {
     if (!ep.read(b).wait().ok()) return false;
-  } else if (o.op == "send") {
+  } else if (o.op == "send" || o.op == "pingpong") {
     return true;  // messages overlap in the target's buffer; their lengths were checked
   } else {
     seed = size * 7 + 1;
@@ -195,8 +221,35 @@ bool verify(sluice::Endpoint& ep, const Options& o, uint64_t size, Buffer& local
   return true;
 }
 
+// Half round trips: write_with_imm there, wait for the target's write_with_imm back.
+Row measure_pingpong(sluice::Endpoint& ep, const Options& o, uint64_t size, Buffer& local, sluice::RemoteHandle remote) {
+  int iters = o.iterations > 0 ? o.iterations : 2000;
+  uint64_t errors = 0;
+  auto once = [&] {
+    auto f = ep.write_with_imm({{local.handle, 0, remote, 0, size}}, static_cast<uint32_t>(size));
+    auto back = ep.imm_recv();
+    sluice::Status st = back.wait();
+    if (st.ok()) st = f.wait();
+    if (!st.ok()) {
+      if (!errors) std::fprintf(stderr, "pingpong failed: %s\n", st.to_string().c_str());
+      ++errors;
+    }
+    return st.ok();
+  };
+  for (int i = 0; i < std::min(iters / 10 + 1, 100); ++i)
+    if (!once()) break;
+  auto t0 = std::chrono::steady_clock::now();
+  for (int i = 0; i < iters && errors == 0; ++i) once();
+  double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  double half_ms = secs * 1e3 / iters / 2;
+  Row r{ep.transport(), ep.channels(), size, 1, 1, half_ms, static_cast<double>(size) / (half_ms / 1e3) / 1e6};
+  r.errors = errors;
+  return r;
+}
+
 Row measure(sluice::Endpoint& ep, const Options& o, uint64_t size, Buffer& local, sluice::RemoteHandle remote,
             uint64_t region) {
+  if (o.op == "pingpong") return measure_pingpong(ep, o, size, local, remote);
   const uint64_t per_batch = size * o.batch;
   int iters = o.iterations;
   if (iters <= 0) iters = static_cast<int>(std::clamp<uint64_t>((512ull << 20) / per_batch, 16, 4000));
@@ -321,7 +374,7 @@ int run_initiator(const Options& o, const std::string& address) {
   for (auto& r : ep.remote_regions())
     if (r.id == remote->id) region = r.length;
   region = std::min(region, region_length(o));
-  Buffer local(engine, region, o.memfd, "");
+  Buffer local(engine, region, o.memfd, o.op == "pingpong" ? kInitiatorRegion : "");
   Buffer check(engine, region, false, "");
   for (uint64_t i = 0; i < region; ++i) local.ptr[i] = pattern(i, 0);
 

@@ -35,7 +35,10 @@ static void usage() {
       "  sluice-bench --role initiator --connect H:P on host B\n"
       "\n"
       "  --transport tcp|shm|...   force a transport (default: the fastest both sides have)\n"
-      "  --op read|write|write_imm|send   (default write)\n"
+      "  --op read|write|write_imm|send|pingpong   (default write)\n"
+      "                            pingpong: write_with_imm to the target, which writes the same\n"
+      "                            size back with an imm; latency = half the round trip (the\n"
+      "                            measure ib_write_lat reports); batch/concurrency ignored\n"
       "  --min-size N --max-size N power-of-two sweep, suffixes K/M/G (default 8 .. 64M)\n"
       "  --batch-size N            assignments per batch (default 64)\n"
       "  --concurrency N           outstanding batches (default 8)\n"
@@ -78,8 +81,12 @@ Options parse(int argc, char** argv) {
     else if (a == "--quiet") o.quiet = true;
     else throw std::invalid_argument("unknown option '" + a + "' (see --help)");
   }
-  if (o.op != "read" && o.op != "write" && o.op != "write_imm" && o.op != "send")
-    throw std::invalid_argument("--op must be read, write, write_imm or send");
+  if (o.op != "read" && o.op != "write" && o.op != "write_imm" && o.op != "send" && o.op != "pingpong")
+    throw std::invalid_argument("--op must be read, write, write_imm, send or pingpong");
+  if (o.op == "pingpong") {
+    o.batch = 1;
+    o.concurrency = 1;
+  }
   if (o.role != "loopback" && o.role != "target" && o.role != "initiator")
     throw std::invalid_argument("--role must be loopback, target or initiator");
   if (o.role == "initiator" && o.connect.empty()) throw std::invalid_argument("--role initiator needs --connect");
