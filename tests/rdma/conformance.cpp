@@ -244,6 +244,36 @@ TEST_P(Rdma, StripedBatchesUseEveryRail) {
   }
 }
 
+TEST_P(Rdma, PiecesSplitAtTheMessageSizeLimit) {
+  if (g_transport != "rdma") GTEST_SKIP() << "rdma only";
+  // Endpoints created while SLUICE_RDMA_MAX_WR_BYTES is set split every piece into WRs of at
+  // most that size (as for a port whose max_msg_sz is smaller than a piece).
+  ::setenv("SLUICE_RDMA_MAX_WR_BYTES", "4096", 1);
+  Endpoint ep = a_->connect(b_->local_info());
+  auto peer = b_->accept(10s);
+  ::unsetenv("SLUICE_RDMA_MAX_WR_BYTES");
+  ASSERT_TRUE(peer.has_value());
+  std::mt19937_64 rng(31);
+  fill(la_.data(), 3 << 20, rng);
+  // 3 MiB + 5 bytes in one piece: 769 WRs; back-pressure holds the ones beyond the queue.
+  const uint64_t len = (3 << 20) + 5;
+  auto w = ep.write_with_imm({{ha_, 0, rb_, 1 << 20, len}}, 77);
+  ASSERT_TRUE(w.wait().ok()) << w.status().to_string();
+  auto imm = peer->imm_recv();
+  ASSERT_TRUE(imm.wait_for(10s));
+  EXPECT_EQ(imm.imm(), 77u);
+  ASSERT_EQ(0, std::memcmp(lb_.data() + (1 << 20), la_.data(), len));
+  auto r = ep.read({{ha_, 4 << 20, rb_, 1 << 20, len}});
+  ASSERT_TRUE(r.wait().ok()) << r.status().to_string();
+  ASSERT_EQ(0, std::memcmp(la_.data() + (4 << 20), la_.data(), len));
+  // and a message: the receiver's RDMA READ is split too
+  auto rv = peer->recv(hb_, 0, len);
+  auto sd = ep.send(ha_, 0, len);
+  ASSERT_TRUE(sd.wait().ok()) << sd.status().to_string();
+  ASSERT_TRUE(rv.wait().ok()) << rv.status().to_string();
+  ASSERT_EQ(0, std::memcmp(lb_.data(), la_.data(), len));
+}
+
 TEST_P(Rdma, SendRecvRandomSizesBothOrders) {
   std::mt19937_64 rng(3);
   for (int i = 0; i < 60; ++i) {

@@ -7,12 +7,10 @@ DEV=${RXE_DEV:-rxe0}; GIDX=${RXE_GID_INDEX:-1}; IP=${RXE_IP:-10.0.0.1}
 SIZES=${SLUICE_BENCH_SIZES:-"65536 262144 1048576"}
 CH=${SLUICE_BENCH_CHANNELS:-2}
 export SLUICE_LOG_LEVEL=error
-# Under emulation the "NIC" (rdma_rxe) is guest CPU time: a progress thread spinning on the CQ
-# while operations are outstanding steals it from rxe (2 vCPUs). The bench therefore sleeps on
-# the completion channel (SLUICE_RDMA_BUSY_MS=0) unless told otherwise; see docs/rdma.md.
-export SLUICE_RDMA_BUSY_MS=${SLUICE_RDMA_BUSY_MS:-0}
+# Engine defaults (SLUICE_RDMA_BUSY_MS etc. pass through when set): waiters poll the CQs
+# themselves, so the progress thread does not compete with rdma_rxe for the 2 vCPUs.
 T=$(mktemp -d)
-echo "SLUICE_RDMA_BUSY_MS=$SLUICE_RDMA_BUSY_MS SLUICE_CHANNELS(bench --channels)=$CH"
+echo "SLUICE_RDMA_BUSY_MS=${SLUICE_RDMA_BUSY_MS:-default} channels (bench --channels)=$CH"
 echo "guest: $(uname -r); $DEV on $RXE_NETDEV $IP, GID index $GIDX, $(ibv_devinfo -d $DEV | grep -m1 active_mtu | tr -s " \t" " ")"
 
 # perftest: server in the background, client against it; prints the client's report.

@@ -138,6 +138,7 @@ std::vector<std::shared_ptr<Device>> Device::open_all(const Verbs* v, const std:
       d->link_layer_ = pa.link_layer == IBV_LINK_LAYER_ETHERNET ? IBV_LINK_LAYER_ETHERNET : IBV_LINK_LAYER_INFINIBAND;
       d->lid_ = pa.lid;
       d->mtu_ = pa.active_mtu;
+      if (pa.max_msg_sz > 0) d->max_msg_sz_ = pa.max_msg_sz;
       if (!out.empty() && out[0]->ethernet() != d->ethernet()) {
         seen += where + "(link layer differs from " + out[0]->name() + ")";
         continue;

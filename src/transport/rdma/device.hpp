@@ -50,6 +50,7 @@ class Device {
   const ibv_gid& gid() const { return gid_; }
   uint16_t lid() const { return lid_; }
   int active_mtu() const { return mtu_; }
+  uint64_t max_msg_sz() const { return max_msg_sz_; }
   const ibv_device_attr& attr() const { return ctx_->attr; }
   const Locality& locality() const { return locality_; }
   nlohmann::json address() const;
@@ -80,6 +81,7 @@ class Device {
   ibv_gid gid_{};
   uint16_t lid_ = 0;
   int mtu_ = IBV_MTU_1024;
+  uint64_t max_msg_sz_ = 1ull << 31;
   Locality locality_;
 };
 

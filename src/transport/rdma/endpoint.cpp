@@ -31,8 +31,15 @@ RdmaEndpoint::RdmaEndpoint(std::shared_ptr<Rails> rails, const Registry* reg, co
   if (const char* e = std::getenv("SLUICE_RDMA_BUSY_MS")) busy_ = std::chrono::milliseconds(std::atoi(e));
   if (const char* e = std::getenv("SLUICE_RDMA_POLL_US")) poll_budget_ = std::chrono::microseconds(std::atoi(e));
   if (const char* e = std::getenv("SLUICE_RDMA_FAULT_RKEY_XOR")) fault_rkey_xor_ = static_cast<uint32_t>(std::strtoul(e, nullptr, 0));
+  // Test-only: a smaller message limit, to exercise the splitting on devices with a large one.
+  if (const char* e = std::getenv("SLUICE_RDMA_MAX_WR_BYTES"))
+    max_wr_bytes_ = std::max<uint64_t>(1, std::strtoull(e, nullptr, 0));
   sq_depth_ = 1024;
-  for (int r = 0; r < rails_->size(); ++r) sq_depth_ = std::min(sq_depth_, rails_->at(r).attr().max_qp_wr);
+  for (int r = 0; r < rails_->size(); ++r) {
+    sq_depth_ = std::min(sq_depth_, rails_->at(r).attr().max_qp_wr);
+    // A piece larger than a port's max_msg_sz goes out as several WRs.
+    max_wr_bytes_ = std::min<uint64_t>(max_wr_bytes_, rails_->at(r).max_msg_sz());
+  }
   max_inline_ = 256;
   for (int i = 0; i < nchan_; ++i) {
     chans_.push_back(std::make_unique<Chan>());
