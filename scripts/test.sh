@@ -36,7 +36,10 @@ bench_checks() {  # every op over every host transport, every byte verified
     done
   done
   "$b" --transport shm --memfd --op write --min-size 4K --max-size 1M --iterations 20 --check --quiet --csv >/dev/null || rc=1
-  [ $rc = 0 ] && echo "sluice-bench: 9 checked runs ok"
+  for t in tcp shm; do  # write_with_imm ping-pong: every echo must arrive
+    "$b" --transport "$t" --op pingpong --min-size 1 --max-size 64K --iterations 50 --quiet --csv >/dev/null || { echo "pingpong $t failed"; rc=1; }
+  done
+  [ $rc = 0 ] && echo "sluice-bench: 11 runs ok (9 checked byte for byte, 2 ping-pong)"
   return $rc
 }
 
