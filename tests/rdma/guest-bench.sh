@@ -5,7 +5,7 @@ set -u
 BENCH=${1:?sluice-bench binary}
 DEV=${RXE_DEV:-rxe0}; GIDX=${RXE_GID_INDEX:-1}; IP=${RXE_IP:-10.0.0.1}
 SIZES=${SLUICE_BENCH_SIZES:-"65536 262144 1048576"}
-CH=${SLUICE_BENCH_CHANNELS:-2}
+CH=${SLUICE_BENCH_CHANNELS:-1}  # perftest runs one QP: like for like
 export SLUICE_LOG_LEVEL=error
 # Engine defaults (SLUICE_RDMA_BUSY_MS etc. pass through when set): waiters poll the CQs
 # themselves, so the progress thread does not compete with rdma_rxe for the 2 vCPUs.
