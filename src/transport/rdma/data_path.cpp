@@ -156,8 +156,8 @@ void RdmaEndpoint::submit(std::shared_ptr<TransferOp> op) {
   if (chain_imm) chan[0] = 0;
   // Resolve every key first so that a failure transfers nothing.
   std::vector<std::vector<Wr>> chains(lanes.size());
-  const RegionEntry* last_region = nullptr;
-  const RegionKeys* keys = nullptr;
+  const RegionEntry* last_region = keep->pins.front().get();
+  const RegionKeys* keys = first_keys;
   for (size_t li = 0; li < lanes.size(); ++li) {
     const Chan& ch = *chans_[chan[li]];
     auto& wrs = chains[li];

@@ -52,6 +52,7 @@ int RdmaEndpoint::poll_locked() {
       fail({ErrorCode::kSystem, "rdma: ibv_poll_cq failed"}, true);
       return -1;
     }
+    if (n > 0) pending_.touch();  // the peer shows progress
     for (int i = 0; i < n; ++i) handle(wcs[i]);
     total += n;
   }
@@ -60,7 +61,6 @@ int RdmaEndpoint::poll_locked() {
 }
 
 void RdmaEndpoint::handle(const ibv_wc& wc) {
-  pending_.touch();
   const uint64_t tag = wc.wr_id & kTagMask;
   if (tag == kTagRecv) {
     handle_recv(wc);
