@@ -32,5 +32,8 @@ fi
 if [ -x "$B/tests/rdma/rdma_shared_suites" ]; then
   step shared-suites env SLUICE_IB_HCA="=$ALL" "$B/tests/rdma/rdma_shared_suites" --gtest_filter='*/rdma' ${SLUICE_RDMA_GTEST_ARGS:-}
 fi
+if [ -n "${SLUICE_RDMA_TSAN_DIR:-}" ] && [ -x "$SLUICE_RDMA_TSAN_DIR/tests/rdma/rdma_conformance" ]; then
+  step tsan bash "$(dirname "$0")/guest-tsan.sh" "$SLUICE_RDMA_TSAN_DIR"
+fi
 echo "guest suite: $((total-fails))/$total steps passed${FAILED:+; failed:$FAILED}"
 [ $fails = 0 ]

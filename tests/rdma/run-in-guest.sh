@@ -12,7 +12,11 @@ B=$(realpath "${1:-${SLUICE_BUILD_DIR:-$ROOT/build-rdma}}")
 # /root: share the sources too, so a checkout under one of those (a CI clone in /tmp) is visible.
 shares=(-s "$ROOT")
 case "$B/" in "$ROOT"/*) ;; *) shares+=(-s "$B") ;; esac
+if [ -n "${SLUICE_RDMA_TSAN_DIR:-}" ]; then
+  case "$SLUICE_RDMA_TSAN_DIR/" in "$ROOT"/*) ;; *) shares+=(-s "$SLUICE_RDMA_TSAN_DIR") ;; esac
+fi
 # Two SoftRoCE devices: the suite runs once on one rail (rxe0) and once striped over both.
 exec "$HERE/rxe-guest.sh" -q -t "${RXE_TIMEOUT:-900}" --rxe-devices "${SLUICE_RDMA_RAILS:-2}" "${shares[@]}" -C "$B" \
-  ${SLUICE_RDMA_GTEST_ARGS:+-e SLUICE_RDMA_GTEST_ARGS} -e SLUICE_LOG_LEVEL=${SLUICE_LOG_LEVEL:-warn} \
+  ${SLUICE_RDMA_GTEST_ARGS:+-e SLUICE_RDMA_GTEST_ARGS} ${SLUICE_RDMA_TSAN_DIR:+-e SLUICE_RDMA_TSAN_DIR} \
+  -e SLUICE_LOG_LEVEL=${SLUICE_LOG_LEVEL:-warn} \
   -- bash "$HERE/guest-suite.sh" "$B"

@@ -3,7 +3,8 @@
 # default <repo>/build-rdma), then run the suite inside one SoftRoCE guest, then the two-guest
 # wire test (two-guests.sh; SLUICE_RDMA_SKIP_WIRE=1 skips it). Exits non-zero if either part
 # fails. SLUICE_RDMA_SKIP_BUILD=1 uses the build dir as it is; SLUICE_CMAKE_ARGS are passed to
-# the first configure.
+# the first configure. It also builds the conformance suite with ThreadSanitizer
+# (build-rdma-tsan; SLUICE_RDMA_SKIP_TSAN=1 skips it) and runs it in the same guest.
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 ROOT=$(cd "$HERE/../.." && pwd)
@@ -13,6 +14,17 @@ if [ "${SLUICE_RDMA_SKIP_BUILD:-0}" != 1 ]; then
   cmake --build "$B" -j "${SLUICE_BUILD_JOBS:-2}" --target sluice rdma_hca_filter_test rdma_affinity_test rdma_conformance \
     $(grep -q rdma_shared_suites "$B/tests/rdma/Makefile" 2>/dev/null && echo rdma_shared_suites) \
     $(cmake --build "$B" --target help 2>/dev/null | grep rdma_wire_peer >/dev/null && echo rdma_wire_peer)
+fi
+# The conformance suite again under ThreadSanitizer (the threading of waiters, progress thread
+# and sweeper against a real verbs stack). SLUICE_RDMA_SKIP_TSAN=1 leaves it out.
+if [ "${SLUICE_RDMA_SKIP_TSAN:-0}" != 1 ]; then
+  TB=$(realpath -m "${SLUICE_RDMA_TSAN_BUILD_DIR:-$ROOT/build-rdma-tsan}")
+  if [ "${SLUICE_RDMA_SKIP_BUILD:-0}" != 1 ] || [ ! -x "$TB/tests/rdma/rdma_conformance" ]; then
+    [ -f "$TB/CMakeCache.txt" ] || cmake -S "$ROOT" -B "$TB" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DSLUICE_SANITIZE=thread \
+      -DSLUICE_BUILD_TOOLS=OFF -DSLUICE_BUILD_PYTHON=OFF ${SLUICE_CMAKE_ARGS:-} >/dev/null
+    cmake --build "$TB" -j "${SLUICE_BUILD_JOBS:-2}" --target rdma_conformance
+  fi
+  export SLUICE_RDMA_TSAN_DIR=$TB
 fi
 start=$(date +%s)
 set +e
