@@ -34,6 +34,11 @@ struct EngineConfig {
   uint64_t stripe_threshold = 256ull << 10;
   // Bytes of unmatched incoming sends buffered before the peer is refused.
   uint64_t max_unexpected_bytes = 256ull << 20;  // env SLUICE_MAX_UNEXPECTED_BYTES
+  // RDMA ports to stripe over, in NCCL_IB_HCA syntax: "mlx5" (prefix), "=mlx5_0,mlx5_1:1"
+  // (exact, optional port), "^mlx5_3" / "^=mlx5_3" (exclude). Empty = every active port.
+  std::string rdma_devices;                       // env SLUICE_IB_HCA
+  // RoCE GID index; -1 = the RoCE v2 GID of the netdev's IPv4 address.   env SLUICE_IB_GID_INDEX
+  int rdma_gid_index = -1;
   // Future::wait() polls this long before sleeping. -1 = automatic: 0 on hosts with <= 2
   // hardware threads (a spinning waiter steals the progress threads' CPU), 20 us otherwise.
   int busy_wait_us = -1;                          // env SLUICE_BUSY_WAIT_US

@@ -324,7 +324,9 @@ class Engine:
 
     ``transports``: names (list or "tcp,shm") this engine may use, default every one that runs
     here; ``channels``: channels per peer; ``listen``: "host:port" of the handshake listener
-    (port 0 = any). Keyword options mirror ``sluice::EngineConfig`` (timeouts in seconds).
+    (port 0 = any); ``rdma_devices``: the RDMA ports to stripe over, NCCL_IB_HCA syntax
+    ("mlx5", "=mlx5_0,mlx5_1:1", "^mlx5_3"). Keyword options mirror ``sluice::EngineConfig``
+    (timeouts in seconds).
     SLUICE_* environment variables override them, as in C++.
     """
 
@@ -341,6 +343,7 @@ class Engine:
         stripe_threshold: Optional[int] = None,
         max_unexpected_bytes: Optional[int] = None,
         log_level: Optional[str] = None,
+        rdma_devices: Optional[str] = None,
     ):
         if isinstance(transports, str):
             transports = [t.strip() for t in transports.split(",") if t.strip()]
@@ -351,7 +354,7 @@ class Engine:
             transports=list(transports) if transports else None, channels=channels, listen=listen,
             host_id=host_id, connect_timeout=connect_timeout, op_timeout=op_timeout,
             chunk_size=chunk_size, stripe_threshold=stripe_threshold,
-            max_unexpected_bytes=max_unexpected_bytes, log_level=log_level)
+            max_unexpected_bytes=max_unexpected_bytes, log_level=log_level, rdma_devices=rdma_devices)
         _live_engines.add(self)
 
     # ------------------------------------------------------------ memory

@@ -394,7 +394,8 @@ std::unique_ptr<PyEngine> make_engine(std::optional<std::vector<std::string>> tr
                                       std::optional<std::string> listen, std::optional<std::string> host_id,
                                       std::optional<double> connect_timeout, std::optional<double> op_timeout,
                                       std::optional<uint64_t> chunk_size, std::optional<uint64_t> stripe_threshold,
-                                      std::optional<uint64_t> max_unexpected_bytes, std::optional<std::string> log_level) {
+                                      std::optional<uint64_t> max_unexpected_bytes, std::optional<std::string> log_level,
+                                      std::optional<std::string> rdma_devices) {
   sluice::EngineConfig c;
   if (transports) c.transports = *transports;
   if (channels) c.channels = *channels;
@@ -417,6 +418,7 @@ std::unique_ptr<PyEngine> make_engine(std::optional<std::vector<std::string>> tr
   if (chunk_size) c.chunk_size = *chunk_size;
   if (stripe_threshold) c.stripe_threshold = *stripe_threshold;
   if (max_unexpected_bytes) c.max_unexpected_bytes = *max_unexpected_bytes;
+  if (rdma_devices) c.rdma_devices = *rdma_devices;
   if (log_level) {
     const std::string& l = *log_level;
     if (l == "error") c.log_level = sluice::LogLevel::kError;
@@ -493,7 +495,7 @@ PYBIND11_MODULE(_sluice, m) {
            py::arg("listen") = py::none(), py::arg("host_id") = py::none(), py::arg("connect_timeout") = py::none(),
            py::arg("op_timeout") = py::none(), py::arg("chunk_size") = py::none(),
            py::arg("stripe_threshold") = py::none(), py::arg("max_unexpected_bytes") = py::none(),
-           py::arg("log_level") = py::none())
+           py::arg("log_level") = py::none(), py::arg("rdma_devices") = py::none())
       .def("register_memory",
            [](PyEngine& pe, uintptr_t ptr, uint64_t len, const std::string& loc, const std::string& name) {
              return pe.e()->register_memory(reinterpret_cast<void*>(ptr), len, location_of(loc), name).id;

@@ -242,3 +242,19 @@ def test_errors_are_catchable_as_builtins(pair):
         pair.ep.read([])
     with pytest.raises(IndexError):
         pair.ep.send(pair.a.register(np.zeros(4, np.uint8)), 8, 1)
+
+
+def test_rdma_devices_selection_is_checked():
+    # A malformed device selection is refused with the reason, whether or not a NIC exists.
+    try:
+        e = sluice.Engine(transports=["rdma"], rdma_devices="^")
+    except sluice.InvalidArgumentError as err:
+        assert "rdma_devices" in str(err) or "SLUICE_IB_HCA" in str(err)
+        return
+    except sluice.NoDeviceError as err:
+        # the engine had no transport left: the reason names the selection (or, on a host
+        # without libibverbs, the missing library: the transport stops before reading it)
+        assert "rdma_devices" in str(err) or "libibverbs" in str(err), str(err)
+        return
+    e.close()
+    pytest.fail("an engine started with rdma_devices='^'")

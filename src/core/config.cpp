@@ -81,6 +81,12 @@ EngineConfig EngineConfig::from_env(EngineConfig c) {
     c.listen_port = static_cast<uint16_t>(port);
   }
   if (auto v = env("SLUICE_HOST_ID")) c.host_id = v;
+  if (auto v = env("SLUICE_IB_HCA")) c.rdma_devices = v;
+  if (auto v = env("SLUICE_IB_GID_INDEX")) {
+    uint64_t n = parse_u64("SLUICE_IB_GID_INDEX", v);
+    if (n > 65535) throw Error(ErrorCode::kInvalidArgument, "SLUICE_IB_GID_INDEX out of range");
+    c.rdma_gid_index = static_cast<int>(n);
+  }
   if (auto v = env("SLUICE_CONNECT_TIMEOUT_MS"))
     c.connect_timeout = std::chrono::milliseconds(parse_u64("SLUICE_CONNECT_TIMEOUT_MS", v));
   if (auto v = env("SLUICE_OP_TIMEOUT_MS"))

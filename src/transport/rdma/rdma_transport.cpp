@@ -1,7 +1,6 @@
 // rdma: RC queue pairs over libibverbs (loaded with dlopen), striped over every selected port.
 // This file is the Transport (what the engine sees); the endpoint is in endpoint.hpp and the
 // ports and their memory registrations in rails.hpp. See docs/rdma.md.
-#include <cstdlib>
 
 #include "transport/rdma/endpoint.hpp"
 #include "transport/rdma/rails.hpp"
@@ -56,9 +55,8 @@ class RdmaTransport final : public Transport {
 SLUICE_REGISTER_TRANSPORT(rdma, "rdma", [](const EngineContext& ctx, std::string* why) -> std::unique_ptr<Transport> {
   const rdma::Verbs* v = rdma::Verbs::get(why);
   if (!v) return nullptr;
-  const char* hca = std::getenv("SLUICE_IB_HCA");
-  const char* gidx = std::getenv("SLUICE_IB_GID_INDEX");
-  auto rails = Rails::open(v, hca ? hca : "", gidx ? gidx : "", why);
+  const EngineConfig& c = *ctx.config;  // SLUICE_IB_HCA / SLUICE_IB_GID_INDEX already applied
+  auto rails = Rails::open(v, c.rdma_devices, c.rdma_gid_index >= 0 ? std::to_string(c.rdma_gid_index) : "", why);
   if (!rails) return nullptr;
   rails->start_sweeper(ctx.registry);
   return std::make_unique<RdmaTransport>(std::move(rails), ctx.registry);
