@@ -38,7 +38,10 @@ class Future {
   uint64_t bytes() const;
   uint32_t imm() const;
   // Run `cb` once on completion: immediately on this thread if already complete, otherwise on
-  // an engine thread. The callback must not block.
+  // the thread that completes the operation (an engine thread, or a thread inside wait() that
+  // is driving the transport's completions). The callback must not block: a callback that
+  // waits for another operation of the same endpoint stalls that endpoint until the operation
+  // timeout fails it.
   void on_complete(Callback cb) const;
 
   bool valid() const { return static_cast<bool>(state_); }
