@@ -1,5 +1,6 @@
 #include "transport/rdma/affinity.hpp"
 
+#include <dlfcn.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -62,6 +63,21 @@ Locality pci_locality(const std::string& root, const std::string& bus_id) {
   // CUDA reports 8-digit domains ("00000000:3b:00.0"); sysfs uses 4.
   if (id.size() > 12 && id.find(':') == 8) id = id.substr(4);
   return device_dir_locality(root + "/bus/pci/devices/" + id);
+}
+
+std::string cuda_pci_bus_id(int ordinal) {
+  static void* cuda = ::dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+  if (!cuda || ordinal < 0) return "";
+  using Init = int (*)(unsigned);
+  using Get = int (*)(int*, int);
+  using BusId = int (*)(char*, int, int);
+  auto init = reinterpret_cast<Init>(::dlsym(cuda, "cuInit"));
+  auto get = reinterpret_cast<Get>(::dlsym(cuda, "cuDeviceGet"));
+  auto bus = reinterpret_cast<BusId>(::dlsym(cuda, "cuDeviceGetPCIBusId"));
+  int dev = 0;
+  char buf[32] = {};
+  if (!init || !get || !bus || init(0) != 0 || get(&dev, ordinal) != 0 || bus(buf, sizeof buf, dev) != 0) return "";
+  return buf;
 }
 
 int numa_node_of(const void* addr) {

@@ -21,6 +21,9 @@ struct Locality {
 Locality nic_locality(const std::string& root, const std::string& ibdev);
 // A PCI device by bus id ("0000:3b:00.0"), e.g. a GPU.
 Locality pci_locality(const std::string& root, const std::string& bus_id);
+// PCI bus id of CUDA device `ordinal` ("0000:3b:00.0" style, as the driver reports it) through
+// the driver API, loaded with dlopen; "" without a driver or device.
+std::string cuda_pci_bus_id(int ordinal);
 // The NUMA node that holds the page at `addr` (get_mempolicy); -1 if unknown.
 int numa_node_of(const void* addr);
 // SLIT distance between two NUMA nodes (10 = same node); -1 if unknown.

@@ -1,29 +1,8 @@
 #include "transport/rdma/rails.hpp"
 
-#include <dlfcn.h>
-
 #include "core/log.hpp"
 
 namespace sluice::detail::rdma {
-namespace {
-
-// PCI bus id of CUDA device `ordinal` through the driver API (libcuda loaded here, not linked).
-std::string gpu_bus_id(int ordinal) {
-  static void* cuda = ::dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
-  if (!cuda || ordinal < 0) return "";
-  using Init = int (*)(unsigned);
-  using Get = int (*)(int*, int);
-  using BusId = int (*)(char*, int, int);
-  auto init = reinterpret_cast<Init>(::dlsym(cuda, "cuInit"));
-  auto get = reinterpret_cast<Get>(::dlsym(cuda, "cuDeviceGet"));
-  auto bus = reinterpret_cast<BusId>(::dlsym(cuda, "cuDeviceGetPCIBusId"));
-  int dev = 0;
-  char buf[32] = {};
-  if (!init || !get || !bus || init(0) != 0 || get(&dev, ordinal) != 0 || bus(buf, sizeof buf, dev) != 0) return "";
-  return buf;
-}
-
-}  // namespace
 
 std::shared_ptr<Rails> Rails::open(const Verbs* v, const std::string& hca, const std::string& gid_env, std::string* why) {
   auto devs = Device::open_all(v, hca, gid_env, why);
@@ -67,7 +46,7 @@ uint32_t Rails::near_rails(const RegionEntry& e) const {
   if (e.location.is_host()) {
     mem.numa = numa_node_of(e.base);
   } else {
-    std::string id = gpu_bus_id(e.location.device);
+    std::string id = cuda_pci_bus_id(e.location.device);
     if (!id.empty()) mem = pci_locality("/sys", id);
   }
   return nearest_rails("/sys", mem, nics_);

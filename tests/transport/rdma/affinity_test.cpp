@@ -119,3 +119,44 @@ TEST(Affinity, NumaNodeOfHostMemory) {
 }
 
 }  // namespace
+
+namespace {
+
+// On a host with GPUs: every GPU has a place in the PCIe tree, and the nearest-NIC choice over
+// the host's real PCI network devices is a proper subset when they sit at different distances.
+// Skips without a CUDA driver (CI); run on the GPU machine.
+TEST(AffinityGpu, GpusHaveAPciPlaceAndANearestNic) {
+  if (cuda_pci_bus_id(0).empty()) GTEST_SKIP() << "no CUDA driver or GPU here";
+  // The host's PCI network devices stand in for NICs (the GPU machines have no RDMA NIC).
+  std::vector<Locality> nics;
+  std::vector<std::string> names;
+  for (auto& d : fs::directory_iterator("/sys/class/net")) {
+    Locality l;
+    std::error_code ec;
+    auto real = fs::canonical(d.path() / "device", ec);
+    if (ec || real.string().find("/pci") == std::string::npos) continue;
+    l.pci_path = real.string();
+    std::ifstream in(real / "numa_node");
+    in >> l.numa;
+    nics.push_back(l);
+    names.push_back(d.path().filename().string());
+  }
+  for (int g = 0; g < 16; ++g) {
+    std::string id = cuda_pci_bus_id(g);
+    if (id.empty()) break;
+    Locality gpu = pci_locality("/sys", id);
+    std::printf("      GPU %d: bus %s, numa %d, %s\n", g, id.c_str(), gpu.numa, gpu.pci_path.c_str());
+    ASSERT_FALSE(gpu.pci_path.empty()) << "no sysfs device for bus id " << id;
+    std::string lower = id.substr(id.size() - 7);
+    for (auto& ch : lower) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
+    EXPECT_NE(gpu.pci_path.find(lower), std::string::npos) << gpu.pci_path;
+    if (nics.empty()) continue;
+    uint32_t mask = nearest_rails("/sys", gpu, nics);
+    ASSERT_NE(mask, 0u);
+    for (size_t i = 0; i < nics.size() && i < 32; ++i)
+      std::printf("        %s %s: %d PCI hops%s\n", (mask >> i & 1) ? "*" : " ", names[i].c_str(),
+                  pci_hops(gpu.pci_path, nics[i].pci_path), (mask >> i & 1) ? " (nearest)" : "");
+  }
+}
+
+}  // namespace
