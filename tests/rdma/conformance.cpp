@@ -451,6 +451,68 @@ TEST_P(Rdma, UnregisterdLocalGpuLikeRegionFailsCleanly) {
   ASSERT_TRUE(ep_.write({{ha_, 0, rb_, 0, 100}}).wait().ok());
 }
 
+// Receive-not-ready NAKs this host's devices received (SoftRoCE hw counter; -1: none).
+int64_t rnr_naks_received() {
+  int64_t total = -1;
+  for (const char* dev : {"rxe0", "rxe1", "rxe2", "rxe3"}) {
+    std::ifstream in(std::string("/sys/class/infiniband/") + dev + "/ports/1/hw_counters/rcvd_rnr_err");
+    int64_t v;
+    if (in >> v) total = (total < 0 ? 0 : total) + v;
+  }
+  return total;
+}
+
+TEST_P(Rdma, ImmFloodAgainstAStoppedReceiverNeverMeetsRnr) {
+  if (g_self.empty() || g_transport != "rdma") GTEST_SKIP();
+  if (GetParam() != 2) GTEST_SKIP() << "run with 2 channels only (one stopped process per suite is enough)";
+  // The receiver process is stopped (SIGSTOP): its NIC keeps acking imm writes and consuming
+  // receive slots, but nothing reposts them. The sender must stop at the receiver's credit
+  // instead of running into receiver-not-ready NAKs, and finish once the receiver runs again.
+  int pipefd[2];
+  ASSERT_EQ(0, ::pipe(pipefd));
+  pid_t pid = ::fork();
+  if (pid == 0) {
+    ::dup2(pipefd[1], 1);
+    std::string ch = std::to_string(GetParam());
+    ::execl(g_self.c_str(), g_self.c_str(), "--peer-target", ch.c_str(), (char*)nullptr);
+    ::_exit(127);
+  }
+  ::close(pipefd[1]);
+  std::string addr;
+  char c;
+  while (::read(pipefd[0], &c, 1) == 1 && c != '\n') addr += c;
+  ASSERT_FALSE(addr.empty()) << "child did not start";
+  Engine e(cfg(GetParam(), 30s));
+  std::vector<uint8_t> buf(1 << 20, 1);
+  auto h = e.register_memory(buf.data(), buf.size());
+  auto ep = e.connect(addr);
+  auto rt = *ep.remote_region("sink");
+  ASSERT_TRUE(ep.write({{h, 0, rt, 0, 4096}}).wait().ok());
+  const int64_t rnr_before = rnr_naks_received();
+  ASSERT_EQ(0, ::kill(pid, SIGSTOP));
+  const int n = 2000;  // more imm writes than the receiver has receive slots (1024)
+  std::vector<Future> fs;
+  for (int i = 0; i < n; ++i) fs.push_back(ep.write_with_imm({{h, uint64_t(i) * 8, rt, uint64_t(i) * 8, 8}}, i));
+  std::this_thread::sleep_for(1500ms);
+  int done_while_stopped = 0;
+  for (auto& f : fs) done_while_stopped += f.test();
+  const int64_t rnr_stopped = rnr_naks_received();
+  ASSERT_EQ(0, ::kill(pid, SIGCONT));
+  for (auto& f : fs) {
+    ASSERT_TRUE(f.wait_for(30s)) << "an imm write never completed after the receiver resumed";
+    ASSERT_TRUE(f.status().ok()) << f.status().to_string();
+  }
+  const int64_t rnr_after = rnr_naks_received();
+  std::printf("      %d of %d imm writes done while the receiver was stopped; RNR NAKs received: %lld -> %lld -> %lld\n",
+              done_while_stopped, n, (long long)rnr_before, (long long)rnr_stopped, (long long)rnr_after);
+  EXPECT_LT(done_while_stopped, 1024) << "more imm writes completed than the receiver has slots";
+  EXPECT_GT(done_while_stopped, 0);
+  if (rnr_before >= 0) EXPECT_EQ(rnr_after, rnr_before) << "the sender met receiver-not-ready NAKs";
+  ::kill(pid, SIGKILL);
+  int status;
+  ::waitpid(pid, &status, 0);
+}
+
 TEST_P(Rdma, PeerKilledMidTransferFailsPendingOps) {
   if (g_self.empty()) GTEST_SKIP();
   int pipefd[2];

@@ -201,12 +201,12 @@ void RdmaEndpoint::submit(std::shared_ptr<TransferOp> op) {
   }
   if (imm) {
     std::unique_lock<std::mutex> lk(imm_mu_);
-    if (chain_imm && imm_order_.empty() && imm_inflight_ < kMaxImms) {
+    if (chain_imm && imm_order_.empty() && imm_credits_ > 0) {
       Wr& last = chains[0].back();
       last.wr.opcode = IBV_WR_RDMA_WRITE_WITH_IMM;
       last.wr.imm_data = htonl(keep->imm);
       last.kind = CtxKind::kImmChainEnd;
-      imm_inflight_++;
+      imm_credits_--;
       st = post(0, chains[0]);  // under imm_mu_: imms reach QP 0 in submission order
       lk.unlock();
       if (!st.ok()) fail(st, true);
@@ -227,7 +227,7 @@ void RdmaEndpoint::submit(std::shared_ptr<TransferOp> op) {
 
 // imm_mu_ held. Posts the zero-length WRITE_WITH_IMM that completes a two-step imm batch.
 void RdmaEndpoint::post_imm(uint64_t token, uint32_t imm, uint32_t lanes) {
-  imm_inflight_++;
+  imm_credits_--;
   std::vector<Wr> w(1);
   w[0].wr.opcode = IBV_WR_RDMA_WRITE_WITH_IMM;
   w[0].wr.imm_data = htonl(imm);
@@ -246,7 +246,7 @@ void RdmaEndpoint::release_imms() {
   Status failed;
   {
     std::lock_guard<std::mutex> lk(imm_mu_);
-    while (!imm_order_.empty() && imm_inflight_ < kMaxImms) {
+    while (!imm_order_.empty() && imm_credits_ > 0) {
       auto it = imm_batches_.find(imm_order_.front());
       if (it != imm_batches_.end() && it->second.left > 0) break;
       uint64_t token = imm_order_.front();
@@ -308,14 +308,7 @@ void RdmaEndpoint::handle_send_completion(const ibv_wc& wc) {
     case CtxKind::kSlots:
     case CtxKind::kCtrl: break;
     case CtxKind::kLaneEnd: pending_.lane_done(ctx.token, Status::Ok()); break;
-    case CtxKind::kImmChainEnd:
-      pending_.lane_done(ctx.token, Status::Ok());
-      {
-        std::lock_guard<std::mutex> lk(imm_mu_);
-        imm_inflight_--;
-      }
-      release_imms();
-      break;
+    case CtxKind::kImmChainEnd: pending_.lane_done(ctx.token, Status::Ok()); break;
     case CtxKind::kImmLaneEnd: {
       bool head = false;
       {
@@ -329,11 +322,6 @@ void RdmaEndpoint::handle_send_completion(const ibv_wc& wc) {
     }
     case CtxKind::kImmFinal:
       for (uint32_t i = 0; i < ctx.aux; ++i) pending_.lane_done(ctx.token, Status::Ok());
-      {
-        std::lock_guard<std::mutex> lk(imm_mu_);
-        imm_inflight_--;
-      }
-      release_imms();
       break;
     case CtxKind::kRdvRead: finish_rendezvous(ctx.token, Status::Ok()); break;
   }

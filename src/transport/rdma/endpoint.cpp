@@ -120,8 +120,14 @@ void RdmaEndpoint::create_qp(int index, int rail, int peer_rail) {
   at.qp_access_flags = kAccess;
   if (int rc = v_.modify_qp(qp, &at, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS))
     throw Error(ErrorCode::kSystem, std::string("rdma: QP to INIT: ") + std::strerror(rc));
-  if (index == 0)
-    for (uint32_t i = 0; i < static_cast<uint32_t>(ia.cap.max_recv_wr); ++i) post_recv_slot(i);
+  if (index == 0) {
+    recv_posted_ = std::min<uint32_t>(ia.cap.max_recv_wr, kRecvSlots);
+    if (recv_posted_ <= static_cast<uint32_t>(kCtrlReserve) + 4)
+      throw Error(ErrorCode::kSystem, "rdma: " + d.name() + " allows only " + std::to_string(recv_posted_) +
+                                          " receive WQEs per QP (need more than " + std::to_string(kCtrlReserve + 4) + ")");
+    credit_batch_ = std::max<uint32_t>(1, std::min<uint32_t>(64, (recv_posted_ - kCtrlReserve) / 4));
+    for (uint32_t i = 0; i < recv_posted_; ++i) post_recv_slot(i);
+  }
 }
 
 QpAddress RdmaEndpoint::local_qp_address(int index) const {
@@ -185,6 +191,7 @@ json RdmaEndpoint::hello_body(int index) {
     j["rkeys"] = rails_->rkeys(*reg_);
     j["scratch_addr"] = reinterpret_cast<uintptr_t>(ctrl_mem_.data());
     j["scratch_rkey"] = ctrl_mr_->rkey;
+    j["recv_slots"] = recv_posted_;  // the peer's imm credit is what control messages leave
   }
   return j;
 }
@@ -208,6 +215,11 @@ void RdmaEndpoint::take_peer(const json& j) {
         if (x.is_number_unsigned()) keys.push_back(x.get<uint32_t>());
       rkeys_[id] = std::move(keys);
     }
+  }
+  if (j.contains("recv_slots") && j["recv_slots"].is_number_unsigned()) {
+    int64_t slots = std::min<int64_t>(j["recv_slots"].get<uint32_t>(), kRecvSlots);
+    std::lock_guard<std::mutex> lk(imm_mu_);
+    imm_credits_ = imm_credits_max_ = std::max<int64_t>(1, slots - kCtrlReserve);
   }
   if (j.contains("scratch_rkey")) {
     peer_scratch_addr_ = j["scratch_addr"].get<uint64_t>();

@@ -31,8 +31,12 @@ namespace sluice::detail::rdma {
 constexpr int kRecvSlots = 1024;  // control receive WQEs pre-posted on QP 0
 constexpr int kSlotBytes = 64;
 constexpr int kMaxSends = 128;    // RTS in flight per direction
-constexpr int kMaxImms = 256;     // imm writes in flight per direction
-constexpr int kCtrlSendSlots = 2 * kMaxSends + 16;
+// Receive WQEs on QP 0 kept for control messages: the peer's RTS (at most kMaxSends), FINs
+// answering our RTS (at most kMaxSends), GONE / GONE_ACK, and CREDIT messages. The rest is the
+// peer's imm credit: an imm write takes one, and the receiver gives them back (CREDIT, every
+// credit batch of reposted slots), so imm writes never find the receive queue empty.
+constexpr int kCtrlReserve = 2 * kMaxSends + 16 + 32;
+constexpr int kCtrlSendSlots = 2 * kMaxSends + 64;
 constexpr int kSignalEvery = 64;
 constexpr uint64_t kMaxWrBytes = 1ull << 30;
 constexpr std::chrono::milliseconds kCallerWindow{1};
@@ -65,7 +69,7 @@ struct Wr {
   uint32_t aux = 0;
 };
 
-enum CtrlType : uint32_t { kRts = 1, kFin = 2, kGone = 3, kGoneAck = 4 };
+enum CtrlType : uint32_t { kRts = 1, kFin = 2, kGone = 3, kGoneAck = 4, kCredit = 5 };
 
 struct CtrlMsg {
   uint32_t type;
@@ -213,10 +217,16 @@ class RdmaEndpoint final : public TransportEndpoint,
   std::unordered_map<uint32_t, std::vector<int>> near_;
   std::vector<int> all_chans_;
 
-  // imms: at most kMaxImms in flight; batches whose imm follows their data complete in
-  // submission order (imm_order_), and a single-lane batch chains its imm only behind none.
+  // imms: each takes one of the peer's receive credits; batches whose imm follows their data
+  // complete in submission order (imm_order_), and a single-lane batch chains its imm only
+  // behind none.
   std::mutex imm_mu_;
-  int imm_inflight_ = 0;
+  int64_t imm_credits_ = kRecvSlots - kCtrlReserve;  // set from the peer's recv_slots
+  int64_t imm_credits_max_ = kRecvSlots - kCtrlReserve;
+  // Receiving side (progress): imm slots reposted and not yet credited back to the peer.
+  uint32_t recv_posted_ = 0;
+  uint32_t imm_to_return_ = 0;
+  uint32_t credit_batch_ = 64;
   std::unordered_map<uint64_t, ImmBatch> imm_batches_;
   std::deque<uint64_t> imm_order_;
 

@@ -4,9 +4,10 @@
 //    recv buffer, or a stash for an early message), RDMA READs min(len, capacity) bytes
 //    straight into it and SENDs back a FIN {seq, status}; the sender's future completes on FIN.
 //    No payload ever goes through a receive buffer, so receive buffers are 64-byte control
-//    slots and the window is bounded by counting: at most kMaxSends RTS and kMaxImms imms in
-//    flight per direction, plus the FINs that answer the peer's RTS, never exceed the
-//    kRecvSlots receive WQEs pre-posted on QP 0 (reposted as soon as they are polled).
+//    slots and the window is bounded by counting: at most kMaxSends RTS in flight per
+//    direction, plus the FINs that answer the peer's RTS, plus imm writes within the credit the
+//    receiver gives back (CREDIT), never exceed the receive WQEs pre-posted on QP 0 (reposted
+//    as soon as they are polled).
 //  * GONE / GONE_ACK: a region we unregister is announced before its MRs go away.
 #include <arpa/inet.h>
 
@@ -200,6 +201,13 @@ void RdmaEndpoint::handle_recv(const ibv_wc& wc) {
   if (wc.opcode == IBV_WC_RECV_RDMA_WITH_IMM) {
     post_recv_slot(slot);
     events_->matcher().push_imm(ntohl(wc.imm_data));
+    if (++imm_to_return_ >= credit_batch_) {  // the slots are back: credit the sender
+      CtrlMsg c{};
+      c.type = kCredit;
+      c.seq = imm_to_return_;
+      imm_to_return_ = 0;
+      post_ctrl(c);
+    }
     return;
   }
   CtrlMsg m;
@@ -224,6 +232,18 @@ void RdmaEndpoint::handle_recv(const ibv_wc& wc) {
     ack.seq = m.seq;
     ack.addr = m.addr;
     post_ctrl(ack);
+  } else if (m.type == kCredit) {
+    bool bad;
+    {
+      std::lock_guard<std::mutex> lk(imm_mu_);
+      bad = m.seq == 0 || m.seq > static_cast<uint64_t>(imm_credits_max_ - imm_credits_);
+      if (!bad) imm_credits_ += static_cast<int64_t>(m.seq);
+    }
+    if (bad) {
+      fail({ErrorCode::kProtocol, "rdma: peer returned more imm credit than it gave"}, true);
+      return;
+    }
+    release_imms();
   } else if (m.type == kGoneAck) {
     std::lock_guard<std::mutex> lk(gone_mu_);
     gone_acked_ = std::max<uint64_t>(gone_acked_, m.addr);
