@@ -451,6 +451,25 @@ TEST_P(Rdma, UnregisterdLocalGpuLikeRegionFailsCleanly) {
   ASSERT_TRUE(ep_.write({{ha_, 0, rb_, 0, 100}}).wait().ok());
 }
 
+// Runs this binary as a peer process (--peer-target: an engine with a 32 MiB region "sink")
+// and returns its pid; *addr gets its listen address, empty if it did not start.
+pid_t spawn_peer_target(int channels, std::string* addr) {
+  int pipefd[2];
+  if (::pipe(pipefd) != 0) return -1;
+  pid_t pid = ::fork();
+  if (pid == 0) {
+    ::dup2(pipefd[1], 1);
+    std::string ch = std::to_string(channels);
+    ::execl(g_self.c_str(), g_self.c_str(), "--peer-target", ch.c_str(), (char*)nullptr);
+    ::_exit(127);
+  }
+  ::close(pipefd[1]);
+  char c;
+  while (::read(pipefd[0], &c, 1) == 1 && c != '\n') *addr += c;
+  ::close(pipefd[0]);
+  return pid;
+}
+
 // Receive-not-ready NAKs this host's devices received (SoftRoCE hw counter; -1: none).
 int64_t rnr_naks_received() {
   int64_t total = -1;
@@ -468,19 +487,8 @@ TEST_P(Rdma, ImmFloodAgainstAStoppedReceiverNeverMeetsRnr) {
   // The receiver process is stopped (SIGSTOP): its NIC keeps acking imm writes and consuming
   // receive slots, but nothing reposts them. The sender must stop at the receiver's credit
   // instead of running into receiver-not-ready NAKs, and finish once the receiver runs again.
-  int pipefd[2];
-  ASSERT_EQ(0, ::pipe(pipefd));
-  pid_t pid = ::fork();
-  if (pid == 0) {
-    ::dup2(pipefd[1], 1);
-    std::string ch = std::to_string(GetParam());
-    ::execl(g_self.c_str(), g_self.c_str(), "--peer-target", ch.c_str(), (char*)nullptr);
-    ::_exit(127);
-  }
-  ::close(pipefd[1]);
   std::string addr;
-  char c;
-  while (::read(pipefd[0], &c, 1) == 1 && c != '\n') addr += c;
+  pid_t pid = spawn_peer_target(GetParam(), &addr);
   ASSERT_FALSE(addr.empty()) << "child did not start";
   Engine e(cfg(GetParam(), 30s));
   std::vector<uint8_t> buf(1 << 20, 1);
@@ -515,19 +523,8 @@ TEST_P(Rdma, ImmFloodAgainstAStoppedReceiverNeverMeetsRnr) {
 
 TEST_P(Rdma, PeerKilledMidTransferFailsPendingOps) {
   if (g_self.empty()) GTEST_SKIP();
-  int pipefd[2];
-  ASSERT_EQ(0, ::pipe(pipefd));
-  pid_t pid = ::fork();
-  if (pid == 0) {
-    ::dup2(pipefd[1], 1);
-    std::string ch = std::to_string(GetParam());
-    ::execl(g_self.c_str(), g_self.c_str(), "--peer-target", ch.c_str(), (char*)nullptr);
-    ::_exit(127);
-  }
-  ::close(pipefd[1]);
   std::string addr;
-  char c;
-  while (::read(pipefd[0], &c, 1) == 1 && c != '\n') addr += c;
+  pid_t pid = spawn_peer_target(GetParam(), &addr);
   ASSERT_FALSE(addr.empty()) << "child did not start";
   Engine e(cfg(GetParam(), 5s));
   std::vector<uint8_t> buf(32 << 20, 1);

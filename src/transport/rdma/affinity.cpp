@@ -65,8 +65,13 @@ Locality pci_locality(const std::string& root, const std::string& bus_id) {
   return device_dir_locality(root + "/bus/pci/devices/" + id);
 }
 
+void* cuda_driver() {
+  static void* lib = ::dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+  return lib;
+}
+
 std::string cuda_pci_bus_id(int ordinal) {
-  static void* cuda = ::dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+  void* cuda = cuda_driver();
   if (!cuda || ordinal < 0) return "";
   using Init = int (*)(unsigned);
   using Get = int (*)(int*, int);

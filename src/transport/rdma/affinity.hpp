@@ -21,6 +21,8 @@ struct Locality {
 Locality nic_locality(const std::string& root, const std::string& ibdev);
 // A PCI device by bus id ("0000:3b:00.0"), e.g. a GPU.
 Locality pci_locality(const std::string& root, const std::string& bus_id);
+// The CUDA driver library (libcuda.so.1), loaded once with dlopen; nullptr without a driver.
+void* cuda_driver();
 // PCI bus id of CUDA device `ordinal` ("0000:3b:00.0" style, as the driver reports it) through
 // the driver API, loaded with dlopen; "" without a driver or device.
 std::string cuda_pci_bus_id(int ordinal);

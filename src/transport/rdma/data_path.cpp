@@ -15,7 +15,7 @@ namespace {
 // Link n work requests starting at `first` (vector or deque iterator; elements stay put) into
 // one chain, assign signalling and completion contexts, and post it.
 template <class It>
-Status post_range(const Verbs&, Chan& ch, int c, It first, size_t n) {
+Status post_range(Chan& ch, int c, It first, size_t n) {
   It it = first;
   for (size_t i = 0; i < n; ++i, ++it) {
     Wr& w = *it;
@@ -48,8 +48,6 @@ Status post_range(const Verbs&, Chan& ch, int c, It first, size_t n) {
 
 }  // namespace
 
-Status RdmaEndpoint::post_chain(Chan& ch, int c, Wr* first, size_t n) { return post_range(v_, ch, c, first, n); }
-
 Status RdmaEndpoint::drain(Chan& ch, int c) {
   if (failed_.load()) {
     ch.backlog.clear();
@@ -57,7 +55,7 @@ Status RdmaEndpoint::drain(Chan& ch, int c) {
   }
   while (!ch.backlog.empty() && ch.free > 0) {
     size_t n = std::min<size_t>(ch.backlog.size(), ch.free);
-    Status st = post_range(v_, ch, c, ch.backlog.begin(), n);
+    Status st = post_range(ch, c, ch.backlog.begin(), n);
     ch.backlog.erase(ch.backlog.begin(), ch.backlog.begin() + static_cast<std::ptrdiff_t>(n));
     if (!st.ok()) {
       ch.backlog.clear();
@@ -73,7 +71,7 @@ Status RdmaEndpoint::post(int c, std::vector<Wr>& wrs) {
   Chan& ch = *chans_[c];
   std::lock_guard<std::mutex> lk(ch.mu);
   if (failed_.load()) return Status::Ok();  // fail() completed (or will complete) the op
-  if (ch.backlog.empty() && ch.free >= static_cast<int>(wrs.size())) return post_chain(ch, c, wrs.data(), wrs.size());
+  if (ch.backlog.empty() && ch.free >= static_cast<int>(wrs.size())) return post_range(ch, c, wrs.begin(), wrs.size());
   for (auto& w : wrs) ch.backlog.push_back(std::move(w));
   return drain(ch, c);
 }

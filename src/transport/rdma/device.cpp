@@ -191,7 +191,7 @@ ibv_mr* Device::register_range(uint8_t* base, uint64_t len, const Location& loc,
     // libcuda and ibv_reg_dmabuf_mr exist; otherwise ibv_reg_mr on the device pointer
     // (needs nvidia-peermem).
     using GetHandle = int (*)(void*, uint64_t, size_t, int, unsigned long long);
-    static void* cuda = ::dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+    void* cuda = cuda_driver();
     GetHandle get = cuda ? reinterpret_cast<GetHandle>(::dlsym(cuda, "cuMemGetHandleForAddressRange")) : nullptr;
     if (get && v_->reg_dmabuf_mr) {
       int fd = -1;

@@ -162,7 +162,6 @@ class RdmaEndpoint final : public TransportEndpoint,
   void flush_control(std::chrono::milliseconds limit);  // wait for control sends in flight
   // data_path.cpp
   [[nodiscard]] Status post(int c, std::vector<Wr>& wrs);
-  Status post_chain(Chan& ch, int c, Wr* first, size_t n);  // ch.mu held; slots available
   Status drain(Chan& ch, int c);                            // ch.mu held
   void handle_send_completion(const ibv_wc& wc);
   bool rkey_for(uint64_t remote_id, int peer_rail, uint32_t* rkey);
