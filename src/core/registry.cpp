@@ -101,13 +101,17 @@ std::shared_ptr<RegionEntry> Registry::remove(uint64_t id) {
   return e;
 }
 
+RegionPin Registry::pin_whole(uint64_t id) const {
+  // The pin is taken under the lock: remove() erases under the exclusive lock and then waits
+  // for the pins, so a pin either exists before the erase (and is waited for) or is never made.
+  std::shared_lock<std::shared_mutex> lk(mu_);
+  auto it = regions_.find(id);
+  return it == regions_.end() ? RegionPin() : RegionPin(it->second);
+}
+
 RegionPin Registry::pin(uint64_t id, uint64_t offset, uint64_t length, Status* status, const char* side) const {
-  std::shared_ptr<RegionEntry> e;
-  {
-    std::shared_lock<std::shared_mutex> lk(mu_);
-    auto it = regions_.find(id);
-    if (it != regions_.end()) e = it->second;
-  }
+  RegionPin pin = pin_whole(id);
+  RegionEntry* e = pin.get();
   if (!e) {
     *status = {ErrorCode::kUnknownHandle, std::string(side) + " region handle " + std::to_string(id) + " is not registered"};
     return {};
@@ -118,7 +122,7 @@ RegionPin Registry::pin(uint64_t id, uint64_t offset, uint64_t length, Status* s
                                            " exceeds its " + std::to_string(e->length) + " bytes"};
     return {};
   }
-  return RegionPin(std::move(e));
+  return pin;
 }
 
 std::shared_ptr<RegionEntry> Registry::find(uint64_t id) const {

@@ -63,6 +63,8 @@ class Registry {
   // Bounds-checked lookup that pins the region. On failure returns an empty pin and sets
   // *status to kUnknownHandle or kOutOfRange with a message naming the handle and range.
   RegionPin pin(uint64_t id, uint64_t offset, uint64_t length, Status* status, const char* side = "local") const;
+  // The whole region, pinned; empty if the handle is not registered.
+  RegionPin pin_whole(uint64_t id) const;
   std::shared_ptr<RegionEntry> find(uint64_t id) const;
   std::vector<RegionInfo> snapshot() const;
   std::vector<std::shared_ptr<RegionEntry>> entries() const;

@@ -56,7 +56,7 @@ const RegionKeys* Rails::keys_for(const Registry& reg, const RegionEntry* e, Sta
   std::lock_guard<std::mutex> lk(mu_);
   auto it = regions_.find(e->id);
   if (it != regions_.end()) return &ranges_[it->second.key].keys;
-  auto region = reg.find(e->id);
+  RegionPin region = reg.pin_whole(e->id);  // pinned before the lookup can be outrun by remove()
   if (!region) {
     *st = {ErrorCode::kUnknownHandle, "rdma: region " + std::to_string(e->id) + " is no longer registered"};
     return nullptr;
@@ -79,7 +79,7 @@ const RegionKeys* Rails::keys_for(const Registry& reg, const RegionEntry* e, Sta
                                          << std::hex << r.keys.near << std::dec);
   }
   r.refs++;
-  regions_[e->id] = ByRegion{RegionPin(std::move(region)), key};
+  regions_[e->id] = ByRegion{std::move(region), key};
   return &r.keys;
 }
 
