@@ -4,6 +4,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "core/inline_vec.hpp"
+
 namespace sluice::detail {
 
 // One contiguous transfer after validation: local address resolved, remote still by handle.
@@ -16,7 +18,7 @@ struct Piece {
 };
 
 struct Lane {
-  std::vector<Piece> pieces;
+  InlineVec<Piece, 1> pieces;  // a small batch is one piece: no allocation for it
   uint64_t bytes = 0;
 };
 
@@ -31,5 +33,7 @@ struct PlanOptions {
 // Returns `channels` lanes (some may be empty). Pieces keep batch order within each lane;
 // every byte of the input appears exactly once.
 std::vector<Lane> plan_batch(const std::vector<Piece>& batch, const PlanOptions& opt);
+// The same plan for a batch of one piece, without building the batch.
+std::vector<Lane> plan_one(const Piece& piece, const PlanOptions& opt);
 
 }  // namespace sluice::detail

@@ -73,12 +73,14 @@ void EndpointImpl::check_usable() const {
   throw Error(failure_.code, "endpoint to " + peer_engine_id() + " is unusable: " + failure_.message);
 }
 
-RegionPin EndpointImpl::pin_local(MemoryHandle h, uint64_t offset, uint64_t length, const char* what) const {
+RegionPin EndpointImpl::pin_local(MemoryHandle h, uint64_t offset, uint64_t length, const char* what, long index) const {
   Status st;
   RegionPin pin = engine_->registry().pin(h.id, offset, length, &st, "local");
-  if (!pin) throw Error(st.code, std::string(what) + ": " + st.message);
+  // Error text is built only on failure: this runs once per assignment of every transfer.
+  auto where = [&] { return std::string(what) + (index >= 0 ? ": assignment " + std::to_string(index) : ""); };
+  if (!pin) throw Error(st.code, where() + ": " + st.message);
   if (!kind_->supports(pin.get()->location))
-    throw Error(ErrorCode::kUnsupported, std::string(what) + ": transport " + transport_name_ + " cannot move " +
+    throw Error(ErrorCode::kUnsupported, where() + ": transport " + transport_name_ + " cannot move " +
                                              pin.get()->location.to_string() + " memory");
   return pin;
 }
@@ -91,38 +93,43 @@ Future EndpointImpl::transfer(OpKind kind, const Batch& batch, uint32_t imm) {
   op->kind = kind;
   op->imm = imm;
   std::vector<Piece> pieces;
-  pieces.reserve(batch.size());
+  Piece single;
+  if (batch.size() > 1) pieces.reserve(batch.size());
   {
     std::lock_guard<std::mutex> lk(peer_mu_);
     for (size_t i = 0; i < batch.size(); ++i) {
       const Assignment& a = batch[i];
-      std::string where = std::string(what) + ": assignment " + std::to_string(i);
-      if (a.length == 0) throw Error(ErrorCode::kInvalidArgument, where + " has zero length");
-      RegionPin pin = pin_local(a.local, a.local_offset, a.length, where.c_str());
+      auto where = [&] { return std::string(what) + ": assignment " + std::to_string(i); };
+      if (a.length == 0) throw Error(ErrorCode::kInvalidArgument, where() + " has zero length");
+      RegionPin pin = pin_local(a.local, a.local_offset, a.length, what, static_cast<long>(i));
       uint8_t* base = pin.get()->base;
       // One pin per run of assignments on the same region is enough to hold it.
       if (op->pins.empty() || op->pins.back().get() != pin.get()) op->pins.push_back(std::move(pin));
       auto it = remote_.find(a.remote.id);
       if (it == remote_.end())
-        throw Error(ErrorCode::kUnknownHandle, where + ": remote region handle " + std::to_string(a.remote.id) +
+        throw Error(ErrorCode::kUnknownHandle, where() + ": remote region handle " + std::to_string(a.remote.id) +
                                                    " is not advertised by peer " + peer_.engine_id +
                                                    " (call refresh_remote_regions() after the peer registers it)");
       const RegionInfo& r = it->second.info;
       if (!in_bounds(a.remote_offset, a.length, r.length))
-        throw Error(ErrorCode::kOutOfRange, where + ": remote region " + std::to_string(r.id) + ": offset " +
+        throw Error(ErrorCode::kOutOfRange, where() + ": remote region " + std::to_string(r.id) + ": offset " +
                                                 std::to_string(a.remote_offset) + " + length " + std::to_string(a.length) +
                                                 " exceeds its " + std::to_string(r.length) + " bytes");
       if (!kind_->supports(r.location))
-        throw Error(ErrorCode::kUnsupported, where + ": transport " + transport_name_ + " cannot reach the peer's " +
+        throw Error(ErrorCode::kUnsupported, where() + ": transport " + transport_name_ + " cannot reach the peer's " +
                                                  r.location.to_string() + " memory");
-      pieces.push_back({base + a.local_offset, r.id, a.remote_offset, r.addr + a.remote_offset, a.length});
+      Piece p{base + a.local_offset, r.id, a.remote_offset, r.addr + a.remote_offset, a.length};
+      if (batch.size() == 1)
+        single = p;
+      else
+        pieces.push_back(p);
       op->bytes += a.length;
     }
   }
   const auto& cfg = engine_->config();
   PlanOptions plan{channels_, cfg.chunk_size, cfg.stripe_threshold, std::min<uint64_t>(64 << 10, cfg.chunk_size),
                    rotate_.fetch_add(1, std::memory_order_relaxed)};
-  op->lanes = plan_batch(pieces, plan);
+  op->lanes = batch.size() == 1 ? plan_one(single, plan) : plan_batch(pieces, plan);
   int parts = 0;
   for (auto& l : op->lanes) parts += l.pieces.empty() ? 0 : 1;
   op->future = std::make_shared<FutureState>(kind, parts);
@@ -136,7 +143,7 @@ Future EndpointImpl::transfer(OpKind kind, const Batch& batch, uint32_t imm) {
 Future EndpointImpl::send(MemoryHandle h, uint64_t offset, uint64_t length) {
   check_usable();
   auto op = std::make_shared<MessageOp>();
-  op->pin = pin_local(h, offset, length, "send");
+  op->pin = pin_local(h, offset, length, "send", -1);
   op->ptr = op->pin.get()->base + offset;
   op->length = length;
   op->future = std::make_shared<FutureState>(OpKind::kSend);
@@ -154,7 +161,7 @@ Future EndpointImpl::send(MemoryHandle h, uint64_t offset, uint64_t length) {
 Future EndpointImpl::recv(MemoryHandle h, uint64_t offset, uint64_t length) {
   check_usable();
   auto op = std::make_shared<MessageOp>();
-  op->pin = pin_local(h, offset, length, "recv");
+  op->pin = pin_local(h, offset, length, "recv", -1);
   op->ptr = op->pin.get()->base + offset;
   op->length = length;
   op->future = std::make_shared<FutureState>(OpKind::kRecv);

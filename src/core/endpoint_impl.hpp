@@ -57,7 +57,8 @@ class EndpointImpl final : public EndpointEvents, public std::enable_shared_from
  private:
   void check_usable() const;
   void prepare(FutureState& f) const;
-  RegionPin pin_local(MemoryHandle h, uint64_t offset, uint64_t length, const char* what) const;
+  // `index`: the assignment's index in its batch, named in errors (-1: none).
+  RegionPin pin_local(MemoryHandle h, uint64_t offset, uint64_t length, const char* what, long index) const;
 
   std::shared_ptr<EngineImpl> engine_;
   const Transport* kind_ = nullptr;

@@ -16,7 +16,7 @@ RegionInfo RegionEntry::info() const {
 }
 
 RegionPin::RegionPin(std::shared_ptr<RegionEntry> e) : entry_(std::move(e)) {
-  if (entry_) entry_->inflight.fetch_add(1, std::memory_order_acq_rel);
+  if (entry_) entry_->inflight.fetch_add(1);
 }
 
 RegionPin& RegionPin::operator=(RegionPin&& o) noexcept {
@@ -29,7 +29,9 @@ RegionPin& RegionPin::operator=(RegionPin&& o) noexcept {
 
 void RegionPin::release() {
   if (!entry_) return;
-  if (entry_->inflight.fetch_sub(1, std::memory_order_acq_rel) == 1) {
+  // seq_cst on both sides (here: the decrement, then `removing`; remove(): `removing`, then
+  // the count): either remove() sees the count at 0 or this release sees it waiting.
+  if (entry_->inflight.fetch_sub(1) == 1 && entry_->removing.load()) {
     std::lock_guard<std::mutex> lk(entry_->mu);
     entry_->drained.notify_all();
   }
@@ -93,9 +95,10 @@ std::shared_ptr<RegionEntry> Registry::remove(uint64_t id) {
     if (!e->name.empty()) names_.erase(e->name);
     bump_generation();
   }
+  e->removing.store(true);
   {
     std::unique_lock<std::mutex> lk(e->mu);
-    e->drained.wait(lk, [&] { return e->inflight.load(std::memory_order_acquire) == 0; });
+    e->drained.wait(lk, [&] { return e->inflight.load() == 0; });
   }
   leases_.close(e->lease_slot, e->id, lease_timeout_);
   return e;

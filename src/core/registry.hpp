@@ -27,6 +27,9 @@ struct RegionEntry {
   uint32_t lease_slot = kNoLease;  // slot in the engine's lease table (same-host peers)
   bool owned = false;     // allocated by the engine (freed on removal)
   std::atomic<int64_t> inflight{0};
+  // Set by remove() before it waits: only then does the last pin's release lock mu and notify
+  // (a completion per op otherwise pays a lock and a notify nobody waits for).
+  std::atomic<bool> removing{false};
   std::mutex mu;
   std::condition_variable drained;
 

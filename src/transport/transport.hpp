@@ -16,6 +16,7 @@
 #include "core/batch_plan.hpp"
 #include "core/engine_info.hpp"
 #include "core/future_state.hpp"
+#include "core/inline_vec.hpp"
 #include "core/message_matcher.hpp"
 #include "core/registry.hpp"
 #include "sluice/config.hpp"
@@ -28,7 +29,7 @@ struct TransferOp {
   uint32_t imm = 0;
   std::vector<Lane> lanes;
   std::shared_ptr<FutureState> future;  // parts = number of non-empty lanes
-  std::vector<RegionPin> pins;          // local regions, held until completion
+  InlineVec<RegionPin, 1> pins;         // local regions, held until completion
   uint64_t bytes = 0;
 };
 

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Runs INSIDE the SoftRoCE guest (started by bench.sh): sluice-bench over rdma and perftest
 # on the same rxe device in the same run, then the ratios. Usage: guest-bench.sh BENCH_BINARY
+# [TCG_FOOTPRINT_BINARY]
 set -u
 BENCH=${1:?sluice-bench binary}
+FOOTPRINT=${2:-}
 DEV=${RXE_DEV:-rxe0}; GIDX=${RXE_GID_INDEX:-1}; IP=${RXE_IP:-10.0.0.1}
 SIZES=${SLUICE_BENCH_SIZES:-"65536 262144 1048576"}
 CH=${SLUICE_BENCH_CHANNELS:-1}  # perftest runs one QP: like for like
@@ -56,23 +58,34 @@ for op in write read; do
     printf '%-22s %10s %14s %16s %8s\n' "$op ($tool)" "$s" "${b:-FAIL}" "${p:-FAIL}" "$(ratio "$b" "$p")"
   done
 done
-sluice_pingpong() {  # -> half round trip of a 2-byte write_with_imm ping-pong in us
-  "$BENCH" --transport rdma --listen "$IP:0" --op pingpong --min-size 2 --max-size 2 \
-    --channels "$CH" --iterations "${1:-2000}" --csv --quiet 2>"$T/err" | awk -F, 'NR>1 {printf "%.2f", $6*1000; exit}'
+sluice_pingpong() {  # notify iterations -> half round trip of a 2-byte ping-pong in us
+  "$BENCH" --transport rdma --listen "$IP:0" --op pingpong --notify "$1" --min-size 2 --max-size 2 \
+    --channels "$CH" --iterations "${2:-2000}" --csv --quiet 2>"$T/err" | awk -F, 'NR>1 {printf "%.2f", $6*1000; exit}'
 }
 set -- $(perf_lat ib_write_lat 2000); pt=${1:-}; pa=${2:-}
-sp=$(sluice_pingpong 2000)
-[ -n "$sp" ] || { echo "sluice-bench pingpong failed:"; cat "$T/err"; }
+sp=$(sluice_pingpong flag 2000)
+[ -n "$sp" ] || { echo "sluice-bench pingpong (flag) failed:"; cat "$T/err"; }
+si=$(sluice_pingpong imm 2000)
+[ -n "$si" ] || { echo "sluice-bench pingpong (imm) failed:"; cat "$T/err"; }
 po=$(perf_op_us 5000)
 sl=$(sluice_lat 2000)
 [ -n "$sl" ] || { echo "sluice-bench failed:"; cat "$T/err"; }
-printf '\n%-52s %10s\n' "2-byte write latency" "us"
-printf '%-52s %10s\n' "sluice pingpong, half round trip (mean)" "${sp:-FAIL}"
-printf '%-52s %10s\n' "ib_write_lat, half round trip (t_avg)" "${pa:-FAIL}"
-printf '%-52s %10s\n' "ib_write_lat t_typical" "${pt:-FAIL}"
-printf '%-52s %10s\n' "ratio sluice / ib_write_lat (means; bar 1.1)" "$(ratio "$sp" "$pa")"
-printf '%-52s %10s\n' "sluice write completion, batch 1 (mean)" "${sl:-FAIL}"
-printf '%-52s %10s\n' "ib_write_bw -t 1: one write to completion (mean)" "${po:-FAIL}"
-printf '%-52s %10s\n' "ratio sluice / perftest (write to completion)" "$(ratio "$sl" "$po")"
+printf '\n%-60s %10s\n' "2-byte write latency" "us"
+printf '%-60s %10s\n' "ib_write_lat, half round trip (t_avg)" "${pa:-FAIL}"
+printf '%-60s %10s\n' "ib_write_lat t_typical" "${pt:-FAIL}"
+printf '%-60s %10s\n' "sluice pingpong --notify flag (ib_write_lat's loop), mean" "${sp:-FAIL}"
+printf '%-60s %10s\n' "ratio flag pingpong / ib_write_lat (means; bar 1.1)" "$(ratio "$sp" "$pa")"
+printf '%-60s %10s\n' "sluice pingpong --notify imm (write_with_imm + imm_recv)" "${si:-FAIL}"
+printf '%-60s %10s\n' "ratio imm pingpong / ib_write_lat" "$(ratio "$si" "$pa")"
+printf '%-60s %10s\n' "sluice write completion, batch 1 (mean)" "${sl:-FAIL}"
+printf '%-60s %10s\n' "ib_write_bw -t 1: one write to completion (mean)" "${po:-FAIL}"
+printf '%-60s %10s\n' "ratio sluice / perftest (write to completion)" "$(ratio "$sl" "$po")"
+if [ -n "$FOOTPRINT" ] && [ -x "$FOOTPRINT" ]; then
+  echo
+  echo "TCG footprint (raw verbs, no engine): user code run between two posts, then one 2-byte"
+  echo "inline write posted and polled; 'distinct' runs that many different functions, 'same'"
+  echo "one function that many times (docs/rdma.md, Latency under emulation)"
+  "$FOOTPRINT" 3000 || echo "tcg_footprint failed"
+fi
 rm -rf "$T"
-[ -n "$sl" ] && [ -n "$sp" ]
+[ -n "$sl" ] && [ -n "$sp" ] && [ -n "$si" ]

@@ -83,6 +83,49 @@ sluice::EngineConfig engine_config(const Options& o, bool listen) {
 
 std::atomic<bool> g_stop{false};
 
+constexpr uint32_t kFlagPhase = 0x80000000u;  // pingpong imm: a flag phase of this size follows
+
+uint8_t flag_value(uint64_t i) { return static_cast<uint8_t>(i % 255 + 1); }
+
+// Spins until *flag == want; false after 10 s or when the endpoint is gone. Yields after
+// 200 us, so a transport whose writes land from an engine thread (tcp) still gets a core.
+bool spin_for(sluice::Endpoint& ep, const volatile uint8_t* flag, uint8_t want) {
+  auto start = std::chrono::steady_clock::now();
+  bool yield = false;
+  for (uint64_t n = 1; *flag != want; ++n) {
+    if (yield) std::this_thread::yield();
+    if ((n & 0xff) != 0) continue;
+    auto waited = std::chrono::steady_clock::now() - start;
+    yield = waited > 200us;
+    if (waited > 10s || ((n & 0xffff) == 0 && (!ep.connected() || g_stop))) {
+      std::fprintf(stderr, "pingpong: no write arrived (flag %u, waiting for %u)\n", *flag, want);
+      return false;
+    }
+  }
+  return true;
+}
+
+// Target side of a flag phase: the next imm is the iteration count; ack once the flag is
+// cleared, then echo every write (the initiator's bytes, counter included) back at offset size.
+bool serve_flag_phase(sluice::Endpoint& ep, Buffer& buf, sluice::RemoteHandle back, uint64_t back_len, uint64_t size) {
+  auto n = ep.imm_recv();
+  if (!n.wait_for(10s) || !n.status().ok()) return false;
+  uint64_t iters = n.imm();
+  if (size == 0 || size > buf.length || 2 * size > back_len) {
+    std::fprintf(stderr, "pingpong: size %llu does not fit the regions\n", (unsigned long long)size);
+    return false;
+  }
+  volatile uint8_t* flag = buf.ptr + size - 1;
+  *flag = 0;
+  // The ack copies the cleared byte onto the initiator's flag, clearing it as well.
+  if (!ep.write_with_imm({{buf.handle, size - 1, back, 2 * size - 1, 1}}, 0).wait().ok()) return false;
+  for (uint64_t i = 0; i < iters; ++i) {
+    if (!spin_for(ep, flag, flag_value(i))) return false;
+    if (!ep.write({{buf.handle, 0, back, size, size}}).wait().ok()) return false;
+  }
+  return true;
+}
+
 void serve_endpoint(sluice::Endpoint ep, Buffer& buf, const Options& o) {
   if (o.op == "send") {
     std::deque<sluice::Future> window;
@@ -94,8 +137,10 @@ void serve_endpoint(sluice::Endpoint ep, Buffer& buf, const Options& o) {
       window.pop_front();
     }
   } else if (o.op == "pingpong") {
-    // Echo every imm with a write of the same size (the imm carries it) into the initiator's
-    // region, found once it announced it.
+    // imm mode: echo every imm with a write_with_imm of the same size (the imm carries it).
+    // flag mode (imm has kFlagPhase set): the initiator announces a size and an iteration
+    // count, then each round trip is a plain write whose last byte is a counter, found by
+    // spinning on memory, as ib_write_lat does.
     std::optional<sluice::RemoteHandle> back;
     uint64_t back_len = 0;
     while (!g_stop && ep.connected()) {
@@ -103,7 +148,7 @@ void serve_endpoint(sluice::Endpoint ep, Buffer& buf, const Options& o) {
       while (!f.wait_for(200ms) && !g_stop) {
       }
       if (!f.test() || !f.status().ok()) break;
-      uint64_t size = f.imm();
+      uint64_t size = f.imm() & ~kFlagPhase;
       if (!back) {
         ep.refresh_remote_regions();
         back = ep.remote_region(kInitiatorRegion);
@@ -113,6 +158,10 @@ void serve_endpoint(sluice::Endpoint ep, Buffer& buf, const Options& o) {
           std::fprintf(stderr, "pingpong: the initiator has no region named %s\n", kInitiatorRegion);
           break;
         }
+      }
+      if (f.imm() & kFlagPhase) {
+        if (!serve_flag_phase(ep, buf, *back, back_len, size)) break;
+        continue;
       }
       size = std::max<uint64_t>(1, std::min({size, back_len, buf.length}));
       if (!ep.write_with_imm({{buf.handle, 0, *back, 0, size}}, static_cast<uint32_t>(size)).wait().ok()) break;
@@ -221,23 +270,45 @@ bool verify(sluice::Endpoint& ep, const Options& o, uint64_t size, Buffer& local
   return true;
 }
 
-// Half round trips: write_with_imm there, wait for the target's write_with_imm back.
+// Half round trips. imm mode: write_with_imm there, wait for the target's write_with_imm
+// back. flag mode (ib_write_lat's loop): write with a counter in the last byte, wait for the
+// write's completion, spin until the target's echo lands at offset size.
 Row measure_pingpong(sluice::Endpoint& ep, const Options& o, uint64_t size, Buffer& local, sluice::RemoteHandle remote) {
   int iters = o.iterations > 0 ? o.iterations : 2000;
+  const int warm = std::min(iters / 10 + 1, 100);
   uint64_t errors = 0;
+  auto fail = [&](const sluice::Status& st) {
+    if (!errors) std::fprintf(stderr, "pingpong failed: %s\n", st.to_string().c_str());
+    ++errors;
+    return false;
+  };
+  const bool flag_mode = o.notify == "flag";
+  volatile uint8_t* echo = local.ptr + 2 * size - 1;
+  uint64_t round = 0;
   auto once = [&] {
+    if (flag_mode) {
+      uint8_t c = flag_value(round++);
+      local.ptr[size - 1] = c;
+      sluice::Status st = ep.write({{local.handle, 0, remote, 0, size}}).wait();
+      if (!st.ok()) return fail(st);
+      if (!spin_for(ep, echo, c)) return fail(sluice::Status{sluice::ErrorCode::kTimeout, "no echo"});
+      return true;
+    }
     auto f = ep.write_with_imm({{local.handle, 0, remote, 0, size}}, static_cast<uint32_t>(size));
     auto back = ep.imm_recv();
     sluice::Status st = back.wait();
     if (st.ok()) st = f.wait();
-    if (!st.ok()) {
-      if (!errors) std::fprintf(stderr, "pingpong failed: %s\n", st.to_string().c_str());
-      ++errors;
-    }
-    return st.ok();
+    return st.ok() || fail(st);
   };
-  for (int i = 0; i < std::min(iters / 10 + 1, 100); ++i)
-    if (!once()) break;
+  if (flag_mode) {
+    local.ptr[size - 1] = 0;
+    sluice::Status st = ep.write_with_imm({{local.handle, 0, remote, 0, size}}, kFlagPhase | static_cast<uint32_t>(size)).wait();
+    if (st.ok()) st = ep.write_with_imm({{local.handle, 0, remote, 0, 1}}, static_cast<uint32_t>(warm + iters)).wait();
+    auto ack = ep.imm_recv();
+    if (st.ok()) st = ack.wait();
+    if (!st.ok()) fail(st);
+  }
+  for (int i = 0; i < warm && errors == 0; ++i) once();
   auto t0 = std::chrono::steady_clock::now();
   for (int i = 0; i < iters && errors == 0; ++i) once();
   double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -374,7 +445,8 @@ int run_initiator(const Options& o, const std::string& address) {
   for (auto& r : ep.remote_regions())
     if (r.id == remote->id) region = r.length;
   region = std::min(region, region_length(o));
-  Buffer local(engine, region, o.memfd, o.op == "pingpong" ? kInitiatorRegion : "");
+  // pingpong: the target's echo lands in the second half.
+  Buffer local(engine, o.op == "pingpong" ? 2 * region : region, o.memfd, o.op == "pingpong" ? kInitiatorRegion : "");
   Buffer check(engine, region, false, "");
   for (uint64_t i = 0; i < region; ++i) local.ptr[i] = pattern(i, 0);
 

@@ -36,9 +36,13 @@ static void usage() {
       "\n"
       "  --transport tcp|shm|...   force a transport (default: the fastest both sides have)\n"
       "  --op read|write|write_imm|send|pingpong   (default write)\n"
-      "                            pingpong: write_with_imm to the target, which writes the same\n"
-      "                            size back with an imm; latency = half the round trip (the\n"
-      "                            measure ib_write_lat reports); batch/concurrency ignored\n"
+      "                            pingpong: a write to the target, which writes the same size\n"
+      "                            back; latency = half the round trip (what ib_write_lat\n"
+      "                            reports); batch/concurrency ignored\n"
+      "  --notify flag|imm         pingpong: how each side learns that the write arrived\n"
+      "                            flag (default): spin on the last byte, a counter, after the\n"
+      "                            write completed (ib_write_lat's loop); imm: write_with_imm and\n"
+      "                            imm_recv\n"
       "  --min-size N --max-size N power-of-two sweep, suffixes K/M/G (default 8 .. 64M)\n"
       "  --batch-size N            assignments per batch (default 64)\n"
       "  --concurrency N           outstanding batches (default 8)\n"
@@ -64,6 +68,7 @@ Options parse(int argc, char** argv) {
     else if (a == "--role") o.role = next();
     else if (a == "--transport") o.transport = next();
     else if (a == "--op") o.op = next();
+    else if (a == "--notify") o.notify = next();
     else if (a == "--min-size") o.min_size = parse_size(next());
     else if (a == "--max-size") o.max_size = parse_size(next());
     else if (a == "--size") o.min_size = o.max_size = parse_size(next());
@@ -83,6 +88,7 @@ Options parse(int argc, char** argv) {
   }
   if (o.op != "read" && o.op != "write" && o.op != "write_imm" && o.op != "send" && o.op != "pingpong")
     throw std::invalid_argument("--op must be read, write, write_imm, send or pingpong");
+  if (o.notify != "flag" && o.notify != "imm") throw std::invalid_argument("--notify must be flag or imm");
   if (o.op == "pingpong") {
     o.batch = 1;
     o.concurrency = 1;

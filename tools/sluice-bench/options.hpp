@@ -9,7 +9,8 @@ namespace bench {
 struct Options {
   std::string role = "loopback";  // loopback | target | initiator
   std::string transport;          // empty = engine's choice
-  std::string op = "write";       // read | write | write_imm | send
+  std::string op = "write";       // read | write | write_imm | send | pingpong
+  std::string notify = "flag";    // pingpong: flag (spin on memory) | imm
   uint64_t min_size = 8;
   uint64_t max_size = 64ull << 20;
   int batch = 64;

@@ -7,6 +7,7 @@
 #include <memory>
 #include <mutex>
 #include <unordered_map>
+#include <vector>
 
 #include "transport/transport.hpp"
 
@@ -33,9 +34,20 @@ class PendingOps {
   Clock::time_point last_progress() const { return Clock::time_point(Clock::duration(last_.load())); }
 
  private:
+  // Ops live in reusable slots (no allocation or hashing per op). A token is the slot's index
+  // and its generation (bumped on every reuse, never 0), so a stale or forged token from a
+  // peer's response or an old completion never finds a later op.
+  struct Slot {
+    std::shared_ptr<TransferOp> op;
+    uint32_t gen = 0;
+  };
+  static uint64_t token_of(uint32_t index, uint32_t gen) { return uint64_t(gen) << 32 | index; }
+  Slot* slot_locked(uint64_t token);
+  std::shared_ptr<TransferOp> take_locked(uint64_t token);
+
   mutable std::mutex mu_;
-  uint64_t next_ = 1;
-  std::unordered_map<uint64_t, std::shared_ptr<TransferOp>> ops_;
+  std::vector<Slot> slots_;
+  std::vector<uint32_t> free_;
   std::unordered_map<uint64_t, std::shared_ptr<MessageOp>> sends_;
   std::atomic<size_t> count_{0};
   std::atomic<Clock::rep> last_{Clock::now().time_since_epoch().count()};

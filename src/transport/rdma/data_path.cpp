@@ -67,12 +67,12 @@ Status RdmaEndpoint::drain(Chan& ch, int c) {
 
 // Queue WRs on channel c and post what fits. A failure is returned, not acted on: callers may
 // hold locks that completion callbacks (run by fail()) could need.
-Status RdmaEndpoint::post(int c, std::vector<Wr>& wrs) {
+Status RdmaEndpoint::post(int c, Wr* wrs, size_t n) {
   Chan& ch = *chans_[c];
   std::lock_guard<std::mutex> lk(ch.mu);
   if (failed_.load()) return Status::Ok();  // fail() completed (or will complete) the op
-  if (ch.backlog.empty() && ch.free >= static_cast<int>(wrs.size())) return post_range(ch, c, wrs.begin(), wrs.size());
-  for (auto& w : wrs) ch.backlog.push_back(std::move(w));
+  if (ch.backlog.empty() && ch.free >= static_cast<int>(n)) return post_range(ch, c, wrs, n);
+  for (size_t i = 0; i < n; ++i) ch.backlog.push_back(std::move(wrs[i]));
   return drain(ch, c);
 }
 
@@ -135,7 +135,7 @@ void RdmaEndpoint::submit(std::shared_ptr<TransferOp> op) {
   wake_for_submit();
   const bool is_read = keep->kind == OpKind::kRead;
   const bool imm = keep->kind == OpKind::kWriteImm;
-  std::vector<int> lanes;
+  InlineVec<int, 2> lanes;  // per-op containers stay off the heap for one- and two-lane batches
   for (size_t l = 0; l < keep->lanes.size(); ++l)
     if (!keep->lanes[l].pieces.empty()) lanes.push_back(static_cast<int>(l));
   // Lanes go to the channels on the rails nearest to the batch's (first) local region.
@@ -146,14 +146,14 @@ void RdmaEndpoint::submit(std::shared_ptr<TransferOp> op) {
     return;
   }
   const std::vector<int>& near = chans_near(first_keys->near);
-  std::vector<int> chan(lanes.size());
+  InlineVec<int, 2> chan(lanes.size());
   for (size_t li = 0; li < lanes.size(); ++li) chan[li] = near[(lanes[li]) % near.size()];
   // A single-lane imm batch chains its imm behind its data on QP 0 (RC ordering) when QP 0 is
   // near enough; otherwise the imm follows the data's completion.
   const bool chain_imm = imm && lanes.size() == 1 && std::find(near.begin(), near.end(), 0) != near.end();
   if (chain_imm) chan[0] = 0;
   // Resolve every key first so that a failure transfers nothing.
-  std::vector<std::vector<Wr>> chains(lanes.size());
+  InlineVec<InlineVec<Wr, 1>, 2> chains(lanes.size());
   const RegionEntry* last_region = keep->pins.front().get();
   const RegionKeys* keys = first_keys;
   for (size_t li = 0; li < lanes.size(); ++li) {
@@ -205,7 +205,7 @@ void RdmaEndpoint::submit(std::shared_ptr<TransferOp> op) {
       last.wr.imm_data = htonl(keep->imm);
       last.kind = CtxKind::kImmChainEnd;
       imm_credits_--;
-      st = post(0, chains[0]);  // under imm_mu_: imms reach QP 0 in submission order
+      st = post(0, chains[0].data(), chains[0].size());  // under imm_mu_: imms reach QP 0 in submission order
       lk.unlock();
       if (!st.ok()) fail(st, true);
       return;
@@ -215,7 +215,7 @@ void RdmaEndpoint::submit(std::shared_ptr<TransferOp> op) {
     imm_order_.push_back(token);
   }
   for (size_t li = 0; li < lanes.size(); ++li) {
-    st = post(chan[li], chains[li]);
+    st = post(chan[li], chains[li].data(), chains[li].size());
     if (!st.ok()) {
       fail(st, true);
       return;

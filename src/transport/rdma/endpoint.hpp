@@ -161,7 +161,8 @@ class RdmaEndpoint final : public TransportEndpoint,
   void release();
   void flush_control(std::chrono::milliseconds limit);  // wait for control sends in flight
   // data_path.cpp
-  [[nodiscard]] Status post(int c, std::vector<Wr>& wrs);
+  [[nodiscard]] Status post(int c, Wr* wrs, size_t n);
+  [[nodiscard]] Status post(int c, std::vector<Wr>& wrs) { return post(c, wrs.data(), wrs.size()); }
   Status drain(Chan& ch, int c);                            // ch.mu held
   void handle_send_completion(const ibv_wc& wc);
   bool rkey_for(uint64_t remote_id, int peer_rail, uint32_t* rkey);
