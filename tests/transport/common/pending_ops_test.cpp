@@ -1,0 +1,101 @@
+#include "transport/common/pending_ops.hpp"
+
+#include <gtest/gtest.h>
+
+#include <set>
+#include <thread>
+#include <vector>
+
+namespace sluice::detail {
+namespace {
+
+std::shared_ptr<TransferOp> make_op(int parts) {
+  auto op = std::make_shared<TransferOp>();
+  op->future = std::make_shared<FutureState>(OpKind::kWrite, parts);
+  return op;
+}
+
+TEST(PendingOps, CompletesAfterTheLastLaneAndForgetsTheToken) {
+  PendingOps p;
+  auto op = make_op(2);
+  auto f = op->future;
+  uint64_t t = p.add(op);
+  ASSERT_NE(t, 0u);
+  EXPECT_EQ(p.size(), 1u);
+  EXPECT_TRUE(p.lane_done(t, Status::Ok()));
+  EXPECT_FALSE(f->done());
+  EXPECT_TRUE(p.lane_done(t, Status::Ok()));
+  EXPECT_TRUE(f->done());
+  EXPECT_TRUE(f->status().ok());
+  EXPECT_EQ(p.size(), 0u);
+  EXPECT_FALSE(p.lane_done(t, Status::Ok())) << "a finished op's token must be unknown";
+  EXPECT_EQ(p.find(t), nullptr);
+}
+
+TEST(PendingOps, AReusedSlotNeverAnswersAnOldToken) {
+  PendingOps p;
+  uint64_t first = p.add(make_op(1));
+  ASSERT_TRUE(p.lane_done(first, Status::Ok()));
+  auto next = make_op(1);
+  uint64_t second = p.add(next);  // takes the freed slot
+  EXPECT_NE(first, second);
+  EXPECT_FALSE(p.lane_done(first, Status::Ok())) << "stale token completed a later op";
+  EXPECT_FALSE(next->future->done());
+  EXPECT_TRUE(p.lane_done(second, Status::Ok()));
+  EXPECT_TRUE(next->future->done());
+}
+
+TEST(PendingOps, ForgedTokensAreRejected) {
+  PendingOps p;
+  auto op = make_op(1);
+  uint64_t t = p.add(op);
+  for (uint64_t forged : std::vector<uint64_t>{0, t + 1, t ^ (1ull << 32), t | (0xffffull << 40), ~0ull, 12345}) {
+    if (forged == t) continue;
+    EXPECT_FALSE(p.lane_done(forged, Status::Ok())) << forged;
+    EXPECT_FALSE(p.note_error(forged, {ErrorCode::kRemoteError, "x"})) << forged;
+  }
+  EXPECT_FALSE(op->future->done());
+  EXPECT_LT(t, 1ull << 62) << "tokens must leave the rdma wr_id tag bits free";
+}
+
+TEST(PendingOps, ErrorsReachTheFutureAndFailAllEndsEverything) {
+  PendingOps p;
+  auto a = make_op(1), b = make_op(2);
+  uint64_t ta = p.add(a);
+  p.add(b);
+  EXPECT_TRUE(p.note_error(ta, {ErrorCode::kRemoteError, "bad rkey"}));
+  EXPECT_TRUE(p.lane_done(ta, Status::Ok()));
+  EXPECT_TRUE(a->future->done());
+  p.fail_all({ErrorCode::kPeerLost, "gone"});
+  EXPECT_EQ(a->future->status().code, ErrorCode::kRemoteError) << "a noted error is the op's status";
+  EXPECT_EQ(b->future->status().code, ErrorCode::kPeerLost);
+  EXPECT_EQ(p.size(), 0u);
+  auto late = make_op(1);
+  EXPECT_EQ(p.add(late), 0u);
+  EXPECT_EQ(late->future->status().code, ErrorCode::kPeerLost);
+}
+
+TEST(PendingOps, ConcurrentAddAndCompleteKeepsTokensUnique) {
+  PendingOps p;
+  constexpr int kThreads = 4, kEach = 2000;
+  std::vector<std::thread> ts;
+  std::vector<std::vector<uint64_t>> seen(kThreads);
+  for (int i = 0; i < kThreads; ++i)
+    ts.emplace_back([&, i] {
+      for (int k = 0; k < kEach; ++k) {
+        auto op = make_op(1);
+        uint64_t t = p.add(op);
+        seen[i].push_back(t);
+        ASSERT_TRUE(p.lane_done(t, Status::Ok()));
+        ASSERT_TRUE(op->future->done());
+      }
+    });
+  for (auto& t : ts) t.join();
+  EXPECT_EQ(p.size(), 0u);
+  std::set<uint64_t> all;
+  for (auto& v : seen) all.insert(v.begin(), v.end());
+  EXPECT_EQ(all.size(), static_cast<size_t>(kThreads * kEach)) << "a token was handed out twice";
+}
+
+}  // namespace
+}  // namespace sluice::detail
