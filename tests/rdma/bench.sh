@@ -4,7 +4,7 @@
 # latency) against perftest ib_write_bw / ib_read_bw / ib_write_lat (-x $RXE_GID_INDEX), and
 # print the ratios. Absolute numbers under emulation mean nothing; only ratios do. Then, where
 # built, tcg_footprint: how user-space code between two posts slows SoftRoCE under TCG.
-# Env: SLUICE_BUILD_DIR (default <repo>/build-rdma), SLUICE_BENCH_SIZES, SLUICE_BENCH_CHANNELS,
+# Env: SLUICE_BUILD_DIR (default <repo>/build-rdma), SLUICE_BENCH_SIZES, SLUICE_BENCH_REPS, SLUICE_BENCH_CHANNELS,
 # RXE_MTU (e.g. 9000 for RDMA MTU 4096).
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
@@ -18,5 +18,5 @@ fi
 BENCH=$B/tools/sluice-bench/sluice-bench
 [ -x "$BENCH" ] || { echo "bench.sh: $BENCH not built" >&2; exit 2; }
 exec "$HERE/rxe-guest.sh" -q -t "${RXE_TIMEOUT:-900}" -s "$B" -C "$B" \
-  ${SLUICE_BENCH_SIZES:+-e SLUICE_BENCH_SIZES} ${SLUICE_BENCH_CHANNELS:+-e SLUICE_BENCH_CHANNELS} ${SLUICE_RDMA_BUSY_MS:+-e SLUICE_RDMA_BUSY_MS} \
+  ${SLUICE_BENCH_SIZES:+-e SLUICE_BENCH_SIZES} ${SLUICE_BENCH_REPS:+-e SLUICE_BENCH_REPS} ${SLUICE_BENCH_CHANNELS:+-e SLUICE_BENCH_CHANNELS} ${SLUICE_RDMA_BUSY_MS:+-e SLUICE_RDMA_BUSY_MS} \
   -- bash "$HERE/guest-bench.sh" "$BENCH" "$B/tests/rdma/rdma_tcg_footprint"

@@ -55,7 +55,7 @@ uint32_t Rails::near_rails(const RegionEntry& e) const {
 const RegionKeys* Rails::keys_for(const Registry& reg, const RegionEntry* e, Status* st) {
   std::lock_guard<std::mutex> lk(mu_);
   auto it = regions_.find(e->id);
-  if (it != regions_.end()) return &ranges_[it->second.key].keys;
+  if (it != regions_.end()) return it->second.keys;
   RegionPin region = reg.pin_whole(e->id);  // pinned before the lookup can be outrun by remove()
   if (!region) {
     *st = {ErrorCode::kUnknownHandle, "rdma: region " + std::to_string(e->id) + " is no longer registered"};
@@ -79,7 +79,7 @@ const RegionKeys* Rails::keys_for(const Registry& reg, const RegionEntry* e, Sta
                                          << std::hex << r.keys.near << std::dec);
   }
   r.refs++;
-  regions_[e->id] = ByRegion{std::move(region), key};
+  regions_[e->id] = ByRegion{std::move(region), key, &r.keys};
   return &r.keys;
 }
 

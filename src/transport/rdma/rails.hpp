@@ -74,6 +74,7 @@ class Rails {
   struct ByRegion {
     RegionPin pin;
     std::pair<uintptr_t, uint64_t> key;
+    const RegionKeys* keys = nullptr;  // in ranges_[key] (map nodes stay put): one lookup per op
   };
   uint32_t near_rails(const RegionEntry& e) const;
   bool sweep(const Registry& reg);  // returns true while a removed region still has pins
