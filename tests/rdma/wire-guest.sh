@@ -18,6 +18,23 @@ counters() {  # non-zero rxe counters (retransmissions, NAKs, duplicates)
   for f in "$d"/*; do v=$(cat "$f" 2>/dev/null) || continue; [ "${v:-0}" != 0 ] && out="$out ${f##*/}=$v"; done
   echo "guest $ROLE: $RXE_DEV counters:${out:- (all zero)}"
 }
+cnt() { cat "/sys/class/infiniband/$RXE_DEV/ports/1/hw_counters/$1" 2>/dev/null || echo 0; }
+# RNR NAKs this device sent in a round. A receiver-not-ready NAK for an empty receive queue
+# must never happen (the engine's credits keep QP 0's receives posted ahead of every imm and
+# control message). SoftRoCE also reports a failed *transmit* of an RDMA READ response as an
+# RNR NAK (rxe_resp.c read_reply: rxe_xmit_packet() fails -> RESPST_ERR_RNR), and a transmit
+# fails only on the lossy NIC, where it is counted in send_err too. So: 0 RNR NAKs in a plain
+# round, and no more RNR NAKs than transmit failures in a lossy one.
+check_rnr() {  # round rnr_before err_before
+  local rnr=$(( $(cnt send_rnr_err) - $2 )) err=$(( $(cnt send_err) - $3 ))
+  if [ "$1" = plain ] && [ $rnr -ne 0 ]; then
+    echo "guest $ROLE: FAIL: $rnr RNR NAKs sent in a plain round (receive queue ran empty)"; return 1
+  fi
+  if [ $rnr -gt $err ]; then
+    echo "guest $ROLE: FAIL: $rnr RNR NAKs sent but only $err transmit failures: a receive queue ran empty"; return 1
+  fi
+  echo "guest $ROLE: RNR NAKs sent this round: $rnr (transmit failures: $err)"
+}
 rc=0; n=0
 for round in ${WIRE_ROUNDS:-plain}; do
   port=$((PORT + n)); n=$((n + 1))
@@ -26,6 +43,7 @@ for round in ${WIRE_ROUNDS:-plain}; do
       || { echo "guest client: FAIL: cannot add netem loss on $RXE_NETDEV"; rc=1; break; }
     echo "guest client: $(tc qdisc show dev "$RXE_NETDEV")"
   fi
+  rnr0=$(cnt send_rnr_err); err0=$(cnt send_err)
   t0=$(date +%s.%N)
   echo "=== round $n ($round) $ROLE"
   if [ "$ROLE" = server ]; then
@@ -40,6 +58,7 @@ for round in ${WIRE_ROUNDS:-plain}; do
     tc qdisc del dev "$RXE_NETDEV" root 2>/dev/null
   fi
   counters
+  check_rnr "$round" "$rnr0" "$err0" || { [ $r = 0 ] && r=1; }
   # The client stops at its first failed round; the server serves every round (two-guests.sh
   # stops its guest once the client is done).
   [ $r = 0 ] || { rc=$r; [ "$ROLE" = client ] && break; }
