@@ -205,8 +205,11 @@ TEST_P(Rdma, ImmOrderHoldsAcrossStripedAndSingleLaneBatches) {
   EXPECT_FALSE(extra.wait_for(200ms)) << "an extra imm arrived";
 }
 
-// Packets a device has sent (SoftRoCE: hw_counters/sent_pkts; others: port counters).
+// Packets a device has sent (SoftRoCE: hw_counters/sent_pkts; others: port counters). The
+// kernel caches hw counters for `hw_counters/lifespan` ms (12 on SoftRoCE), so wait that out
+// first, or two reads around a short transfer see the same value.
 uint64_t sent_packets(const std::string& dev, int port) {
+  std::this_thread::sleep_for(30ms);
   std::string base = "/sys/class/infiniband/" + dev + "/ports/" + std::to_string(port);
   for (const char* f : {"/hw_counters/sent_pkts", "/counters/port_xmit_packets"}) {
     std::ifstream in(base + f);
@@ -242,6 +245,58 @@ TEST_P(Rdma, StripedBatchesUseEveryRail) {
                 (unsigned long long)delta[r], (unsigned long long)total);
     EXPECT_GE(delta[r] * rails.size() * 2, total) << "rail " << rails[r]["dev"] << " carried less than half its share";
   }
+}
+
+// Pieces that continue each other on the remote side share work requests: as gather entries
+// when they are scattered locally, as one entry when they are contiguous locally too. Counted
+// in packets on the device (every WR is at least one packet and one ACK), against an endpoint
+// created with SLUICE_RDMA_MAX_SGE=1, which may only merge locally contiguous pieces.
+TEST_P(Rdma, ContiguousRemotePiecesShareWorkRequests) {
+  if (g_transport != "rdma") GTEST_SKIP() << "rdma only";
+  auto info = nlohmann::json::parse(a_->local_info());
+  auto rail = info["transports"]["rdma"]["rails"][0];
+  if (GetParam() != 1) GTEST_SKIP() << "runs once, at 1 channel";
+  ::setenv("SLUICE_RDMA_MAX_SGE", "1", 1);
+  Endpoint one_sge = a_->connect(b_->local_info());
+  auto peer1 = b_->accept(10s);
+  ::unsetenv("SLUICE_RDMA_MAX_SGE");
+  ASSERT_TRUE(peer1.has_value());
+  constexpr int kPieces = 64;
+  constexpr uint64_t kPiece = 200;  // 64 x 200 B: 12.5 KiB, contiguous at the target
+  std::mt19937_64 rng(41);
+  // Writes kPieces pieces scattered in reverse order locally (4 KiB apart) to one contiguous
+  // remote range (or reads them back); checks the bytes; returns the packets the device sent.
+  auto run = [&](Endpoint& ep, bool read) -> uint64_t {
+    fill(la_.data(), kPieces * 4096, rng);
+    fill(lb_.data(), kPieces * kPiece, rng);
+    Batch b;
+    for (int i = 0; i < kPieces; ++i) b.push_back({ha_, uint64_t(kPieces - 1 - i) * 4096, rb_, 1000 + i * kPiece, kPiece});
+    uint64_t before = sent_packets(rail["dev"], rail["port"]);
+    Status st = read ? ep.read(b).wait() : ep.write(b).wait();
+    EXPECT_TRUE(st.ok()) << st.to_string();
+    uint64_t packets = sent_packets(rail["dev"], rail["port"]) - before;
+    for (int i = 0; i < kPieces; ++i)
+      EXPECT_EQ(0, std::memcmp(la_.data() + (kPieces - 1 - i) * 4096, lb_.data() + 1000 + i * kPiece, kPiece))
+          << (read ? "read" : "write") << " piece " << i;
+    return packets;
+  };
+  for (bool read : {false, true}) {
+    uint64_t separate = run(one_sge, read), gathered = run(ep_, read);
+    std::printf("      %s of %d scattered pieces: %llu packets with 1 gather entry per WR, %llu with several\n",
+                read ? "read" : "write", kPieces, (unsigned long long)separate, (unsigned long long)gathered);
+    if (separate == 0) GTEST_SKIP() << "no packet counters on " << rail["dev"];
+    EXPECT_GE(separate, uint64_t(kPieces)) << "one WR per piece is at least a packet each";
+    EXPECT_LT(gathered * 2, separate) << "contiguous remote pieces did not share work requests";
+  }
+  // Contiguous on both sides: one entry grows, even with SLUICE_RDMA_MAX_SGE=1.
+  Batch b;
+  fill(la_.data(), kPieces * kPiece, rng);
+  for (int i = 0; i < kPieces; ++i) b.push_back({ha_, uint64_t(i) * kPiece, rb_, 3000 + i * kPiece, kPiece});
+  uint64_t before = sent_packets(rail["dev"], rail["port"]);
+  ASSERT_TRUE(one_sge.write(b).wait().ok());
+  uint64_t packets = sent_packets(rail["dev"], rail["port"]) - before;
+  ASSERT_EQ(0, std::memcmp(lb_.data() + 3000, la_.data(), kPieces * kPiece));
+  EXPECT_LT(packets, uint64_t(kPieces)) << "locally and remotely contiguous pieces were not merged";
 }
 
 TEST_P(Rdma, PiecesSplitAtTheMessageSizeLimit) {

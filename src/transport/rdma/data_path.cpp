@@ -31,8 +31,8 @@ Status post_range(Chan& ch, int c, It first, size_t n) {
       ch.unsig++;
       w.wr.wr_id = kTagUnsig | w.token;
     }
-    w.wr.sg_list = w.has_sge ? &w.sge : nullptr;
-    w.wr.num_sge = w.has_sge ? 1 : 0;
+    w.wr.sg_list = w.nsge ? w.sges.data() : nullptr;
+    w.wr.num_sge = w.nsge;
     w.wr.next = nullptr;
     if (i + 1 < n) {
       It next = it;
@@ -156,9 +156,13 @@ void RdmaEndpoint::submit(std::shared_ptr<TransferOp> op) {
   InlineVec<InlineVec<Wr, 1>, 2> chains(lanes.size());
   const RegionEntry* last_region = keep->pins.front().get();
   const RegionKeys* keys = first_keys;
+  // A WR carries at most the devices' message size, and never more than the planner's chunk
+  // (a completion per chunk keeps progress visible to the op timeout on slow links).
+  const uint64_t merge_limit = std::min<uint64_t>(max_wr_bytes_, std::max<uint64_t>(setup_.config.chunk_size, 1));
   for (size_t li = 0; li < lanes.size(); ++li) {
     const Chan& ch = *chans_[chan[li]];
     auto& wrs = chains[li];
+    uint64_t open_bytes = 0, open_end = 0;  // the last WR's size and remote end
     for (const Piece& p : keep->lanes[lanes[li]].pieces) {
       if (!last_region || p.local < last_region->base || p.local + p.length > last_region->base + last_region->length) {
         last_region = nullptr;
@@ -181,19 +185,51 @@ void RdmaEndpoint::submit(std::shared_ptr<TransferOp> op) {
         return;
       }
       const uint32_t lkey = keys->mrs[ch.rail]->lkey;
-      for (uint64_t off = 0; off < p.length; off += max_wr_bytes_) {
-        uint64_t n = std::min(max_wr_bytes_, p.length - off);
+      rkey ^= fault_rkey_xor_;
+      // Pieces that continue the previous one on the remote side join its WR, as one more
+      // gather entry (or by growing the last entry when they continue it locally too), up to
+      // the devices' max_sge and merge_limit bytes; the rest start a new WR.
+      for (uint64_t off = 0; off < p.length;) {
+        const uintptr_t addr = reinterpret_cast<uintptr_t>(p.local + off);
+        if (!wrs.empty()) {
+          Wr& w = wrs.back();
+          ibv_sge& last = w.sges[w.nsge - 1];
+          const uint64_t room = merge_limit - open_bytes;
+          if (room > 0 && w.wr.wr.rdma.rkey == rkey && open_end == p.remote_addr + off) {
+            const uint64_t n = std::min(room, p.length - off);
+            const bool grows = last.lkey == lkey && last.addr + last.length == addr;
+            if (grows || w.nsge < (is_read ? max_sge_rd_ : max_sge_)) {
+              if (grows)
+                last.length += static_cast<uint32_t>(n);
+              else
+                w.sges[w.nsge++] = {addr, static_cast<uint32_t>(n), lkey};
+              open_bytes += n;
+              open_end += n;
+              off += n;
+              continue;
+            }
+          }
+        }
+        const uint64_t n = std::min(merge_limit, p.length - off);
         Wr w;
-        w.has_sge = true;
-        w.sge = {reinterpret_cast<uintptr_t>(p.local + off), static_cast<uint32_t>(n), lkey};
+        w.sges[0] = {addr, static_cast<uint32_t>(n), lkey};
+        w.nsge = 1;
         w.wr.opcode = is_read ? IBV_WR_RDMA_READ : IBV_WR_RDMA_WRITE;
         w.wr.wr.rdma.remote_addr = p.remote_addr + off;
-        w.wr.wr.rdma.rkey = rkey ^ fault_rkey_xor_;
-        if (!is_read && n <= max_inline_) w.wr.send_flags |= IBV_SEND_INLINE;
+        w.wr.wr.rdma.rkey = rkey;
         w.token = token;
         wrs.push_back(w);
+        open_bytes = n;
+        open_end = p.remote_addr + off + n;
+        off += n;
       }
     }
+    if (!is_read)
+      for (Wr& w : wrs) {
+        uint64_t bytes = 0;
+        for (int i = 0; i < w.nsge; ++i) bytes += w.sges[i].length;
+        if (bytes <= max_inline_) w.wr.send_flags |= IBV_SEND_INLINE;
+      }
     wrs.back().signal = true;
     wrs.back().kind = imm ? CtxKind::kImmLaneEnd : CtxKind::kLaneEnd;
   }

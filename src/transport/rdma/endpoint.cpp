@@ -1,4 +1,5 @@
 // rdma endpoint: queue-pair set-up, connection and teardown (see endpoint.hpp).
+#include <algorithm>
 #include <fcntl.h>
 #include <sys/eventfd.h>
 #include <unistd.h>
@@ -34,9 +35,14 @@ RdmaEndpoint::RdmaEndpoint(std::shared_ptr<Rails> rails, const Registry* reg, co
   // Test-only: a smaller message limit, to exercise the splitting on devices with a large one.
   if (const char* e = std::getenv("SLUICE_RDMA_MAX_WR_BYTES"))
     max_wr_bytes_ = std::max<uint64_t>(1, std::strtoull(e, nullptr, 0));
+  // Test-only: fewer gather entries per WR (1: every piece that does not continue the previous
+  // one locally gets its own WR).
+  if (const char* e = std::getenv("SLUICE_RDMA_MAX_SGE")) max_sge_ = std::clamp(std::atoi(e), 1, kMaxSge);
   sq_depth_ = 1024;
   for (int r = 0; r < rails_->size(); ++r) {
     sq_depth_ = std::min(sq_depth_, rails_->at(r).attr().max_qp_wr);
+    max_sge_ = std::max(1, std::min(max_sge_, rails_->at(r).attr().max_sge));
+    if (rails_->at(r).attr().max_sge_rd > 0) max_sge_rd_ = std::min(max_sge_rd_, rails_->at(r).attr().max_sge_rd);
     // A piece larger than a port's max_msg_sz goes out as several WRs.
     max_wr_bytes_ = std::min<uint64_t>(max_wr_bytes_, rails_->at(r).max_msg_sz());
   }
@@ -97,7 +103,7 @@ void RdmaEndpoint::create_qp(int index, int rail, int peer_rail) {
   ia.sq_sig_all = 0;
   ia.cap.max_send_wr = sq_depth_;
   ia.cap.max_recv_wr = index == 0 ? std::min(kRecvSlots, d.attr().max_qp_wr) : 1;
-  ia.cap.max_send_sge = 1;
+  ia.cap.max_send_sge = static_cast<uint32_t>(max_sge_);
   ia.cap.max_recv_sge = 1;
   ibv_qp* qp = nullptr;
   for (uint32_t inl : {256u, 64u, 0u}) {
@@ -113,6 +119,8 @@ void RdmaEndpoint::create_qp(int index, int rail, int peer_rail) {
   ch.free = sq_depth_;
   ch.ring.assign(sq_depth_, WrCtx{});
   max_inline_ = std::min(max_inline_, ia.cap.max_inline_data);
+  max_sge_ = std::max(1, std::min<int>(max_sge_, static_cast<int>(ia.cap.max_send_sge)));
+  max_sge_rd_ = std::max(1, std::min(max_sge_rd_, max_sge_));
   ibv_qp_attr at{};
   at.qp_state = IBV_QPS_INIT;
   at.pkey_index = 0;

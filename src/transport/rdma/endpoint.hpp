@@ -10,6 +10,7 @@
 
 #include <infiniband/verbs.h>
 
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -39,6 +40,7 @@ constexpr int kCtrlReserve = 2 * kMaxSends + 16 + 32;
 constexpr int kCtrlSendSlots = 2 * kMaxSends + 64;
 constexpr int kSignalEvery = 64;
 constexpr uint64_t kMaxWrBytes = 1ull << 30;
+constexpr int kMaxSge = 8;  // gather entries per WR we ask for (less if the device allows less)
 constexpr std::chrono::milliseconds kCallerWindow{1};
 constexpr std::chrono::milliseconds kCallersModeSleep{5};
 
@@ -61,8 +63,8 @@ struct WrCtx {
 
 struct Wr {
   ibv_send_wr wr{};
-  ibv_sge sge{};
-  bool has_sge = false;
+  std::array<ibv_sge, kMaxSge> sges{};  // wr.sg_list points here once posted
+  int nsge = 0;
   bool signal = false;
   CtxKind kind = CtxKind::kSlots;
   uint64_t token = 0;
@@ -202,6 +204,8 @@ class RdmaEndpoint final : public TransportEndpoint,
   int sq_depth_ = 0;
   uint32_t max_inline_ = 0;
   uint64_t max_wr_bytes_ = kMaxWrBytes;
+  int max_sge_ = kMaxSge;     // gather entries per data WR (the devices' max_sge, SLUICE_RDMA_MAX_SGE)
+  int max_sge_rd_ = kMaxSge;  // the same for RDMA READ (max_sge_rd, which some devices keep lower)
   // control slots (QP 0): receive ring and send ring, one registration on QP 0's rail
   std::vector<uint8_t> ctrl_mem_;
   ibv_mr* ctrl_mr_ = nullptr;

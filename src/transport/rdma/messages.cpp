@@ -42,8 +42,8 @@ void RdmaEndpoint::post_ctrl(const CtrlMsg& m) {
   uint8_t* buf = ctrl_mem_.data() + size_t(slot) * kSlotBytes;
   std::memcpy(buf, &m, sizeof m);
   std::vector<Wr> w(1);
-  w[0].has_sge = true;
-  w[0].sge = {reinterpret_cast<uintptr_t>(buf), sizeof(CtrlMsg), ctrl_mr_->lkey};
+  w[0].sges[0] = {reinterpret_cast<uintptr_t>(buf), sizeof(CtrlMsg), ctrl_mr_->lkey};
+  w[0].nsge = 1;
   w[0].wr.opcode = IBV_WR_SEND;
   if (sizeof(CtrlMsg) <= max_inline_) w[0].wr.send_flags |= IBV_SEND_INLINE;
   w[0].signal = true;
@@ -129,8 +129,8 @@ void RdmaEndpoint::on_rts(const CtrlMsg& m) {
   for (uint64_t off = 0; off < n; off += max_wr_bytes_) {
     Wr w;
     uint64_t k = std::min(max_wr_bytes_, n - off);
-    w.has_sge = true;
-    w.sge = {reinterpret_cast<uintptr_t>(r->claim.dest + off), static_cast<uint32_t>(k), lkey};
+    w.sges[0] = {reinterpret_cast<uintptr_t>(r->claim.dest + off), static_cast<uint32_t>(k), lkey};
+    w.nsge = 1;
     w.wr.opcode = IBV_WR_RDMA_READ;
     w.wr.wr.rdma.remote_addr = m.addr + off;
     w.wr.wr.rdma.rkey = m.rkey;
