@@ -81,6 +81,8 @@ void FutureState::drive(Clock::time_point deadline) {
 
 Status FutureState::wait() {
   drive(Clock::time_point::max());
+  // status_ is written before done_ is released, and never after: no lock needed to read it.
+  if (done()) return status_;
   auto spin_end = Clock::now() + spin_;
   while (!done()) {
     if (Clock::now() > spin_end) break;

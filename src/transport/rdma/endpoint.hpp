@@ -63,7 +63,7 @@ struct WrCtx {
 
 struct Wr {
   ibv_send_wr wr{};
-  std::array<ibv_sge, kMaxSge> sges{};  // wr.sg_list points here once posted
+  std::array<ibv_sge, kMaxSge> sges;  // the first nsge are set; wr.sg_list points here once posted
   int nsge = 0;
   bool signal = false;
   CtxKind kind = CtxKind::kSlots;
