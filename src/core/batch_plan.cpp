@@ -4,7 +4,7 @@
 
 namespace sluice::detail {
 
-std::vector<Lane> plan_batch(const std::vector<Piece>& batch, const PlanOptions& opt) {
+std::vector<Lane> plan_batch(std::span<const Piece> batch, const PlanOptions& opt) {
   const int n = std::max(1, opt.channels);
   std::vector<Lane> lanes(n);
   uint64_t total = 0;
@@ -37,17 +37,6 @@ std::vector<Lane> plan_batch(const std::vector<Piece>& batch, const PlanOptions&
       if (stripe) next = (next + 1) % n;
     } while (done < p.length);
   }
-  return lanes;
-}
-
-std::vector<Lane> plan_one(const Piece& piece, const PlanOptions& opt) {
-  const int n = std::max(1, opt.channels);
-  const bool stripe = n > 1 && piece.length > opt.stripe_threshold;
-  if (stripe || piece.length > std::max<uint64_t>(opt.chunk_size, 1)) return plan_batch({piece}, opt);
-  std::vector<Lane> lanes(n);
-  Lane& lane = lanes[opt.rotate % n];
-  lane.pieces.push_back(piece);
-  lane.bytes = piece.length;
   return lanes;
 }
 

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <span>
 #include <vector>
 
 #include "core/inline_vec.hpp"
@@ -32,8 +33,6 @@ struct PlanOptions {
 
 // Returns `channels` lanes (some may be empty). Pieces keep batch order within each lane;
 // every byte of the input appears exactly once.
-std::vector<Lane> plan_batch(const std::vector<Piece>& batch, const PlanOptions& opt);
-// The same plan for a batch of one piece, without building the batch.
-std::vector<Lane> plan_one(const Piece& piece, const PlanOptions& opt);
+std::vector<Lane> plan_batch(std::span<const Piece> batch, const PlanOptions& opt);
 
 }  // namespace sluice::detail

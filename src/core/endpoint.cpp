@@ -92,8 +92,9 @@ Future EndpointImpl::transfer(OpKind kind, const Batch& batch, uint32_t imm) {
   auto op = std::make_shared<TransferOp>();
   op->kind = kind;
   op->imm = imm;
-  std::vector<Piece> pieces;
+  // A one-assignment batch (the common small transfer) is planned from the stack.
   Piece single;
+  std::vector<Piece> pieces;
   if (batch.size() > 1) pieces.reserve(batch.size());
   {
     std::lock_guard<std::mutex> lk(peer_mu_);
@@ -129,7 +130,7 @@ Future EndpointImpl::transfer(OpKind kind, const Batch& batch, uint32_t imm) {
   const auto& cfg = engine_->config();
   PlanOptions plan{channels_, cfg.chunk_size, cfg.stripe_threshold, std::min<uint64_t>(64 << 10, cfg.chunk_size),
                    rotate_.fetch_add(1, std::memory_order_relaxed)};
-  op->lanes = batch.size() == 1 ? plan_one(single, plan) : plan_batch(pieces, plan);
+  op->lanes = plan_batch(batch.size() == 1 ? std::span<const Piece>(&single, 1) : std::span<const Piece>(pieces), plan);
   int parts = 0;
   for (auto& l : op->lanes) parts += l.pieces.empty() ? 0 : 1;
   op->future = std::make_shared<FutureState>(kind, parts);

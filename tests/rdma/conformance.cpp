@@ -11,6 +11,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <random>
 #include <string>
 #include <thread>
@@ -525,6 +526,28 @@ pid_t spawn_peer_target(int channels, std::string* addr) {
   return pid;
 }
 
+// A peer target process and an endpoint to its region "sink", proven by one 4 KiB write.
+struct SpawnedTarget {
+  pid_t pid = -1;
+  std::unique_ptr<Engine> engine;
+  std::vector<uint8_t> buf;
+  MemoryHandle h;
+  Endpoint ep;
+  RemoteHandle rt;
+};
+
+void connect_spawned(int channels, std::chrono::milliseconds op_timeout, size_t bytes, SpawnedTarget* t) {
+  std::string addr;
+  t->pid = spawn_peer_target(channels, &addr);
+  ASSERT_FALSE(addr.empty()) << "child did not start";
+  t->engine = std::make_unique<Engine>(cfg(channels, op_timeout));
+  t->buf.assign(bytes, 1);
+  t->h = t->engine->register_memory(t->buf.data(), t->buf.size());
+  t->ep = t->engine->connect(addr);
+  t->rt = *t->ep.remote_region("sink");
+  ASSERT_TRUE(t->ep.write({{t->h, 0, t->rt, 0, 4096}}).wait().ok());
+}
+
 // Receive-not-ready NAKs this host's devices received (SoftRoCE hw counter; -1: none).
 int64_t rnr_naks_received() {
   int64_t total = -1;
@@ -542,15 +565,12 @@ TEST_P(Rdma, ImmFloodAgainstAStoppedReceiverNeverMeetsRnr) {
   // The receiver process is stopped (SIGSTOP): its NIC keeps acking imm writes and consuming
   // receive slots, but nothing reposts them. The sender must stop at the receiver's credit
   // instead of running into receiver-not-ready NAKs, and finish once the receiver runs again.
-  std::string addr;
-  pid_t pid = spawn_peer_target(GetParam(), &addr);
-  ASSERT_FALSE(addr.empty()) << "child did not start";
-  Engine e(cfg(GetParam(), 30s));
-  std::vector<uint8_t> buf(1 << 20, 1);
-  auto h = e.register_memory(buf.data(), buf.size());
-  auto ep = e.connect(addr);
-  auto rt = *ep.remote_region("sink");
-  ASSERT_TRUE(ep.write({{h, 0, rt, 0, 4096}}).wait().ok());
+  SpawnedTarget t;
+  ASSERT_NO_FATAL_FAILURE(connect_spawned(GetParam(), 30s, 1 << 20, &t));
+  const pid_t pid = t.pid;
+  Endpoint& ep = t.ep;
+  const MemoryHandle h = t.h;
+  const RemoteHandle rt = t.rt;
   const int64_t rnr_before = rnr_naks_received();
   ASSERT_EQ(0, ::kill(pid, SIGSTOP));
   const int n = 2000;  // more imm writes than the receiver has receive slots (1024)
@@ -578,15 +598,13 @@ TEST_P(Rdma, ImmFloodAgainstAStoppedReceiverNeverMeetsRnr) {
 
 TEST_P(Rdma, PeerKilledMidTransferFailsPendingOps) {
   if (g_self.empty()) GTEST_SKIP();
-  std::string addr;
-  pid_t pid = spawn_peer_target(GetParam(), &addr);
-  ASSERT_FALSE(addr.empty()) << "child did not start";
-  Engine e(cfg(GetParam(), 5s));
-  std::vector<uint8_t> buf(32 << 20, 1);
-  auto h = e.register_memory(buf.data(), buf.size());
-  auto ep = e.connect(addr);
-  auto rt = *ep.remote_region("sink");
-  ASSERT_TRUE(ep.write({{h, 0, rt, 0, 4096}}).wait().ok());
+  SpawnedTarget t;
+  ASSERT_NO_FATAL_FAILURE(connect_spawned(GetParam(), 5s, 32 << 20, &t));
+  const pid_t pid = t.pid;
+  Engine& e = *t.engine;
+  Endpoint& ep = t.ep;
+  const MemoryHandle h = t.h;
+  const RemoteHandle rt = t.rt;
   auto recv = ep.recv(h, 0, 100);  // a recv the dead peer will never satisfy
   std::vector<Future> fs;
   auto t0 = std::chrono::steady_clock::now();
