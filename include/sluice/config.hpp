@@ -34,6 +34,21 @@ struct EngineConfig {
   uint64_t stripe_threshold = 256ull << 10;
   // Bytes of unmatched incoming sends buffered before the peer is refused.
   uint64_t max_unexpected_bytes = 256ull << 20;  // env SLUICE_MAX_UNEXPECTED_BYTES
+  // Unmatched incoming sends (of any size, zero-length included) buffered per endpoint before
+  // the peer is refused.                          env SLUICE_MAX_UNEXPECTED_MESSAGES
+  uint64_t max_unexpected_messages = 65536;
+  // A recv() or imm_recv() that no message or imm matches for this long completes with
+  // kTimeout (the endpoint stays usable). 0 = wait until the endpoint closes (opt-out).
+  std::chrono::milliseconds recv_timeout{30000};  // env SLUICE_RECV_TIMEOUT_MS
+  // Hostile-peer bounds on the handshake listener: connections being handshaken at once
+  // (more are closed at accept), the largest handshake message body accepted, and endpoints
+  // opened by peers that wait for accept() (more are refused until accept() takes some).
+  int max_handshakes = 64;                        // env SLUICE_MAX_HANDSHAKES
+  uint64_t max_handshake_bytes = 4ull << 20;      // env SLUICE_MAX_HANDSHAKE_BYTES
+  int max_pending_accepts = 1024;                 // env SLUICE_MAX_PENDING_ACCEPTS
+  // Read responses a peer may have queued on one channel without reading them; more fail the
+  // endpoint (a peer that stops reading cannot pin regions or grow queues without bound).
+  int max_queued_responses = 4096;                // env SLUICE_MAX_QUEUED_RESPONSES
   // RDMA ports to stripe over, in NCCL_IB_HCA syntax: "mlx5" (prefix), "=mlx5_0,mlx5_1:1"
   // (exact, optional port), "^mlx5_3" / "^=mlx5_3" (exclude). Empty = every active port.
   std::string rdma_devices;                       // env SLUICE_IB_HCA

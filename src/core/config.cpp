@@ -99,6 +99,26 @@ EngineConfig EngineConfig::from_env(EngineConfig c) {
   if (auto v = env("SLUICE_STRIPE_THRESHOLD")) c.stripe_threshold = parse_u64("SLUICE_STRIPE_THRESHOLD", v);
   if (auto v = env("SLUICE_MAX_UNEXPECTED_BYTES"))
     c.max_unexpected_bytes = parse_u64("SLUICE_MAX_UNEXPECTED_BYTES", v);
+  if (auto v = env("SLUICE_MAX_UNEXPECTED_MESSAGES"))
+    c.max_unexpected_messages = parse_u64("SLUICE_MAX_UNEXPECTED_MESSAGES", v);
+  if (auto v = env("SLUICE_RECV_TIMEOUT_MS"))
+    c.recv_timeout = std::chrono::milliseconds(parse_u64("SLUICE_RECV_TIMEOUT_MS", v));
+  auto positive_int = [](const char* name, const char* v, uint64_t max) {
+    uint64_t n = parse_u64(name, v);
+    if (n < 1 || n > max)
+      throw Error(ErrorCode::kInvalidArgument, std::string(name) + "='" + v + "' must be 1.." + std::to_string(max));
+    return static_cast<int>(n);
+  };
+  if (auto v = env("SLUICE_MAX_HANDSHAKES")) c.max_handshakes = positive_int("SLUICE_MAX_HANDSHAKES", v, 4096);
+  if (auto v = env("SLUICE_MAX_HANDSHAKE_BYTES")) {
+    c.max_handshake_bytes = parse_u64("SLUICE_MAX_HANDSHAKE_BYTES", v);
+    if (c.max_handshake_bytes < 4096 || c.max_handshake_bytes > (1ull << 30))
+      throw Error(ErrorCode::kInvalidArgument, "SLUICE_MAX_HANDSHAKE_BYTES must be 4K..1G");
+  }
+  if (auto v = env("SLUICE_MAX_PENDING_ACCEPTS"))
+    c.max_pending_accepts = positive_int("SLUICE_MAX_PENDING_ACCEPTS", v, 1 << 20);
+  if (auto v = env("SLUICE_MAX_QUEUED_RESPONSES"))
+    c.max_queued_responses = positive_int("SLUICE_MAX_QUEUED_RESPONSES", v, 1 << 20);
   if (auto v = env("SLUICE_BUSY_WAIT_US")) c.busy_wait_us = static_cast<int>(parse_u64("SLUICE_BUSY_WAIT_US", v));
   if (auto v = env("SLUICE_LOG_LEVEL")) c.log_level = parse_level(v);
   if (c.chunk_size < 4096) throw Error(ErrorCode::kInvalidArgument, "chunk_size must be >= 4096");
