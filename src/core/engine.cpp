@@ -1,10 +1,10 @@
 #include <sys/mman.h>
+#include <sys/random.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cstring>
 #include <fstream>
-#include <random>
 #include <sstream>
 
 #include "bootstrap/messages.hpp"
@@ -16,12 +16,14 @@
 namespace sluice::detail {
 namespace {
 
+// Engine ids and endpoint tokens come from the kernel's generator: a token is what ties a
+// same-host peer's proof to its hello, so it must not be predictable from published engine
+// ids, and a forked child must not repeat its parent's sequence (a user-space generator
+// copied by fork() does).
 uint64_t random_u64() {
-  static thread_local std::mt19937_64 rng{std::random_device{}() ^
-                                          (uint64_t(::getpid()) << 32) ^
-                                          uint64_t(std::chrono::steady_clock::now().time_since_epoch().count())};
-  uint64_t v;
-  do v = rng(); while (v == 0);
+  uint64_t v = 0;
+  while (v == 0)
+    if (::getrandom(&v, sizeof(v), 0) != static_cast<ssize_t>(sizeof(v))) v = 0;
   return v;
 }
 

@@ -49,11 +49,18 @@ class LeaseTable {
 class PeerLeases {
  public:
   ~PeerLeases();
-  // Maps /proc/<pid>/fd/<fd>; false if that is not possible.
-  bool map(int pid, int fd, uint32_t slots);
+  // Maps the peer's table from a descriptor the peer passed us (SCM_RIGHTS over a
+  // same-host socket, never /proc/<pid>/fd/<number from a message>); the slot count follows
+  // from its size. Does not take ownership of fd. False if it is not a table.
+  bool map_fd(int fd);
   // True if region `id` is still registered; the caller must leave() afterwards.
   bool enter(uint32_t slot, uint64_t id);
+  // While inside: true if the owner has not withdrawn the region since enter(). A copy out of
+  // the region is valid only if this still holds after it (the owner may have given up waiting
+  // for a stalled peer and reused the memory).
+  bool still(uint32_t slot, uint64_t id) const;
   void leave(uint32_t slot);
+  uint32_t slots() const { return nslots_; }
 
  private:
   LeaseSlot* table_ = nullptr;

@@ -17,9 +17,11 @@ enum class FrameType : uint8_t {
   kSend = 6,      // two-sided message: op_id = sequence, payload = data (tcp)
   kSendAck = 7,   // op_id = sequence, status, payload = message
   kImm = 8,       // standalone imm (shm): imm
-  kSendRts = 9,   // shm rendezvous: op_id = sequence, region = sender address, length
+  kSendRts = 9,   // same-host rendezvous: op_id = sequence, region = sender address,
+                  // length (imm low, aux high); shm: payload = RtsSource (the sender's region)
   kError = 10,    // fatal: the sender is closing the channel; payload = message
-  kMax = 10,
+  kPullWrite = 11,  // shm: "copy these bytes of mine into your region": payload = PullPiece[]
+  kMax = 11,
 };
 
 enum FrameFlags : uint8_t {

@@ -1,0 +1,231 @@
+#include "transport/common/same_host.hpp"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <random>
+
+#include "core/log.hpp"
+#include "sluice/error.hpp"
+
+namespace sluice::detail::same_host {
+namespace {
+
+constexpr auto kRequestDeadline = std::chrono::milliseconds(1000);
+
+socklen_t abstract_addr(const std::string& name, sockaddr_un* a) {
+  if (name.empty() || name.size() + 1 > sizeof(a->sun_path))
+    throw Error(ErrorCode::kInvalidArgument, "same-host socket name of " + std::to_string(name.size()) + " bytes");
+  std::memset(a, 0, sizeof(*a));
+  a->sun_family = AF_UNIX;
+  std::memcpy(a->sun_path + 1, name.data(), name.size());  // leading NUL: abstract namespace
+  return static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 + name.size());
+}
+
+// Waits until fd is readable or the deadline passes; false on timeout.
+bool wait_readable(int fd, Clock::time_point deadline) {
+  for (;;) {
+    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
+    if (left <= 0) return false;
+    pollfd p{fd, POLLIN, 0};
+    int rc = ::poll(&p, 1, static_cast<int>(std::min<long long>(left, 1000)));
+    if (rc > 0) return true;
+    if (rc < 0 && errno != EINTR) return true;  // let the read report the error
+  }
+}
+
+// Reads exactly n bytes before the deadline; the first read may carry one descriptor.
+void read_exact(int fd, void* buf, size_t n, Clock::time_point deadline, int* fd_out) {
+  auto* p = static_cast<uint8_t*>(buf);
+  while (n > 0) {
+    if (!wait_readable(fd, deadline)) throw Error(ErrorCode::kTimeout, "same-host peer did not answer in time");
+    iovec iov{p, n};
+    alignas(cmsghdr) char cbuf[CMSG_SPACE(sizeof(int) * 4)];
+    msghdr msg{};
+    msg.msg_iov = &iov;
+    msg.msg_iovlen = 1;
+    if (fd_out) {
+      msg.msg_control = cbuf;
+      msg.msg_controllen = sizeof(cbuf);
+    }
+    ssize_t r = ::recvmsg(fd, &msg, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
+    if (r < 0) {
+      if (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK) continue;
+      throw Error(ErrorCode::kPeerLost, "same-host socket: " + net::errno_text(errno));
+    }
+    if (r == 0) throw Error(ErrorCode::kPeerLost, "same-host peer closed the connection");
+    if (fd_out) {
+      for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c; c = CMSG_NXTHDR(&msg, c)) {
+        if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
+        size_t count = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+        for (size_t i = 0; i < count; ++i) {
+          int got;
+          std::memcpy(&got, CMSG_DATA(c) + i * sizeof(int), sizeof(int));
+          if (*fd_out < 0) *fd_out = got;
+          else ::close(got);  // one descriptor per message; more are a peer's mistake
+        }
+      }
+      fd_out = nullptr;  // descriptors only ride on a message's first byte
+    }
+    p += r;
+    n -= static_cast<size_t>(r);
+  }
+}
+
+}  // namespace
+
+PeerCred peer_cred(int fd) {
+  ucred c{};
+  socklen_t len = sizeof(c);
+  if (::getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &c, &len) != 0)
+    throw Error(ErrorCode::kSystem, "SO_PEERCRED: " + net::errno_text(errno));
+  if (c.pid <= 0) throw Error(ErrorCode::kUnsupported, "the kernel does not name the peer process (another pid namespace?)");
+  return {c.pid, c.uid};
+}
+
+void send(int fd, const nlohmann::json& body, int pass_fd) {
+  std::string text = body.dump();
+  if (text.size() > kMaxMessage) throw Error(ErrorCode::kInternal, "same-host message too large");
+  uint8_t len[4];
+  for (int i = 0; i < 4; ++i) len[i] = static_cast<uint8_t>(text.size() >> (8 * i));
+  iovec iov[2] = {{len, 4}, {text.data(), text.size()}};
+  alignas(cmsghdr) char cbuf[CMSG_SPACE(sizeof(int))] = {};
+  msghdr msg{};
+  msg.msg_iov = iov;
+  msg.msg_iovlen = 2;
+  if (pass_fd >= 0) {
+    msg.msg_control = cbuf;
+    msg.msg_controllen = sizeof(cbuf);
+    cmsghdr* c = CMSG_FIRSTHDR(&msg);
+    c->cmsg_level = SOL_SOCKET;
+    c->cmsg_type = SCM_RIGHTS;
+    c->cmsg_len = CMSG_LEN(sizeof(int));
+    std::memcpy(CMSG_DATA(c), &pass_fd, sizeof(int));
+  }
+  size_t total = 4 + text.size(), sent = 0;
+  while (sent < total) {
+    ssize_t w = ::sendmsg(fd, &msg, MSG_NOSIGNAL);
+    if (w < 0) {
+      if (errno == EINTR) continue;
+      if (errno == EAGAIN || errno == EWOULDBLOCK) {
+        pollfd p{fd, POLLOUT, 0};
+        ::poll(&p, 1, 100);
+        continue;
+      }
+      throw Error(ErrorCode::kPeerLost, "same-host socket: " + net::errno_text(errno));
+    }
+    sent += static_cast<size_t>(w);
+    // The rest goes without the descriptor (it rode on the first byte).
+    msg.msg_control = nullptr;
+    msg.msg_controllen = 0;
+    size_t skip = static_cast<size_t>(w);
+    while (msg.msg_iovlen > 0 && skip >= msg.msg_iov[0].iov_len) {
+      skip -= msg.msg_iov[0].iov_len;
+      ++msg.msg_iov;
+      --msg.msg_iovlen;
+    }
+    if (msg.msg_iovlen > 0) {
+      msg.msg_iov[0].iov_base = static_cast<uint8_t*>(msg.msg_iov[0].iov_base) + skip;
+      msg.msg_iov[0].iov_len -= skip;
+    }
+  }
+}
+
+nlohmann::json recv(int fd, Clock::time_point deadline, int* fd_out) {
+  if (fd_out) *fd_out = -1;
+  try {
+    uint8_t len[4];
+    read_exact(fd, len, 4, deadline, fd_out);
+    uint32_t n = uint32_t(len[0]) | uint32_t(len[1]) << 8 | uint32_t(len[2]) << 16 | uint32_t(len[3]) << 24;
+    if (n > kMaxMessage) throw Error(ErrorCode::kProtocol, "same-host message of " + std::to_string(n) + " bytes (limit 64 KiB)");
+    std::string text(n, '\0');
+    read_exact(fd, text.data(), n, deadline, nullptr);
+    auto j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
+    if (j.is_discarded() || !j.is_object()) throw Error(ErrorCode::kProtocol, "same-host message is not a JSON object");
+    return j;
+  } catch (...) {
+    if (fd_out && *fd_out >= 0) ::close(std::exchange(*fd_out, -1));
+    throw;
+  }
+}
+
+bool is_memfd(int fd, uint64_t min_bytes) {
+  struct stat st {};
+  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) return false;
+  if (static_cast<uint64_t>(st.st_size) < min_bytes) return false;
+  // Only shmem-backed files (memfd_create) answer F_GET_SEALS; files on disk do not.
+  return ::fcntl(fd, F_GET_SEALS) >= 0;
+}
+
+net::Socket connect(const std::string& name) {
+  sockaddr_un a;
+  socklen_t len = abstract_addr(name, &a);
+  net::Socket s(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  if (!s.valid()) throw Error(ErrorCode::kSystem, "socket(AF_UNIX): " + net::errno_text(errno));
+  // A Unix-socket connect does not wait for the peer to accept: it fails at once when no one
+  // listens (or the backlog is full).
+  if (::connect(s.fd(), reinterpret_cast<sockaddr*>(&a), len) != 0)
+    throw Error(ErrorCode::kUnsupported, "cannot reach the peer's same-host socket (another host or network "
+                                         "namespace, or the peer is gone): " + net::errno_text(errno));
+  return s;
+}
+
+void Service::start(const std::string& prefix, Handler handler) {
+  std::random_device rd;
+  char suffix[17];
+  std::snprintf(suffix, sizeof(suffix), "%08x%08x", rd(), rd());
+  name_ = prefix + "-" + suffix;
+  handler_ = std::move(handler);
+  sockaddr_un a;
+  socklen_t len = abstract_addr(name_, &a);
+  listen_ = net::Socket(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  if (!listen_.valid()) throw Error(ErrorCode::kSystem, "socket(AF_UNIX): " + net::errno_text(errno));
+  if (::bind(listen_.fd(), reinterpret_cast<sockaddr*>(&a), len) != 0 || ::listen(listen_.fd(), 64) != 0)
+    throw Error(ErrorCode::kSystem, "same-host socket " + name_ + ": " + net::errno_text(errno));
+  if (::pipe2(wake_, O_CLOEXEC) != 0) throw Error(ErrorCode::kSystem, "pipe: " + net::errno_text(errno));
+  thread_ = std::thread([this] { loop(); });
+}
+
+void Service::stop() {
+  if (stopping_.exchange(true)) return;
+  if (wake_[1] >= 0) {
+    char c = 0;
+    (void)!::write(wake_[1], &c, 1);
+  }
+  if (thread_.joinable()) thread_.join();
+  for (int& fd : wake_)
+    if (fd >= 0) ::close(std::exchange(fd, -1));
+  listen_.close();
+}
+
+void Service::loop() {
+  while (!stopping_.load()) {
+    pollfd fds[2] = {{listen_.fd(), POLLIN, 0}, {wake_[0], POLLIN, 0}};
+    if (::poll(fds, 2, 1000) <= 0 || (fds[1].revents & POLLIN)) continue;
+    net::Socket conn(::accept4(listen_.fd(), nullptr, nullptr, SOCK_CLOEXEC));
+    if (!conn.valid()) continue;
+    int fd = -1;
+    try {
+      PeerCred cred = peer_cred(conn.fd());
+      nlohmann::json req = recv(conn.fd(), Clock::now() + kRequestDeadline, &fd);
+      handler_(std::move(conn), cred, req, std::exchange(fd, -1));
+    } catch (const std::exception& e) {
+      SLUICE_LOG(kDebug, "same-host socket " << name_ << ": dropped a request: " << e.what());
+      if (conn.valid()) {
+        try {
+          send(conn.fd(), {{"error", e.what()}});
+        } catch (const Error&) {
+        }
+      }
+    }
+    if (fd >= 0) ::close(fd);
+  }
+}
+
+}  // namespace sluice::detail::same_host

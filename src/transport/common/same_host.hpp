@@ -1,0 +1,85 @@
+// Proof that a peer is a process on this host, for the transports that touch a peer's memory
+// directly (shm; nvlink's host path). Nothing a peer *says* about itself (a pid, a descriptor
+// number, an address) is trusted: each same-host transport runs a Unix-domain socket service
+// in the abstract namespace, the kernel names the process at the other end (SO_PEERCRED), and
+// descriptors a peer shares (its lease table, its memfd regions) travel as SCM_RIGHTS, so a
+// peer can only hand over what it owns, with the access it has. Only processes in this
+// network namespace on this kernel can connect to an abstract socket, so a remote peer can
+// never pass the proof, whatever host id or pid its info blob claims. See docs/security.md.
+#pragma once
+
+#include <sys/types.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <thread>
+
+#include <nlohmann/json.hpp>
+
+#include "bootstrap/socket.hpp"
+
+namespace sluice::detail::same_host {
+
+using Clock = std::chrono::steady_clock;
+
+struct PeerCred {
+  pid_t pid = 0;
+  uid_t uid = 0;
+};
+
+// The process at the other end of a connected Unix socket, as the kernel recorded it at
+// connect()/listen() time. Throws Error(kSystem).
+PeerCred peer_cred(int fd);
+
+// Messages on the service socket: a 4-byte little-endian length, then that many bytes of JSON.
+// At most one descriptor rides on the first byte of a message (SCM_RIGHTS).
+constexpr uint32_t kMaxMessage = 64 << 10;
+// Throws Error(kPeerLost) when the socket broke.
+void send(int fd, const nlohmann::json& body, int pass_fd = -1);
+// Reads one message before `deadline` (the whole message, however the peer trickles it).
+// A descriptor that came with it is returned in *fd_out (-1 if none; extra ones are closed).
+// Throws Error(kTimeout | kPeerLost | kProtocol).
+nlohmann::json recv(int fd, Clock::time_point deadline, int* fd_out = nullptr);
+
+// True if fd is a memfd (or other sealable shmem file) of at least min_bytes: the only kind of
+// descriptor a peer may hand us to map. A regular file the peer opened read-only, for example,
+// is refused before we ever map it writable.
+bool is_memfd(int fd, uint64_t min_bytes);
+
+// Connects to a service by its abstract name; throws Error(kUnsupported) naming the reason.
+net::Socket connect(const std::string& name);
+
+// One listening abstract socket and the thread that serves it. Each connection carries one
+// request, read within a short deadline and handled on the service thread (handlers answer
+// at once and never block on the network), so a local client that stalls costs at most that
+// deadline and never a thread.
+class Service {
+ public:
+  // The handler owns `sock` (it may keep it: the shm control channel is such a socket).
+  // `fd` is a descriptor that came with the request, or -1; the handler must close it.
+  using Handler = std::function<void(net::Socket sock, const PeerCred& cred, const nlohmann::json& req, int fd)>;
+
+  Service() = default;
+  ~Service() { stop(); }
+  Service(const Service&) = delete;
+  Service& operator=(const Service&) = delete;
+  // Listens on a fresh random abstract name built from `prefix`; throws Error(kSystem).
+  void start(const std::string& prefix, Handler handler);
+  void stop();
+  const std::string& name() const { return name_; }
+
+ private:
+  void loop();
+
+  std::string name_;
+  Handler handler_;
+  net::Socket listen_;
+  int wake_[2] = {-1, -1};
+  std::atomic<bool> stopping_{false};
+  std::thread thread_;
+};
+
+}  // namespace sluice::detail::same_host

@@ -1,0 +1,606 @@
+#include "transport/shm/shm_endpoint.hpp"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cstring>
+
+#include "bootstrap/messages.hpp"
+#include "core/log.hpp"
+#include "cuda/staging.hpp"
+#include "transport/common/control_frames.hpp"
+#include "transport/shm/cma.hpp"
+
+namespace sluice::detail::shm {
+namespace {
+
+constexpr size_t kMaxImmInProgress = 1 << 16;
+
+struct FdGuard {
+  int fd;
+  ~FdGuard() {
+    if (fd >= 0) ::close(fd);
+  }
+};
+
+// Leases held on the peer's regions for one copy; left when this goes out of scope.
+class Held {
+ public:
+  explicit Held(PeerLeases& l) : leases_(l) {}
+  ~Held() {
+    for (auto& [slot, id] : held_) leases_.leave(slot);
+  }
+  Status enter(uint32_t slot, uint64_t id, const char* whose) {
+    for (auto& h : held_)
+      if (h.second == id) return Status::Ok();
+    if (slot == kNoLease || !leases_.enter(slot, id))
+      return {ErrorCode::kUnknownHandle, std::string(whose) + " region " + std::to_string(id) + " is no longer registered"};
+    held_.emplace_back(slot, id);
+    return Status::Ok();
+  }
+  // After the copy: the bytes count only if the owner withdrew none of the regions meanwhile.
+  Status still(const char* whose) const {
+    for (auto& [slot, id] : held_)
+      if (!leases_.still(slot, id))
+        return {ErrorCode::kUnknownHandle, std::string(whose) + " region " + std::to_string(id) +
+                                               " was unregistered during the copy; the copy is discarded"};
+    return Status::Ok();
+  }
+
+ private:
+  PeerLeases& leases_;
+  std::vector<std::pair<uint32_t, uint64_t>> held_;
+};
+
+const RegionEntry* pin_of(const TransferOp& op, const uint8_t* p) {
+  for (const auto& pin : op.pins) {
+    const RegionEntry* e = pin.get();
+    if (p >= e->base && p < e->base + e->length) return e;
+  }
+  return nullptr;
+}
+
+}  // namespace
+
+Mapping::~Mapping() {
+  if (base) ::munmap(base, length);
+}
+
+ShmEndpoint::ShmEndpoint(const EndpointSetup& s, Host& host, std::string peer_socket)
+    : host_(host),
+      events_(s.events),
+      active_(s.active),
+      token_(s.token),
+      nworkers_(s.channels),
+      peer_socket_(std::move(peer_socket)),
+      timeout_(s.config.connect_timeout) {
+  for (int i = 0; i < nworkers_; ++i) workers_.emplace_back([this] { work(); });
+}
+
+ShmEndpoint::~ShmEndpoint() { close({ErrorCode::kCancelled, "endpoint destroyed"}); }
+
+void ShmEndpoint::connect(const ChannelOpener& open) {
+  // Prove ourselves on the peer's same-host socket first and learn, from the kernel, which
+  // process answers; only then ask the listener to complete the endpoint.
+  auto deadline = same_host::Clock::now() + timeout_;
+  net::Socket sock = same_host::connect(peer_socket_);
+  same_host::PeerCred cred = same_host::peer_cred(sock.fd());
+  same_host::send(sock.fd(), {{"op", "auth"}, {"token", token_}, {"engine", host_.engine_id()}}, host_.lease_fd());
+  int fd = -1;
+  nlohmann::json reply = same_host::recv(sock.fd(), deadline, &fd);
+  FdGuard guard{fd};
+  if (reply.contains("error"))
+    throw Error(ErrorCode::kRemoteError, "shm: the peer refused us on its same-host socket: " + reply["error"].dump());
+  {
+    std::lock_guard<std::mutex> lk(map_mu_);
+    if (fd < 0 || !same_host::is_memfd(fd, sizeof(LeaseSlot)) || !leases_.map_fd(fd))
+      throw Error(ErrorCode::kProtocol, "shm: the peer did not pass a lease table (a memfd) on its same-host socket");
+  }
+  pid_ = cred.pid;
+  authenticated_ = true;
+  install(std::move(sock));
+  open(0, nlohmann::json::object());
+}
+
+void ShmEndpoint::authenticate(net::Socket sock, const same_host::PeerCred& cred, int lease_fd) {
+  FdGuard guard{lease_fd};
+  if (active_ || authenticated_.load()) throw Error(ErrorCode::kProtocol, "shm: endpoint already authenticated");
+  {
+    std::lock_guard<std::mutex> lk(map_mu_);
+    if (lease_fd < 0 || !same_host::is_memfd(lease_fd, sizeof(LeaseSlot)) || !leases_.map_fd(lease_fd))
+      throw Error(ErrorCode::kProtocol, "shm: no lease table (a memfd) came with the authentication");
+  }
+  same_host::send(sock.fd(), {{"ok", true}, {"engine", host_.engine_id()}}, host_.lease_fd());
+  pid_ = cred.pid;
+  authenticated_ = true;
+  install(std::move(sock));
+}
+
+bool ShmEndpoint::attach(int index, net::Socket sock, const nlohmann::json&) {
+  // The listener's channel only completes the endpoint: the peer must already have proven
+  // on our Unix socket that it is a process on this host (a remote peer never can).
+  if (index != 0) throw Error(ErrorCode::kProtocol, "shm takes one channel");
+  if (!authenticated_.load())
+    throw Error(ErrorCode::kProtocol, "shm: the peer has not proven that it is a process on this host "
+                                      "(no authenticated same-host socket for this endpoint)");
+  bootstrap::send_msg(sock.fd(), bootstrap::MsgKind::kReply, nlohmann::json::object());
+  return true;
+}
+
+nlohmann::json ShmEndpoint::describe_local(uint64_t id, const same_host::PeerCred& cred, int* fd_out) const {
+  *fd_out = -1;
+  if (!authenticated_.load() || cred.pid != pid_.load())
+    throw Error(ErrorCode::kProtocol, "describe from a process that is not this endpoint's peer");
+  Status st;
+  // Pinned while we answer: a memfd is closed only after its region's pins drain, so the
+  // descriptor we duplicate is the region's and not a number reused by another open().
+  RegionPin pin = host_.registry().pin(id, 0, 1, &st, "target");
+  if (!pin) throw Error(st.code, st.message);
+  const RegionEntry* e = pin.get();
+  if (!e->location.is_host()) throw Error(ErrorCode::kUnsupported, "region " + std::to_string(id) + " is " + e->location.to_string() + " memory");
+  if (e->memfd >= 0) *fd_out = ::fcntl(e->memfd, F_DUPFD_CLOEXEC, 0);
+  return {{"addr", reinterpret_cast<uint64_t>(e->base)}, {"length", e->length}, {"slot", e->lease_slot}};
+}
+
+Status ShmEndpoint::remote(uint64_t id, RemoteRegion* out) {
+  {
+    std::lock_guard<std::mutex> lk(map_mu_);
+    auto it = regions_.find(id);
+    if (it != regions_.end()) {
+      *out = it->second;
+      return Status::Ok();
+    }
+  }
+  try {
+    net::Socket sock = same_host::connect(peer_socket_);
+    if (same_host::peer_cred(sock.fd()).pid != pid_.load())
+      return {ErrorCode::kPeerLost, "shm: the peer's same-host socket is now served by another process"};
+    same_host::send(sock.fd(), {{"op", "describe"}, {"token", token_}, {"to_passive", active_}, {"region", id}});
+    int fd = -1;
+    nlohmann::json r = same_host::recv(sock.fd(), same_host::Clock::now() + timeout_, &fd);
+    FdGuard guard{fd};
+    if (r.contains("error"))
+      return {ErrorCode::kUnknownHandle, "peer region " + std::to_string(id) + ": " + r["error"].get<std::string>()};
+    RemoteRegion rr;
+    if (!r["addr"].is_number_unsigned() || !r["length"].is_number_unsigned() || !r["slot"].is_number_unsigned())
+      return {ErrorCode::kProtocol, "shm: malformed region description from the peer"};
+    rr.addr = r["addr"].get<uint64_t>();
+    rr.length = r["length"].get<uint64_t>();
+    uint64_t slot = r["slot"].get<uint64_t>();
+    rr.slot = slot > kNoLease ? kNoLease : static_cast<uint32_t>(slot);
+    if (fd >= 0 && same_host::is_memfd(fd, rr.length) && rr.length > 0) {
+      void* p = ::mmap(nullptr, rr.length, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+      if (p != MAP_FAILED) {
+        rr.map = std::make_shared<Mapping>();
+        rr.map->base = static_cast<uint8_t*>(p);
+        rr.map->length = rr.length;
+      }
+    }
+    std::lock_guard<std::mutex> lk(map_mu_);
+    auto [it, fresh] = regions_.emplace(id, rr);
+    *out = it->second;
+    return Status::Ok();
+  } catch (const Error& e) {
+    return e.status();
+  }
+}
+
+bool ShmEndpoint::mapped_locked(uint64_t id) const {
+  auto it = regions_.find(id);
+  return it != regions_.end() && it->second.map;
+}
+
+void ShmEndpoint::install(net::Socket sock) {
+  control_ = std::make_unique<StreamChannel>(std::move(sock), this, 0);
+  control_->start();
+  if (failed_.load()) control_->shutdown();
+}
+
+void ShmEndpoint::enqueue(Job job) {
+  std::lock_guard<std::mutex> lk(mu_);
+  if (stop_) return;
+  jobs_.push_back(std::move(job));
+  cv_.notify_one();
+}
+
+void ShmEndpoint::submit(std::shared_ptr<TransferOp> op) {
+  uint64_t token = pending_.add(op);
+  if (!token) return;
+  if (op->kind != OpKind::kRead) {
+    bool local = true;
+    std::vector<uint64_t> unknown;
+    {
+      std::lock_guard<std::mutex> lk(map_mu_);
+      for (const auto& lane : op->lanes)
+        for (const auto& p : lane.pieces) {
+          if (mapped_locked(p.remote_id)) continue;
+          local = false;
+          if (!regions_.count(p.remote_id) && describing_.insert(p.remote_id).second) unknown.push_back(p.remote_id);
+        }
+    }
+    // Learn about regions in the background: a memfd region is written through its mapping
+    // from then on (no round trip to the owner).
+    for (uint64_t id : unknown) {
+      Job j;
+      j.kind = Job::kDescribe;
+      j.region = id;
+      enqueue(std::move(j));
+    }
+    if (!local) {
+      post_pull(op, token);
+      return;
+    }
+  }
+  auto track = std::make_shared<OpTrack>();
+  std::vector<Job> jobs;
+  for (size_t l = 0; l < op->lanes.size(); ++l)
+    if (!op->lanes[l].pieces.empty()) {
+      Job j;
+      j.op = op;
+      j.token = token;
+      j.lane = l;
+      j.track = track;
+      jobs.push_back(std::move(j));
+    }
+  track->lanes_left = static_cast<int>(jobs.size());
+  for (auto& j : jobs) enqueue(std::move(j));
+}
+
+void ShmEndpoint::post_pull(const std::shared_ptr<TransferOp>& op, uint64_t token) {
+  bool any_device = false;
+  for (const auto& pin : op->pins) any_device |= staging::is_device(pin.get()->location);
+  // Frames per lane (a lane longer than kMaxPullPieces is cut), and in total: an imm is
+  // delivered by the owner once every frame of the op has landed.
+  std::vector<uint32_t> frames(op->lanes.size(), 0);
+  uint32_t total = 0;
+  for (size_t c = 0; c < op->lanes.size(); ++c) {
+    size_t n = op->lanes[c].pieces.size();
+    frames[c] = static_cast<uint32_t>((n + kMaxPullPieces - 1) / kMaxPullPieces);
+    total += frames[c];
+  }
+  {
+    std::lock_guard<std::mutex> lk(track_mu_);
+    auto& t = pulls_[token];
+    for (uint32_t f : frames) t.lanes.emplace_back(f, Status::Ok());
+  }
+  const bool imm = op->kind == OpKind::kWriteImm;
+  for (size_t c = 0; c < op->lanes.size(); ++c) {
+    const auto& pieces = op->lanes[c].pieces;
+    for (size_t first = 0; first < pieces.size(); first += kMaxPullPieces) {
+      size_t last = std::min(pieces.size(), first + kMaxPullPieces);
+      auto buf = std::make_shared<std::vector<PullPiece>>();
+      buf->reserve(last - first);
+      try {
+        for (size_t i = first; i < last; ++i) {
+          const Piece& p = pieces[i];
+          const RegionEntry* e = pin_of(*op, p.local);
+          PullPiece pp{p.remote_id, p.remote_offset, p.length, reinterpret_cast<uint64_t>(p.local), 0, kNoLease, 0};
+          if (e && !(any_device && staging::is_device(e->location))) {
+            pp.src_region = e->id;
+            pp.src_slot = e->lease_slot;
+          } else if (e) {
+            // cuda memory here: the owner pulls a pinned host copy, held until the op ends.
+            auto b = staging::download_copy(p.local, p.length);
+            pp.src_addr = reinterpret_cast<uint64_t>(b.get());
+            std::lock_guard<std::mutex> lk(track_mu_);
+            pulls_[token].staged.push_back(std::move(b));
+          }
+          buf->push_back(pp);
+        }
+      } catch (const Error& e) {
+        // Count this frame as answered with the error (its lane completes once its other
+        // frames do).
+        Status st = e.status();
+        bool done = false;
+        {
+          std::lock_guard<std::mutex> lk(track_mu_);
+          auto it = pulls_.find(token);
+          if (it != pulls_.end()) {
+            auto& lane = it->second.lanes[c];
+            if (lane.second.ok()) lane.second = st;
+            done = --lane.first == 0;
+          }
+        }
+        if (done) pending_.lane_done(token, st);
+        continue;
+      }
+      OutFrame f;
+      f.hdr = make_frame(FrameType::kPullWrite, token, c, 0, buf->size() * sizeof(PullPiece), imm ? kImmPart : 0,
+                         imm ? op->imm : 0, imm ? total : 0);
+      f.data = reinterpret_cast<const uint8_t*>(buf->data());
+      f.keep = buf;
+      control_->post(std::move(f));
+    }
+  }
+}
+
+void ShmEndpoint::send(std::shared_ptr<MessageOp> op) {
+  if (!pending_.add_send(op)) return;
+  const RegionEntry* e = op->pin.get();
+  if (staging::is_device(e->location)) {
+    if (auto o = pending_.take_send(op->seq))
+      o->future->complete({ErrorCode::kUnsupported, "shm: send from " + e->location.to_string() + " memory"});
+    return;
+  }
+  auto src = std::make_shared<RtsSource>(RtsSource{e->id, e->lease_slot, 0});
+  OutFrame f;
+  f.hdr = make_frame(FrameType::kSendRts, op->seq, reinterpret_cast<uint64_t>(op->ptr), 0, sizeof(RtsSource), 0,
+                     static_cast<uint32_t>(op->length), static_cast<uint32_t>(op->length >> 32));
+  f.data = reinterpret_cast<const uint8_t*>(src.get());
+  f.keep = src;
+  control_->post(std::move(f));
+}
+
+void ShmEndpoint::close(const Status& why) {
+  fail(why, false);
+  std::lock_guard<std::mutex> lk(close_mu_);  // a second closer waits for the first
+  if (closed_) return;
+  closed_ = true;
+  if (control_) control_->join();
+  for (auto& t : workers_)
+    if (t.joinable() && t.get_id() != std::this_thread::get_id()) t.join();
+  host_.forget(token_);
+}
+
+Status ShmEndpoint::on_frame(StreamChannel& ch, const FrameHeader& h, PayloadReader& payload) {
+  pending_.touch();
+  switch (static_cast<FrameType>(h.type)) {
+    case FrameType::kImm:
+      events_->matcher().push_imm(h.imm);
+      return Status::Ok();
+    case FrameType::kPullWrite: return take_pull(h, payload);
+    case FrameType::kAck:
+    case FrameType::kNack: return take_ack(h, payload);
+    case FrameType::kSendRts: return serve_rts(ch, h, payload);
+    case FrameType::kSendAck: return complete_send_ack(pending_, h, payload);
+    case FrameType::kError: return peer_error(payload);
+    default: return {ErrorCode::kProtocol, "unexpected frame type " + std::to_string(h.type) + " on shm control"};
+  }
+}
+
+Status ShmEndpoint::take_pull(const FrameHeader& h, PayloadReader& payload) {
+  if (h.length % sizeof(PullPiece) != 0 || h.length == 0 || h.length / sizeof(PullPiece) > kMaxPullPieces)
+    return {ErrorCode::kProtocol, "PULL_WRITE of " + std::to_string(h.length) + " bytes (pieces of 48 bytes, at most " +
+                                      std::to_string(kMaxPullPieces) + ")"};
+  Job j;
+  j.kind = Job::kServe;
+  j.hdr = h;
+  j.pull.resize(h.length / sizeof(PullPiece));
+  if (!payload.read(j.pull.data(), h.length)) return {ErrorCode::kPeerLost, "connection lost mid-frame"};
+  enqueue(std::move(j));
+  return Status::Ok();
+}
+
+Status ShmEndpoint::take_ack(const FrameHeader& h, PayloadReader& payload) {
+  Status st = frame_status(h, payload);
+  if (h.type == static_cast<uint8_t>(FrameType::kNack) && st.ok()) st = {ErrorCode::kRemoteError, "peer refused the write"};
+  bool done = false, gone = false;
+  {
+    std::lock_guard<std::mutex> lk(track_mu_);
+    auto it = pulls_.find(h.op_id);
+    if (it == pulls_.end() || h.region >= it->second.lanes.size() || it->second.lanes[h.region].first == 0)
+      return {ErrorCode::kProtocol, "ack for an unknown operation"};
+    auto& lane = it->second.lanes[h.region];
+    if (lane.second.ok() && !st.ok()) lane.second = st;
+    if (--lane.first == 0) {
+      done = true;
+      st = lane.second;
+      gone = true;
+      for (auto& l : it->second.lanes) gone &= l.first == 0;
+      if (gone) pulls_.erase(it);  // staged copies released: every frame was answered
+    }
+  }
+  if (done && !pending_.lane_done(h.op_id, st)) return {ErrorCode::kProtocol, "ack for an unknown operation"};
+  return Status::Ok();
+}
+
+void ShmEndpoint::work() {
+  for (;;) {
+    Job job;
+    {
+      std::unique_lock<std::mutex> lk(mu_);
+      cv_.wait(lk, [&] { return stop_ || !jobs_.empty(); });
+      if (stop_) return;
+      job = std::move(jobs_.front());
+      jobs_.pop_front();
+    }
+    if (job.kind == Job::kDescribe) {
+      RemoteRegion r;
+      (void)remote(job.region, &r);
+      std::lock_guard<std::mutex> lk(map_mu_);
+      describing_.erase(job.region);
+      continue;
+    }
+    if (job.kind == Job::kServe) {
+      serve_pull(job);
+      pending_.touch();
+      continue;
+    }
+    Status st = failed_.load() ? Status{ErrorCode::kCancelled, "endpoint closed"} : run_lane(*job.op, job.op->lanes[job.lane]);
+    pending_.touch();
+    if (!st.ok()) job.track->failed = true;
+    if (st.code == ErrorCode::kPeerLost) {
+      fail(st, true);
+      continue;
+    }
+    if (job.track->lanes_left.fetch_sub(1) == 1 && job.op->kind == OpKind::kWriteImm && !job.track->failed) {
+      // Every byte is in the peer's memory (the copies above returned); now the imm.
+      OutFrame f;
+      f.hdr = make_frame(FrameType::kImm, job.token, 0, 0, 0, 0, job.op->imm);
+      control_->post(std::move(f));
+    }
+    pending_.lane_done(job.token, st);
+  }
+}
+
+Status ShmEndpoint::run_lane(const TransferOp& op, const Lane& lane) {
+  try {
+    return op.kind == OpKind::kRead ? run_read(op, lane) : run_mapped_write(op, lane);
+  } catch (const Error& e) {
+    return e.status();
+  }
+}
+
+Status ShmEndpoint::run_read(const TransferOp& op, const Lane& lane) {
+  std::vector<RemoteRegion> where(lane.pieces.size());
+  for (size_t i = 0; i < lane.pieces.size(); ++i) {
+    const Piece& p = lane.pieces[i];
+    if (Status st = remote(p.remote_id, &where[i]); !st.ok()) return st;
+    if (!in_bounds(p.remote_offset, p.length, where[i].length))
+      return {ErrorCode::kOutOfRange, "peer region " + std::to_string(p.remote_id) + " is " +
+                                          std::to_string(where[i].length) + " bytes on its same-host socket"};
+  }
+  Held held(leases_);
+  for (size_t i = 0; i < lane.pieces.size(); ++i)
+    if (Status st = held.enter(where[i].slot, lane.pieces[i].remote_id, "peer"); !st.ok()) {
+      std::lock_guard<std::mutex> lk(map_mu_);
+      regions_.erase(lane.pieces[i].remote_id);  // gone: forget its description and mapping
+      return st;
+    }
+  std::vector<cma::Span> spans;
+  std::vector<std::pair<size_t, std::shared_ptr<uint8_t>>> device;  // cuda pieces land in pinned copies
+  for (size_t i = 0; i < lane.pieces.size(); ++i) {
+    const Piece& p = lane.pieces[i];
+    uint8_t* dst = p.local;
+    const RegionEntry* e = pin_of(op, p.local);
+    if (e && staging::is_device(e->location)) {
+      device.emplace_back(i, staging::pinned(p.length));
+      dst = device.back().second.get();
+    }
+    if (where[i].map) std::memcpy(dst, where[i].map->base + p.remote_offset, p.length);
+    else spans.push_back({dst, where[i].addr + p.remote_offset, p.length});
+  }
+  if (!spans.empty())
+    if (Status st = cma::move(pid_.load(), spans, /*write=*/false); !st.ok()) return st;
+  if (Status st = held.still("peer"); !st.ok()) return st;
+  for (auto& [i, b] : device) staging::upload(lane.pieces[i].local, b.get(), lane.pieces[i].length);
+  return Status::Ok();
+}
+
+Status ShmEndpoint::run_mapped_write(const TransferOp& op, const Lane& lane) {
+  std::vector<RemoteRegion> where(lane.pieces.size());
+  {
+    std::lock_guard<std::mutex> lk(map_mu_);
+    for (size_t i = 0; i < lane.pieces.size(); ++i) {
+      auto it = regions_.find(lane.pieces[i].remote_id);
+      if (it == regions_.end() || !it->second.map)
+        return {ErrorCode::kUnknownHandle, "peer region " + std::to_string(lane.pieces[i].remote_id) + " is no longer registered"};
+      where[i] = it->second;
+    }
+  }
+  Held held(leases_);
+  for (size_t i = 0; i < lane.pieces.size(); ++i) {
+    const Piece& p = lane.pieces[i];
+    if (!in_bounds(p.remote_offset, p.length, where[i].length))
+      return {ErrorCode::kOutOfRange, "peer region " + std::to_string(p.remote_id) + " is " +
+                                          std::to_string(where[i].length) + " bytes on its same-host socket"};
+    if (Status st = held.enter(where[i].slot, p.remote_id, "peer"); !st.ok()) {
+      std::lock_guard<std::mutex> lk(map_mu_);
+      regions_.erase(p.remote_id);
+      return st;
+    }
+  }
+  for (size_t i = 0; i < lane.pieces.size(); ++i) {
+    const Piece& p = lane.pieces[i];
+    const uint8_t* src = p.local;
+    std::shared_ptr<uint8_t> staged;
+    const RegionEntry* e = pin_of(op, p.local);
+    if (e && staging::is_device(e->location)) src = (staged = staging::download_copy(p.local, p.length)).get();
+    std::memcpy(where[i].map->base + p.remote_offset, src, p.length);
+  }
+  // Our bytes went to the region's pages; if the owner withdrew it meanwhile they went to pages
+  // it no longer maps (harmless to it) and the write did not happen as far as we can tell.
+  return held.still("peer");
+}
+
+void ShmEndpoint::serve_pull(const Job& job) {
+  const FrameHeader& h = job.hdr;
+  Status st;
+  std::vector<RegionPin> pins;
+  std::vector<cma::Span> spans;
+  Held held(leases_);
+  for (const PullPiece& p : job.pull) {
+    RegionPin pin = events_->registry().pin(p.dst_region, p.dst_offset, p.length, &st, "target");
+    if (!pin) break;
+    if (!pin.get()->location.is_host()) {
+      st = {ErrorCode::kUnsupported, "shm cannot write region " + std::to_string(p.dst_region) + " (" +
+                                         pin.get()->location.to_string() + " memory)"};
+      break;
+    }
+    if (p.src_region != 0)
+      if (st = held.enter(p.src_slot, p.src_region, "your source"); !st.ok()) break;
+    spans.push_back({pin.get()->base + p.dst_offset, p.src_addr, p.length});
+    pins.push_back(std::move(pin));
+  }
+  if (st.ok()) st = cma::move(pid_.load(), spans, /*write=*/false);
+  if (st.ok()) st = held.still("your source");
+  if (!st.ok()) SLUICE_LOG(kDebug, "shm: refused a write: " << st.message);
+  pins.clear();
+  if (h.flags & kImmPart) {
+    bool deliver = false, overflow = false;
+    {
+      std::lock_guard<std::mutex> lk(imm_mu_);
+      if (imm_.size() >= kMaxImmInProgress && !imm_.count(h.op_id)) {
+        overflow = true;
+      } else {
+        auto& p = imm_[h.op_id];
+        p.first++;
+        p.second |= !st.ok();
+        if (p.first >= h.aux) {
+          deliver = !p.second;
+          imm_.erase(h.op_id);
+        }
+      }
+    }
+    if (overflow) {
+      fail({ErrorCode::kProtocol, "peer has more than 65536 write_with_imm batches in progress"}, true);
+      return;
+    }
+    if (deliver) events_->matcher().push_imm(h.imm);
+  }
+  OutFrame f;
+  f.text = st.message.substr(0, kMaxMessageText);
+  f.hdr = make_frame(st.ok() ? FrameType::kAck : FrameType::kNack, h.op_id, h.region, 0, f.text.size(), kLaneEnd, 0, 0,
+                     static_cast<uint16_t>(st.code));
+  if (control_) control_->post(std::move(f));
+}
+
+Status ShmEndpoint::serve_rts(StreamChannel& ch, const FrameHeader& h, PayloadReader& payload) {
+  RtsSource src{};
+  if (h.length != sizeof(src) || !payload.read(&src, sizeof(src)))
+    return {ErrorCode::kProtocol, "SEND_RTS without its 16-byte source"};
+  uint64_t length = (uint64_t(h.aux) << 32) | h.imm;
+  auto claim = events_->matcher().claim(h.op_id, length);
+  if (claim.error.code == ErrorCode::kProtocol) return claim.error;
+  Status st = claim.error;
+  if (claim.dest) {
+    uint64_t n = std::min(length, claim.capacity);
+    Held held(leases_);
+    if (n && src.region != 0) st = held.enter(src.slot, src.region, "the sender's");
+    if (n && st.ok()) st = cma::move(pid_.load(), {{claim.dest, h.region, n}}, /*write=*/false);
+    if (n && st.ok()) st = held.still("the sender's");
+  }
+  st = events_->matcher().deliver(claim, st);
+  post_status(ch, FrameType::kSendAck, h.op_id, 0, st);
+  return Status::Ok();
+}
+
+void ShmEndpoint::fail(const Status& why, bool notify) {
+  if (failed_.exchange(true)) return;
+  if (control_) control_->shutdown();
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    stop_ = true;
+    jobs_.clear();
+    cv_.notify_all();
+  }
+  pending_.fail_all(why);
+  {
+    std::lock_guard<std::mutex> lk(track_mu_);
+    pulls_.clear();
+  }
+  if (notify) events_->on_failure(why);
+}
+
+}  // namespace sluice::detail::shm
