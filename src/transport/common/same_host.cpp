@@ -214,7 +214,7 @@ void Service::loop() {
     try {
       PeerCred cred = peer_cred(conn.fd());
       nlohmann::json req = recv(conn.fd(), Clock::now() + kRequestDeadline, &fd);
-      handler_(std::move(conn), cred, req, std::exchange(fd, -1));
+      handler_(conn, cred, req, std::exchange(fd, -1));
     } catch (const std::exception& e) {
       SLUICE_LOG(kDebug, "same-host socket " << name_ << ": dropped a request: " << e.what());
       if (conn.valid()) {

@@ -58,9 +58,10 @@ net::Socket connect(const std::string& name);
 // deadline and never a thread.
 class Service {
  public:
-  // The handler owns `sock` (it may keep it: the shm control channel is such a socket).
-  // `fd` is a descriptor that came with the request, or -1; the handler must close it.
-  using Handler = std::function<void(net::Socket sock, const PeerCred& cred, const nlohmann::json& req, int fd)>;
+  // The handler may take `sock` (the shm control channel is such a socket); if it throws and
+  // left the socket, the error goes back to the client. `fd` is a descriptor that came with
+  // the request, or -1; the handler must close it.
+  using Handler = std::function<void(net::Socket& sock, const PeerCred& cred, const nlohmann::json& req, int fd)>;
 
   Service() = default;
   ~Service() { stop(); }

@@ -81,7 +81,7 @@ class ShmEndpoint final : public TransportEndpoint, public StreamChannel::Handle
   // Called by the transport's socket service.
   bool active() const { return active_; }
   // Passive side: the peer proved itself on our socket; takes the socket as control channel.
-  void authenticate(net::Socket sock, const same_host::PeerCred& cred, int lease_fd);
+  void authenticate(net::Socket& sock, const same_host::PeerCred& cred, int lease_fd);
   // Answers the authenticated peer's question about one of our regions (*fd_out: its memfd).
   nlohmann::json describe_local(uint64_t id, const same_host::PeerCred& cred, int* fd_out) const;
 

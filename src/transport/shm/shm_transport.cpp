@@ -33,8 +33,8 @@ class ShmTransport final : public Transport, public Host {
  public:
   explicit ShmTransport(const EngineContext& ctx) : host_id_(ctx.host_id), engine_id_(ctx.engine_id), registry_(ctx.registry) {
     if (g_probe_word == 0) g_probe_word = std::random_device{}() | 1;
-    service_.start("sluice-shm-" + engine_id_, [this](net::Socket s, const same_host::PeerCred& c, const nlohmann::json& r,
-                                                      int fd) { serve(std::move(s), c, r, fd); });
+    service_.start("sluice-shm-" + engine_id_, [this](net::Socket& s, const same_host::PeerCred& c, const nlohmann::json& r,
+                                                      int fd) { serve(s, c, r, fd); });
   }
   ~ShmTransport() override { service_.stop(); }
 
@@ -113,7 +113,7 @@ class ShmTransport final : public Transport, public Host {
   }
 
   // One request on our socket, from the process the kernel named in `cred`.
-  void serve(net::Socket sock, const same_host::PeerCred& cred, const nlohmann::json& req, int fd) {
+  void serve(net::Socket& sock, const same_host::PeerCred& cred, const nlohmann::json& req, int fd) {
     struct Guard {
       int fd;
       ~Guard() {
@@ -137,7 +137,7 @@ class ShmTransport final : public Transport, public Host {
       if (find(token, /*passive=*/false)) throw Error(ErrorCode::kProtocol, "the connection loops back into this engine");
       auto ep = find(token, /*passive=*/true);
       if (!ep) throw Error(ErrorCode::kProtocol, "no endpoint is waiting for this token");
-      ep->authenticate(std::move(sock), cred, std::exchange(guard.fd, -1));
+      ep->authenticate(sock, cred, std::exchange(guard.fd, -1));
       return;
     }
     if (op == "describe") {

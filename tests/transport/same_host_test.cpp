@@ -1,0 +1,308 @@
+// The same-host shortcut against peers that lie about themselves (issue class: a peer made the
+// engine read and write its own unregistered memory by claiming shm with the victim's pid,
+// lease table and regions). shm must be chosen only after the kernel has named the peer process
+// on the engine's Unix socket, must take descriptors only as SCM_RIGHTS memfds, and must let a
+// peer touch nothing but registered regions, through the owner's own description of them.
+#include <gtest/gtest.h>
+#include <poll.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <thread>
+
+#include "bootstrap/messages.hpp"
+#include "bootstrap/socket.hpp"
+#include "core/engine_info.hpp"
+#include "core/lease_table.hpp"
+#include "loopback.hpp"
+#include "transport/common/frame.hpp"
+#include "transport/common/same_host.hpp"
+#include "transport/shm/shm_wire.hpp"
+
+using namespace sluice;
+using namespace sluice_test;
+using sluice::detail::FrameHeader;
+using sluice::detail::FrameType;
+using sluice::detail::make_frame;
+using nlohmann::json;
+namespace boot = sluice::bootstrap;
+namespace sh = sluice::detail::same_host;
+namespace shm = sluice::detail::shm;
+
+namespace {
+
+constexpr uint64_t kPage = 4096;
+
+struct Fd {
+  int fd = -1;
+  ~Fd() {
+    if (fd >= 0) ::close(fd);
+  }
+};
+
+class SameHost : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    EngineConfig c = engine_config("shm", 1, 10s);
+    c.transports = {"tcp", "shm"};
+    c.op_timeout = 1000ms;  // also how long unregister waits for a peer inside its lease
+    victim_ = std::make_unique<Engine>(c);
+    mem_.assign(3 * kPage, 0);
+    fill_pattern(mem_.data(), mem_.size(), 77);
+    snap_ = mem_;
+    hv_ = victim_->register_memory(mem_.data() + kPage, kPage, Location::host(), "victim");
+    secret_.assign(kPage, 0x5e);  // never registered
+    auto [host, port] = detail::split_host_port(victim_->listen_address());
+    host_ = host;
+    port_ = port;
+    info_ = json::parse(victim_->local_info());
+    socket_ = info_["transports"]["shm"]["socket"].get<std::string>();
+  }
+  void TearDown() override {
+    if (victim_) victim_->close();
+  }
+
+  net::Socket dial() {
+    net::Socket s = net::connect_tcp(host_, port_, 2s);
+    net::set_io_timeout(s.fd(), 5s);
+    return s;
+  }
+  void hello(uint64_t token, const json& info) {
+    net::Socket s = dial();
+    boot::send_msg(s.fd(), boot::MsgKind::kHello, {{"info", info}, {"token", token}, {"transport", "shm"}, {"channels", 1}});
+    boot::expect_reply(s.fd(), "hello");
+  }
+  ErrorCode attach(uint64_t token, std::string* why = nullptr) {
+    net::Socket s = dial();
+    boot::send_msg(s.fd(), boot::MsgKind::kChannel, {{"token", token}, {"index", 0}, {"transport", "shm"}});
+    return code_of([&] { boot::expect_reply(s.fd(), "channel"); }, why);
+  }
+  void expect_memory_intact() {
+    EXPECT_EQ(0, std::memcmp(mem_.data(), snap_.data(), mem_.size())) << "victim memory changed";
+    for (uint8_t b : secret_) ASSERT_EQ(b, 0x5e);
+  }
+
+  std::unique_ptr<Engine> victim_;
+  std::vector<uint8_t> mem_, snap_, secret_;
+  MemoryHandle hv_;
+  std::string host_;
+  uint16_t port_ = 0;
+  json info_;
+  std::string socket_;
+};
+
+// The original attack: a TCP peer says hello claiming shm with the victim's own pid, lease
+// table and regions (all published by INFO). It must never get a channel.
+TEST_F(SameHost, ShmHelloOverTcpWithTheVictimsOwnInfoIsRefused) {
+  hello(4242, info_);
+  std::string why;
+  EXPECT_EQ(attach(4242, &why), ErrorCode::kProtocol);
+  EXPECT_NE(why.find("proven"), std::string::npos) << why;
+  EXPECT_FALSE(victim_->accept(300ms).has_value()) << "an unproven shm peer got an endpoint";
+  // A hello without a same-host socket in its shm address is refused outright.
+  json no_socket = info_;
+  no_socket["transports"]["shm"] = {{"pid", static_cast<int>(::getpid())}, {"probe_addr", 1}, {"probe_value", 1}};
+  net::Socket s = dial();
+  boot::send_msg(s.fd(), boot::MsgKind::kHello, {{"info", no_socket}, {"token", 4243}, {"transport", "shm"}, {"channels", 1}});
+  EXPECT_EQ(code_of([&] { boot::expect_reply(s.fd(), "hello"); }), ErrorCode::kProtocol);
+  expect_memory_intact();
+}
+
+// Requests on the engine's Unix socket that do not come from a proven peer are refused, and
+// descriptors must be memfds: a readable regular file must never be taken as a lease table.
+TEST_F(SameHost, SocketRefusesStrangersAndNonMemfdDescriptors) {
+  auto ask = [&](const json& req, int pass = -1) {
+    net::Socket s = sh::connect(socket_);
+    sh::send(s.fd(), req, pass);
+    Fd got;
+    json r = sh::recv(s.fd(), sh::Clock::now() + 5s, &got.fd);
+    return r;
+  };
+  EXPECT_TRUE(ask({{"op", "describe"}, {"token", 1}, {"to_passive", true}, {"region", hv_.id}}).contains("error"));
+  EXPECT_TRUE(ask({{"op", "auth"}, {"token", 777}}).contains("error")) << "auth for no waiting endpoint";
+  EXPECT_TRUE(ask({{"op", "teleport"}}).contains("error"));
+  EXPECT_TRUE(ask({{"op", "auth"}, {"token", -1}}).contains("error"));
+  hello(5151, info_);
+  char path[] = "/tmp/sluice-not-a-memfd-XXXXXX";
+  Fd file{::mkstemp(path)};
+  ASSERT_GE(file.fd, 0);
+  ::unlink(path);
+  ASSERT_EQ(::ftruncate(file.fd, 1 << 20), 0);
+  json r = ask({{"op", "auth"}, {"token", 5151}}, file.fd);
+  EXPECT_TRUE(r.contains("error")) << "a regular file was accepted as a lease table: " << r.dump();
+  r = ask({{"op", "auth"}, {"token", 5151}});
+  EXPECT_TRUE(r.contains("error")) << "auth without a lease table was accepted";
+  EXPECT_EQ(attach(5151), ErrorCode::kProtocol);
+  expect_memory_intact();
+}
+
+// A proven same-host peer (this process, authenticated the way the engine does it) speaking
+// raw frames: it reaches registered regions only, by the owner's description; the owner
+// executes writes; a reader's copy counts only if the owner's lease still holds afterwards,
+// and unregister returns within the op timeout even while a peer sits inside the lease.
+TEST_F(SameHost, ProvenPeerReachesOnlyRegisteredRegions) {
+  hello(6161, info_);
+  Fd my_table{::memfd_create("test-leases", MFD_CLOEXEC)};
+  ASSERT_EQ(::ftruncate(my_table.fd, 16 * 16), 0);
+  net::Socket ctl = sh::connect(socket_);
+  sh::send(ctl.fd(), {{"op", "auth"}, {"token", 6161}}, my_table.fd);
+  Fd their_table;
+  json r = sh::recv(ctl.fd(), sh::Clock::now() + 5s, &their_table.fd);
+  ASSERT_FALSE(r.contains("error")) << r.dump();
+  ASSERT_TRUE(sh::is_memfd(their_table.fd, 16)) << "the victim's lease table did not come as a memfd";
+  ASSERT_EQ(attach(6161), ErrorCode::kOk);
+  auto acc = victim_->accept(2s);
+  ASSERT_TRUE(acc.has_value());
+
+  auto pull = [&](const std::vector<shm::PullPiece>& pieces) {
+    FrameHeader h = make_frame(FrameType::kPullWrite, 99, 0, 0, pieces.size() * sizeof(shm::PullPiece), 0);
+    EXPECT_TRUE(write_all(ctl.fd(), &h, sizeof(h)));
+    EXPECT_TRUE(write_all(ctl.fd(), pieces.data(), pieces.size() * sizeof(shm::PullPiece)));
+    FrameHeader a{};
+    EXPECT_TRUE(read_all(ctl.fd(), &a, sizeof(a), 5s));
+    std::string text(a.length, '\0');
+    if (a.length) EXPECT_TRUE(read_all(ctl.fd(), text.data(), a.length, 5s));
+    return std::make_pair(static_cast<FrameType>(a.type), static_cast<ErrorCode>(a.status));
+  };
+  std::vector<uint8_t> src(kPage, 0xab);
+  auto src_addr = reinterpret_cast<uint64_t>(src.data());
+  // Out of range, unknown region, a source region whose lease is not held: refused, untouched.
+  EXPECT_EQ(pull({{hv_.id, kPage - 8, 16, src_addr, 0, detail::kNoLease, 0}}),
+            std::make_pair(FrameType::kNack, ErrorCode::kOutOfRange));
+  EXPECT_EQ(pull({{hv_.id + 1000, 0, 16, src_addr, 0, detail::kNoLease, 0}}),
+            std::make_pair(FrameType::kNack, ErrorCode::kUnknownHandle));
+  EXPECT_EQ(pull({{hv_.id, 0, 16, src_addr, 5, 3, 0}}), std::make_pair(FrameType::kNack, ErrorCode::kUnknownHandle));
+  expect_memory_intact();
+  // In range: the owner copies it in.
+  EXPECT_EQ(pull({{hv_.id, 100, 64, src_addr, 0, detail::kNoLease, 0}}), std::make_pair(FrameType::kAck, ErrorCode::kOk));
+  std::memset(snap_.data() + kPage + 100, 0xab, 64);
+  expect_memory_intact();
+
+  // Describe: only for this endpoint's proven peer, only registered regions, by the owner.
+  auto describe = [&](uint64_t region) {
+    net::Socket s = sh::connect(socket_);
+    sh::send(s.fd(), {{"op", "describe"}, {"token", 6161}, {"to_passive", true}, {"region", region}});
+    Fd fd;
+    return sh::recv(s.fd(), sh::Clock::now() + 5s, &fd.fd);
+  };
+  EXPECT_TRUE(describe(hv_.id + 1000).contains("error"));
+  json d = describe(hv_.id);
+  ASSERT_FALSE(d.contains("error")) << d.dump();
+  EXPECT_EQ(d["addr"].get<uint64_t>(), reinterpret_cast<uint64_t>(mem_.data() + kPage));
+  EXPECT_EQ(d["length"].get<uint64_t>(), kPage);
+
+  // Sit inside the region's lease like a reader that was stopped mid-copy: unregister still
+  // returns within the op timeout, and the reader then sees its copy must be discarded.
+  detail::PeerLeases leases;
+  ASSERT_TRUE(leases.map_fd(their_table.fd));
+  uint32_t slot = static_cast<uint32_t>(d["slot"].get<uint64_t>());
+  ASSERT_TRUE(leases.enter(slot, hv_.id));
+  auto t0 = std::chrono::steady_clock::now();
+  victim_->unregister_memory(hv_);
+  auto took = std::chrono::steady_clock::now() - t0;
+  EXPECT_LT(took, 5s) << "unregister waited for a stalled peer past the bound";
+  EXPECT_FALSE(leases.still(slot, hv_.id)) << "a copy made across unregister would have been kept";
+  leases.leave(slot);
+  // The region is gone for writes too.
+  EXPECT_EQ(pull({{hv_.id, 0, 16, src_addr, 0, detail::kNoLease, 0}}),
+            std::make_pair(FrameType::kNack, ErrorCode::kUnknownHandle));
+  expect_memory_intact();
+
+  // A malformed PULL_WRITE (not a whole number of pieces) closes the channel.
+  FrameHeader bad = make_frame(FrameType::kPullWrite, 1, 0, 0, 47, 0);
+  ASSERT_TRUE(write_all(ctl.fd(), &bad, sizeof(bad)));
+  std::vector<uint8_t> junk(47, 1);
+  ASSERT_TRUE(write_all(ctl.fd(), junk.data(), junk.size()));
+  FrameHeader e{};
+  ASSERT_TRUE(read_all(ctl.fd(), &e, sizeof(e), 5s));
+  EXPECT_EQ(static_cast<FrameType>(e.type), FrameType::kError);
+}
+
+// The connecting side: a hostile listener answers INFO with a copy of our own info (our own
+// same-host socket and pid, its own port). shm must not be chosen: the socket is our own.
+TEST_F(SameHost, ListenerThatCopiedOurInfoDoesNotGetShm) {
+  net::Socket lsock = net::listen_tcp("127.0.0.1", 0);
+  uint16_t fake_port = net::local_port(lsock.fd());
+  json forged = info_;
+  forged["listen_port"] = fake_port;
+  forged["engine_id"] = "feedfacefeedface";
+  std::atomic<bool> stop{false};
+  std::vector<net::Socket> kept;
+  std::thread fake([&] {
+    while (!stop.load()) {
+      pollfd p{lsock.fd(), POLLIN, 0};
+      if (::poll(&p, 1, 50) <= 0) continue;
+      net::Socket c = net::accept_tcp(lsock.fd());
+      if (!c.valid()) continue;
+      net::set_io_timeout(c.fd(), 2s);
+      try {
+        auto [kind, body] = boot::recv_msg(c.fd());
+        if (kind == boot::MsgKind::kChannel) boot::send_msg(c.fd(), boot::MsgKind::kReply, json::object());
+        else boot::send_msg(c.fd(), boot::MsgKind::kReply, {{"info", forged}});
+      } catch (const Error&) {
+      }
+      kept.push_back(std::move(c));
+    }
+  });
+  std::string transport;
+  ErrorCode code = code_of([&] {
+    Endpoint ep = victim_->connect("127.0.0.1:" + std::to_string(fake_port));
+    transport = ep.transport();
+  });
+  stop = true;
+  fake.join();
+  EXPECT_EQ(code, ErrorCode::kOk);
+  EXPECT_EQ(transport, "tcp") << "a peer that named our own same-host socket must be reached over tcp";
+  expect_memory_intact();
+}
+
+// Two engines in one process that really are distinct engines still use shm, and it works.
+TEST_F(SameHost, HonestPeersStillUseShm) {
+  EngineConfig c = engine_config("shm", 2, 10s);
+  Engine other(c);
+  std::vector<uint8_t> buf(kPage);
+  fill_pattern(buf.data(), buf.size(), 3);
+  auto h = other.register_memory(buf.data(), buf.size());
+  Endpoint ep = other.connect(victim_->local_info());
+  ASSERT_EQ(ep.transport(), "shm");
+  auto rv = *ep.remote_region("victim");
+  ASSERT_TRUE(ep.write({{h, 0, rv, 0, kPage}}).wait().ok());
+  EXPECT_EQ(0, std::memcmp(mem_.data() + kPage, buf.data(), kPage));
+  std::vector<uint8_t> back(kPage);
+  auto hb = other.register_memory(back.data(), back.size());
+  ASSERT_TRUE(ep.read({{hb, 0, rv, 0, kPage}}).wait().ok());
+  EXPECT_EQ(back, buf);
+  ep.close();
+}
+
+}  // namespace
+
+namespace {
+
+// The lease mechanism itself: an owner withdrawing a region while a peer is inside waits at
+// most its timeout, and the peer can tell afterwards that its copy straddled the withdrawal.
+TEST(Leases, WithdrawalIsBoundedAndVisibleToAPeerInside) {
+  detail::LeaseTable owner(16);
+  ASSERT_TRUE(owner.ok());
+  uint32_t slot = owner.open(42);
+  detail::PeerLeases peer;
+  ASSERT_TRUE(peer.map_fd(owner.memfd()));
+  ASSERT_TRUE(peer.enter(slot, 42));
+  EXPECT_FALSE(peer.enter(slot, 43)) << "entered a slot under the wrong region id";
+  EXPECT_TRUE(peer.still(slot, 42));
+  auto t0 = std::chrono::steady_clock::now();
+  EXPECT_FALSE(owner.close(slot, 42, 100ms));
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 2s);
+  EXPECT_FALSE(peer.still(slot, 42));
+  peer.leave(slot);
+  EXPECT_FALSE(peer.enter(slot, 42)) << "entered a withdrawn region";
+  // A descriptor that is not a whole table is refused.
+  Fd odd{::memfd_create("odd", MFD_CLOEXEC)};
+  ASSERT_EQ(::ftruncate(odd.fd, 17), 0);
+  detail::PeerLeases bad;
+  EXPECT_FALSE(bad.map_fd(odd.fd));
+}
+
+}  // namespace
