@@ -190,7 +190,7 @@ TEST_P(LoopbackTest, UnregisterWaitsForInflightAndThenRejects) {
   a_->unregister_memory(h);
   // unregister returned: every op that used the region is finished.
   for (auto& f : fs) EXPECT_TRUE(f.test()) << "unregister_memory returned while an operation used the region";
-  for (auto& f : fs) EXPECT_TRUE(f.status().ok());
+  for (auto& f : fs) EXPECT_TRUE(f.status().ok()) << f.status().to_string();
   EXPECT_EQ(code_of([&] { ep_.write({{h, 0, *rh, 0, 8}}); }), ErrorCode::kUnknownHandle);
   EXPECT_EQ(code_of([&] { a_->unregister_memory(h); }), ErrorCode::kUnknownHandle);
 }

@@ -173,6 +173,7 @@ TEST_F(SameHost, ProvenPeerReachesOnlyRegisteredRegions) {
             std::make_pair(FrameType::kNack, ErrorCode::kOutOfRange));
   EXPECT_EQ(pull({{hv_.id + 1000, 0, 16, src_addr, 0, detail::kNoLease, 0}}),
             std::make_pair(FrameType::kNack, ErrorCode::kUnknownHandle));
+  // A source region whose slot in our (the requester's) lease table does not hold it.
   EXPECT_EQ(pull({{hv_.id, 0, 16, src_addr, 5, 3, 0}}), std::make_pair(FrameType::kNack, ErrorCode::kUnknownHandle));
   expect_memory_intact();
   // In range: the owner copies it in.

@@ -24,6 +24,8 @@ struct FdGuard {
   }
 };
 
+}  // namespace
+
 // Leases held on the peer's regions for one copy; left when this goes out of scope.
 class Held {
  public:
@@ -52,6 +54,8 @@ class Held {
   PeerLeases& leases_;
   std::vector<std::pair<uint32_t, uint64_t>> held_;
 };
+
+namespace {
 
 const RegionEntry* pin_of(const TransferOp& op, const uint8_t* p) {
   for (const auto& pin : op.pins) {
@@ -111,9 +115,10 @@ void ShmEndpoint::authenticate(net::Socket& sock, const same_host::PeerCred& cre
     if (lease_fd < 0 || !same_host::is_memfd(lease_fd, sizeof(LeaseSlot)) || !leases_.map_fd(lease_fd))
       throw Error(ErrorCode::kProtocol, "shm: no lease table (a memfd) came with the authentication");
   }
-  same_host::send(sock.fd(), {{"ok", true}, {"engine", host_.engine_id()}}, host_.lease_fd());
+  // Proven before the answer leaves: the peer attaches over the listener as soon as it has it.
   pid_ = cred.pid;
   authenticated_ = true;
+  same_host::send(sock.fd(), {{"ok", true}, {"engine", host_.engine_id()}}, host_.lease_fd());
   install(std::move(sock));
 }
 
@@ -361,7 +366,7 @@ Status ShmEndpoint::on_frame(StreamChannel& ch, const FrameHeader& h, PayloadRea
 
 Status ShmEndpoint::take_pull(const FrameHeader& h, PayloadReader& payload) {
   if (h.length % sizeof(PullPiece) != 0 || h.length == 0 || h.length / sizeof(PullPiece) > kMaxPullPieces)
-    return {ErrorCode::kProtocol, "PULL_WRITE of " + std::to_string(h.length) + " bytes (pieces of 48 bytes, at most " +
+    return {ErrorCode::kProtocol, "PULL_WRITE of " + std::to_string(h.length) + " bytes (pieces of " + std::to_string(sizeof(PullPiece)) + " bytes, at most " +
                                       std::to_string(kMaxPullPieces) + ")"};
   Job j;
   j.kind = Job::kServe;
@@ -528,8 +533,7 @@ void ShmEndpoint::serve_pull(const Job& job) {
                                          pin.get()->location.to_string() + " memory)"};
       break;
     }
-    if (p.src_region != 0)
-      if (st = held.enter(p.src_slot, p.src_region, "your source"); !st.ok()) break;
+    if (p.src_region != 0 && !(st = held.enter(p.src_slot, p.src_region, "your source")).ok()) break;
     spans.push_back({pin.get()->base + p.dst_offset, p.src_addr, p.length});
     pins.push_back(std::move(pin));
   }
@@ -577,7 +581,7 @@ Status ShmEndpoint::serve_rts(StreamChannel& ch, const FrameHeader& h, PayloadRe
   if (claim.dest) {
     uint64_t n = std::min(length, claim.capacity);
     Held held(leases_);
-    if (n && src.region != 0) st = held.enter(src.slot, src.region, "the sender's");
+    if (n) st = held.enter(src.slot, src.region, "the sender's");
     if (n && st.ok()) st = cma::move(pid_.load(), {{claim.dest, h.region, n}}, /*write=*/false);
     if (n && st.ok()) st = held.still("the sender's");
   }

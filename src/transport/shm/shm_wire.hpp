@@ -6,8 +6,11 @@
 namespace sluice::detail::shm {
 
 // One piece of a PULL_WRITE: the owner of `dst_region` copies `length` bytes from the
-// requester's address `src_addr` (inside the requester's region `src_region`, lease slot
-// `src_slot`, both 0 / ~0 when the bytes are not in a registered region) into its own region.
+// requester's address `src_addr` into its own region. The requester names its own memory (the
+// frame comes over the authenticated control channel, so this is the proven process speaking
+// about itself): `src_region` and `src_slot` are its region holding those bytes and that
+// region's slot in its lease table (0 and ~0: a staging buffer outside any region). The owner
+// copies inside that lease and keeps the bytes only if it still holds after the copy.
 // Writes into a region are always executed by the region's owner: a stalled peer can then
 // never land bytes in memory its owner already released.
 struct PullPiece {
@@ -22,8 +25,9 @@ struct PullPiece {
 static_assert(sizeof(PullPiece) == 48);
 constexpr uint64_t kMaxPullPieces = 4096;  // per frame (a lane is at most this many pieces)
 
-// Payload of SEND_RTS: where the message lives on the sender, so that the receiver can hold
-// the sender's lease while it copies (and discard the copy if the sender withdrew it).
+// Payload of SEND_RTS: the sender's region holding the message and its lease slot, so that the
+// receiver holds the sender's lease while it copies (and discards the copy if the sender
+// withdrew the region meanwhile).
 struct RtsSource {
   uint64_t region;
   uint32_t slot;
