@@ -1,7 +1,7 @@
 // libFuzzer target: the frame parser (src/transport/common/frame.hpp, stream_channel.*) and
 // the tcp transport's frame handlers, driven like a hostile peer drives them: the input is
 // the byte stream a peer sends on an attached tcp data channel of a passive endpoint whose
-// engine registered one 4 KiB region. Besides sanitizer reports, leaks and hangs, a finding
+// engine registered one 4 KiB region and has a read, a write, a send and a recv in flight. Besides sanitizer reports, leaks and hangs, a finding
 // is any change to the guard bytes placed around the region: a peer must never make the
 // engine write outside registered memory.
 #include <chrono>
@@ -16,6 +16,8 @@
 #include <vector>
 
 #include "bootstrap/messages.hpp"
+#include "core/batch_plan.hpp"
+#include "core/future_state.hpp"
 #include "core/message_matcher.hpp"
 #include "core/registry.hpp"
 #include "feed.hpp"
@@ -120,6 +122,47 @@ class Events final : public EndpointEvents {
   bool failed_ = false;
 };
 
+// Our own operations in flight before the peer's bytes arrive, so that its responses reach
+// the response handlers, not only the unknown-operation refusals. Their tokens are
+// deterministic (the first two slots of a fresh endpoint: 0x1'00000000 read, 0x1'00000001
+// write; the send is message 0) and make_corpus.py answers them. Every local byte they name
+// lies inside the registered region, so a response that overruns them hits the guards.
+constexpr uint64_t kReadAt = 0, kWriteAt = 256, kSendAt = 512, kRecvAt = 1024;
+constexpr uint64_t kOpBytes = 16, kRecvBytes = 32;
+
+void submit_own_ops(TransportEndpoint& ep, World& w, Events& events) {
+  uint8_t* region = w.memory.data() + kGuard;
+  for (OpKind kind : {OpKind::kRead, OpKind::kWrite}) {
+    auto op = std::make_shared<TransferOp>();
+    op->kind = kind;
+    Lane lane;
+    Piece p;
+    p.local = region + (kind == OpKind::kRead ? kReadAt : kWriteAt);
+    p.remote_id = 1;
+    p.length = kOpBytes;
+    lane.pieces.push_back(p);
+    lane.bytes = kOpBytes;
+    op->lanes.push_back(std::move(lane));
+    op->bytes = kOpBytes;
+    op->pins.push_back(w.registry.pin_whole(w.region_id));
+    op->future = std::make_shared<FutureState>(kind, 1);
+    ep.submit(std::move(op));
+  }
+  auto send = std::make_shared<MessageOp>();
+  send->ptr = region + kSendAt;
+  send->length = kOpBytes;
+  send->seq = 0;
+  send->pin = w.registry.pin_whole(w.region_id);
+  send->future = std::make_shared<FutureState>(OpKind::kSend);
+  ep.send(std::move(send));
+  auto recv = std::make_shared<MessageOp>();
+  recv->ptr = region + kRecvAt;
+  recv->length = kRecvBytes;
+  recv->pin = w.registry.pin_whole(w.region_id);
+  recv->future = std::make_shared<FutureState>(OpKind::kRecv);
+  events.matcher().post_recv(std::move(recv));
+}
+
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
@@ -147,6 +190,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     std::fprintf(stderr, "fuzz_frames: no bootstrap reply: %s\n", e.what());
     std::abort();
   }
+  submit_own_ops(*ep, w, events);
   peer.play(data, size);
   // The channel reports its end (EOF or a refused frame) through on_failure.
   if (!events.wait_failed(kDrainDeadline)) {

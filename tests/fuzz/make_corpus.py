@@ -94,6 +94,7 @@ WRITE, READ_REQ, READ_RESP, ACK, NACK, SEND, SEND_ACK, IMM, SEND_RTS, ERROR = ra
 LANE_END, IMM_PART = 1, 2
 REGION = 1      # the id fuzz_frames' registry gives its one region
 REGION_LEN = 4096
+OWN_READ, OWN_WRITE = 1 << 32, (1 << 32) | 1  # tokens of the harness's read and write
 
 
 def frame_check(hdr48, reserved):
@@ -152,6 +153,21 @@ def frame_seeds():
         "type_11": frame(11),
         "too_long": frame(WRITE, 1, REGION, 0, (1 << 31) + 1, LANE_END),
         "truncated_header": frame(WRITE, 1, REGION, 0, 16, LANE_END)[:30],
+        # answers to the harness's own operations (see submit_own_ops in fuzz_frames.cpp)
+        "own_read_resp": frame(READ_RESP, OWN_READ, 0, 0, 16, LANE_END, payload=p16),
+        "own_read_resp_long": frame(READ_RESP, OWN_READ, 0, 0, 64, LANE_END, payload=p16 * 4),
+        "own_read_resp_huge": frame(READ_RESP, OWN_READ, 0, 0, 1 << 31, LANE_END),
+        "own_read_resp_no_lane_end": frame(READ_RESP, OWN_READ, 0, 0, 16, payload=p16),
+        "own_read_nack": frame(NACK, OWN_READ, 0, 0, 3, LANE_END, status=3, payload=b"oor"),
+        "own_write_ack": frame(ACK, OWN_WRITE, flags=LANE_END),
+        "own_write_nack": frame(NACK, OWN_WRITE, 0, 0, 0, LANE_END, status=2),
+        "own_write_nack_partial": frame(NACK, OWN_WRITE, 0, 0, 2, 0, status=99, payload=b"no") +
+                                  frame(ACK, OWN_WRITE, flags=LANE_END),
+        "own_send_ack": frame(SEND_ACK, 0),
+        "own_send_ack_status": frame(SEND_ACK, 0, 0, 0, 4, status=5, payload=b"trnc"),
+        "own_all": frame(READ_RESP, OWN_READ, 0, 0, 16, LANE_END, payload=p16) + frame(ACK, OWN_WRITE, flags=LANE_END)
+                   + frame(SEND_ACK, 0) + frame(ACK, OWN_WRITE, flags=LANE_END),
+        "send_into_recv_truncated": frame(SEND, 0, 0, 0, 100, payload=bytes(100)),
         "mixed": frame(WRITE, 1, REGION, 0, 16, LANE_END, payload=p16) + frame(READ_REQ, 2, REGION, 0, 0, LANE_END, imm=8)
                  + frame(SEND, 0, 0, 0, 3, payload=b"xyz") + frame(WRITE, 3, REGION, 4095, 2, LANE_END, payload=b"zz"),
     }
