@@ -46,15 +46,15 @@ for t in $TARGETS; do
   work=$BUILD/corpus-$t
   art=$BUILD/artifacts/$t/
   mkdir -p "$work" "$art"
-  crashes=("$HERE"/crashes/"$t"/*)
-  if [ -e "${crashes[0]}" ]; then
-    if ! "$bin" -rss_limit_mb=2048 -timeout=10 "${crashes[@]}" >"$BUILD/$t.replay.log" 2>&1; then
-      grep -E "ERROR|SUMMARY|what\(\)|Running:|fuzz_frames:" "$BUILD/$t.replay.log" | tail -8
-      echo "$t: FAILED replaying tests/fuzz/crashes/$t (log: $BUILD/$t.replay.log)"
+  # Inputs that crashed once, each on its own (libFuzzer stops at the first crash of a list).
+  for c in "$HERE"/crashes/"$t"/*; do
+    [ -e "$c" ] || continue
+    if ! "$bin" -rss_limit_mb=2048 -timeout=10 "$c" >"$BUILD/$t.replay.log" 2>&1; then
+      why=$(grep -m1 -E "SUMMARY|what\(\)|fuzz_frames:" "$BUILD/$t.replay.log")
+      echo "$t: FAILED on tests/fuzz/crashes/$t/$(basename "$c"): ${why:-see $BUILD/$t.replay.log}"
       rc=1
-      continue
     fi
-  fi
+  done
   log=$BUILD/$t.log
   "$bin" -max_total_time="$SECS" -rss_limit_mb=2048 -timeout=10 -max_len=65536 -print_final_stats=1 \
     -artifact_prefix="$art" "$work" "$HERE/corpus/$t" >"$log" 2>&1
