@@ -13,6 +13,11 @@ if [ "${1:-}" = "--tests" ]; then
   [ -f /usr/include/gmock/gmock.h ] || want+=(libgmock-dev)
   [ -f /usr/include/infiniband/verbs.h ] || want+=(libibverbs-dev)
   [ -e /etc/libibverbs.d/rxe.driver ] || want+=(rdma-core ibverbs-providers)
+  # The fuzz targets (tests/fuzz): clang, and libFuzzer's runtime, which Debian ships in the
+  # compiler-rt package (libclang_rt.fuzzer-x86_64.a); clang only recommends it.
+  command -v clang++ >/dev/null || want+=(clang)
+  ls /usr/lib/llvm-*/lib/clang/*/lib/linux/libclang_rt.fuzzer-*.a >/dev/null 2>&1 ||
+    want+=("libclang-rt-$(clang++ --version 2>/dev/null | sed -n 's/.*version \([0-9]*\)\..*/\1/p' | head -1 | grep . || echo 14)-dev")
 fi
 [ ${#want[@]} -eq 0 ] && exit 0
 SUDO=; [ "$(id -u)" = 0 ] || SUDO=sudo

@@ -43,9 +43,18 @@ bench_checks() {  # every op over every host transport, every byte verified
   return $rc
 }
 
+fuzz_suite() {  # libFuzzer targets for the bootstrap and frame parsers, bounded time each
+  if ! command -v clang++ >/dev/null || ! ls /usr/lib/llvm-*/lib/clang/*/lib/linux/libclang_rt.fuzzer-*.a >/dev/null 2>&1; then
+    echo "fuzz: SKIPPED: clang or libFuzzer is not installed (scripts/install-deps.sh --tests installs clang and libclang-rt-14-dev)"
+    return 0
+  fi
+  tests/fuzz/run.sh "${SLUICE_FUZZ_SECONDS:-60}"
+}
+
 suite "C++ unit and integration tests (ctest)" build_and_ctest
 suite "sluice-bench end-to-end checks" bench_checks
 [ -x tests/sanitizers.sh ] && suite "sanitizers (ASan/UBSan, TSan)" tests/sanitizers.sh
+suite "fuzzing (libFuzzer: bootstrap and frame parsers)" fuzz_suite
 [ -x python/run_tests.sh ] && suite "Python package (pip install, pytest, examples)" python/run_tests.sh
 [ -x tests/rdma/run.sh ] && [ "${SLUICE_SKIP_RDMA:-0}" != 1 ] && suite "RDMA suite in a SoftRoCE guest" tests/rdma/run.sh
 

@@ -17,6 +17,9 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import math
+import numbers
+import operator
 import threading
 import weakref
 from typing import Any, Iterable, NamedTuple, Optional, Sequence, Union
@@ -76,12 +79,85 @@ class Allocation(NamedTuple):
     handle: MemoryHandle
 
 
+# ---------------------------------------------------------------- argument checks
+#
+# The binding's converters raise a bare TypeError for a negative, oversized or non-integer
+# argument (pybind11 finds no overload). Every public method checks its arguments here first,
+# so that a caller error raises the documented sluice error naming the argument.
+
+
+def _describe_value(value) -> str:
+    return f"{value!r} ({type(value).__name__})"
+
+
+def _uint(value, what: str, bits: int = 64) -> int:
+    """``value`` as an int in [0, 2**bits), else InvalidArgumentError naming ``what``.
+    Accepts anything with ``__index__`` (numpy integers, handles), not floats or strings."""
+    try:
+        v = operator.index(value)
+    except TypeError:
+        raise InvalidArgumentError(f"{what} must be an integer, got {_describe_value(value)}") from None
+    if v < 0 or v >> bits:
+        raise InvalidArgumentError(f"{what} must be in [0, 2**{bits}), got {v}")
+    return v
+
+
+def _opt_str(value, what: str) -> str:
+    if value is None:
+        return ""
+    if not isinstance(value, str):
+        raise InvalidArgumentError(f"{what} must be a str, got {_describe_value(value)}")
+    return value
+
+
+def _seconds(value, what: str, *, forever_ok: bool):
+    """A duration in seconds: a finite number >= 0. ``forever_ok`` marks a wait: ``None`` and
+    ``inf`` mean "no limit" (returned as None) and a negative value means "do not wait" (0),
+    as for ``threading.Event.wait``; otherwise ``None`` passes through as "not set"."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):  # numpy scalars are Real
+        raise InvalidArgumentError(f"{what} must be a number of seconds, got {_describe_value(value)}")
+    try:
+        value = float(value)
+    except OverflowError:
+        raise InvalidArgumentError(f"{what} must be at most {_MAX_SECONDS} s, got {value!r}") from None
+    if value != value:
+        raise InvalidArgumentError(f"{what} must be a number of seconds, got {value!r}")
+    if value < 0:
+        if forever_ok:
+            return 0.0
+        raise InvalidArgumentError(f"{what} must be a number of seconds >= 0, got {value!r}")
+    if math.isinf(value):
+        if forever_ok:
+            return None
+        raise InvalidArgumentError(f"{what} must be finite, got {value!r}")
+    # The binding converts to integer milliseconds; keep far below int64 overflow.
+    if value > _MAX_SECONDS:
+        raise InvalidArgumentError(f"{what} must be at most {_MAX_SECONDS} s, got {value!r}")
+    return float(value)
+
+
+_MAX_SECONDS = 10 ** 9  # about 31 years
+
+
 # ---------------------------------------------------------------- futures
 
 
 def _future_status(self):
     """``ErrorCode`` once complete (``ErrorCode.OK`` on success), ``None`` while pending."""
     return self.code
+
+
+_future_wait_raw = Future.wait
+
+
+def _future_wait(self, timeout: Optional[float] = None) -> bool:
+    """Block until complete (``True``; raises the operation's error if it failed), or until
+    ``timeout`` seconds passed (``False``). ``None`` or ``inf``: no limit."""
+    if timeout is None:  # the common case: one call, no checks
+        return _future_wait_raw(self)
+    return _future_wait_raw(self, _seconds(timeout, "wait: timeout", forever_ok=True))
 
 
 def _future_result(self, timeout: Optional[float] = None):
@@ -127,6 +203,7 @@ def _future_repr(self) -> str:
 
 
 Future.status = property(_future_status)
+Future.wait = _future_wait
 Future.result = _future_result
 Future.__await__ = _future_await
 Future.add_done_callback = _future_add_done_callback
@@ -162,16 +239,23 @@ def _as_batch(batch):
         names = dtype.names
         if len(names) != 5:
             raise InvalidArgumentError(f"a structured batch needs 5 fields, got {names}")
+        for n in names:  # a cast to uint64 would turn -1 into 2**64-1 and 1.5 into 1
+            _check_int_array(arr[n], f"batch field {n!r}")
         arr = np.stack([np.asarray(arr[n], dtype=np.uint64) for n in names], axis=-1)
     elif dtype != np.uint64:
-        if dtype.kind not in "iu":
-            raise InvalidArgumentError(f"a batch array must hold integers, got {dtype}")
-        if dtype.kind == "i" and arr.size and arr.min() < 0:
-            raise InvalidArgumentError("a batch array holds negative values")
+        _check_int_array(arr, "a batch array")
         arr = arr.astype(np.uint64)
     if arr.ndim == 1 and arr.shape[0] == 5:
         arr = arr.reshape(1, 5)
     return np.ascontiguousarray(arr)
+
+
+def _check_int_array(arr, what: str) -> None:
+    kind = arr.dtype.kind
+    if kind not in "iub":
+        raise InvalidArgumentError(f"{what} must hold integers, got {arr.dtype}")
+    if kind == "i" and arr.size and arr.min() < 0:
+        raise InvalidArgumentError(f"{what} holds a negative value ({int(arr.min())})")
 
 
 BATCH_DTYPE = [("local", "<u8"), ("local_offset", "<u8"), ("remote", "<u8"),
@@ -206,22 +290,30 @@ class Endpoint:
         return self._ep.write(_as_batch(batch))
 
     def write_with_imm(self, batch, imm: int) -> Future:
-        """Write; the peer then gets exactly one ``imm_recv`` completion carrying ``imm``."""
-        return self._ep.write_with_imm(_as_batch(batch), imm)
+        """Write; the peer then gets exactly one ``imm_recv`` completion carrying ``imm``
+        (an unsigned 32-bit integer)."""
+        return self._ep.write_with_imm(_as_batch(batch), _uint(imm, "write_with_imm: imm", 32))
 
     # two-sided
-    def _span(self, local, offset, length):
+    def _span(self, what, local, offset, length):
+        h = _uint(local, f"{what}: local handle")
+        offset = _uint(offset, f"{what}: offset")
         if length is None:
-            length = self._engine._length_of(local) - offset
-        return int(local), offset, length
+            size = self._engine._length_of(h)
+            if offset > size:
+                raise OutOfRangeError(f"{what}: offset {offset} is past the end of region {h} ({size} bytes)")
+            length = size - offset
+        else:
+            length = _uint(length, f"{what}: length")
+        return h, offset, length
 
     def send(self, local, offset: int = 0, length: Optional[int] = None) -> Future:
         """Send ``length`` bytes (default: to the end of the region) of region ``local``."""
-        return self._ep.send(*self._span(local, offset, length))
+        return self._ep.send(*self._span("send", local, offset, length))
 
     def recv(self, local, offset: int = 0, length: Optional[int] = None) -> Future:
         """Receive the next message into region ``local``; ``Future.bytes`` is its size."""
-        return self._ep.recv(*self._span(local, offset, length))
+        return self._ep.recv(*self._span("recv", local, offset, length))
 
     def imm_recv(self) -> Future:
         """Completes with the next imm the peer delivered (``Future.imm``)."""
@@ -237,13 +329,13 @@ class Endpoint:
         return self._ep.write(_as_batch(batch))
 
     def write_with_imm_async(self, batch, imm: int) -> Future:
-        return self._ep.write_with_imm(_as_batch(batch), imm)
+        return self._ep.write_with_imm(_as_batch(batch), _uint(imm, "write_with_imm: imm", 32))
 
     def send_async(self, local, offset: int = 0, length: Optional[int] = None) -> Future:
-        return self._ep.send(*self._span(local, offset, length))
+        return self._ep.send(*self._span("send", local, offset, length))
 
     def recv_async(self, local, offset: int = 0, length: Optional[int] = None) -> Future:
-        return self._ep.recv(*self._span(local, offset, length))
+        return self._ep.recv(*self._span("recv", local, offset, length))
 
     def imm_recv_async(self) -> Future:
         return self._ep.imm_recv()
@@ -253,6 +345,8 @@ class Endpoint:
         """The handle of the region the peer registered as ``name``. If the peer's table (as
         of connect or the last refresh) has no such name and ``refresh`` is true, the table is
         refreshed once. Raises :class:`UnknownHandleError` if the peer has none."""
+        if not isinstance(name, str):
+            raise InvalidArgumentError(f"remote_region: name must be a str, got {_describe_value(name)}")
         h = self._ep.remote_region(name)
         if h is None and refresh:
             self._ep.refresh_remote_regions()
@@ -345,11 +439,30 @@ class Engine:
         log_level: Optional[str] = None,
         rdma_devices: Optional[str] = None,
     ):
-        if isinstance(transports, str):
-            transports = [t.strip() for t in transports.split(",") if t.strip()]
         self._regions: dict = {}
         self._lock = threading.Lock()
         self._core = None
+        if isinstance(transports, str):
+            transports = [t.strip() for t in transports.split(",") if t.strip()]
+        elif transports is not None:
+            try:
+                transports = list(transports)
+            except TypeError:
+                raise InvalidArgumentError(
+                    f"transports must be a list of names or 'tcp,shm', got {_describe_value(transports)}") from None
+            for t in transports:
+                _opt_str(t, "transports: each name")
+        if channels is not None:
+            channels = _uint(channels, "channels", 31)
+        for what, text in (("listen", listen), ("host_id", host_id), ("log_level", log_level),
+                           ("rdma_devices", rdma_devices)):
+            _opt_str(text, what)
+        connect_timeout = _seconds(connect_timeout, "connect_timeout", forever_ok=False)
+        op_timeout = _seconds(op_timeout, "op_timeout", forever_ok=False)
+        for what, n in (("chunk_size", chunk_size), ("stripe_threshold", stripe_threshold),
+                        ("max_unexpected_bytes", max_unexpected_bytes)):
+            if n is not None:
+                _uint(n, what)
         self._core = _sluice.Engine(
             transports=list(transports) if transports else None, channels=channels, listen=listen,
             host_id=host_id, connect_timeout=connect_timeout, op_timeout=op_timeout,
@@ -368,10 +481,13 @@ class Engine:
         ``name`` lets peers find the region with ``Endpoint.remote_region(name)``.
         """
         core = self._need()
+        name = _opt_str(name, "register: name")
+        _opt_str(location, "register: location")
         pin = None
         keep = obj
         if isinstance(obj, tuple) and len(obj) == 2 and all(isinstance(v, int) for v in obj):
-            addr, length = obj
+            addr = _uint(obj[0], "register: the pointer of a (ptr, length) tuple")
+            length = _uint(obj[1], "register: the length of a (ptr, length) tuple")
             keep = None
             loc = location or "host"
         elif _is_torch_tensor(obj):
@@ -408,7 +524,7 @@ class Engine:
                 f"register: cannot register a {_describe(obj)}: pass a numpy array, a torch tensor, "
                 "a buffer-protocol or DLPack object, or a (ptr, length) tuple")
         try:
-            h = MemoryHandle(core.register_memory(addr, length, loc, name or ""))
+            h = MemoryHandle(core.register_memory(addr, length, loc, name))
         except BaseException:
             if pin is not None:
                 pin.release()
@@ -421,7 +537,7 @@ class Engine:
         """Stop exposing a region (or free an :meth:`allocate` one). Blocks until operations
         already using it finish; then the engine drops its reference to the object."""
         core = self._need()
-        h = int(handle)
+        h = _uint(handle, "unregister: handle")
         if core.is_allocation(h):
             core.free(h)
         else:
@@ -436,7 +552,11 @@ class Engine:
     def allocate(self, length: int, name: Optional[str] = None, location: Optional[str] = None) -> Allocation:
         """Allocate registered, shareable (memfd) host memory, zero filled.
         Returns ``Allocation(buffer, handle)``; release it with :meth:`unregister`."""
-        h, size, mapping = self._need().allocate(length, location or "host", name or "")
+        core = self._need()
+        length = _uint(length, "allocate: length")
+        name = _opt_str(name, "allocate: name")
+        location = _opt_str(location, "allocate: location") or "host"
+        h, size, mapping = core.allocate(length, location, name)
         try:
             import numpy as np
 
@@ -447,8 +567,8 @@ class Engine:
             self._regions[h] = _Region(mapping, None, size)
         return Allocation(buf, MemoryHandle(h))
 
-    def _length_of(self, handle) -> int:
-        r = self._regions.get(int(handle))
+    def _length_of(self, handle: int) -> int:
+        r = self._regions.get(handle)
         if r is None:
             raise UnknownHandleError(f"handle {int(handle)} is not registered with this engine")
         return r.length
@@ -471,12 +591,19 @@ class Engine:
     def connect(self, blob_or_addr: str, transport: Optional[str] = None,
                 timeout: Optional[float] = None) -> Endpoint:
         """Connect to a peer given its :meth:`local_info` blob or its "host:port"."""
-        return Endpoint(self._need().connect(blob_or_addr, transport or "", timeout), self)
+        core = self._need()
+        if not isinstance(blob_or_addr, str):
+            raise InvalidArgumentError(
+                f"connect: expected an info blob or 'host:port' str, got {_describe_value(blob_or_addr)}")
+        transport = _opt_str(transport, "connect: transport")
+        timeout = _seconds(timeout, "connect: timeout", forever_ok=False)
+        return Endpoint(core.connect(blob_or_addr, transport, timeout), self)
 
     def accept(self, timeout: Optional[float] = None) -> Optional[Endpoint]:
         """The next endpoint a peer opened to us; ``None`` if none arrives within ``timeout``
         seconds (``None`` = wait forever)."""
-        ep = self._need().accept(timeout)
+        core = self._need()
+        ep = core.accept(_seconds(timeout, "accept: timeout", forever_ok=True))
         return None if ep is None else Endpoint(ep, self)
 
     # ------------------------------------------------------------ lifetime
