@@ -115,11 +115,14 @@ void ShmEndpoint::authenticate(net::Socket& sock, const same_host::PeerCred& cre
     if (lease_fd < 0 || !same_host::is_memfd(lease_fd, sizeof(LeaseSlot)) || !leases_.map_fd(lease_fd))
       throw Error(ErrorCode::kProtocol, "shm: no lease table (a memfd) came with the authentication");
   }
-  // Proven before the answer leaves: the peer attaches over the listener as soon as it has it.
+  // Installed and proven before the answer leaves: the peer attaches over the listener as
+  // soon as it has the answer, and sends nothing on this socket before it (so the channel's
+  // reader cannot take the answer's bytes).
   pid_ = cred.pid;
-  authenticated_ = true;
-  same_host::send(sock.fd(), {{"ok", true}, {"engine", host_.engine_id()}}, host_.lease_fd());
+  const int fd = sock.fd();
   install(std::move(sock));
+  authenticated_ = true;
+  same_host::send(fd, {{"ok", true}, {"engine", host_.engine_id()}}, host_.lease_fd());
 }
 
 bool ShmEndpoint::attach(int index, net::Socket sock, const nlohmann::json&) {
@@ -197,6 +200,7 @@ bool ShmEndpoint::mapped_locked(uint64_t id) const {
 }
 
 void ShmEndpoint::install(net::Socket sock) {
+  std::lock_guard<std::mutex> lk(ctl_mu_);  // fail() and close() may run on other threads
   control_ = std::make_unique<StreamChannel>(std::move(sock), this, 0);
   control_->start();
   if (failed_.load()) control_->shutdown();
@@ -342,7 +346,12 @@ void ShmEndpoint::close(const Status& why) {
   std::lock_guard<std::mutex> lk(close_mu_);  // a second closer waits for the first
   if (closed_) return;
   closed_ = true;
-  if (control_) control_->join();
+  StreamChannel* ch;
+  {
+    std::lock_guard<std::mutex> clk(ctl_mu_);
+    ch = control_.get();
+  }
+  if (ch) ch->join();
   for (auto& t : workers_)
     if (t.joinable() && t.get_id() != std::this_thread::get_id()) t.join();
   host_.forget(token_);
@@ -592,7 +601,10 @@ Status ShmEndpoint::serve_rts(StreamChannel& ch, const FrameHeader& h, PayloadRe
 
 void ShmEndpoint::fail(const Status& why, bool notify) {
   if (failed_.exchange(true)) return;
-  if (control_) control_->shutdown();
+  {
+    std::lock_guard<std::mutex> lk(ctl_mu_);
+    if (control_) control_->shutdown();
+  }
   {
     std::lock_guard<std::mutex> lk(mu_);
     stop_ = true;

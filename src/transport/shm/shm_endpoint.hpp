@@ -123,6 +123,7 @@ class ShmEndpoint final : public TransportEndpoint, public StreamChannel::Handle
   const std::chrono::milliseconds timeout_;
   std::atomic<pid_t> pid_{0};  // set once the peer proved itself
   std::atomic<bool> authenticated_{false};
+  std::mutex ctl_mu_;  // guards control_ being installed (a service thread) against fail()/close()
   std::unique_ptr<StreamChannel> control_;
   PendingOps pending_;
   std::atomic<bool> failed_{false};
