@@ -205,7 +205,8 @@ class NvlinkEndpoint final : public TransportEndpoint, public StreamChannel::Han
 
   // Passive side: the process `cred` proved itself with this endpoint's token; its socket
   // becomes the control channel.
-  void authenticate(net::Socket sock, const same_host::PeerCred& cred, int lease_fd, const std::string& engine) {
+  // `sock` is taken only on success (else the service answers the refusal on it).
+  void authenticate(net::Socket& sock, const same_host::PeerCred& cred, int lease_fd, const std::string& engine) {
     FdGuard guard{lease_fd};
     if (active_ || authenticated_.load()) throw Error(ErrorCode::kProtocol, "nvlink: endpoint already authenticated");
     if (engine != peer_engine_)
@@ -216,9 +217,17 @@ class NvlinkEndpoint final : public TransportEndpoint, public StreamChannel::Han
       if (lease_fd < 0 || !same_host::is_memfd(lease_fd, sizeof(LeaseSlot)) || !leases_.map_fd(lease_fd))
         throw Error(ErrorCode::kProtocol, "nvlink: no lease table (a memfd) came with the authentication");
     }
-    same_host::send(sock.fd(), {{"ok", true}, {"engine", host_.engine_id()}}, host_.lease_fd());
+    // Proven, and the control channel running, before we answer: the peer opens the TCP
+    // channel as soon as it reads the answer, and attach() (after which the application may
+    // send) must find both. The peer sends nothing on the socket before it has the answer.
     proven(cred.pid);
+    const int fd = sock.fd();
     install(std::move(sock));
+    try {
+      same_host::send(fd, {{"ok", true}, {"engine", host_.engine_id()}}, host_.lease_fd());
+    } catch (const Error& e) {
+      fail(e.status(), false);
+    }
   }
 
   // Answers the authenticated peer's question about one of our regions (*fd_out: a descriptor
@@ -435,8 +444,12 @@ class NvlinkEndpoint final : public TransportEndpoint, public StreamChannel::Han
                                       {{"op", "describe"}, {"token", token_}, {"to_passive", active_}, {"region", id}},
                                       same_host::Clock::now() + timeout_, &fd);
     FdGuard guard{fd};
-    if (r.contains("error"))
-      throw Error(ErrorCode::kUnknownHandle, "peer region " + std::to_string(id) + ": " + r["error"].dump());
+    if (r.contains("error")) {
+      // The owner's reason, with its code where that is one a description can fail with.
+      auto c = static_cast<ErrorCode>(r.value("code", int(ErrorCode::kUnknownHandle)));
+      if (c != ErrorCode::kUnsupported && c != ErrorCode::kOutOfRange) c = ErrorCode::kUnknownHandle;
+      throw Error(c, "peer region " + std::to_string(id) + ": " + string_field(r, "error"));
+    }
     const std::string what = "region " + std::to_string(id);
     RemoteView rv;
     rv.addr = unsigned_field(r, "addr", what.c_str());
@@ -935,9 +948,23 @@ class NvlinkTransport final : public Transport, public NvlinkHost {
     return it == m.end() ? nullptr : it->second.lock();
   }
 
-  // One request on our socket, from the process the kernel named in `cred`.
+  // One request on our socket, from the process the kernel named in `cred`; a refusal is
+  // answered with its reason.
   void serve(net::Socket sock, const same_host::PeerCred& cred, const nlohmann::json& req, int fd) {
     FdGuard guard{fd};
+    try {
+      handle(sock, cred, req, guard);
+    } catch (const Error& e) {
+      SLUICE_LOG(kDebug, "nvlink: refused a same-host request: " << e.what());
+      if (!sock.valid()) return;
+      try {
+        same_host::send(sock.fd(), {{"error", e.what()}, {"code", static_cast<int>(e.code())}});
+      } catch (const Error&) {
+      }
+    }
+  }
+
+  void handle(net::Socket& sock, const same_host::PeerCred& cred, const nlohmann::json& req, FdGuard& guard) {
     std::string op = string_field(req, "op");
     if (op == "probe") {
       same_host::send(sock.fd(), {{"engine", engine_id_}});
@@ -953,7 +980,7 @@ class NvlinkTransport final : public Transport, public NvlinkHost {
       if (find(token, /*passive=*/false)) throw Error(ErrorCode::kProtocol, "the connection loops back into this engine");
       auto ep = find(token, /*passive=*/true);
       if (!ep) throw Error(ErrorCode::kProtocol, "no endpoint is waiting for this token");
-      ep->authenticate(std::move(sock), cred, std::exchange(guard.fd, -1), string_field(req, "engine"));
+      ep->authenticate(sock, cred, std::exchange(guard.fd, -1), string_field(req, "engine"));
       return;
     }
     if (op == "describe") {
@@ -964,14 +991,7 @@ class NvlinkTransport final : public Transport, public NvlinkHost {
       auto ep = find(token, to_passive->get<bool>());
       if (!ep) throw Error(ErrorCode::kProtocol, "no endpoint for this token");
       int xfd = -1;
-      nlohmann::json d;
-      try {
-        d = ep->describe_local(region->get<uint64_t>(), cred, &xfd);
-      } catch (const Error& e) {
-        if (e.code() == ErrorCode::kProtocol) throw;
-        same_host::send(sock.fd(), {{"error", e.what()}});
-        return;
-      }
+      nlohmann::json d = ep->describe_local(region->get<uint64_t>(), cred, &xfd);
       FdGuard xguard{xfd};
       same_host::send(sock.fd(), d, xfd);
       return;
