@@ -407,7 +407,8 @@ std::shared_ptr<Import> import_region(const nlohmann::json& desc, int fd, int de
     imp->handle = h;
   } else if (kind == "ipc") {
     cudaIpcMemHandle_t ih{};
-    if (!unhex(desc.at("handle").get<std::string>(), &ih, sizeof(ih)))
+    auto handle = desc.find("handle");
+    if (handle == desc.end() || !handle->is_string() || !unhex(handle->get<std::string>(), &ih, sizeof(ih)))
       throw Error(ErrorCode::kProtocol, "import: malformed cudaIpc handle");
     void* p = nullptr;
     check(cudaIpcOpenMemHandle(&p, ih, cudaIpcMemLazyEnablePeerAccess), "cudaIpcOpenMemHandle");
@@ -418,12 +419,9 @@ std::shared_ptr<Import> import_region(const nlohmann::json& desc, int fd, int de
     CUdeviceptr rb = 0;
     size_t rs = 0;
     if (!d.memGetAddressRange || d.memGetAddressRange(&rb, &rs, reinterpret_cast<CUdeviceptr>(p)) != CUDA_SUCCESS ||
-        reinterpret_cast<uint8_t*>(rb) != imp->base || rs < imp->size)
+        rb > reinterpret_cast<CUdeviceptr>(p) || rb + rs - reinterpret_cast<CUdeviceptr>(p) < imp->size)
       throw Error(ErrorCode::kProtocol, "import: the peer's cudaIpc allocation is " + std::to_string(rs) +
                                             " bytes, not the " + std::to_string(imp->size) + " it described");
-  } else if (kind == "none") {
-    throw Error(ErrorCode::kUnsupported, "the peer's cuda region cannot be shared with another process: " +
-                                             desc.value("why", std::string("unknown reason")));
   } else {
     throw Error(ErrorCode::kProtocol, "import: unknown export kind '" + kind + "'");
   }

@@ -446,7 +446,8 @@ class NvlinkEndpoint final : public TransportEndpoint, public StreamChannel::Han
     FdGuard guard{fd};
     if (r.contains("error")) {
       // The owner's reason, with its code where that is one a description can fail with.
-      auto c = static_cast<ErrorCode>(r.value("code", int(ErrorCode::kUnknownHandle)));
+      auto code = r.find("code");
+      auto c = code != r.end() && code->is_number_integer() ? static_cast<ErrorCode>(code->get<int>()) : ErrorCode::kUnknownHandle;
       if (c != ErrorCode::kUnsupported && c != ErrorCode::kOutOfRange) c = ErrorCode::kUnknownHandle;
       throw Error(c, "peer region " + std::to_string(id) + ": " + string_field(r, "error"));
     }
