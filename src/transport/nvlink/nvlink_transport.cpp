@@ -504,9 +504,11 @@ class NvlinkEndpoint final : public TransportEndpoint, public StreamChannel::Han
       if (dev != ex.end() && dev->is_number_integer()) {
         int owner = dev->get<int>();
         if (owner != device && owner >= 0 && owner < cu::device_count()) {
+          // Peer access is enabled from the current device: make it the one that copies.
           int can = 0;
           cudaDeviceCanAccessPeer(&can, device, owner);
-          if (can && cudaDeviceEnablePeerAccess(owner, 0) != cudaSuccess) cudaGetLastError();
+          if (can && (cudaSetDevice(device) != cudaSuccess || cudaDeviceEnablePeerAccess(owner, 0) != cudaSuccess))
+            cudaGetLastError();
         }
       }
       return reinterpret_cast<uint8_t*>(base + offset);
