@@ -201,6 +201,44 @@ TEST(Nvlink, PeerUnregisteredRegionIsRefused) {
   CK(cudaFree(victim));
 }
 
+// Writes into a peer's host memory that is not an engine (memfd) allocation are executed by
+// the owner (PULL_WRITE), from host and from cuda memory here; a withdrawn region is refused.
+TEST(Nvlink, HostWritesArePulledByTheOwner) {
+  NEED_GPUS(1);
+  Engine a(quiet()), b(quiet());
+  std::vector<uint8_t> plain(1 << 20, 0);
+  auto hp = b.register_memory(plain.data(), plain.size(), Location::host(), "plain");
+  auto ep = a.connect(b.local_info());
+  ASSERT_EQ(ep.transport(), "nvlink");
+  auto r = ep.remote_region("plain");
+  ASSERT_TRUE(r.has_value());
+  auto data = pattern(1 << 16, 5);
+  auto hh = a.register_memory(data.data(), data.size());
+  { auto st_ = ep.write({{hh, 0, *r, 100, data.size()}}).wait(); ASSERT_TRUE(st_.ok()) << st_.to_string(); }
+  EXPECT_EQ(std::memcmp(plain.data() + 100, data.data(), data.size()), 0);
+  auto src = a.allocate(1 << 16, Location::cuda(0));
+  auto cdata = pattern(1 << 16, 77);
+  CK(cudaMemcpy(src.ptr, cdata.data(), cdata.size(), cudaMemcpyHostToDevice));
+  { auto st_ = ep.write_with_imm({{src.handle, 0, *r, 1 << 19, cdata.size()}}, 9).wait(); ASSERT_TRUE(st_.ok()) << st_.to_string(); }
+  EXPECT_EQ(std::memcmp(plain.data() + (1 << 19), cdata.data(), cdata.size()), 0);
+  Status st;
+  try {
+    st = ep.write({{hh, 0, *r, (1 << 20) - 10, 100}}).wait();
+  } catch (const Error& e) {
+    st = e.status();
+  }
+  EXPECT_FALSE(st.ok()) << "a write past the end of the peer's region";
+  b.unregister_memory(hp);
+  std::vector<uint8_t> before = plain;
+  try {
+    st = ep.write({{hh, 0, *r, 0, 4096}}).wait();
+  } catch (const Error& e) {
+    st = e.status();
+  }
+  EXPECT_EQ(st.code, ErrorCode::kUnknownHandle) << st.to_string();
+  EXPECT_TRUE(plain == before) << "a write reached a region its owner had unregistered";
+}
+
 // A peer that only speaks TCP claims nvlink with this process's pid (or another's), the
 // engine's own lease table and regions, and the engine's own same-host socket, all copied from
 // the unauthenticated INFO reply. It must never get an endpoint: nvlink needs a proof on the
@@ -279,6 +317,8 @@ int child_main(int dev) {
   cudaDeviceSynchronize();
   e.register_memory(static_cast<uint8_t*>(p) + (1 << 20) + 256, 4 << 20, Location::cuda(dev), "tensor");
   e.allocate(4 << 20, Location::host(), "hostalloc");  // memfd: nvlink maps it for host pieces
+  static std::vector<uint8_t> plain(1 << 16);           // not a memfd: writes are pulled by us
+  e.register_memory(plain.data(), plain.size(), Location::host(), "plain");
   std::string info = e.local_info();
   std::printf("%s\n", info.c_str());
   std::fflush(stdout);
@@ -402,6 +442,19 @@ TEST(Nvlink, CrossProcessOffsetsImmAndStreams) {
   CK(cudaMemcpy(a2.data(), static_cast<uint8_t*>(src.ptr) + (6 << 20), a2.size(), cudaMemcpyDeviceToHost));
   EXPECT_TRUE(a1 == a2);
   { auto st_ = ep.read({{hh, 0, *tensor, 4096, 4096}}).wait(); ASSERT_TRUE(st_.ok()) << st_.to_string(); }
+  // The peer's plain host memory: written by the peer itself (PULL_WRITE), read with CMA.
+  auto plain = ep.remote_region("plain");
+  ASSERT_TRUE(plain);
+  std::fill(hbuf.begin(), hbuf.end(), 0x3c);
+  { auto st_ = ep.write({{hh, 0, *plain, 0, hbuf.size()}}).wait(); ASSERT_TRUE(st_.ok()) << st_.to_string(); }
+  std::fill(hback.begin(), hback.end(), 0);
+  { auto st_ = ep.read({{hb, 0, *plain, 0, hback.size()}}).wait(); ASSERT_TRUE(st_.ok()) << st_.to_string(); }
+  EXPECT_TRUE(hback == hbuf);
+  std::vector<uint8_t> want(4096);
+  CK(cudaMemcpy(want.data(), static_cast<uint8_t*>(src.ptr) + 5, want.size(), cudaMemcpyDeviceToHost));
+  { auto st_ = ep.write({{src.handle, 5, *plain, 0, 4096}}).wait(); ASSERT_TRUE(st_.ok()) << st_.to_string(); }
+  { auto st_ = ep.read({{hb, 0, *plain, 0, 4096}}).wait(); ASSERT_TRUE(st_.ok()) << st_.to_string(); }
+  EXPECT_EQ(std::memcmp(hback.data(), want.data(), want.size()), 0) << "cuda -> the peer's plain host memory";
   ep.close();
 }
 

@@ -10,8 +10,9 @@
 // by default: slower here). The pieces the core cut for stream transports are merged back
 // into one copy per contiguous range. CUDA events signal completion: small ops are polled on
 // the submitting thread, the rest by a poller thread. The peer's host memory is mapped
-// (memfd) or moved with process_vm_readv/writev to the proven pid; host <-> peer host with a
-// local cuda side stages through host memory. The authenticated socket is the control
+// (memfd) or read with process_vm_readv from the proven pid; writes into it that are not
+// through a mapping are PULL_WRITEs its owner executes (as in shm); a local cuda side stages
+// through host memory. The authenticated socket is the control
 // channel (imm values and send rendezvous); the listener's TCP channel only completes the
 // endpoint. Two engines of one process are peers too (the kernel then names this process):
 // the answering engine describes its regions by address and they are used directly.
@@ -27,6 +28,7 @@
 #include <deque>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <thread>
 #include <unordered_map>
 
@@ -40,6 +42,7 @@
 #include "transport/common/same_host.hpp"
 #include "transport/common/stream_channel.hpp"
 #include "transport/shm/cma.hpp"
+#include "transport/shm/shm_wire.hpp"
 #include "transport/transport.hpp"
 
 namespace sluice::detail {
@@ -85,8 +88,11 @@ struct LeaseHold {
   }
 };
 
+struct PullState;
+
 // One submitted op: the events of the streams its copies went on; when every event has
-// fired, each of its `lanes` non-empty lanes completes.
+// fired (and the owner answered every PULL_WRITE of it), each of its `lanes` non-empty lanes
+// completes.
 struct Inflight {
   std::shared_ptr<TransferOp> op;
   uint64_t token = 0;
@@ -95,7 +101,29 @@ struct Inflight {
   int device = 0;
   int lanes = 0;
   std::shared_ptr<LeaseHold> leases;  // released when the op's copies are done
+  std::shared_ptr<PullState> pull;    // the op's writes the owner executes, if any
 };
+
+// Writes into a peer's host memory that is not a mapped memfd are PULL_WRITEs, as in shm: the
+// owner copies the bytes out of this process into its own region (process_vm_readv), so no
+// late write of ours can land in memory the owner already reused. The op completes once its
+// own copies are done and every frame was answered, whichever comes last.
+struct PullState {
+  std::mutex mu;
+  int frames_left = 0;
+  bool own_done = false;
+  Status st;
+  std::optional<Inflight> parked;  // the op, once its own copies are done, until the last answer
+  std::vector<std::shared_ptr<std::vector<uint8_t>>> staged;  // host copies of cuda sources
+};
+
+const RegionEntry* pin_of(const TransferOp& op, const uint8_t* p) {
+  for (const auto& pin : op.pins) {
+    const RegionEntry* e = pin.get();
+    if (p >= e->base && p < e->base + e->length) return e;
+  }
+  return nullptr;
+}
 
 // A copy after merging the op's pieces.
 struct Seg {
@@ -284,7 +312,7 @@ class NvlinkEndpoint final : public TransportEndpoint, public StreamChannel::Han
       }
       f.events.clear();
       if (st.ok() && op->kind == OpKind::kRead) st = f.leases->still();
-      finish_all(f, st);
+      settle(f, st);
       return;
     }
     // Small ops: wait here a moment, so that the caller's Future is already complete (no
@@ -356,6 +384,9 @@ class NvlinkEndpoint final : public TransportEndpoint, public StreamChannel::Han
         events_->matcher().push_imm(h.imm);
         return Status::Ok();
       case FrameType::kSendRts: return serve_rts(ch, h);
+      case FrameType::kPullWrite: return serve_pull(ch, h, payload);
+      case FrameType::kAck:
+      case FrameType::kNack: return take_pull_ack(h, payload);
       case FrameType::kSendAck: return complete_send_ack(pending_, h, payload);
       case FrameType::kError: return peer_error(payload);
       default: return {ErrorCode::kProtocol, "unexpected frame type " + std::to_string(h.type) + " on nvlink control"};
@@ -599,6 +630,8 @@ class NvlinkEndpoint final : public TransportEndpoint, public StreamChannel::Han
       std::vector<bool> used(nstreams, false);
       auto stream_at = [&](int k) { return user ? user : stream(device, static_cast<size_t>(k)); };
       std::vector<cma::Span> spans;
+      std::vector<shm::PullPiece> pulls;
+      std::vector<std::shared_ptr<std::vector<uint8_t>>> staged;
       const pid_t pid = pid_.load();
       int next = 0;
       for (const Seg& g : merged) {
@@ -620,25 +653,36 @@ class NvlinkEndpoint final : public TransportEndpoint, public StreamChannel::Han
         }
         if (rv.host) {
           const uint64_t at = rv.addr + g.remote_offset;  // the owner's address, as it described it
-          if (!local_cuda || local_device(op, g.local) < 0) {
+          const bool here_cuda = local_cuda && local_device(op, g.local) >= 0;
+          if (write) {
+            shm::PullPiece pp{g.remote_id, g.remote_offset, g.length, reinterpret_cast<uint64_t>(g.local), 0, kNoLease, 0};
+            if (here_cuda) {
+              // The owner pulls a host copy of our cuda bytes, kept until it answered.
+              cudaStream_t s = stream_at(0);
+              auto tmp = std::make_shared<std::vector<uint8_t>>(g.length);
+              cu::check(cudaStreamSynchronize(s), "cudaStreamSynchronize");
+              cu::check(cudaMemcpy(tmp->data(), g.local, g.length, cudaMemcpyDefault), "cudaMemcpy");
+              pp.src_addr = reinterpret_cast<uint64_t>(tmp->data());
+              staged.push_back(std::move(tmp));
+            } else if (const RegionEntry* e = pin_of(op, g.local)) {
+              pp.src_region = e->id;  // the owner holds our lease on it while it copies
+              pp.src_slot = e->lease_slot;
+            }
+            pulls.push_back(pp);
+            continue;
+          }
+          if (!here_cuda) {
             spans.push_back({g.local, at, g.length});
             continue;
           }
           // Local GPU, remote host: stage through host memory.
           cudaStream_t s = stream_at(0);
           std::vector<uint8_t> tmp(g.length);
-          if (write) {
-            cu::check(cudaStreamSynchronize(s), "cudaStreamSynchronize");
-            cu::check(cudaMemcpy(tmp.data(), g.local, g.length, cudaMemcpyDefault), "cudaMemcpy");
-            Status st = cma::move(pid, {{tmp.data(), at, g.length}}, true);
-            if (!st.ok()) return st;
-          } else {
-            Status st = cma::move(pid, {{tmp.data(), at, g.length}}, false);
-            if (!st.ok()) return st;
-            if (st = f->leases->still(); !st.ok()) return st;
-            cu::check(cudaMemcpyAsync(g.local, tmp.data(), g.length, cudaMemcpyDefault, s), "cudaMemcpyAsync");
-            cu::check(cudaStreamSynchronize(s), "cudaStreamSynchronize");
-          }
+          Status st = cma::move(pid, {{tmp.data(), at, g.length}}, false);
+          if (!st.ok()) return st;
+          if (st = f->leases->still(); !st.ok()) return st;
+          cu::check(cudaMemcpyAsync(g.local, tmp.data(), g.length, cudaMemcpyDefault, s), "cudaMemcpyAsync");
+          cu::check(cudaStreamSynchronize(s), "cudaStreamSynchronize");
           continue;
         }
         uint8_t* remote = rv.ptr + g.remote_offset;
@@ -657,8 +701,8 @@ class NvlinkEndpoint final : public TransportEndpoint, public StreamChannel::Han
             cu::check(cudaMemcpyAsync(dst + off, src + off, n, cudaMemcpyDefault, s), "cudaMemcpyAsync");
         }
       }
-      if (!spans.empty()) {
-        Status st = cma::move(pid, spans, write);
+      if (!spans.empty()) {  // reads only: writes into such memory are pulled by its owner
+        Status st = cma::move(pid, spans, /*write=*/false);
         if (!st.ok()) return st;
       }
       for (int k = 0; k < nstreams; ++k) {
@@ -667,10 +711,123 @@ class NvlinkEndpoint final : public TransportEndpoint, public StreamChannel::Han
         f->events.push_back(e);
         cu::check(cudaEventRecord(e, stream_at(k)), "cudaEventRecord");
       }
+      if (!pulls.empty()) post_pulls(f, pulls, std::move(staged));
       return Status::Ok();
     } catch (const Error& e) {
       return e.status();
     }
+  }
+
+  // Last step of enqueue: the owner is asked to pull `pulls` (at most kMaxPullPieces a frame).
+  void post_pulls(Inflight* f, const std::vector<shm::PullPiece>& pulls,
+                  std::vector<std::shared_ptr<std::vector<uint8_t>>> staged) {
+    auto p = std::make_shared<PullState>();
+    p->staged = std::move(staged);
+    p->frames_left = static_cast<int>((pulls.size() + shm::kMaxPullPieces - 1) / shm::kMaxPullPieces);
+    f->pull = p;
+    {
+      std::lock_guard<std::mutex> lk(pull_mu_);
+      pulls_[f->token] = p;
+    }
+    for (size_t first = 0; first < pulls.size(); first += shm::kMaxPullPieces) {
+      auto buf = std::make_shared<std::vector<shm::PullPiece>>(
+          pulls.begin() + first, pulls.begin() + std::min(pulls.size(), first + shm::kMaxPullPieces));
+      OutFrame fr;
+      fr.hdr = make_frame(FrameType::kPullWrite, f->token, 0, 0, buf->size() * sizeof(shm::PullPiece));
+      fr.data = reinterpret_cast<const uint8_t*>(buf->data());
+      fr.keep = buf;
+      control_->post(std::move(fr));
+    }
+  }
+
+  // This side's copies of the op are done with `st`: complete it, unless the owner has yet to
+  // answer PULL_WRITEs of it (then the last answer completes it).
+  void settle(Inflight& f, Status st) {
+    if (auto p = f.pull) {
+      {
+        std::lock_guard<std::mutex> lk(p->mu);
+        p->own_done = true;
+        if (p->st.ok() && !st.ok()) p->st = st;
+        if (p->frames_left > 0) {
+          f.pull.reset();  // no cycle through the parked op
+          p->parked.emplace(std::move(f));
+          return;
+        }
+        st = p->st;
+      }
+      std::lock_guard<std::mutex> lk(pull_mu_);
+      pulls_.erase(f.token);
+    }
+    finish_all(f, st);
+  }
+
+  // The owner answered a PULL_WRITE frame.
+  Status take_pull_ack(const FrameHeader& h, PayloadReader& payload) {
+    Status st = frame_status(h, payload);
+    if (h.type == static_cast<uint8_t>(FrameType::kNack) && st.ok()) st = {ErrorCode::kRemoteError, "peer refused the write"};
+    std::shared_ptr<PullState> p;
+    {
+      std::lock_guard<std::mutex> lk(pull_mu_);
+      auto it = pulls_.find(h.op_id);
+      if (it != pulls_.end()) p = it->second;
+    }
+    if (!p) return {ErrorCode::kProtocol, "ack for an unknown operation"};
+    std::optional<Inflight> done;
+    {
+      std::lock_guard<std::mutex> lk(p->mu);
+      if (p->frames_left <= 0) return {ErrorCode::kProtocol, "more acks than PULL_WRITE frames"};
+      if (p->st.ok() && !st.ok()) p->st = st;
+      if (--p->frames_left > 0 || !p->own_done) return Status::Ok();
+      done = std::move(p->parked);
+      p->parked.reset();
+      st = p->st;
+    }
+    {
+      std::lock_guard<std::mutex> lk(pull_mu_);
+      pulls_.erase(h.op_id);
+    }
+    if (done) finish_all(*done, st);
+    return Status::Ok();
+  }
+
+  // The peer asks us to copy bytes of its process into our region(s): each must be a host
+  // region of ours, the bytes are read from the proven peer process, and its source region
+  // (if it named one) is held under its lease for the copy.
+  Status serve_pull(StreamChannel& ch, const FrameHeader& h, PayloadReader& payload) {
+    if (h.length % sizeof(shm::PullPiece) != 0 || h.length == 0 || h.length / sizeof(shm::PullPiece) > shm::kMaxPullPieces)
+      return {ErrorCode::kProtocol, "PULL_WRITE of " + std::to_string(h.length) + " bytes (pieces of 48 bytes, at most " +
+                                        std::to_string(shm::kMaxPullPieces) + ")"};
+    std::vector<shm::PullPiece> pieces(h.length / sizeof(shm::PullPiece));
+    if (!payload.read(pieces.data(), h.length)) return {ErrorCode::kPeerLost, "connection lost mid-frame"};
+    Status st;
+    std::vector<RegionPin> pins;
+    std::vector<cma::Span> spans;
+    LeaseHold held;
+    held.leases = &leases_;
+    for (const shm::PullPiece& p : pieces) {
+      RegionPin pin = events_->registry().pin(p.dst_region, p.dst_offset, p.length, &st, "target");
+      if (!pin) break;
+      if (!pin.get()->location.is_host()) {
+        st = {ErrorCode::kUnsupported, "region " + std::to_string(p.dst_region) + " is " +
+                                           pin.get()->location.to_string() + " memory, not written by PULL_WRITE"};
+        break;
+      }
+      if (p.src_region != 0 && std::find(held.ids.begin(), held.ids.end(), p.src_region) == held.ids.end()) {
+        if (p.src_slot == kNoLease || !leases_.enter(p.src_slot, p.src_region)) {
+          st = {ErrorCode::kUnknownHandle, "your source region " + std::to_string(p.src_region) + " is no longer registered"};
+          break;
+        }
+        held.slots.push_back(p.src_slot);
+        held.ids.push_back(p.src_region);
+      }
+      spans.push_back({pin.get()->base + p.dst_offset, p.src_addr, p.length});
+      pins.push_back(std::move(pin));
+    }
+    if (st.ok()) st = cma::move(pid_.load(), spans, /*write=*/false);
+    if (st.ok()) st = held.still();
+    pins.clear();
+    post_status(ch, st.ok() ? FrameType::kAck : FrameType::kNack, h.op_id, 0, st);
+    return Status::Ok();
   }
 
   // cudaSuccess when every event fired, cudaErrorNotReady, or the first error.
@@ -691,7 +848,7 @@ class NvlinkEndpoint final : public TransportEndpoint, public StreamChannel::Han
     for (auto ev : f.events) give_event(f.device, ev);
     f.events.clear();
     if (st.ok() && f.op->kind == OpKind::kRead) st = f.leases->still();
-    finish_all(f, st);
+    settle(f, st);
   }
 
   void finish_all(Inflight& f, const Status& st) {
@@ -825,6 +982,11 @@ class NvlinkEndpoint final : public TransportEndpoint, public StreamChannel::Han
       inflight_.clear();
     }
     pending_.fail_all(why);
+    {
+      // Ops waiting for the owner's answers: failed above; their leases and copies go now.
+      std::lock_guard<std::mutex> lk(pull_mu_);
+      pulls_.clear();
+    }
     if (notify) events_->on_failure(why);
   }
 
@@ -864,6 +1026,9 @@ class NvlinkEndpoint final : public TransportEndpoint, public StreamChannel::Han
   std::mutex map_mu_;
   std::unordered_map<uint64_t, RemoteView> views_;   // peer region id -> its owner's description
   std::unordered_map<uint64_t, ImportRec> imports_;  // peer allocation base -> its mapping here
+
+  std::mutex pull_mu_;
+  std::unordered_map<uint64_t, std::shared_ptr<PullState>> pulls_;  // op token -> its PULL_WRITEs
 
   std::mutex close_mu_;
   bool closed_ = false;
