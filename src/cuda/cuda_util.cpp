@@ -1,6 +1,6 @@
 #include "cuda/cuda_util.hpp"
 
-#include <sys/syscall.h>
+#include <fcntl.h>
 #include <unistd.h>
 
 #include <cstring>
@@ -8,13 +8,6 @@
 #include <mutex>
 
 #include "core/log.hpp"
-
-#ifndef SYS_pidfd_open
-#define SYS_pidfd_open 434
-#endif
-#ifndef SYS_pidfd_getfd
-#define SYS_pidfd_getfd 438
-#endif
 
 namespace sluice::detail::cuda {
 namespace {
@@ -274,7 +267,8 @@ int pointer_device(const void* ptr) {
   return a.device;
 }
 
-nlohmann::json export_region(const void* ptr, uint64_t length) {
+nlohmann::json export_region(const void* ptr, uint64_t length, int* fd_out) {
+  *fd_out = -1;
   const Driver& d = driver();
   int dev = pointer_device(ptr);
   if (dev < 0) throw Error(ErrorCode::kInvalidArgument, "export: not device memory");
@@ -308,8 +302,6 @@ nlohmann::json export_region(const void* ptr, uint64_t length) {
         int fd = -1;
         if (d.memExportToShareableHandle(&fd, h, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0) == CUDA_SUCCESS) {
           desc["kind"] = "fd";
-          desc["fd"] = fd;
-          desc["pid"] = static_cast<int>(::getpid());
           g_export_fds[base] = fd;
           done = true;
         }
@@ -332,6 +324,13 @@ nlohmann::json export_region(const void* ptr, uint64_t length) {
   }
   nlohmann::json out = it->second;
   out["offset"] = offset;
+  if (out["kind"] == "fd") {
+    // Duplicated under g_mu: release() closes the export only under it, so this is the
+    // allocation's descriptor and not a reused number.
+    auto f = g_export_fds.find(base);
+    if (f == g_export_fds.end() || (*fd_out = ::fcntl(f->second, F_DUPFD_CLOEXEC, 0)) < 0)
+      throw Error(ErrorCode::kSystem, std::string("cannot duplicate the export of cuda memory at ") + std::to_string(base));
+  }
   return out;
 }
 
@@ -348,10 +347,15 @@ Import::~Import() {
   }
 }
 
-std::shared_ptr<Import> import_region(int pid, const nlohmann::json& desc, int device) {
+std::shared_ptr<Import> import_region(const nlohmann::json& desc, int fd, int device) {
   auto imp = std::make_shared<Import>();
-  const std::string kind = desc.at("kind").get<std::string>();
-  imp->size = desc.at("base_size").get<uint64_t>();
+  auto kind_it = desc.find("kind");
+  auto size_it = desc.find("base_size");
+  if (kind_it == desc.end() || !kind_it->is_string() || size_it == desc.end() || !size_it->is_number_unsigned() ||
+      size_it->get<uint64_t>() == 0)
+    throw Error(ErrorCode::kProtocol, "import: the description needs a string 'kind' and a positive 'base_size'");
+  const std::string kind = kind_it->get<std::string>();
+  imp->size = size_it->get<uint64_t>();
   int prev = 0;
   cudaGetDevice(&prev);
   check(cudaSetDevice(device), "cudaSetDevice");
@@ -362,20 +366,13 @@ std::shared_ptr<Import> import_region(int pid, const nlohmann::json& desc, int d
   if (kind == "fd") {
     const Driver& d = driver();
     if (!d.vmm) throw Error(ErrorCode::kUnsupported, "import: the driver lacks cuMem* entry points");
-    int owner_pid = desc.value("pid", pid);
-    int pfd = static_cast<int>(::syscall(SYS_pidfd_open, owner_pid, 0));
-    if (pfd < 0)
-      throw Error(ErrorCode::kPeerLost, "pidfd_open(" + std::to_string(owner_pid) + "): " + std::strerror(errno));
-    int fd = static_cast<int>(::syscall(SYS_pidfd_getfd, pfd, desc.at("fd").get<int>(), 0));
-    int err = errno;
-    ::close(pfd);
-    if (fd < 0)
-      throw Error(ErrorCode::kUnsupported, std::string("pidfd_getfd (needs ptrace access to the peer): ") + std::strerror(err));
+    if (fd < 0) throw Error(ErrorCode::kProtocol, "import: the peer passed no descriptor for its cuMem allocation");
     CUmemGenericAllocationHandle h = 0;
     CUresult r = d.memImportFromShareableHandle(&h, reinterpret_cast<void*>(static_cast<uintptr_t>(fd)),
                                                 CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
-    ::close(fd);
-    check_cu(r, "cuMemImportFromShareableHandle");
+    if (r != CUDA_SUCCESS)
+      throw Error(ErrorCode::kProtocol, "import: the descriptor the peer passed is not a cuMem allocation (CUresult " +
+                                            std::to_string(int(r)) + ")");
     CUmemAllocationProp prop{};
     prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
     prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
@@ -388,11 +385,14 @@ std::shared_ptr<Import> import_region(int pid, const nlohmann::json& desc, int d
       d.memRelease(h);
       check_cu(r, "cuMemAddressReserve");
     }
+    // The driver refuses to map more than the allocation holds: a base_size that overstates
+    // it fails here instead of letting offsets run past the mapping.
     r = d.memMap(ptr, imp->size, 0, h, 0);
     if (r != CUDA_SUCCESS) {
       d.memAddressFree(ptr, imp->size);
       d.memRelease(h);
-      check_cu(r, "cuMemMap");
+      throw Error(ErrorCode::kProtocol, "import: cannot map " + std::to_string(imp->size) +
+                                            " bytes of the peer's cuMem allocation (CUresult " + std::to_string(int(r)) + ")");
     }
     try {
       set_access(ptr, imp->size, device);
@@ -407,14 +407,21 @@ std::shared_ptr<Import> import_region(int pid, const nlohmann::json& desc, int d
     imp->handle = h;
   } else if (kind == "ipc") {
     cudaIpcMemHandle_t ih{};
-    if (!unhex(desc.at("handle").get<std::string>(), &ih, sizeof(ih)))
+    auto handle = desc.find("handle");
+    if (handle == desc.end() || !handle->is_string() || !unhex(handle->get<std::string>(), &ih, sizeof(ih)))
       throw Error(ErrorCode::kProtocol, "import: malformed cudaIpc handle");
     void* p = nullptr;
     check(cudaIpcOpenMemHandle(&p, ih, cudaIpcMemLazyEnablePeerAccess), "cudaIpcOpenMemHandle");
     imp->base = static_cast<uint8_t*>(p);
-  } else if (kind == "none") {
-    throw Error(ErrorCode::kUnsupported, "the peer's cuda region cannot be shared with another process: " +
-                                             desc.value("why", std::string("unknown reason")));
+    // The handle maps the whole allocation; its real size bounds every offset we use, however
+    // large the peer said it was.
+    const Driver& d = driver();
+    CUdeviceptr rb = 0;
+    size_t rs = 0;
+    if (!d.memGetAddressRange || d.memGetAddressRange(&rb, &rs, reinterpret_cast<CUdeviceptr>(p)) != CUDA_SUCCESS ||
+        rb > reinterpret_cast<CUdeviceptr>(p) || rb + rs - reinterpret_cast<CUdeviceptr>(p) < imp->size)
+      throw Error(ErrorCode::kProtocol, "import: the peer's cudaIpc allocation is " + std::to_string(rs) +
+                                            " bytes, not the " + std::to_string(imp->size) + " it described");
   } else {
     throw Error(ErrorCode::kProtocol, "import: unknown export kind '" + kind + "'");
   }

@@ -64,21 +64,25 @@ void release_ptr(void* ptr);
 int pointer_device(const void* ptr);
 
 // How a same-host peer can map the allocation that holds [ptr, ptr+length):
-// {"kind": "fd"|"ipc", "fd": n, "handle": hex, "base_size": n, "offset": n, "device": n}.
-// Cached per allocation base. Throws Error when the memory cannot be shared.
-nlohmann::json export_region(const void* ptr, uint64_t length);
+// {"kind": "fd"|"ipc", "handle": hex (ipc), "base": n, "base_size": n, "offset": n, "device": n}.
+// For "fd", *fd_out is a fresh duplicate of the allocation's POSIX-fd export (the caller passes
+// it over a Unix socket with SCM_RIGHTS and closes it); descriptor numbers never travel in a
+// message. Cached per allocation base. Throws Error when the memory cannot be shared.
+nlohmann::json export_region(const void* ptr, uint64_t length, int* fd_out);
 
 // A peer's allocation mapped into this process.
 struct Import {
   uint8_t* base = nullptr;  // mapped base of the peer's allocation
-  uint64_t size = 0;
+  uint64_t size = 0;        // bytes mapped: never more than the allocation really has
   bool vmm = false;
   CUmemGenericAllocationHandle handle = 0;
   ~Import();
 };
-// Maps what export_region() described in process `pid`. `device` is the local device that
-// will drive copies. Throws Error.
-std::shared_ptr<Import> import_region(int pid, const nlohmann::json& desc, int device);
+// Maps what a peer's export_region() described: kind "fd" from `fd`, the descriptor the peer
+// passed us (not taken over: the caller closes it), kind "ipc" from the handle. `device` is the
+// local device that will drive copies. Throws Error (kProtocol when the description does not
+// match what the driver maps, e.g. a base_size larger than the allocation).
+std::shared_ptr<Import> import_region(const nlohmann::json& desc, int fd, int device);
 
 std::string hex(const void* data, size_t n);
 bool unhex(const std::string& text, void* out, size_t n);

@@ -2,17 +2,23 @@
 // processes), stream ordering and the AllGather. Skip cleanly without a GPU.
 #include <gtest/gtest.h>
 #include <signal.h>
+#include <sys/mman.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cstring>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "bootstrap/messages.hpp"
+#include "bootstrap/socket.hpp"
+#include "core/engine_info.hpp"
 #include "sluice/allgather.hpp"
 #include "sluice/cuda.hpp"
 #include "sluice/sluice.hpp"
+#include "transport/common/same_host.hpp"
 
 #ifdef SLUICE_TEST_CUDA
 #include <cuda_runtime_api.h>
@@ -60,6 +66,53 @@ TEST(CudaNoDevice, ReportsCleanly) {
   }
   for (auto& t : e.transports()) EXPECT_NE(t, "nvlink");
   EXPECT_THROW(cuda::AllGather(1, 1024, cuda::DType::kUInt8, 2, 0, 0), Error);
+}
+
+// The same-host proof nvlink and shm share (runs without a GPU): the answer must come with a
+// lease table that is a memfd and from the engine the peer's info names; the peer's pid is
+// the kernel's word, not the message's.
+TEST(SameHostProof, NeedsTheNamedEngineAndAMemfdLeaseTable) {
+  namespace sh = sluice::detail::same_host;
+  int memfd = ::memfd_create("lease-test", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  ASSERT_GE(memfd, 0);
+  ASSERT_EQ(::ftruncate(memfd, 16 * 64), 0);
+  FILE* plain = std::tmpfile();  // a regular file on disk: never mapped as a lease table
+  ASSERT_NE(plain, nullptr);
+  ASSERT_EQ(::ftruncate(::fileno(plain), 16 * 64), 0);
+  std::atomic<int> pass_fd{memfd};
+  std::string engine = "engine-b";
+  sh::Service svc;
+  svc.start("sluice-test", [&](sluice::net::Socket s, const sh::PeerCred&, const nlohmann::json&, int fd) {
+    if (fd >= 0) ::close(fd);
+    sh::send(s.fd(), {{"ok", true}, {"engine", engine}, {"pid", 1}}, pass_fd.load());
+  });
+  auto deadline = [] { return sh::Clock::now() + 2s; };
+  auto code = [&](const std::string& expect) {
+    try {
+      auto p = sh::prove(svc.name(), 7, "engine-a", memfd, expect, deadline(), "test");
+      ::close(p.lease_fd);
+      EXPECT_EQ(p.cred.pid, ::getpid()) << "the peer is the process the kernel names, not the pid in the message";
+      return ErrorCode::kOk;
+    } catch (const Error& e) {
+      return e.code();
+    }
+  };
+  EXPECT_EQ(code("engine-b"), ErrorCode::kOk);
+  EXPECT_EQ(code("engine-c"), ErrorCode::kProtocol) << "a socket served by another engine than the info names";
+  pass_fd = ::fileno(plain);
+  EXPECT_EQ(code("engine-b"), ErrorCode::kProtocol) << "a lease table that is not a memfd";
+  pass_fd = -1;
+  EXPECT_EQ(code("engine-b"), ErrorCode::kProtocol) << "no lease table at all";
+  // A name nobody serves (another host's engine, say) cannot be proven.
+  try {
+    sh::prove("sluice-test-nobody-serves-this", 7, "engine-a", memfd, "", deadline(), "test");
+    ADD_FAILURE() << "proved against a socket nobody serves";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kUnsupported) << e.what();
+  }
+  svc.stop();
+  std::fclose(plain);
+  ::close(memfd);
 }
 
 #ifdef SLUICE_TEST_CUDA
@@ -148,6 +201,106 @@ TEST(Nvlink, PeerUnregisteredRegionIsRefused) {
   CK(cudaFree(victim));
 }
 
+// Writes into a peer's host memory that is not an engine (memfd) allocation are executed by
+// the owner (PULL_WRITE), from host and from cuda memory here; a withdrawn region is refused.
+TEST(Nvlink, HostWritesArePulledByTheOwner) {
+  NEED_GPUS(1);
+  Engine a(quiet()), b(quiet());
+  std::vector<uint8_t> plain(1 << 20, 0);
+  auto hp = b.register_memory(plain.data(), plain.size(), Location::host(), "plain");
+  auto ep = a.connect(b.local_info());
+  ASSERT_EQ(ep.transport(), "nvlink");
+  auto r = ep.remote_region("plain");
+  ASSERT_TRUE(r.has_value());
+  auto data = pattern(1 << 16, 5);
+  auto hh = a.register_memory(data.data(), data.size());
+  { auto st_ = ep.write({{hh, 0, *r, 100, data.size()}}).wait(); ASSERT_TRUE(st_.ok()) << st_.to_string(); }
+  EXPECT_EQ(std::memcmp(plain.data() + 100, data.data(), data.size()), 0);
+  auto src = a.allocate(1 << 16, Location::cuda(0));
+  auto cdata = pattern(1 << 16, 77);
+  CK(cudaMemcpy(src.ptr, cdata.data(), cdata.size(), cudaMemcpyHostToDevice));
+  { auto st_ = ep.write_with_imm({{src.handle, 0, *r, 1 << 19, cdata.size()}}, 9).wait(); ASSERT_TRUE(st_.ok()) << st_.to_string(); }
+  EXPECT_EQ(std::memcmp(plain.data() + (1 << 19), cdata.data(), cdata.size()), 0);
+  Status st;
+  try {
+    st = ep.write({{hh, 0, *r, (1 << 20) - 10, 100}}).wait();
+  } catch (const Error& e) {
+    st = e.status();
+  }
+  EXPECT_FALSE(st.ok()) << "a write past the end of the peer's region";
+  b.unregister_memory(hp);
+  std::vector<uint8_t> before = plain;
+  try {
+    st = ep.write({{hh, 0, *r, 0, 4096}}).wait();
+  } catch (const Error& e) {
+    st = e.status();
+  }
+  EXPECT_EQ(st.code, ErrorCode::kUnknownHandle) << st.to_string();
+  EXPECT_TRUE(plain == before) << "a write reached a region its owner had unregistered";
+}
+
+// A peer that only speaks TCP claims nvlink with this process's pid (or another's), the
+// engine's own lease table and regions, and the engine's own same-host socket, all copied from
+// the unauthenticated INFO reply. It must never get an endpoint: nvlink needs a proof on the
+// Unix socket, which a TCP peer cannot give.
+TEST(Nvlink, ForgedTcpPeerGetsNoEndpoint) {
+  NEED_GPUS(1);
+  Engine victim(quiet());
+  auto secret = victim.allocate(1 << 20, Location::cuda(0), "secret");
+  auto hsecret = victim.allocate(1 << 16, Location::host(), "hsecret");
+  (void)secret;
+  (void)hsecret;
+  auto info = nlohmann::json::parse(victim.local_info());
+  // INFO publishes neither a pid nor handles for nvlink any more: a peer learns about our cuda
+  // memory only after proving itself.
+  ASSERT_TRUE(info["transports"].contains("nvlink"));
+  EXPECT_FALSE(info["transports"]["nvlink"].contains("regions")) << info["transports"]["nvlink"].dump();
+  EXPECT_FALSE(info["transports"]["nvlink"].contains("pid"));
+  auto [host, port] = sluice::detail::split_host_port(victim.listen_address());
+  int tries = 0;
+  for (int pid : {static_cast<int>(::getpid()), static_cast<int>(::getppid())}) {
+    for (bool with_socket : {true, false}) {
+      auto forged = info;
+      forged["engine_id"] = "forged-" + std::to_string(tries);
+      forged["pid"] = pid;
+      forged["transports"]["nvlink"]["pid"] = pid;
+      if (!with_socket) forged["transports"]["nvlink"].erase("socket");
+      const uint64_t token = 0x5eed0000 + tries++;
+      sluice::net::Socket s = sluice::net::connect_tcp(host, port, 2000ms);
+      sluice::net::set_io_timeout(s.fd(), 2000ms);
+      sluice::bootstrap::send_msg(s.fd(), sluice::bootstrap::MsgKind::kHello,
+                                  {{"info", forged}, {"token", token}, {"transport", "nvlink"}, {"channels", 1}});
+      auto [kind, body] = sluice::bootstrap::recv_msg(s.fd());
+      if (kind == sluice::bootstrap::MsgKind::kError) continue;  // refused at hello: fine
+      sluice::net::Socket c = sluice::net::connect_tcp(host, port, 2000ms);
+      sluice::net::set_io_timeout(c.fd(), 2000ms);
+      sluice::bootstrap::send_msg(c.fd(), sluice::bootstrap::MsgKind::kChannel,
+                                  {{"token", token}, {"index", 0}, {"transport", "nvlink"}});
+      auto [ckind, cbody] = sluice::bootstrap::recv_msg(c.fd());
+      EXPECT_EQ(ckind, sluice::bootstrap::MsgKind::kError) << "pid " << pid << ": " << cbody.dump();
+      EXPECT_EQ(cbody.value("code", 0), static_cast<int>(ErrorCode::kProtocol)) << cbody.dump();
+    }
+  }
+  EXPECT_FALSE(victim.accept(500ms).has_value()) << "a TCP peer got an nvlink endpoint into this process";
+}
+
+// One engine never serves itself as an nvlink peer; two engines of one process do, and an
+// info blob whose socket is served by another engine than it names is not nvlink-reachable.
+TEST(Nvlink, LoopbackAndMisnamedSocketsAreRefused) {
+  NEED_GPUS(1);
+  Engine a(quiet()), b(quiet()), c(quiet());
+  ConnectOptions o;
+  o.transport = "nvlink";
+  EXPECT_THROW(a.connect(a.local_info(), o), Error);
+  auto binfo = nlohmann::json::parse(b.local_info());
+  auto cinfo = nlohmann::json::parse(c.local_info());
+  binfo["transports"]["nvlink"]["socket"] = cinfo["transports"]["nvlink"]["socket"];
+  EXPECT_THROW(a.connect(binfo.dump(), o), Error);
+  auto ep = a.connect(b.local_info(), o);
+  EXPECT_EQ(ep.transport(), "nvlink");
+  ep.close();
+}
+
 namespace {
 
 // The peer process: engine on cuda:dev with an engine allocation "alloc" and a user
@@ -164,6 +317,8 @@ int child_main(int dev) {
   cudaDeviceSynchronize();
   e.register_memory(static_cast<uint8_t*>(p) + (1 << 20) + 256, 4 << 20, Location::cuda(dev), "tensor");
   e.allocate(4 << 20, Location::host(), "hostalloc");  // memfd: nvlink maps it for host pieces
+  static std::vector<uint8_t> plain(1 << 16);           // not a memfd: writes are pulled by us
+  e.register_memory(plain.data(), plain.size(), Location::host(), "plain");
   std::string info = e.local_info();
   std::printf("%s\n", info.c_str());
   std::fflush(stdout);
@@ -287,6 +442,19 @@ TEST(Nvlink, CrossProcessOffsetsImmAndStreams) {
   CK(cudaMemcpy(a2.data(), static_cast<uint8_t*>(src.ptr) + (6 << 20), a2.size(), cudaMemcpyDeviceToHost));
   EXPECT_TRUE(a1 == a2);
   { auto st_ = ep.read({{hh, 0, *tensor, 4096, 4096}}).wait(); ASSERT_TRUE(st_.ok()) << st_.to_string(); }
+  // The peer's plain host memory: written by the peer itself (PULL_WRITE), read with CMA.
+  auto plain = ep.remote_region("plain");
+  ASSERT_TRUE(plain);
+  std::fill(hbuf.begin(), hbuf.end(), 0x3c);
+  { auto st_ = ep.write({{hh, 0, *plain, 0, hbuf.size()}}).wait(); ASSERT_TRUE(st_.ok()) << st_.to_string(); }
+  std::fill(hback.begin(), hback.end(), 0);
+  { auto st_ = ep.read({{hb, 0, *plain, 0, hback.size()}}).wait(); ASSERT_TRUE(st_.ok()) << st_.to_string(); }
+  EXPECT_TRUE(hback == hbuf);
+  std::vector<uint8_t> want(4096);
+  CK(cudaMemcpy(want.data(), static_cast<uint8_t*>(src.ptr) + 5, want.size(), cudaMemcpyDeviceToHost));
+  { auto st_ = ep.write({{src.handle, 5, *plain, 0, 4096}}).wait(); ASSERT_TRUE(st_.ok()) << st_.to_string(); }
+  { auto st_ = ep.read({{hb, 0, *plain, 0, 4096}}).wait(); ASSERT_TRUE(st_.ok()) << st_.to_string(); }
+  EXPECT_EQ(std::memcmp(hback.data(), want.data(), want.size()), 0) << "cuda -> the peer's plain host memory";
   ep.close();
 }
 

@@ -11,6 +11,7 @@
 #include <cstring>
 #include <random>
 
+#include "core/lease_table.hpp"
 #include "core/log.hpp"
 #include "sluice/error.hpp"
 
@@ -174,6 +175,43 @@ net::Socket connect(const std::string& name) {
     throw Error(ErrorCode::kUnsupported, "cannot reach the peer's same-host socket (another host or network "
                                          "namespace, or the peer is gone): " + net::errno_text(errno));
   return s;
+}
+
+Proof prove(const std::string& name, uint64_t token, const std::string& engine_id, int our_lease_fd,
+            const std::string& expect_engine, Clock::time_point deadline, const char* transport) {
+  Proof p;
+  p.sock = connect(name);
+  p.cred = peer_cred(p.sock.fd());
+  send(p.sock.fd(), {{"op", "auth"}, {"token", token}, {"engine", engine_id}}, our_lease_fd);
+  nlohmann::json reply = recv(p.sock.fd(), deadline, &p.lease_fd);
+  struct Guard {
+    int& fd;
+    bool keep = false;
+    ~Guard() {
+      if (!keep && fd >= 0) ::close(std::exchange(fd, -1));
+    }
+  } guard{p.lease_fd};
+  if (reply.contains("error"))
+    throw Error(ErrorCode::kRemoteError, std::string(transport) + ": the peer refused us on its same-host socket: " +
+                                             reply["error"].dump());
+  if (p.lease_fd < 0 || !is_memfd(p.lease_fd, sizeof(LeaseSlot)))
+    throw Error(ErrorCode::kProtocol, std::string(transport) + ": the peer did not pass a lease table (a memfd) on its same-host socket");
+  auto engine = reply.find("engine");
+  if (!expect_engine.empty() && (engine == reply.end() || !engine->is_string() || engine->get<std::string>() != expect_engine))
+    throw Error(ErrorCode::kProtocol, std::string(transport) + ": the same-host socket named in the peer's info is served by engine " +
+                                          (engine == reply.end() ? std::string("(none)") : engine->dump()) +
+                                          ", not by the peer " + expect_engine);
+  guard.keep = true;
+  return p;
+}
+
+nlohmann::json ask(const std::string& name, pid_t pid, const nlohmann::json& req, Clock::time_point deadline, int* fd_out) {
+  if (fd_out) *fd_out = -1;
+  net::Socket sock = connect(name);
+  if (peer_cred(sock.fd()).pid != pid)
+    throw Error(ErrorCode::kPeerLost, "the peer's same-host socket is now served by another process");
+  send(sock.fd(), req);
+  return recv(sock.fd(), deadline, fd_out);
 }
 
 void Service::start(const std::string& prefix, Handler handler) {

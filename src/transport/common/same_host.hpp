@@ -52,6 +52,28 @@ bool is_memfd(int fd, uint64_t min_bytes);
 // Connects to a service by its abstract name; throws Error(kUnsupported) naming the reason.
 net::Socket connect(const std::string& name);
 
+// The active side's proof, shared by the same-host transports: connect to the peer's service,
+// present the endpoint token (which ties the proof to the hello sent over TCP) with our lease
+// table, and take the peer's. Whoever the kernel names at the other end is the peer.
+struct Proof {
+  net::Socket sock;   // authenticated; the transport may keep it as its control channel
+  PeerCred cred;
+  int lease_fd = -1;  // the peer's lease table, checked to be a memfd; the caller closes it
+};
+// `expect_engine` (unless empty) must be the engine id the answer names: a listener that
+// relays our hello to another engine of this host is caught here. Throws Error: kUnsupported
+// (no such socket here), kRemoteError (refused), kProtocol (no lease table, another engine),
+// kTimeout, kPeerLost.
+Proof prove(const std::string& name, uint64_t token, const std::string& engine_id, int our_lease_fd,
+            const std::string& expect_engine, Clock::time_point deadline, const char* transport);
+
+// One request to the peer that proved itself as `pid` (e.g. "describe"), on a fresh
+// connection to its service that must be answered by that same process. Returns the reply
+// (possibly {"error": ...}); a descriptor that came with it lands in *fd_out. Throws Error:
+// kPeerLost when another process now serves the name, kTimeout, kProtocol.
+nlohmann::json ask(const std::string& name, pid_t pid, const nlohmann::json& req, Clock::time_point deadline,
+                   int* fd_out = nullptr);
+
 // One listening abstract socket and the thread that serves it. Each connection carries one
 // request, read within a short deadline and handled on the service thread (handlers answer
 // at once and never block on the network), so a local client that stalls costs at most that

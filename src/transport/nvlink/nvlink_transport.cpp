@@ -1,13 +1,21 @@
-// nvlink: peers on the same host with CUDA memory. Each side exports its cuda regions in its
-// info blob (cuMem* allocations as POSIX fds fetched with pidfd_getfd, cudaMalloc memory as
-// cudaIpc handles, both with the region's offset inside its allocation); the other side maps
-// them once and moves bytes with cudaMemcpyAsync on dedicated streams (the copy engine; an
-// SM copy kernel for pieces up to SLUICE_NVLINK_SM_COPY_MAX, off by default: slower here).
-// The pieces the core cut for stream transports are merged back into one copy per contiguous
-// range. CUDA events signal completion: small ops are polled on the submitting thread, the
-// rest by a poller thread. Host memory on both sides moves with process_vm_readv/writev; host <-> peer-host
-// with a local cuda side stages through host memory. A control StreamChannel carries imm
-// values and send rendezvous, as in shm.
+// nvlink: peers on the same host with CUDA memory. The peer proves itself first, as in shm
+// (transport/common/same_host.hpp): each engine serves an abstract Unix socket, the kernel
+// names the process at the other end (SO_PEERCRED) and descriptors travel as SCM_RIGHTS.
+// Nothing the info blob says about the peer's memory is used: each peer region is described
+// by its owner over that socket on first use ("describe": its address, length, lease slot,
+// and for cuda memory its cudaIpc handle or, for cuMem allocations, the POSIX-fd export as a
+// passed descriptor; for memfd host memory the memfd), then mapped once. Offsets are checked
+// against the described region at every use. Bytes move with cudaMemcpyAsync on dedicated
+// streams (the copy engine; an SM copy kernel for pieces up to SLUICE_NVLINK_SM_COPY_MAX, off
+// by default: slower here). The pieces the core cut for stream transports are merged back
+// into one copy per contiguous range. CUDA events signal completion: small ops are polled on
+// the submitting thread, the rest by a poller thread. The peer's host memory is mapped
+// (memfd) or read with process_vm_readv from the proven pid; writes into it that are not
+// through a mapping are PULL_WRITEs its owner executes (as in shm); a local cuda side stages
+// through host memory. The authenticated socket is the control
+// channel (imm values and send rendezvous); the listener's TCP channel only completes the
+// endpoint. Two engines of one process are peers too (the kernel then names this process):
+// the answering engine describes its regions by address and they are used directly.
 #include <cuda_runtime_api.h>
 #include <fcntl.h>
 #include <sys/mman.h>
@@ -20,6 +28,7 @@
 #include <deque>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <thread>
 #include <unordered_map>
 
@@ -30,8 +39,10 @@
 #include "cuda/cuda_util.hpp"
 #include "transport/common/control_frames.hpp"
 #include "transport/common/pending_ops.hpp"
+#include "transport/common/same_host.hpp"
 #include "transport/common/stream_channel.hpp"
 #include "transport/shm/cma.hpp"
+#include "transport/shm/shm_wire.hpp"
 #include "transport/transport.hpp"
 
 namespace sluice::detail {
@@ -50,16 +61,11 @@ struct OpTrack {
   std::atomic<bool> failed{false};
 };
 
-// One submitted op: the events of the streams its copies went on; when every event has
-// fired, each of its `lanes` non-empty lanes completes.
-struct Inflight {
-  std::shared_ptr<TransferOp> op;
-  uint64_t token = 0;
-  std::shared_ptr<OpTrack> track;
-  std::vector<cudaEvent_t> events;
-  int device = 0;
-  int lanes = 0;
-  std::shared_ptr<struct LeaseHold> leases;  // released when the op's copies are done
+struct FdGuard {
+  int fd;
+  ~FdGuard() {
+    if (fd >= 0) ::close(fd);
+  }
 };
 
 // Leases on the peer regions an op touches (see core/lease_table.hpp): the peer cannot finish
@@ -71,22 +77,71 @@ struct LeaseHold {
   ~LeaseHold() {
     for (uint32_t s : slots) leases->leave(s);
   }
+  // After a read: the bytes count only if the owner withdrew none of the regions meanwhile (it
+  // may have stopped waiting for us and reused the memory).
+  Status still() const {
+    for (size_t i = 0; i < slots.size(); ++i)
+      if (!leases->still(slots[i], ids[i]))
+        return {ErrorCode::kUnknownHandle, "peer region " + std::to_string(ids[i]) +
+                                               " was unregistered during the copy; the copy is discarded"};
+    return Status::Ok();
+  }
 };
+
+struct PullState;
+
+// One submitted op: the events of the streams its copies went on; when every event has
+// fired (and the owner answered every PULL_WRITE of it), each of its `lanes` non-empty lanes
+// completes.
+struct Inflight {
+  std::shared_ptr<TransferOp> op;
+  uint64_t token = 0;
+  std::shared_ptr<OpTrack> track;
+  std::vector<cudaEvent_t> events;
+  int device = 0;
+  int lanes = 0;
+  std::shared_ptr<LeaseHold> leases;  // released when the op's copies are done
+  std::shared_ptr<PullState> pull;    // the op's writes the owner executes, if any
+};
+
+// Writes into a peer's host memory that is not a mapped memfd are PULL_WRITEs, as in shm: the
+// owner copies the bytes out of this process into its own region (process_vm_readv), so no
+// late write of ours can land in memory the owner already reused. The op completes once its
+// own copies are done and every frame was answered, whichever comes last.
+struct PullState {
+  std::mutex mu;
+  int frames_left = 0;
+  bool own_done = false;
+  Status st;
+  std::optional<Inflight> parked;  // the op, once its own copies are done, until the last answer
+  std::vector<std::shared_ptr<std::vector<uint8_t>>> staged;  // host copies of cuda sources
+};
+
+const RegionEntry* pin_of(const TransferOp& op, const uint8_t* p) {
+  for (const auto& pin : op.pins) {
+    const RegionEntry* e = pin.get();
+    if (p >= e->base && p < e->base + e->length) return e;
+  }
+  return nullptr;
+}
 
 // A copy after merging the op's pieces.
 struct Seg {
   uint8_t* local;
   uint64_t remote_id;
   uint64_t remote_offset;
-  uint64_t remote_addr;
   uint64_t length;
 };
 
-// Where a remote region's bytes are, as seen from this process.
+// A peer region as its owner described it over the authenticated socket, and where its bytes
+// are as seen from this process.
 struct RemoteView {
-  uint8_t* ptr = nullptr;  // byte 0 as addressable here: cuda regions, mapped memfd host regions
-  bool host = false;       // a host region: mapped (ptr) or else moved with CMA at its address
-  uint64_t addr = 0;       // the peer's virtual address of byte 0
+  uint8_t* ptr = nullptr;  // byte 0 as addressable here (cuda regions, mapped memfd host regions)
+  bool host = false;       // a host region: mapped (ptr) or else moved with CMA at `addr`
+  uint64_t addr = 0;       // the owner's virtual address of byte 0
+  uint64_t length = 0;     // every offset is checked against this
+  uint32_t slot = kNoLease;
+  std::shared_ptr<void> keep;  // the import or mapping `ptr` points into
 };
 
 // A peer's engine-allocated (memfd) host region mapped here, as shm does.
@@ -98,14 +153,41 @@ struct HostMapping {
   }
 };
 
+// One of the peer's cuda allocations mapped here, and the regions that use it: the mapping is
+// reused for a new region only while one of them is still registered (else the owner may have
+// freed the allocation and made a new one at the same address).
+struct ImportRec {
+  std::shared_ptr<cu::Import> imp;
+  std::vector<std::pair<uint32_t, uint64_t>> users;  // (lease slot, region id)
+};
+
+uint64_t unsigned_field(const nlohmann::json& j, const char* key, const char* what) {
+  auto it = j.find(key);
+  if (it == j.end() || !it->is_number_unsigned())
+    throw Error(ErrorCode::kProtocol, std::string("nvlink: the peer's description of ") + what + " has no unsigned '" + key + "'");
+  return it->get<uint64_t>();
+}
+
+std::string string_field(const nlohmann::json& j, const char* key) {
+  auto it = j.find(key);
+  return it != j.end() && it->is_string() ? it->get<std::string>() : std::string();
+}
+
+// What endpoints need from their transport (it outlives them).
+class NvlinkHost {
+ public:
+  virtual ~NvlinkHost() = default;
+  virtual const Registry& registry() const = 0;
+  virtual const std::string& engine_id() const = 0;
+  virtual int lease_fd() const = 0;
+  virtual void forget(uint64_t token) = 0;
+};
+
 class NvlinkEndpoint final : public TransportEndpoint, public StreamChannel::Handler {
  public:
-  explicit NvlinkEndpoint(const EndpointSetup& s)
-      : events_(s.events), peer_host_(s.peer.listen_host), peer_port_(s.peer.listen_port),
-        timeout_(s.config.connect_timeout) {
-    const auto& a = s.peer.transports.at("nvlink");
-    pid_ = a.value("pid", s.peer.pid);
-    same_process_ = pid_ == ::getpid();
+  NvlinkEndpoint(const EndpointSetup& s, NvlinkHost& host, std::string peer_socket)
+      : host_(host), events_(s.events), active_(s.active), token_(s.token), peer_socket_(std::move(peer_socket)),
+        peer_engine_(s.peer.engine_id), timeout_(s.config.connect_timeout) {
     sm_copy_max_ = env_u64("SLUICE_NVLINK_SM_COPY_MAX", 0);
     nstreams_ = static_cast<int>(std::clamp<uint64_t>(env_u64("SLUICE_NVLINK_STREAMS", 1), 1, 16));
     split_min_ = env_u64("SLUICE_NVLINK_SPLIT_MIN", 8ull << 20);
@@ -115,23 +197,95 @@ class NvlinkEndpoint final : public TransportEndpoint, public StreamChannel::Han
     int us = s.config.busy_wait_us;
     if (us < 0) us = std::thread::hardware_concurrency() > 2 ? 20 : 0;
     poll_waiters_ = us > 0;
-    if (!leases_.map(pid_, s.peer.lease_memfd, s.peer.lease_slots))
-      throw Error(ErrorCode::kUnsupported, "nvlink: cannot map the peer's lease table");
-    load_peer(s.peer);
     poller_ = std::thread([this] { poll(); });
   }
   ~NvlinkEndpoint() override { close({ErrorCode::kCancelled, "endpoint destroyed"}); }
 
   void connect(const ChannelOpener& open) override {
-    auto [sock, reply] = open(0, nlohmann::json::object());
-    install(std::move(sock));
+    // Prove ourselves on the peer's same-host socket and learn from the kernel which process
+    // answers; only then ask the listener to complete the endpoint.
+    same_host::Proof proof = same_host::prove(peer_socket_, token_, host_.engine_id(), host_.lease_fd(), peer_engine_,
+                                              same_host::Clock::now() + timeout_, "nvlink");
+    FdGuard guard{proof.lease_fd};
+    {
+      std::lock_guard<std::mutex> lk(map_mu_);
+      if (!leases_.map_fd(proof.lease_fd))
+        throw Error(ErrorCode::kProtocol, "nvlink: the peer did not pass a lease table (a memfd) on its same-host socket");
+    }
+    proven(proof.cred.pid);
+    install(std::move(proof.sock));
+    open(0, nlohmann::json::object());
   }
 
   bool attach(int index, net::Socket sock, const nlohmann::json&) override {
-    if (index != 0 || control_) throw Error(ErrorCode::kProtocol, "nvlink takes one control channel");
+    // The listener's channel only completes the endpoint: the peer must already have proven
+    // on our Unix socket that it is a process on this host (a remote peer never can).
+    if (index != 0) throw Error(ErrorCode::kProtocol, "nvlink takes one channel");
+    if (!authenticated_.load())
+      throw Error(ErrorCode::kProtocol, "nvlink: the peer has not proven that it is a process on this host "
+                                        "(no authenticated same-host socket for this endpoint)");
     bootstrap::send_msg(sock.fd(), bootstrap::MsgKind::kReply, nlohmann::json::object());
-    install(std::move(sock));
     return true;
+  }
+
+  // Called by the transport's socket service.
+  bool active() const { return active_; }
+
+  // Passive side: the process `cred` proved itself with this endpoint's token; its socket
+  // becomes the control channel.
+  // `sock` is taken only on success (else the service answers the refusal on it).
+  void authenticate(net::Socket& sock, const same_host::PeerCred& cred, int lease_fd, const std::string& engine) {
+    FdGuard guard{lease_fd};
+    if (active_ || authenticated_.load()) throw Error(ErrorCode::kProtocol, "nvlink: endpoint already authenticated");
+    if (engine != peer_engine_)
+      throw Error(ErrorCode::kProtocol, "nvlink: engine '" + engine + "' proved itself for the endpoint that engine '" +
+                                            peer_engine_ + "' opened");
+    {
+      std::lock_guard<std::mutex> lk(map_mu_);
+      if (lease_fd < 0 || !same_host::is_memfd(lease_fd, sizeof(LeaseSlot)) || !leases_.map_fd(lease_fd))
+        throw Error(ErrorCode::kProtocol, "nvlink: no lease table (a memfd) came with the authentication");
+    }
+    // Proven, and the control channel running, before we answer: the peer opens the TCP
+    // channel as soon as it reads the answer, and attach() (after which the application may
+    // send) must find both. The peer sends nothing on the socket before it has the answer.
+    proven(cred.pid);
+    const int fd = sock.fd();
+    install(std::move(sock));
+    try {
+      same_host::send(fd, {{"ok", true}, {"engine", host_.engine_id()}}, host_.lease_fd());
+    } catch (const Error& e) {
+      fail(e.status(), false);
+    }
+  }
+
+  // Answers the authenticated peer's question about one of our regions (*fd_out: a descriptor
+  // to pass with the answer, or -1).
+  nlohmann::json describe_local(uint64_t id, const same_host::PeerCred& cred, int* fd_out) const {
+    *fd_out = -1;
+    if (!authenticated_.load() || cred.pid != pid_.load())
+      throw Error(ErrorCode::kProtocol, "describe from a process that is not this endpoint's peer");
+    Status st;
+    // Pinned while we answer: the region's memory (and its memfd or cuda export) stays while
+    // we describe it.
+    RegionPin pin = host_.registry().pin(id, 0, 1, &st, "target");
+    if (!pin) throw Error(st.code, st.message);
+    const RegionEntry* e = pin.get();
+    const auto addr = reinterpret_cast<uint64_t>(e->base);
+    nlohmann::json d{{"addr", addr}, {"length", e->length}, {"slot", e->lease_slot}, {"host", e->location.is_host()}};
+    if (e->location.is_host()) {
+      if (e->memfd >= 0) *fd_out = ::fcntl(e->memfd, F_DUPFD_CLOEXEC, 0);
+      return d;
+    }
+    if (e->location.kind != Location::Kind::kCuda)
+      throw Error(ErrorCode::kUnsupported, "region " + std::to_string(id) + " is " + e->location.to_string() + " memory");
+    if (cred.pid == ::getpid()) {
+      // Another engine of this process: the address is valid there as it is here.
+      d["export"] = {{"kind", "local"}, {"base", addr}, {"offset", 0}, {"base_size", e->length},
+                     {"device", e->location.device}};
+      return d;
+    }
+    d["export"] = cu::export_region(e->base, e->length, fd_out);
+    return d;
   }
 
   void submit(std::shared_ptr<TransferOp> op) override {
@@ -145,19 +299,20 @@ class NvlinkEndpoint final : public TransportEndpoint, public StreamChannel::Han
     f.track->lanes_left = f.lanes;
     f.leases = std::make_shared<LeaseHold>();
     f.leases->leases = &leases_;
-    if (Status ls = hold_leases(*op, *f.leases); !ls.ok()) {
-      finish_all(f, ls);
-      return;
-    }
     auto* user = static_cast<cudaStream_t>(cu::current_user_stream());
-    Status st = failed_.load() ? Status{ErrorCode::kCancelled, "endpoint closed"} : enqueue(*op, user, &f);
+    Status st = failed_.load() ? Status{ErrorCode::kCancelled, "endpoint closed"} : Status::Ok();
+    std::unordered_map<uint64_t, RemoteView> views;
+    if (st.ok()) st = resolve(*op, &f.device, &views);
+    if (st.ok()) st = hold_leases(views, *f.leases);
+    if (st.ok()) st = enqueue(*op, user, &f, views);
     if (!st.ok() || f.events.empty()) {
       for (auto e : f.events) {
         cudaEventSynchronize(e);
         give_event(f.device, e);
       }
       f.events.clear();
-      finish_all(f, st);
+      if (st.ok() && op->kind == OpKind::kRead) st = f.leases->still();
+      settle(f, st);
       return;
     }
     // Small ops: wait here a moment, so that the caller's Future is already complete (no
@@ -195,27 +350,31 @@ class NvlinkEndpoint final : public TransportEndpoint, public StreamChannel::Han
     control_->post(std::move(f));
   }
 
-  // New regions (hello reply, refresh_remote_regions): take their export entries.
-  void peer_updated(const EngineInfo& peer) override { load_peer(peer); }
-
   size_t pending() const override { return pending_.size(); }
   std::chrono::steady_clock::time_point last_progress() const override { return pending_.last_progress(); }
 
   void close(const Status& why) override {
     fail(why, false);
+    std::lock_guard<std::mutex> close_lk(close_mu_);  // a second closer waits for the first
+    if (closed_) return;
+    closed_ = true;
     if (control_) control_->join();
-    if (poller_.joinable()) poller_.join();
-    std::lock_guard<std::mutex> lk(res_mu_);
-    for (auto& [key, s] : streams_) cudaStreamSynchronize(s);
-    for (auto& [key, s] : streams_) cudaStreamDestroy(s);
-    streams_.clear();
-    for (auto& [dev, pool] : event_pool_)
-      for (auto e : pool) cudaEventDestroy(e);
-    event_pool_.clear();
-    std::lock_guard<std::mutex> lk2(map_mu_);
-    imports_.clear();
-    views_.clear();
-    host_maps_.clear();
+    if (poller_.joinable() && poller_.get_id() != std::this_thread::get_id()) poller_.join();
+    {
+      std::lock_guard<std::mutex> lk(res_mu_);
+      for (auto& [key, s] : streams_) cudaStreamSynchronize(s);
+      for (auto& [key, s] : streams_) cudaStreamDestroy(s);
+      streams_.clear();
+      for (auto& [dev, pool] : event_pool_)
+        for (auto e : pool) cudaEventDestroy(e);
+      event_pool_.clear();
+    }
+    {
+      std::lock_guard<std::mutex> lk2(map_mu_);
+      views_.clear();
+      imports_.clear();
+    }
+    host_.forget(token_);
   }
 
   Status on_frame(StreamChannel& ch, const FrameHeader& h, PayloadReader& payload) override {
@@ -225,6 +384,9 @@ class NvlinkEndpoint final : public TransportEndpoint, public StreamChannel::Han
         events_->matcher().push_imm(h.imm);
         return Status::Ok();
       case FrameType::kSendRts: return serve_rts(ch, h);
+      case FrameType::kPullWrite: return serve_pull(ch, h, payload);
+      case FrameType::kAck:
+      case FrameType::kNack: return take_pull_ack(h, payload);
       case FrameType::kSendAck: return complete_send_ack(pending_, h, payload);
       case FrameType::kError: return peer_error(payload);
       default: return {ErrorCode::kProtocol, "unexpected frame type " + std::to_string(h.type) + " on nvlink control"};
@@ -234,120 +396,167 @@ class NvlinkEndpoint final : public TransportEndpoint, public StreamChannel::Han
   void on_channel_down(StreamChannel&, const Status& why) override { fail(why, true); }
 
  private:
+  void proven(pid_t pid) {
+    pid_ = pid;
+    same_process_ = pid == ::getpid();
+    authenticated_ = true;
+  }
+
   void install(net::Socket sock) {
     control_ = std::make_unique<StreamChannel>(std::move(sock), this, 0);
     control_->start();
+    if (failed_.load()) control_->shutdown();
   }
 
-  Status hold_leases(const TransferOp& op, LeaseHold& h) {
+  // The device that drives the op's copies: its first local cuda piece's, else the current one.
+  int op_device(const TransferOp& op) {
     for (const Lane& lane : op.lanes)
       for (const Piece& p : lane.pieces) {
-        if (std::find(h.ids.begin(), h.ids.end(), p.remote_id) != h.ids.end()) continue;
-        uint32_t slot = kNoLease;
-        {
-          std::lock_guard<std::mutex> lk(map_mu_);
-          auto it = lease_slots_.find(p.remote_id);
-          if (it != lease_slots_.end()) slot = it->second;
-        }
-        if (slot == kNoLease || !leases_.enter(slot, p.remote_id))
-          return {ErrorCode::kUnknownHandle, "peer region " + std::to_string(p.remote_id) + " is no longer registered"};
-        h.slots.push_back(slot);
-        h.ids.push_back(p.remote_id);
+        int d = local_device(op, p.local);
+        if (d >= 0) return d;
       }
+    int d = 0;
+    cudaGetDevice(&d);
+    return d;
+  }
+
+  // Every peer region the op touches, as its owner described it, with each piece checked
+  // against it.
+  Status resolve(const TransferOp& op, int* device, std::unordered_map<uint64_t, RemoteView>* out) {
+    try {
+      *device = op_device(op);
+      for (const Lane& lane : op.lanes)
+        for (const Piece& p : lane.pieces) {
+          auto it = out->find(p.remote_id);
+          if (it == out->end()) it = out->emplace(p.remote_id, view(p.remote_id, *device)).first;
+          if (!in_bounds(p.remote_offset, p.length, it->second.length))
+            return {ErrorCode::kOutOfRange, "peer region " + std::to_string(p.remote_id) + " is " +
+                                                std::to_string(it->second.length) + " bytes (as its owner describes it); " +
+                                                std::to_string(p.length) + " bytes at offset " +
+                                                std::to_string(p.remote_offset) + " do not fit"};
+        }
+      return Status::Ok();
+    } catch (const Error& e) {
+      return e.status();
+    }
+  }
+
+  Status hold_leases(const std::unordered_map<uint64_t, RemoteView>& views, LeaseHold& h) {
+    for (const auto& [id, v] : views) {
+      if (v.slot == kNoLease || !leases_.enter(v.slot, id)) {
+        forget_region(id);
+        return {ErrorCode::kUnknownHandle, "peer region " + std::to_string(id) + " is no longer registered"};
+      }
+      h.slots.push_back(v.slot);
+      h.ids.push_back(id);
+    }
     return Status::Ok();
   }
 
-  void load_peer(const EngineInfo& peer) {
+  // A region the owner withdrew: its description (and, unless another region still uses it,
+  // its mapping) is dropped.
+  void forget_region(uint64_t id) {
     std::lock_guard<std::mutex> lk(map_mu_);
-    for (const auto& r : peer.regions) {
-      lease_slots_[r.info.id] = r.lease_slot;
-      region_addr_[r.info.id] = r.info.addr;
-      region_host_[r.info.id] = r.info.location.is_host();
-      if (r.info.shareable && r.memfd >= 0) memfds_[r.info.id] = {r.memfd, r.info.length};
-    }
-    auto it = peer.transports.find("nvlink");
-    if (it == peer.transports.end() || !it->second.contains("regions")) return;
-    for (const auto& d : it->second["regions"]) exports_[d.at("id").get<uint64_t>()] = d;
+    views_.erase(id);
   }
 
-  // The peer registered regions after we connected: fetch its info again.
-  void refetch() {
-    try {
-      net::Socket s = net::connect_tcp(peer_host_, peer_port_, timeout_);
-      net::set_io_timeout(s.fd(), timeout_);
-      bootstrap::send_msg(s.fd(), bootstrap::MsgKind::kInfo, nlohmann::json::object());
-      auto reply = bootstrap::expect_reply(s.fd(), "info query");
-      load_peer(EngineInfo::from_json(reply.at("info")));
-    } catch (const std::exception& e) {
-      SLUICE_LOG(kWarn, "nvlink: cannot refresh the peer's regions: " << e.what());
-    }
-  }
-
-  // Resolve remote region `id` for copies driven by `device`. Throws Error.
+  // The peer's region `id` for copies driven by `device`, as its owner describes it (asked
+  // over its same-host socket the first time: a local round trip bounded by the connect
+  // timeout). Throws Error.
   RemoteView view(uint64_t id, int device) {
-    for (int attempt = 0; attempt < 2; ++attempt) {
-      {
-        std::lock_guard<std::mutex> lk(map_mu_);
-        auto v = views_.find(id);
-        if (v != views_.end()) return v->second;
-        auto h = region_host_.find(id);
-        if (h != region_host_.end() && h->second) {
-          RemoteView rv{map_host(id), true, region_addr_[id]};
-          views_[id] = rv;
-          return rv;
-        }
-        auto e = exports_.find(id);
-        if (e != exports_.end()) {
-          const auto& desc = e->second;
-          RemoteView rv;
-          rv.addr = desc.value("addr", uint64_t(0));
-          uint64_t base = desc.at("base").get<uint64_t>();
-          uint64_t off = desc.at("offset").get<uint64_t>();
-          if (same_process_) {
-            // Our own process: the address is valid here; let `device` reach it directly.
-            int owner = desc.value("device", device);
-            if (owner != device) {
-              int can = 0;
-              cudaDeviceCanAccessPeer(&can, device, owner);
-              if (can && cudaDeviceEnablePeerAccess(owner, 0) != cudaSuccess) cudaGetLastError();
-            }
-            rv.ptr = reinterpret_cast<uint8_t*>(base + off);
-          } else {
-            auto& imp = imports_[base];
-            if (!imp) imp = cu::import_region(pid_, desc, device);
-            rv.ptr = imp->base + off;
-          }
-          views_[id] = rv;
-          return rv;
+    {
+      std::lock_guard<std::mutex> lk(map_mu_);
+      auto v = views_.find(id);
+      if (v != views_.end()) return v->second;
+    }
+    if (!authenticated_.load()) throw Error(ErrorCode::kProtocol, "nvlink: the peer has not proven itself yet");
+    int fd = -1;
+    nlohmann::json r = same_host::ask(peer_socket_, pid_.load(),
+                                      {{"op", "describe"}, {"token", token_}, {"to_passive", active_}, {"region", id}},
+                                      same_host::Clock::now() + timeout_, &fd);
+    FdGuard guard{fd};
+    if (r.contains("error")) {
+      // The owner's reason, with its code where that is one a description can fail with.
+      auto code = r.find("code");
+      auto c = code != r.end() && code->is_number_integer() ? static_cast<ErrorCode>(code->get<int>()) : ErrorCode::kUnknownHandle;
+      if (c != ErrorCode::kUnsupported && c != ErrorCode::kOutOfRange) c = ErrorCode::kUnknownHandle;
+      throw Error(c, "peer region " + std::to_string(id) + ": " + string_field(r, "error"));
+    }
+    const std::string what = "region " + std::to_string(id);
+    RemoteView rv;
+    rv.addr = unsigned_field(r, "addr", what.c_str());
+    rv.length = unsigned_field(r, "length", what.c_str());
+    uint64_t slot = unsigned_field(r, "slot", what.c_str());
+    rv.slot = slot > kNoLease ? kNoLease : static_cast<uint32_t>(slot);
+    auto host = r.find("host");
+    if (host == r.end() || !host->is_boolean())
+      throw Error(ErrorCode::kProtocol, "nvlink: the peer's description of " + what + " has no boolean 'host'");
+    rv.host = host->get<bool>();
+    if (rv.host) {
+      // Mapped only from a memfd the owner passed us; otherwise moved with CMA to the proven
+      // process at the address it described.
+      if (fd >= 0 && !same_process_.load() && rv.length > 0 && same_host::is_memfd(fd, rv.length)) {
+        void* p = ::mmap(nullptr, rv.length, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+        if (p != MAP_FAILED) {
+          auto m = std::make_shared<HostMapping>();
+          m->base = static_cast<uint8_t*>(p);
+          m->length = rv.length;
+          rv.ptr = m->base;
+          rv.keep = m;
         }
       }
-      if (attempt == 0) refetch();
+    } else {
+      rv.ptr = map_cuda(id, r, fd, device, rv);
     }
-    throw Error(ErrorCode::kUnsupported, "nvlink: the peer does not export region " + std::to_string(id) +
-                                             " (cuda memory that cannot be shared?)");
+    std::lock_guard<std::mutex> lk(map_mu_);
+    return views_.emplace(id, std::move(rv)).first->second;
   }
 
-  // The peer's memfd host region `id` mapped here (map_mu_ held), or nullptr (then CMA).
-  uint8_t* map_host(uint64_t id) {
-    auto it = memfds_.find(id);
-    if (it == memfds_.end() || same_process_) return nullptr;
-    std::string path = "/proc/" + std::to_string(pid_) + "/fd/" + std::to_string(it->second.first);
-    int fd = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
-    if (fd < 0) return nullptr;
-    struct stat st {};
-    uint8_t* out = nullptr;
-    if (::fstat(fd, &st) == 0 && static_cast<uint64_t>(st.st_size) >= it->second.second) {
-      void* p = ::mmap(nullptr, it->second.second, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-      if (p != MAP_FAILED) {
-        auto m = std::make_shared<HostMapping>();
-        m->base = static_cast<uint8_t*>(p);
-        m->length = it->second.second;
-        host_maps_[id] = m;
-        out = m->base;
+  // Where the peer's cuda region described in `r` is addressable here. Throws Error.
+  uint8_t* map_cuda(uint64_t id, const nlohmann::json& r, int fd, int device, RemoteView& rv) {
+    const std::string what = "region " + std::to_string(id);
+    auto ex_it = r.find("export");
+    if (ex_it == r.end() || !ex_it->is_object())
+      throw Error(ErrorCode::kProtocol, "nvlink: the peer's description of " + what + " has no 'export'");
+    const nlohmann::json& ex = *ex_it;
+    const uint64_t offset = unsigned_field(ex, "offset", what.c_str());
+    const uint64_t base_size = unsigned_field(ex, "base_size", what.c_str());
+    const uint64_t base = unsigned_field(ex, "base", what.c_str());
+    if (!in_bounds(offset, rv.length, base_size))
+      throw Error(ErrorCode::kProtocol, "nvlink: the peer describes " + what + " as " + std::to_string(rv.length) +
+                                            " bytes at offset " + std::to_string(offset) + " of a " +
+                                            std::to_string(base_size) + "-byte allocation");
+    const std::string kind = string_field(ex, "kind");
+    if (kind == "local") {
+      // Only another engine of this very process may describe memory by address.
+      if (!same_process_.load())
+        throw Error(ErrorCode::kProtocol, "nvlink: a peer in another process described " + what + " by address");
+      auto dev = ex.find("device");
+      if (dev != ex.end() && dev->is_number_integer()) {
+        int owner = dev->get<int>();
+        if (owner != device && owner >= 0 && owner < cu::device_count()) {
+          // Peer access is enabled from the current device: make it the one that copies.
+          int can = 0;
+          cudaDeviceCanAccessPeer(&can, device, owner);
+          if (can && (cudaSetDevice(device) != cudaSuccess || cudaDeviceEnablePeerAccess(owner, 0) != cudaSuccess))
+            cudaGetLastError();
+        }
       }
+      return reinterpret_cast<uint8_t*>(base + offset);
     }
-    ::close(fd);
-    return out;
+    std::lock_guard<std::mutex> lk(map_mu_);
+    ImportRec& rec = imports_[base];
+    bool live = false;
+    for (auto& [slot, rid] : rec.users) live |= leases_.still(slot, rid);
+    if (!rec.imp || !live) {
+      rec = ImportRec{};
+      rec.imp = cu::import_region(ex, fd, device);
+    }
+    if (rec.imp->size < base_size)
+      throw Error(ErrorCode::kProtocol, "nvlink: " + what + " lies outside the peer's allocation as mapped");
+    rec.users.emplace_back(rv.slot, id);
+    rv.keep = rec.imp;
+    return rec.imp->base + offset;
   }
 
   cudaStream_t stream(int device, size_t lane) {
@@ -387,16 +596,17 @@ class NvlinkEndpoint final : public TransportEndpoint, public StreamChannel::Han
     return cu::pointer_device(p);
   }
 
-  // Enqueue every copy of the op: pieces contiguous on both sides are merged back into one
-  // copy (the core cut them for stream transports), large copies are split over
-  // SLUICE_NVLINK_STREAMS streams. Appends one event per stream used to f->events (none when
-  // everything completed synchronously).
-  Status enqueue(const TransferOp& op, cudaStream_t user, Inflight* f) {
+  // Enqueue every copy of the op (its regions resolved and leased in `views`): pieces
+  // contiguous on both sides are merged back into one copy (the core cut them for stream
+  // transports), large copies are split over SLUICE_NVLINK_STREAMS streams. Appends one event
+  // per stream used to f->events (none when everything completed synchronously).
+  Status enqueue(const TransferOp& op, cudaStream_t user, Inflight* f,
+                 const std::unordered_map<uint64_t, RemoteView>& views) {
     try {
       const bool write = op.kind != OpKind::kRead;
       std::vector<Seg> segs;
       for (const Lane& lane : op.lanes)
-        for (const Piece& p : lane.pieces) segs.push_back({p.local, p.remote_id, p.remote_offset, p.remote_addr, p.length});
+        for (const Piece& p : lane.pieces) segs.push_back({p.local, p.remote_id, p.remote_offset, p.length});
       if (op.lanes.size() > 1)
         std::sort(segs.begin(), segs.end(), [](const Seg& a, const Seg& b) {
           return a.remote_id != b.remote_id ? a.remote_id < b.remote_id : a.remote_offset < b.remote_offset;
@@ -412,20 +622,21 @@ class NvlinkEndpoint final : public TransportEndpoint, public StreamChannel::Han
         }
         merged.push_back(g);
       }
-      int device = -1;
-      for (const Seg& g : merged)
-        if ((device = local_device(op, g.local)) >= 0) break;
-      bool local_cuda = device >= 0;
-      if (device < 0) cudaGetDevice(&device);
-      f->device = device;
+      const int device = f->device;
+      bool local_cuda = false;
+      for (const Seg& g : merged) local_cuda |= local_device(op, g.local) >= 0;
       cu::check(cudaSetDevice(device), "cudaSetDevice");
       const int nstreams = user ? 1 : nstreams_;
       std::vector<bool> used(nstreams, false);
       auto stream_at = [&](int k) { return user ? user : stream(device, static_cast<size_t>(k)); };
       std::vector<cma::Span> spans;
+      std::vector<shm::PullPiece> pulls;
+      std::vector<std::shared_ptr<std::vector<uint8_t>>> staged;
+      const pid_t pid = pid_.load();
       int next = 0;
       for (const Seg& g : merged) {
-        RemoteView rv = view(g.remote_id, device);
+        // resolve() checked every piece against the described region; merging keeps that.
+        const RemoteView& rv = views.at(g.remote_id);
         if (rv.host && rv.ptr) {
           // The peer's memfd memory is mapped here: a plain memcpy, or a copy from / to the GPU.
           uint8_t* remote = rv.ptr + g.remote_offset;
@@ -441,24 +652,37 @@ class NvlinkEndpoint final : public TransportEndpoint, public StreamChannel::Han
           continue;
         }
         if (rv.host) {
-          if (!local_cuda || local_device(op, g.local) < 0) {
-            spans.push_back({g.local, g.remote_addr, g.length});
+          const uint64_t at = rv.addr + g.remote_offset;  // the owner's address, as it described it
+          const bool here_cuda = local_cuda && local_device(op, g.local) >= 0;
+          if (write) {
+            shm::PullPiece pp{g.remote_id, g.remote_offset, g.length, reinterpret_cast<uint64_t>(g.local), 0, kNoLease, 0};
+            if (here_cuda) {
+              // The owner pulls a host copy of our cuda bytes, kept until it answered.
+              cudaStream_t s = stream_at(0);
+              auto tmp = std::make_shared<std::vector<uint8_t>>(g.length);
+              cu::check(cudaStreamSynchronize(s), "cudaStreamSynchronize");
+              cu::check(cudaMemcpy(tmp->data(), g.local, g.length, cudaMemcpyDefault), "cudaMemcpy");
+              pp.src_addr = reinterpret_cast<uint64_t>(tmp->data());
+              staged.push_back(std::move(tmp));
+            } else if (const RegionEntry* e = pin_of(op, g.local)) {
+              pp.src_region = e->id;  // the owner holds our lease on it while it copies
+              pp.src_slot = e->lease_slot;
+            }
+            pulls.push_back(pp);
+            continue;
+          }
+          if (!here_cuda) {
+            spans.push_back({g.local, at, g.length});
             continue;
           }
           // Local GPU, remote host: stage through host memory.
           cudaStream_t s = stream_at(0);
           std::vector<uint8_t> tmp(g.length);
-          if (write) {
-            cu::check(cudaStreamSynchronize(s), "cudaStreamSynchronize");
-            cu::check(cudaMemcpy(tmp.data(), g.local, g.length, cudaMemcpyDefault), "cudaMemcpy");
-            Status st = cma::move(pid_, {{tmp.data(), g.remote_addr, g.length}}, true);
-            if (!st.ok()) return st;
-          } else {
-            Status st = cma::move(pid_, {{tmp.data(), g.remote_addr, g.length}}, false);
-            if (!st.ok()) return st;
-            cu::check(cudaMemcpyAsync(g.local, tmp.data(), g.length, cudaMemcpyDefault, s), "cudaMemcpyAsync");
-            cu::check(cudaStreamSynchronize(s), "cudaStreamSynchronize");
-          }
+          Status st = cma::move(pid, {{tmp.data(), at, g.length}}, false);
+          if (!st.ok()) return st;
+          if (st = f->leases->still(); !st.ok()) return st;
+          cu::check(cudaMemcpyAsync(g.local, tmp.data(), g.length, cudaMemcpyDefault, s), "cudaMemcpyAsync");
+          cu::check(cudaStreamSynchronize(s), "cudaStreamSynchronize");
           continue;
         }
         uint8_t* remote = rv.ptr + g.remote_offset;
@@ -477,8 +701,8 @@ class NvlinkEndpoint final : public TransportEndpoint, public StreamChannel::Han
             cu::check(cudaMemcpyAsync(dst + off, src + off, n, cudaMemcpyDefault, s), "cudaMemcpyAsync");
         }
       }
-      if (!spans.empty()) {
-        Status st = cma::move(pid_, spans, write);
+      if (!spans.empty()) {  // reads only: writes into such memory are pulled by its owner
+        Status st = cma::move(pid, spans, /*write=*/false);
         if (!st.ok()) return st;
       }
       for (int k = 0; k < nstreams; ++k) {
@@ -487,10 +711,123 @@ class NvlinkEndpoint final : public TransportEndpoint, public StreamChannel::Han
         f->events.push_back(e);
         cu::check(cudaEventRecord(e, stream_at(k)), "cudaEventRecord");
       }
+      if (!pulls.empty()) post_pulls(f, pulls, std::move(staged));
       return Status::Ok();
     } catch (const Error& e) {
       return e.status();
     }
+  }
+
+  // Last step of enqueue: the owner is asked to pull `pulls` (at most kMaxPullPieces a frame).
+  void post_pulls(Inflight* f, const std::vector<shm::PullPiece>& pulls,
+                  std::vector<std::shared_ptr<std::vector<uint8_t>>> staged) {
+    auto p = std::make_shared<PullState>();
+    p->staged = std::move(staged);
+    p->frames_left = static_cast<int>((pulls.size() + shm::kMaxPullPieces - 1) / shm::kMaxPullPieces);
+    f->pull = p;
+    {
+      std::lock_guard<std::mutex> lk(pull_mu_);
+      pulls_[f->token] = p;
+    }
+    for (size_t first = 0; first < pulls.size(); first += shm::kMaxPullPieces) {
+      auto buf = std::make_shared<std::vector<shm::PullPiece>>(
+          pulls.begin() + first, pulls.begin() + std::min(pulls.size(), first + shm::kMaxPullPieces));
+      OutFrame fr;
+      fr.hdr = make_frame(FrameType::kPullWrite, f->token, 0, 0, buf->size() * sizeof(shm::PullPiece));
+      fr.data = reinterpret_cast<const uint8_t*>(buf->data());
+      fr.keep = buf;
+      control_->post(std::move(fr));
+    }
+  }
+
+  // This side's copies of the op are done with `st`: complete it, unless the owner has yet to
+  // answer PULL_WRITEs of it (then the last answer completes it).
+  void settle(Inflight& f, Status st) {
+    if (auto p = f.pull) {
+      {
+        std::lock_guard<std::mutex> lk(p->mu);
+        p->own_done = true;
+        if (p->st.ok() && !st.ok()) p->st = st;
+        if (p->frames_left > 0) {
+          f.pull.reset();  // no cycle through the parked op
+          p->parked.emplace(std::move(f));
+          return;
+        }
+        st = p->st;
+      }
+      std::lock_guard<std::mutex> lk(pull_mu_);
+      pulls_.erase(f.token);
+    }
+    finish_all(f, st);
+  }
+
+  // The owner answered a PULL_WRITE frame.
+  Status take_pull_ack(const FrameHeader& h, PayloadReader& payload) {
+    Status st = frame_status(h, payload);
+    if (h.type == static_cast<uint8_t>(FrameType::kNack) && st.ok()) st = {ErrorCode::kRemoteError, "peer refused the write"};
+    std::shared_ptr<PullState> p;
+    {
+      std::lock_guard<std::mutex> lk(pull_mu_);
+      auto it = pulls_.find(h.op_id);
+      if (it != pulls_.end()) p = it->second;
+    }
+    if (!p) return {ErrorCode::kProtocol, "ack for an unknown operation"};
+    std::optional<Inflight> done;
+    {
+      std::lock_guard<std::mutex> lk(p->mu);
+      if (p->frames_left <= 0) return {ErrorCode::kProtocol, "more acks than PULL_WRITE frames"};
+      if (p->st.ok() && !st.ok()) p->st = st;
+      if (--p->frames_left > 0 || !p->own_done) return Status::Ok();
+      done = std::move(p->parked);
+      p->parked.reset();
+      st = p->st;
+    }
+    {
+      std::lock_guard<std::mutex> lk(pull_mu_);
+      pulls_.erase(h.op_id);
+    }
+    if (done) finish_all(*done, st);
+    return Status::Ok();
+  }
+
+  // The peer asks us to copy bytes of its process into our region(s): each must be a host
+  // region of ours, the bytes are read from the proven peer process, and its source region
+  // (if it named one) is held under its lease for the copy.
+  Status serve_pull(StreamChannel& ch, const FrameHeader& h, PayloadReader& payload) {
+    if (h.length % sizeof(shm::PullPiece) != 0 || h.length == 0 || h.length / sizeof(shm::PullPiece) > shm::kMaxPullPieces)
+      return {ErrorCode::kProtocol, "PULL_WRITE of " + std::to_string(h.length) + " bytes (pieces of 48 bytes, at most " +
+                                        std::to_string(shm::kMaxPullPieces) + ")"};
+    std::vector<shm::PullPiece> pieces(h.length / sizeof(shm::PullPiece));
+    if (!payload.read(pieces.data(), h.length)) return {ErrorCode::kPeerLost, "connection lost mid-frame"};
+    Status st;
+    std::vector<RegionPin> pins;
+    std::vector<cma::Span> spans;
+    LeaseHold held;
+    held.leases = &leases_;
+    for (const shm::PullPiece& p : pieces) {
+      RegionPin pin = events_->registry().pin(p.dst_region, p.dst_offset, p.length, &st, "target");
+      if (!pin) break;
+      if (!pin.get()->location.is_host()) {
+        st = {ErrorCode::kUnsupported, "region " + std::to_string(p.dst_region) + " is " +
+                                           pin.get()->location.to_string() + " memory, not written by PULL_WRITE"};
+        break;
+      }
+      if (p.src_region != 0 && std::find(held.ids.begin(), held.ids.end(), p.src_region) == held.ids.end()) {
+        if (p.src_slot == kNoLease || !leases_.enter(p.src_slot, p.src_region)) {
+          st = {ErrorCode::kUnknownHandle, "your source region " + std::to_string(p.src_region) + " is no longer registered"};
+          break;
+        }
+        held.slots.push_back(p.src_slot);
+        held.ids.push_back(p.src_region);
+      }
+      spans.push_back({pin.get()->base + p.dst_offset, p.src_addr, p.length});
+      pins.push_back(std::move(pin));
+    }
+    if (st.ok()) st = cma::move(pid_.load(), spans, /*write=*/false);
+    if (st.ok()) st = held.still();
+    pins.clear();
+    post_status(ch, st.ok() ? FrameType::kAck : FrameType::kNack, h.op_id, 0, st);
+    return Status::Ok();
   }
 
   // cudaSuccess when every event fired, cudaErrorNotReady, or the first error.
@@ -510,7 +847,8 @@ class NvlinkEndpoint final : public TransportEndpoint, public StreamChannel::Han
     }
     for (auto ev : f.events) give_event(f.device, ev);
     f.events.clear();
-    finish_all(f, st);
+    if (st.ok() && f.op->kind == OpKind::kRead) st = f.leases->still();
+    settle(f, st);
   }
 
   void finish_all(Inflight& f, const Status& st) {
@@ -573,6 +911,10 @@ class NvlinkEndpoint final : public TransportEndpoint, public StreamChannel::Han
       }
   }
 
+
+  // The peer sends us a message: copy it out of its region (h.offset: the region's id,
+  // h.region: the message's address in the peer), which must lie inside that region as the
+  // peer described it, under its lease.
   Status serve_rts(StreamChannel& ch, const FrameHeader& h) {
     uint64_t length = (uint64_t(h.aux) << 32) | h.imm;
     auto claim = events_->matcher().claim(h.op_id, length);
@@ -583,14 +925,33 @@ class NvlinkEndpoint final : public TransportEndpoint, public StreamChannel::Han
       if (n) {
         try {
           int device = cu::pointer_device(claim.dest);
+          const bool dest_cuda = device >= 0;
           if (device < 0) cudaGetDevice(&device);
           RemoteView rv = view(h.offset, device);
-          if (rv.host) {
-            st = cma::move(pid_, {{claim.dest, h.region, n}}, /*write=*/false);
-          } else {
-            cu::check(cudaSetDevice(device), "cudaSetDevice");
-            cu::check(cudaMemcpy(claim.dest, rv.ptr + (h.region - rv.addr), n, cudaMemcpyDefault), "cudaMemcpy");
+          if (h.region < rv.addr || !in_bounds(h.region - rv.addr, n, rv.length))
+            throw Error(ErrorCode::kProtocol, "SEND_RTS names " + std::to_string(n) + " bytes outside the sender's region " +
+                                                  std::to_string(h.offset));
+          const uint64_t off = h.region - rv.addr;
+          LeaseHold held;
+          held.leases = &leases_;
+          if (rv.slot == kNoLease || !leases_.enter(rv.slot, h.offset)) {
+            forget_region(h.offset);
+            throw Error(ErrorCode::kUnknownHandle, "the sender's region " + std::to_string(h.offset) + " is no longer registered");
           }
+          held.slots.push_back(rv.slot);
+          held.ids.push_back(h.offset);
+          if (rv.ptr) {
+            cu::check(cudaSetDevice(device), "cudaSetDevice");
+            cu::check(cudaMemcpy(claim.dest, rv.ptr + off, n, cudaMemcpyDefault), "cudaMemcpy");
+          } else if (!dest_cuda) {
+            st = cma::move(pid_.load(), {{claim.dest, rv.addr + off, n}}, /*write=*/false);
+          } else {
+            std::vector<uint8_t> tmp(n);
+            st = cma::move(pid_.load(), {{tmp.data(), rv.addr + off, n}}, /*write=*/false);
+            if (st.ok()) st = held.still();
+            if (st.ok()) cu::check(cudaMemcpy(claim.dest, tmp.data(), n, cudaMemcpyDefault), "cudaMemcpy");
+          }
+          if (st.ok()) st = held.still();
         } catch (const Error& e) {
           st = e.status();
         }
@@ -621,15 +982,25 @@ class NvlinkEndpoint final : public TransportEndpoint, public StreamChannel::Han
       inflight_.clear();
     }
     pending_.fail_all(why);
+    {
+      // Ops waiting for the owner's answers: failed above; their leases and copies go now.
+      std::lock_guard<std::mutex> lk(pull_mu_);
+      pulls_.clear();
+    }
     if (notify) events_->on_failure(why);
   }
 
+  NvlinkHost& host_;
   EndpointEvents* events_;
-  std::string peer_host_;
-  uint16_t peer_port_;
-  std::chrono::milliseconds timeout_;
-  pid_t pid_ = 0;
-  bool same_process_ = false;
+  const bool active_;
+  const uint64_t token_;
+  const std::string peer_socket_;
+  const std::string peer_engine_;
+  const std::chrono::milliseconds timeout_;
+  // Set once the peer proved itself: the process the kernel named, never a pid a message claimed.
+  std::atomic<pid_t> pid_{0};
+  std::atomic<bool> same_process_{false};
+  std::atomic<bool> authenticated_{false};
   uint64_t sm_copy_max_ = 0;
   int nstreams_ = 1;
   uint64_t split_min_ = 8ull << 20;
@@ -653,60 +1024,155 @@ class NvlinkEndpoint final : public TransportEndpoint, public StreamChannel::Han
   std::map<int, std::vector<cudaEvent_t>> event_pool_;
 
   std::mutex map_mu_;
-  std::unordered_map<uint64_t, uint32_t> lease_slots_;  // peer region id -> its lease slot
-  std::unordered_map<uint64_t, nlohmann::json> exports_;  // peer region id -> export desc
-  std::unordered_map<uint64_t, uint64_t> region_addr_;
-  std::unordered_map<uint64_t, bool> region_host_;
-  std::unordered_map<uint64_t, std::shared_ptr<cu::Import>> imports_;  // peer allocation base -> mapping
-  std::unordered_map<uint64_t, RemoteView> views_;
-  std::unordered_map<uint64_t, std::pair<int, uint64_t>> memfds_;  // peer host region id -> (fd, length)
-  std::unordered_map<uint64_t, std::shared_ptr<HostMapping>> host_maps_;
+  std::unordered_map<uint64_t, RemoteView> views_;   // peer region id -> its owner's description
+  std::unordered_map<uint64_t, ImportRec> imports_;  // peer allocation base -> its mapping here
+
+  std::mutex pull_mu_;
+  std::unordered_map<uint64_t, std::shared_ptr<PullState>> pulls_;  // op token -> its PULL_WRITEs
+
+  std::mutex close_mu_;
+  bool closed_ = false;
 };
 
-class NvlinkTransport final : public Transport {
+class NvlinkTransport final : public Transport, public NvlinkHost {
  public:
-  explicit NvlinkTransport(const EngineContext& ctx) : host_id_(ctx.host_id), registry_(ctx.registry) {}
+  explicit NvlinkTransport(const EngineContext& ctx) : host_id_(ctx.host_id), engine_id_(ctx.engine_id), registry_(ctx.registry) {
+    service_.start("sluice-nvl-" + engine_id_, [this](net::Socket s, const same_host::PeerCred& c, const nlohmann::json& r,
+                                                      int fd) { serve(std::move(s), c, r, fd); });
+  }
+  ~NvlinkTransport() override { service_.stop(); }
+
   std::string name() const override { return "nvlink"; }
   int priority() const override { return 30; }
   bool supports(const Location& loc) const override { return loc.is_host() || loc.kind == Location::Kind::kCuda; }
-  nlohmann::json local_address() const override {
-    nlohmann::json regions = nlohmann::json::array();
-    for (const auto& e : registry_->entries()) {
-      if (e->location.is_host()) continue;
-      try {
-        auto d = cu::export_region(e->base, e->length);
-        d["id"] = e->id;
-        d["addr"] = reinterpret_cast<uint64_t>(e->base);
-        regions.push_back(std::move(d));
-      } catch (const Error& err) {
-        // Engines of this same process can still use the address directly.
-        SLUICE_LOG(kInfo, "nvlink: region " << e->id << " is not shareable: " << err.what());
-        auto addr = reinterpret_cast<uint64_t>(e->base);
-        regions.push_back({{"id", e->id}, {"addr", addr}, {"base", addr}, {"offset", 0}, {"base_size", e->length},
-                           {"device", e->location.device}, {"kind", "none"}, {"why", err.what()}});
-      }
-    }
-    return {{"pid", static_cast<int>(::getpid())}, {"devices", cu::device_count()}, {"regions", regions}};
-  }
+  // No pid, no handles, no addresses: a peer learns about our memory only after proving itself.
+  nlohmann::json local_address() const override { return {{"socket", service_.name()}, {"devices", cu::device_count()}}; }
+
   bool can_reach(const EngineInfo& peer, std::string* why) override {
     if (peer.host_id != host_id_) {
       *why = "the peer is on another host";
       return false;
     }
     const auto& a = peer.transports.at("nvlink");
-    if (a.value("devices", 0) <= 0) {
+    auto devices = a.find("devices");
+    if (devices == a.end() || !devices->is_number_integer() || devices->get<int64_t>() <= 0) {
       *why = "the peer has no CUDA device";
       return false;
     }
-    return true;
+    std::string name = string_field(a, "socket");
+    if (name.empty()) {
+      *why = "the peer's nvlink address names no same-host socket";
+      return false;
+    }
+    if (name == service_.name()) {
+      *why = "the peer's same-host socket is this engine's own";
+      return false;
+    }
+    try {
+      net::Socket s = same_host::connect(name);
+      (void)same_host::peer_cred(s.fd());
+      same_host::send(s.fd(), {{"op", "probe"}});
+      nlohmann::json r = same_host::recv(s.fd(), same_host::Clock::now() + std::chrono::seconds(2));
+      if (string_field(r, "engine") != peer.engine_id) {
+        *why = "the same-host socket named in the peer's info is served by another engine";
+        return false;
+      }
+      return true;
+    } catch (const Error& e) {
+      *why = e.what();
+      SLUICE_LOG(kInfo, "nvlink: " << *why << "; trying the next transport");
+      return false;
+    }
   }
+
   std::shared_ptr<TransportEndpoint> create_endpoint(const EndpointSetup& setup) override {
-    return std::make_shared<NvlinkEndpoint>(setup);
+    auto it = setup.peer.transports.find("nvlink");
+    std::string name = it == setup.peer.transports.end() ? std::string() : string_field(it->second, "socket");
+    if (name.empty()) throw Error(ErrorCode::kProtocol, "nvlink: the peer's info names no same-host socket");
+    auto ep = std::make_shared<NvlinkEndpoint>(setup, *this, name);
+    std::lock_guard<std::mutex> lk(mu_);
+    (setup.active ? active_ : passive_)[setup.token] = ep;
+    return ep;
+  }
+
+  // NvlinkHost
+  const Registry& registry() const override { return *registry_; }
+  const std::string& engine_id() const override { return engine_id_; }
+  int lease_fd() const override { return registry_->leases().ok() ? registry_->leases().memfd() : -1; }
+  void forget(uint64_t token) override {
+    std::lock_guard<std::mutex> lk(mu_);
+    for (auto* m : {&active_, &passive_}) {
+      auto it = m->find(token);
+      if (it != m->end() && it->second.expired()) m->erase(it);
+    }
+    for (auto* m : {&active_, &passive_}) std::erase_if(*m, [](auto& kv) { return kv.second.expired(); });
   }
 
  private:
+  std::shared_ptr<NvlinkEndpoint> find(uint64_t token, bool passive) {
+    std::lock_guard<std::mutex> lk(mu_);
+    auto& m = passive ? passive_ : active_;
+    auto it = m.find(token);
+    return it == m.end() ? nullptr : it->second.lock();
+  }
+
+  // One request on our socket, from the process the kernel named in `cred`; a refusal is
+  // answered with its reason.
+  void serve(net::Socket sock, const same_host::PeerCred& cred, const nlohmann::json& req, int fd) {
+    FdGuard guard{fd};
+    try {
+      handle(sock, cred, req, guard);
+    } catch (const Error& e) {
+      SLUICE_LOG(kDebug, "nvlink: refused a same-host request: " << e.what());
+      if (!sock.valid()) return;
+      try {
+        same_host::send(sock.fd(), {{"error", e.what()}, {"code", static_cast<int>(e.code())}});
+      } catch (const Error&) {
+      }
+    }
+  }
+
+  void handle(net::Socket& sock, const same_host::PeerCred& cred, const nlohmann::json& req, FdGuard& guard) {
+    std::string op = string_field(req, "op");
+    if (op == "probe") {
+      same_host::send(sock.fd(), {{"engine", engine_id_}});
+      return;
+    }
+    auto token_it = req.find("token");
+    if (token_it == req.end() || !token_it->is_number_unsigned())
+      throw Error(ErrorCode::kProtocol, "same-host request without an unsigned 'token'");
+    const uint64_t token = token_it->get<uint64_t>();
+    if (op == "auth") {
+      // The token of one of our own active endpoints means the connection loops back into this
+      // engine (a peer's info named our own socket): never serve ourselves as a peer.
+      if (find(token, /*passive=*/false)) throw Error(ErrorCode::kProtocol, "the connection loops back into this engine");
+      auto ep = find(token, /*passive=*/true);
+      if (!ep) throw Error(ErrorCode::kProtocol, "no endpoint is waiting for this token");
+      ep->authenticate(sock, cred, std::exchange(guard.fd, -1), string_field(req, "engine"));
+      return;
+    }
+    if (op == "describe") {
+      auto to_passive = req.find("to_passive");
+      auto region = req.find("region");
+      if (to_passive == req.end() || !to_passive->is_boolean() || region == req.end() || !region->is_number_unsigned())
+        throw Error(ErrorCode::kProtocol, "describe needs a boolean 'to_passive' and an unsigned 'region'");
+      auto ep = find(token, to_passive->get<bool>());
+      if (!ep) throw Error(ErrorCode::kProtocol, "no endpoint for this token");
+      int xfd = -1;
+      nlohmann::json d = ep->describe_local(region->get<uint64_t>(), cred, &xfd);
+      FdGuard xguard{xfd};
+      same_host::send(sock.fd(), d, xfd);
+      return;
+    }
+    throw Error(ErrorCode::kProtocol, "unknown same-host request '" + op + "'");
+  }
+
   std::string host_id_;
+  std::string engine_id_;
   const Registry* registry_;
+  same_host::Service service_;
+  std::mutex mu_;
+  std::unordered_map<uint64_t, std::weak_ptr<NvlinkEndpoint>> active_, passive_;
 };
 
 }  // namespace
@@ -717,7 +1183,12 @@ SLUICE_REGISTER_TRANSPORT(nvlink, "nvlink", [](const EngineContext& ctx, std::st
     return nullptr;
   }
   if (cu::device_count(why) == 0) return nullptr;
-  return std::make_unique<NvlinkTransport>(ctx);
+  try {
+    return std::make_unique<NvlinkTransport>(ctx);
+  } catch (const Error& e) {
+    *why = e.what();
+    return nullptr;
+  }
 });
 
 }  // namespace sluice::detail

@@ -87,23 +87,17 @@ ShmEndpoint::~ShmEndpoint() { close({ErrorCode::kCancelled, "endpoint destroyed"
 void ShmEndpoint::connect(const ChannelOpener& open) {
   // Prove ourselves on the peer's same-host socket first and learn, from the kernel, which
   // process answers; only then ask the listener to complete the endpoint.
-  auto deadline = same_host::Clock::now() + timeout_;
-  net::Socket sock = same_host::connect(peer_socket_);
-  same_host::PeerCred cred = same_host::peer_cred(sock.fd());
-  same_host::send(sock.fd(), {{"op", "auth"}, {"token", token_}, {"engine", host_.engine_id()}}, host_.lease_fd());
-  int fd = -1;
-  nlohmann::json reply = same_host::recv(sock.fd(), deadline, &fd);
-  FdGuard guard{fd};
-  if (reply.contains("error"))
-    throw Error(ErrorCode::kRemoteError, "shm: the peer refused us on its same-host socket: " + reply["error"].dump());
+  same_host::Proof proof = same_host::prove(peer_socket_, token_, host_.engine_id(), host_.lease_fd(), "",
+                                            same_host::Clock::now() + timeout_, "shm");
+  FdGuard guard{proof.lease_fd};
   {
     std::lock_guard<std::mutex> lk(map_mu_);
-    if (fd < 0 || !same_host::is_memfd(fd, sizeof(LeaseSlot)) || !leases_.map_fd(fd))
+    if (!leases_.map_fd(proof.lease_fd))
       throw Error(ErrorCode::kProtocol, "shm: the peer did not pass a lease table (a memfd) on its same-host socket");
   }
-  pid_ = cred.pid;
+  pid_ = proof.cred.pid;
   authenticated_ = true;
-  install(std::move(sock));
+  install(std::move(proof.sock));
   open(0, nlohmann::json::object());
 }
 
@@ -161,12 +155,10 @@ Status ShmEndpoint::remote(uint64_t id, RemoteRegion* out) {
     }
   }
   try {
-    net::Socket sock = same_host::connect(peer_socket_);
-    if (same_host::peer_cred(sock.fd()).pid != pid_.load())
-      return {ErrorCode::kPeerLost, "shm: the peer's same-host socket is now served by another process"};
-    same_host::send(sock.fd(), {{"op", "describe"}, {"token", token_}, {"to_passive", active_}, {"region", id}});
     int fd = -1;
-    nlohmann::json r = same_host::recv(sock.fd(), same_host::Clock::now() + timeout_, &fd);
+    nlohmann::json r = same_host::ask(peer_socket_, pid_.load(),
+                                      {{"op", "describe"}, {"token", token_}, {"to_passive", active_}, {"region", id}},
+                                      same_host::Clock::now() + timeout_, &fd);
     FdGuard guard{fd};
     if (r.contains("error"))
       return {ErrorCode::kUnknownHandle, "peer region " + std::to_string(id) + ": " + r["error"].get<std::string>()};
