@@ -506,17 +506,20 @@ void EngineImpl::watchdog() {
         ++it;
       }
     }
-    // Failed endpoints give back their transport (sockets, threads) now, not when someone
-    // calls close(): those still waiting for accept() are dropped (a passive engine that
-    // never accepts would otherwise keep every closed peer), and those the user holds stay
-    // valid objects that report their failure.
+    // Failed endpoints are not kept: those still waiting for accept() are closed and dropped
+    // (a passive engine that never accepts would otherwise keep every closed peer's sockets),
+    // and the engine lets go of those the user holds, so that they are released when the user
+    // drops them, close() or not; they stay valid objects that report their failure.
+    // Only the unaccepted ones are closed here: a user may be closing its own concurrently,
+    // and transport close() is not safe to run twice at once on this branch (issue 18 class
+    // 2 makes EndpointImpl::close idempotent; with it, `held` can be closed here too).
     std::vector<std::shared_ptr<EndpointImpl>> dead;
-    std::erase_if(accept_queue_, [](auto& e) { return !e->connected(); });
-    std::erase_if(endpoints_, [&](auto& e) {
+    std::erase_if(accept_queue_, [&](auto& e) {
       if (e->connected()) return false;
       dead.push_back(e);
       return true;
     });
+    std::erase_if(endpoints_, [](auto& e) { return !e->connected(); });
     auto eps = endpoints_;
     lk.unlock();
     for (auto& ep : stale) {
