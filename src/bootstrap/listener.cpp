@@ -4,6 +4,8 @@
 #include <poll.h>
 #include <unistd.h>
 
+#include <cerrno>
+#include <system_error>
 #include <utility>
 
 #include "core/log.hpp"
@@ -70,7 +72,12 @@ void Listener::loop() {
     reap(false);
     if (rc <= 0 || (fds[1].revents & POLLIN)) continue;
     net::Socket conn = net::accept_tcp(sock_.fd());
-    if (!conn.valid()) continue;
+    if (!conn.valid()) {
+      // Out of descriptors: the pending connection keeps the socket readable; back off
+      // instead of spinning until handshakes in flight finish.
+      if (errno == EMFILE || errno == ENFILE) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      continue;
+    }
     if (active_.load() >= max_handshakes_) {
       // Closing at once (rather than queueing) keeps both threads and descriptors bounded;
       // an honest peer sees a reset and retries.
@@ -85,15 +92,22 @@ void Listener::loop() {
     std::lock_guard<std::mutex> lk(mu_);
     workers_.emplace_back();
     Worker& w = workers_.back();
-    w.thread = std::thread([this, &w, s = std::move(conn)]() mutable {
-      try {
-        handler_(std::move(s));
-      } catch (const std::exception& e) {
-        SLUICE_LOG(kWarn, "listener: dropped a connection: " << e.what());
-      }
+    try {
+      w.thread = std::thread([this, &w, s = std::move(conn)]() mutable {
+        try {
+          handler_(std::move(s));
+        } catch (const std::exception& e) {
+          SLUICE_LOG(kWarn, "listener: dropped a connection: " << e.what());
+        }
+        active_.fetch_sub(1);
+        w.done.store(true);
+      });
+    } catch (const std::system_error& e) {
+      // No thread for it (resource limit): the connection is closed, the listener goes on.
       active_.fetch_sub(1);
-      w.done.store(true);
-    });
+      workers_.pop_back();
+      SLUICE_LOG(kWarn, "listener: cannot start a handshake thread: " << e.what());
+    }
   }
 }
 
