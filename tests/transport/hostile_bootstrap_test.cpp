@@ -494,3 +494,66 @@ TEST_F(HostileBootstrap, PortProbesDoNotWarn) {
   EXPECT_NE(log.find("missing field 'info'"), std::string::npos) << "a genuine refusal was not logged:\n" << log;
   EXPECT_LE(lines, 2u) << "refusals were not rate limited:\n" << log;
 }
+
+namespace {
+// Copies bytes both ways between a and b until either side closes or `stop` is set.
+void pipe_both_ways(int a, int b, const std::atomic<bool>& stop) {
+  char buf[64 << 10];
+  while (!stop) {
+    pollfd p[2] = {{a, POLLIN, 0}, {b, POLLIN, 0}};
+    if (::poll(p, 2, 50) <= 0) continue;
+    for (int i = 0; i < 2; ++i) {
+      if (!(p[i].revents & (POLLIN | POLLHUP | POLLERR))) continue;
+      ssize_t n = ::recv(p[i].fd, buf, sizeof(buf), MSG_DONTWAIT);
+      if (n == 0 || (n < 0 && errno != EAGAIN && errno != EINTR)) return;
+      if (n > 0 && !write_all(p[1 - i].fd, buf, static_cast<size_t>(n))) return;
+    }
+  }
+}
+}  // namespace
+
+TEST_F(HostileBootstrap, ConnectAndRefreshUseTheDialedAddress) {
+  // The peer is reached through a front address (a relay); its INFO replies name a third
+  // party as its listen address. Hello, channels and refresh_remote_regions() must all go
+  // through the address we dialed, and the third party must never hear from us.
+  start(config_);
+  std::vector<uint8_t> vbuf(4096, 0);
+  victim_->register_memory(vbuf.data(), vbuf.size(), Location::host(), "v");
+  RawListener third([](net::Socket) {});
+  std::atomic<bool> stop{false};
+  RawListener front([&](net::Socket c) {
+    try {
+      net::Socket up = dial();
+      net::set_io_timeout(c.fd(), 5s);
+      auto [kind, body] = boot::recv_msg(c.fd());
+      boot::send_msg(up.fd(), kind, body);
+      if (kind != boot::MsgKind::kInfo) {
+        pipe_both_ways(c.fd(), up.fd(), stop);
+        return;
+      }
+      json reply = boot::expect_reply(up.fd(), "relay");
+      reply["info"]["listen"] = "127.0.0.1:" + std::to_string(third.port());
+      boot::send_msg(c.fd(), boot::MsgKind::kReply, reply);
+    } catch (const Error&) {
+    }
+  });
+  {
+    Engine client(engine_config("tcp", 2, 10s));
+    std::vector<uint8_t> buf(4096, 9);
+    auto h = client.register_memory(buf.data(), buf.size());
+    Endpoint ep = client.connect("127.0.0.1:" + std::to_string(front.port()));
+    auto rv = ep.remote_region("v");
+    ASSERT_TRUE(rv.has_value());
+    ASSERT_TRUE(ep.write({{h, 0, *rv, 0, 4096}}).wait().ok());
+    EXPECT_EQ(vbuf, buf);
+    std::vector<uint8_t> wbuf(4096, 0);
+    victim_->register_memory(wbuf.data(), wbuf.size(), Location::host(), "w");
+    ep.refresh_remote_regions();
+    EXPECT_TRUE(ep.remote_region("w").has_value());
+    ep.close();
+  }
+  stop = true;
+  std::this_thread::sleep_for(100ms);
+  EXPECT_EQ(third.accepted(), 0) << "connect or refresh followed the peer's advertised listen address";
+  victim_->close();  // before vbuf and wbuf go away
+}
