@@ -47,8 +47,8 @@ void EndpointImpl::refresh() {
   uint16_t port;
   {
     std::lock_guard<std::mutex> lk(peer_mu_);
-    host = peer_.listen_host;
-    port = peer_.listen_port;
+    host = dial_host_.empty() ? peer_.listen_host : dial_host_;
+    port = dial_host_.empty() ? peer_.listen_port : dial_port_;
   }
   set_peer(engine_->query_info(host, port, engine_->config().connect_timeout));
 }

@@ -38,6 +38,13 @@ class EndpointImpl final : public EndpointEvents, public std::enable_shared_from
   std::vector<RegionInfo> remote_regions() const;
   void set_peer(EngineInfo peer);
   void refresh();
+  // The listener this side dialed; refresh() asks it, never the "listen" address a peer's
+  // info names (a hostile peer could name a third party).
+  void set_dial_address(std::string host, uint16_t port) {
+    std::lock_guard<std::mutex> lk(peer_mu_);
+    dial_host_ = std::move(host);
+    dial_port_ = port;
+  }
 
   const std::string& transport_name() const { return transport_name_; }
   int channels() const { return channels_; }
@@ -72,6 +79,8 @@ class EndpointImpl final : public EndpointEvents, public std::enable_shared_from
   mutable std::mutex peer_mu_;
   EngineInfo peer_;
   std::unordered_map<uint64_t, PeerRegion> remote_;
+  std::string dial_host_;  // empty: an accepted endpoint, refresh() asks the peer's listener
+  uint16_t dial_port_ = 0;
 
   std::chrono::microseconds busy_wait_{0};
   std::mutex send_mu_;  // orders sequence numbering with hand-over to the transport

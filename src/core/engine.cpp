@@ -6,6 +6,7 @@
 #include <cstring>
 #include <fstream>
 #include <sstream>
+#include <tuple>
 
 #include "bootstrap/messages.hpp"
 #include "core/device_hooks.hpp"
@@ -95,7 +96,8 @@ EngineImpl::EngineImpl(EngineConfig config) : config_(EngineConfig::from_env(std
 EngineImpl::~EngineImpl() { close(); }
 
 void EngineImpl::start() {
-  listener_.start(config_.listen_host, config_.listen_port, [this](net::Socket s) { handle_connection(std::move(s)); });
+  listener_.start(config_.listen_host, config_.listen_port, [this](net::Socket s) { handle_connection(std::move(s)); },
+                  config_.max_handshakes);
   watchdog_ = std::thread([this] { watchdog(); });
   SLUICE_LOG(kInfo, "engine " << engine_id_ << " listening on " << listen_address());
 }
@@ -164,8 +166,15 @@ std::vector<std::string> EngineImpl::transport_names() const {
 }
 
 MemoryHandle EngineImpl::register_memory(void* ptr, uint64_t length, Location location, const std::string& name) {
-  if (!location.is_host() && ptr && length)
-    if (auto* hooks = device_memory_hooks()) hooks->check(ptr, length, location.device);
+  if (!location.is_host()) {
+    // Without device support nothing could move this memory; accepting it would publish a
+    // region no transport can serve.
+    auto* hooks = device_memory_hooks();
+    if (!hooks)
+      throw Error(ErrorCode::kUnsupported,
+                  "register_memory: " + location.to_string() + " memory needs the CUDA build (no device support here)");
+    if (ptr && length) hooks->check(ptr, length, location.device);
+  }
   return registry_.add(ptr, length, location, name);
 }
 
@@ -253,12 +262,19 @@ Transport* EngineImpl::choose_transport(const EngineInfo& peer, const std::strin
 }
 
 EngineInfo EngineImpl::query_info(const std::string& host, uint16_t port, std::chrono::milliseconds timeout) {
-  net::Socket s = net::connect_tcp(host, port, timeout);
-  net::set_io_timeout(s.fd(), timeout);
-  bootstrap::send_msg(s.fd(), MsgKind::kInfo, json::object());
-  json reply = bootstrap::expect_reply(s.fd(), "info query");
-  if (!reply.contains("info")) throw Error(ErrorCode::kProtocol, "info reply without 'info'");
-  return EngineInfo::from_json(reply["info"]);
+  Exchange x = open_exchange(host, port, timeout);
+  bootstrap::send_msg(x.sock.fd(), MsgKind::kInfo, json::object(), x.deadline);
+  json reply = bootstrap::expect_reply(x.sock.fd(), "info query", x.deadline);
+  return EngineInfo::from_json(bootstrap::require_object(reply, "info", "info reply"));
+}
+
+EngineImpl::Exchange EngineImpl::open_exchange(const std::string& host, uint16_t port, std::chrono::milliseconds timeout) {
+  // One absolute deadline for the whole exchange (connect, request, reply): a peer that
+  // trickles its reply cannot stretch it the way a per-recv() timeout could be.
+  Exchange x;
+  x.deadline = bootstrap::Clock::now() + timeout;
+  x.sock = net::connect_tcp(host, port, timeout);
+  return x;
 }
 
 std::shared_ptr<EndpointImpl> EngineImpl::connect(const std::string& target, const ConnectOptions& options) {
@@ -268,6 +284,11 @@ std::shared_ptr<EndpointImpl> EngineImpl::connect(const std::string& target, con
   }
   auto timeout = options.timeout.value_or(config_.connect_timeout);
   EngineInfo peer;
+  // Hello and channels go to the listener we dialed: the address the user gave, or the blob's.
+  // A peer's INFO reply could name any third party as its "listen" address, and we would send
+  // it our full info.
+  std::string host;
+  uint16_t port = 0;
   auto first = target.find_first_not_of(" \t\r\n");
   if (first != std::string::npos && target[first] == '{') {
     try {
@@ -275,8 +296,10 @@ std::shared_ptr<EndpointImpl> EngineImpl::connect(const std::string& target, con
     } catch (const Error& e) {
       throw Error(ErrorCode::kInvalidArgument, std::string("connect: not a valid engine info blob: ") + e.what());
     }
+    host = peer.listen_host;
+    port = peer.listen_port;
   } else {
-    auto [host, port] = split_host_port(target);
+    std::tie(host, port) = split_host_port(target);
     peer = query_info(host, port, timeout);
   }
   if (peer.engine_id == engine_id_)
@@ -285,31 +308,35 @@ std::shared_ptr<EndpointImpl> EngineImpl::connect(const std::string& target, con
   const uint64_t token = random_u64();
   const int channels = config_.channels;
   auto ep = std::make_shared<EndpointImpl>(shared_from_this(), t, peer, token, channels);
+  ep->set_dial_address(host, port);
   EndpointSetup setup{true, token, channels, peer, ep.get(), config_};
   ep->set_transport(t->create_endpoint(setup));
 
-  const std::string host = peer.listen_host;
-  const uint16_t port = peer.listen_port;
-  {
-    net::Socket s = net::connect_tcp(host, port, timeout);
-    net::set_io_timeout(s.fd(), timeout);
-    bootstrap::send_msg(s.fd(), MsgKind::kHello,
-                        {{"info", info().to_json()}, {"token", token}, {"transport", t->name()}, {"channels", channels}});
-    json reply = bootstrap::expect_reply(s.fd(), "hello");
-    if (reply.contains("info")) ep->set_peer(EngineInfo::from_json(reply["info"]));
-  }
   auto opener = [&, name = t->name()](int index, const json& hello) {
-    net::Socket s = net::connect_tcp(host, port, timeout);
-    net::set_io_timeout(s.fd(), timeout);
+    Exchange x = open_exchange(host, port, timeout);
+    // The transport's own socket I/O after the attach uses the socket's timeout.
+    net::set_io_timeout(x.sock.fd(), timeout);
     json body = hello;
     body["token"] = token;
     body["index"] = index;
     body["transport"] = name;
-    bootstrap::send_msg(s.fd(), MsgKind::kChannel, body);
-    json reply = bootstrap::expect_reply(s.fd(), "channel attach");
-    return std::make_pair(std::move(s), std::move(reply));
+    bootstrap::send_msg(x.sock.fd(), MsgKind::kChannel, body, x.deadline);
+    json reply = bootstrap::expect_reply(x.sock.fd(), "channel attach", x.deadline);
+    return std::make_pair(std::move(x.sock), std::move(reply));
   };
   try {
+    {
+      Exchange x = open_exchange(host, port, timeout);
+      bootstrap::send_msg(
+          x.sock.fd(), MsgKind::kHello,
+          {{"info", info().to_json()}, {"token", token}, {"transport", t->name()}, {"channels", channels}}, x.deadline);
+      json reply = bootstrap::expect_reply(x.sock.fd(), "hello", x.deadline);
+      EngineInfo replied = EngineInfo::from_json(bootstrap::require_object(reply, "info", "hello reply"));
+      if (replied.engine_id != peer.engine_id)
+        throw Error(ErrorCode::kProtocol, "hello reply comes from engine '" + replied.engine_id + "', expected '" +
+                                              peer.engine_id + "' at " + host + ":" + std::to_string(port));
+      ep->set_peer(std::move(replied));
+    }
     ep->transport().connect(opener);
   } catch (...) {
     ep->close({ErrorCode::kCancelled, "connect failed"});
@@ -321,7 +348,7 @@ std::shared_ptr<EndpointImpl> EngineImpl::connect(const std::string& target, con
     throw Error(ErrorCode::kClosed, "connect: engine closed while connecting");
   }
   endpoints_.push_back(ep);
-  SLUICE_LOG(kInfo, "connected to " << peer.engine_id << " at " << peer.listen_address() << " over " << t->name()
+  SLUICE_LOG(kInfo, "connected to " << peer.engine_id << " at " << host << ":" << port << " over " << t->name()
                                     << " with " << channels << " channel(s)");
   return ep;
 }
@@ -342,19 +369,31 @@ void EngineImpl::forget(EndpointImpl* ep) {
 }
 
 void EngineImpl::handle_connection(net::Socket sock) {
+  // The whole request must arrive before one deadline; the replies we send share it.
+  auto deadline = bootstrap::Clock::now() + config_.connect_timeout;
   net::set_io_timeout(sock.fd(), config_.connect_timeout);
   std::pair<MsgKind, json> msg;
   try {
-    msg = bootstrap::recv_msg(sock.fd());
+    bool silent = false;
+    try {
+      msg = bootstrap::recv_msg(sock.fd(), deadline, config_.max_handshake_bytes, &silent);
+    } catch (const Error&) {
+      // A connection closed before its first byte is a port probe or health check.
+      if (silent) {
+        SLUICE_LOG(kDebug, "listener: a connection closed without sending anything (port probe?)");
+        return;
+      }
+      throw;
+    }
   } catch (const Error& e) {
-    SLUICE_LOG(kWarn, "listener: refused a connection: " << e.what());
+    refused("refused a connection", e.what());
     if (e.code() == ErrorCode::kProtocol) bootstrap::send_error(sock.fd(), static_cast<int>(e.code()), e.what());
     return;
   }
   try {
     switch (msg.first) {
       case MsgKind::kInfo:
-        bootstrap::send_msg(sock.fd(), MsgKind::kReply, {{"info", info().to_json()}});
+        bootstrap::send_msg(sock.fd(), MsgKind::kReply, {{"info", info().to_json()}}, deadline);
         return;
       case MsgKind::kHello:
         handle_hello(sock, msg.second);
@@ -366,55 +405,79 @@ void EngineImpl::handle_connection(net::Socket sock) {
         throw Error(ErrorCode::kProtocol, "unexpected bootstrap message kind " + std::to_string(int(msg.first)));
     }
   } catch (const Error& e) {
-    SLUICE_LOG(kWarn, "listener: refused a peer request: " << e.what());
+    refused("refused a peer request", e.what());
     if (sock.valid()) bootstrap::send_error(sock.fd(), static_cast<int>(e.code()), e.what());
   } catch (const std::exception& e) {
-    SLUICE_LOG(kWarn, "listener: refused a malformed peer request: " << e.what());
+    refused("refused a malformed peer request", e.what());
     if (sock.valid()) bootstrap::send_error(sock.fd(), static_cast<int>(ErrorCode::kProtocol), e.what());
   }
 }
 
+void EngineImpl::refused(const char* what, const std::string& why) {
+  // Every refusal is worth a line, but a flood of hostile connections must not flood the log.
+  uint64_t held = 0;
+  if (refusal_log_.allow(&held))
+    SLUICE_LOG(kWarn, "listener: " << what << ": " << why
+                                   << (held ? " (" + std::to_string(held) + " more refusals since the last report)"
+                                            : std::string()));
+  else
+    SLUICE_LOG(kDebug, "listener: " << what << ": " << why);
+}
+
 void EngineImpl::handle_hello(net::Socket& sock, const json& body) {
-  if (!body.contains("info") || !body.contains("token") || !body.contains("transport") || !body.contains("channels"))
-    throw Error(ErrorCode::kProtocol, "hello is missing fields");
-  EngineInfo peer = EngineInfo::from_json(body["info"]);
-  uint64_t token = body["token"].get<uint64_t>();
-  std::string name = body["transport"].get<std::string>();
-  int channels = body["channels"].get<int>();
-  if (channels < 1 || channels > 64) throw Error(ErrorCode::kProtocol, "hello asks for " + std::to_string(channels) + " channels");
+  using bootstrap::require_u64;
+  EngineInfo peer = EngineInfo::from_json(bootstrap::require_object(body, "info", "hello"));
+  uint64_t token = require_u64(body, "token", "hello");
+  std::string name = bootstrap::require_string(body, "transport", "hello", 64);
+  int channels = static_cast<int>(bootstrap::require_int(body, "channels", "hello", 1, 64));
   Transport* t = find_transport(name);
   if (!t) throw Error(ErrorCode::kUnsupported, "transport '" + name + "' is not running in engine " + engine_id_);
+  {
+    // Checked before the endpoint (and its transport resources) exist, and again below.
+    std::lock_guard<std::mutex> lk(mu_);
+    check_accept_room();
+  }
   auto ep = std::make_shared<EndpointImpl>(shared_from_this(), t, peer, token, channels);
   EndpointSetup setup{false, token, channels, peer, ep.get(), config_};
   ep->set_transport(t->create_endpoint(setup));
   {
     std::lock_guard<std::mutex> lk(mu_);
     if (closed_) throw Error(ErrorCode::kClosed, "engine is closing");
-    if (passive_.count(token)) throw Error(ErrorCode::kProtocol, "endpoint token reused");
+    if (passive_.count(token)) throw Error(ErrorCode::kProtocol, "hello: endpoint token reused");
+    check_accept_room();
     passive_[token] = {ep, std::chrono::steady_clock::now()};
   }
   bootstrap::send_msg(sock.fd(), MsgKind::kReply, {{"info", info().to_json()}});
 }
 
+void EngineImpl::check_accept_room() const {
+  // Half-open endpoints count too: each holds transport resources until it is accepted.
+  size_t waiting = accept_queue_.size() + passive_.size();
+  if (waiting >= static_cast<size_t>(std::max(config_.max_pending_accepts, 0)))
+    throw Error(ErrorCode::kRemoteError, "too many endpoints waiting for accept() (" + std::to_string(waiting) +
+                                             ", max_pending_accepts " +
+                                             std::to_string(config_.max_pending_accepts) + ")");
+}
+
 void EngineImpl::handle_channel(net::Socket& sock, const json& body) {
-  if (!body.contains("token") || !body.contains("index"))
-    throw Error(ErrorCode::kProtocol, "channel attach is missing fields");
-  uint64_t token = body["token"].get<uint64_t>();
-  int index = body["index"].get<int>();
+  uint64_t token = bootstrap::require_u64(body, "token", "channel attach");
+  uint64_t index = bootstrap::require_u64(body, "index", "channel attach");
   std::shared_ptr<EndpointImpl> ep;
   {
     std::lock_guard<std::mutex> lk(mu_);
     auto it = passive_.find(token);
     if (it != passive_.end()) ep = it->second.ep;
   }
-  if (!ep) throw Error(ErrorCode::kProtocol, "channel attach for an unknown endpoint");
-  if (index < 0 || index >= ep->channels()) throw Error(ErrorCode::kProtocol, "channel index out of range");
+  if (!ep) throw Error(ErrorCode::kProtocol, "channel attach: field 'token' names no endpoint awaiting channels");
+  if (index >= static_cast<uint64_t>(ep->channels()))
+    throw Error(ErrorCode::kProtocol, "channel attach: field 'index' must be 0.." + std::to_string(ep->channels() - 1) +
+                                          ", got " + std::to_string(index));
   // attach() owns the socket (and may close it) even when it throws: keep a duplicate so
   // that the refusal reaches the peer and never lands on a reused descriptor number.
   net::Socket reply(::dup(sock.fd()));
   bool ready = false;
   try {
-    ready = ep->transport().attach(index, std::move(sock), body);
+    ready = ep->transport().attach(static_cast<int>(index), std::move(sock), body);
   } catch (const Error& e) {
     if (reply.valid()) bootstrap::send_error(reply.fd(), static_cast<int>(e.code()), e.what());
     throw;
@@ -434,7 +497,6 @@ void EngineImpl::watchdog() {
   while (!closed_) {
     cv_.wait_for(lk, std::chrono::milliseconds(50));
     if (closed_) break;
-    auto eps = endpoints_;
     // A peer that said hello but never attached all its channels is dropped.
     std::vector<std::shared_ptr<EndpointImpl>> stale;
     auto now = std::chrono::steady_clock::now();
@@ -446,11 +508,29 @@ void EngineImpl::watchdog() {
         ++it;
       }
     }
+    // Failed endpoints are not kept: those still waiting for accept() are closed and dropped
+    // (a passive engine that never accepts would otherwise keep every closed peer's sockets),
+    // and the engine lets go of those the user holds, so that they are released when the user
+    // drops them, close() or not; they stay valid objects that report their failure.
+    // Only the unaccepted ones are closed here: a user may be closing its own concurrently,
+    // and transport close() is not safe to run twice at once on this branch (issue 18 class
+    // 2 makes EndpointImpl::close idempotent; with it, `held` can be closed here too).
+    std::vector<std::shared_ptr<EndpointImpl>> dead;
+    std::erase_if(accept_queue_, [&](auto& e) {
+      if (e->connected()) return false;
+      dead.push_back(e);
+      return true;
+    });
+    std::erase_if(endpoints_, [](auto& e) { return !e->connected(); });
+    auto eps = endpoints_;
     lk.unlock();
     for (auto& ep : stale) {
       SLUICE_LOG(kWarn, "dropped a half-open endpoint from " << ep->peer_engine_id() << ": its channels never arrived");
       ep->close({ErrorCode::kTimeout, "channels never arrived"});
     }
+    // close() keeps the endpoint's first failure as its status.
+    for (auto& ep : dead) ep->close({ErrorCode::kPeerLost, "endpoint failed"});
+    dead.clear();
     for (auto& ep : eps) ep->check_progress(config_.op_timeout);
     lk.lock();
   }

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "bootstrap/listener.hpp"
+#include "bootstrap/messages.hpp"
 #include "core/endpoint_impl.hpp"
 #include "core/engine_info.hpp"
 #include "core/registry.hpp"
@@ -44,6 +45,16 @@ class EngineImpl : public std::enable_shared_from_this<EngineImpl> {
   void forget(EndpointImpl* ep);
 
  private:
+  // A connection to a peer's listener and the absolute deadline of the exchange on it.
+  struct Exchange {
+    net::Socket sock;
+    bootstrap::Clock::time_point deadline;
+  };
+  Exchange open_exchange(const std::string& host, uint16_t port, std::chrono::milliseconds timeout);
+  // Logs a refused handshake: one warning per second at most, the rest at debug level.
+  void refused(const char* what, const std::string& why);
+  // Throws kRemoteError when max_pending_accepts endpoints already wait; needs mu_.
+  void check_accept_room() const;
   Transport* find_transport(const std::string& name) const;
   Transport* choose_transport(const EngineInfo& peer, const std::string& forced);
   void handle_connection(net::Socket sock);
@@ -70,6 +81,7 @@ class EngineImpl : public std::enable_shared_from_this<EngineImpl> {
   std::unordered_map<uint64_t, Passive> passive_;  // token -> said hello, channels not all attached
   std::deque<std::shared_ptr<EndpointImpl>> accept_queue_;
   std::thread watchdog_;
+  bootstrap::LogLimiter refusal_log_;
 };
 
 }  // namespace sluice::detail

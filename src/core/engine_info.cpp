@@ -1,5 +1,9 @@
 #include "core/engine_info.hpp"
 
+#include <climits>
+#include <string_view>
+
+#include "bootstrap/messages.hpp"
 #include "sluice/error.hpp"
 #include "sluice/version.hpp"
 
@@ -32,69 +36,89 @@ json EngineInfo::to_json() const {
 }
 
 namespace {
-template <typename T>
-T field(const json& j, const char* key, const char* where) {
-  auto it = j.find(key);
-  if (it == j.end())
-    throw Error(ErrorCode::kProtocol, std::string(where) + ": missing field '" + key + "'");
-  try {
-    return it->get<T>();
-  } catch (const std::exception&) {
-    throw Error(ErrorCode::kProtocol, std::string(where) + ": field '" + key + "' has the wrong type");
+
+using bootstrap::require_array;
+using bootstrap::require_int;
+using bootstrap::require_object;
+using bootstrap::require_string;
+using bootstrap::require_u64;
+
+// Device numbers a peer may name; CUDA hosts have far fewer, and an unbounded number would
+// only reach code that indexes per-device tables.
+constexpr int kMaxDevice = 1024;
+// A peer's transport table names a handful of transports.
+constexpr size_t kMaxTransports = 32;
+
+// Strictly "host", "cpu" or "cuda:N" (0 <= N < kMaxDevice, digits only).
+Location parse_location(const json& jr) {
+  std::string text = require_string(jr, "location", "region", 64);
+  if (text == "host" || text == "cpu") return Location::host();
+  std::string_view rest(text);
+  if (rest.substr(0, 5) == "cuda:" && rest.size() > 5 && rest.size() <= 9 &&
+      rest.substr(5).find_first_not_of("0123456789") == std::string_view::npos) {
+    int dev = std::stoi(std::string(rest.substr(5)));
+    if (dev < kMaxDevice) return Location::cuda(dev);
   }
+  throw Error(ErrorCode::kProtocol, "region: field 'location' must be \"host\", \"cpu\" or \"cuda:N\" with 0 <= N < " +
+                                        std::to_string(kMaxDevice) + ", got \"" + text + "\"");
 }
+
+PeerRegion region_from_json(const json& jr) {
+  if (!jr.is_object()) throw Error(ErrorCode::kProtocol, "engine info: a 'regions' entry is not an object");
+  PeerRegion r;
+  r.info.id = require_u64(jr, "id", "region");
+  r.info.addr = require_u64(jr, "addr", "region");
+  r.info.length = require_u64(jr, "length", "region", UINT64_MAX - r.info.addr);  // addr + length must not wrap
+  r.info.location = parse_location(jr);
+  r.info.name = require_string(jr, "name", "region");
+  if (jr.contains("lease")) r.lease_slot = static_cast<uint32_t>(require_u64(jr, "lease", "region", UINT32_MAX));
+  if (jr.contains("memfd")) {
+    r.memfd = static_cast<int>(require_int(jr, "memfd", "region", 0, INT32_MAX));
+    r.info.shareable = true;
+  }
+  return r;
+}
+
 }  // namespace
 
 EngineInfo EngineInfo::from_json(const json& j) {
   if (!j.is_object()) throw Error(ErrorCode::kProtocol, "engine info is not a JSON object");
+  const char* where = "engine info";
   EngineInfo e;
-  e.wire_version = field<int>(j, "sluice", "engine info");
+  e.wire_version = static_cast<int>(require_int(j, "sluice", where, 0, INT32_MAX));
   if (e.wire_version != kWireVersion)
     throw Error(ErrorCode::kProtocol, "engine info has wire version " + std::to_string(e.wire_version) +
                                           ", this build speaks " + std::to_string(kWireVersion));
-  e.engine_id = field<std::string>(j, "engine_id", "engine info");
-  e.host_id = field<std::string>(j, "host_id", "engine info");
-  e.pid = field<int>(j, "pid", "engine info");
+  e.engine_id = require_string(j, "engine_id", where, 256);
+  e.host_id = require_string(j, "host_id", where);
+  e.pid = static_cast<int>(require_int(j, "pid", where, 0, INT32_MAX));
+  std::string listen = require_string(j, "listen", where, 512);
   try {
-    auto [h, p] = split_host_port(field<std::string>(j, "listen", "engine info"));
+    auto [h, p] = split_host_port(listen);
     e.listen_host = h;
     e.listen_port = p;
   } catch (const Error& err) {
-    if (err.code() == ErrorCode::kProtocol) throw;
     throw Error(ErrorCode::kProtocol, std::string("engine info: field 'listen': ") + err.what());
   }
-  auto tr = field<json>(j, "transports", "engine info");
-  if (!tr.is_object()) throw Error(ErrorCode::kProtocol, "engine info: 'transports' is not an object");
-  for (auto it = tr.begin(); it != tr.end(); ++it) e.transports[it.key()] = it.value();
+  const json& tr = require_object(j, "transports", where);
+  if (tr.size() > kMaxTransports)
+    throw Error(ErrorCode::kProtocol, "engine info: field 'transports' lists " + std::to_string(tr.size()) +
+                                          " transports, at most " + std::to_string(kMaxTransports) + " expected");
+  for (auto it = tr.begin(); it != tr.end(); ++it) {
+    if (it.key().size() > 64) throw Error(ErrorCode::kProtocol, "engine info: a transport name is longer than 64 bytes");
+    e.transports[it.key()] = it.value();
+  }
   if (j.contains("leases")) {
-    auto l = field<json>(j, "leases", "engine info");
-    e.lease_memfd = field<int>(l, "memfd", "leases");
-    e.lease_slots = field<uint32_t>(l, "slots", "leases");
+    const json& l = require_object(j, "leases", where);
+    e.lease_memfd = static_cast<int>(require_int(l, "memfd", "leases", -1, INT32_MAX));
+    e.lease_slots = static_cast<uint32_t>(require_u64(l, "slots", "leases", UINT32_MAX));
   }
-  auto regs = field<json>(j, "regions", "engine info");
-  if (!regs.is_array()) throw Error(ErrorCode::kProtocol, "engine info: 'regions' is not an array");
-  for (const auto& jr : regs) {
-    PeerRegion r;
-    r.info.id = field<uint64_t>(jr, "id", "region");
-    r.info.addr = field<uint64_t>(jr, "addr", "region");
-    r.info.length = field<uint64_t>(jr, "length", "region");
-    try {
-      r.info.location = Location::parse(field<std::string>(jr, "location", "region"));
-    } catch (const Error& err) {
-      throw Error(ErrorCode::kProtocol, std::string("region: ") + err.what());
-    }
-    r.info.name = field<std::string>(jr, "name", "region");
-    if (jr.contains("lease")) r.lease_slot = field<uint32_t>(jr, "lease", "region");
-    if (jr.contains("memfd")) {
-      r.memfd = field<int>(jr, "memfd", "region");
-      r.info.shareable = true;
-    }
-    e.regions.push_back(std::move(r));
-  }
+  for (const auto& jr : require_array(j, "regions", where)) e.regions.push_back(region_from_json(jr));
   return e;
 }
 
 EngineInfo EngineInfo::parse(const std::string& text) {
+  bootstrap::check_json_depth(text, "engine info");
   json j = json::parse(text, nullptr, /*allow_exceptions=*/false);
   if (j.is_discarded()) throw Error(ErrorCode::kProtocol, "engine info is not valid JSON");
   return from_json(j);
