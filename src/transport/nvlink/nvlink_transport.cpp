@@ -1037,8 +1037,8 @@ class NvlinkEndpoint final : public TransportEndpoint, public StreamChannel::Han
 class NvlinkTransport final : public Transport, public NvlinkHost {
  public:
   explicit NvlinkTransport(const EngineContext& ctx) : host_id_(ctx.host_id), engine_id_(ctx.engine_id), registry_(ctx.registry) {
-    service_.start("sluice-nvl-" + engine_id_, [this](net::Socket s, const same_host::PeerCred& c, const nlohmann::json& r,
-                                                      int fd) { serve(std::move(s), c, r, fd); });
+    service_.start("sluice-nvl-" + engine_id_, [this](net::Socket& s, const same_host::PeerCred& c, const nlohmann::json& r,
+                                                      int fd) { serve(s, c, r, fd); });
   }
   ~NvlinkTransport() override { service_.stop(); }
 
@@ -1118,7 +1118,7 @@ class NvlinkTransport final : public Transport, public NvlinkHost {
 
   // One request on our socket, from the process the kernel named in `cred`; a refusal is
   // answered with its reason.
-  void serve(net::Socket sock, const same_host::PeerCred& cred, const nlohmann::json& req, int fd) {
+  void serve(net::Socket& sock, const same_host::PeerCred& cred, const nlohmann::json& req, int fd) {
     FdGuard guard{fd};
     try {
       handle(sock, cred, req, guard);
