@@ -82,7 +82,7 @@ TEST(SameHostProof, NeedsTheNamedEngineAndAMemfdLeaseTable) {
   std::atomic<int> pass_fd{memfd};
   std::string engine = "engine-b";
   sh::Service svc;
-  svc.start("sluice-test", [&](sluice::net::Socket s, const sh::PeerCred&, const nlohmann::json&, int fd) {
+  svc.start("sluice-test", [&](sluice::net::Socket& s, const sh::PeerCred&, const nlohmann::json&, int fd) {
     if (fd >= 0) ::close(fd);
     sh::send(s.fd(), {{"ok", true}, {"engine", engine}, {"pid", 1}}, pass_fd.load());
   });
