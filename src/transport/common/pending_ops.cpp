@@ -114,7 +114,11 @@ void PendingOps::progress_send(uint64_t seq) {
   if (it != sends_.end()) it->second.last = Clock::now();
 }
 
-size_t PendingOps::expire(Clock::time_point now, std::chrono::milliseconds timeout, std::string* what, bool fail) {
+size_t PendingOps::expire(Clock::time_point now, std::chrono::milliseconds timeout, std::string* what, bool fail,
+                          const Alive& alive) {
+  auto overdue = [&](const TransferOp* op, Clock::time_point last) {
+    return now - last >= timeout && !(alive && alive(op));
+  };
   std::vector<std::shared_ptr<TransferOp>> ops;
   std::vector<std::shared_ptr<MessageOp>> sends;
   Clock::duration worst{};
@@ -125,12 +129,12 @@ size_t PendingOps::expire(Clock::time_point now, std::chrono::milliseconds timeo
       size_t n = 0;
       OpKind kind = OpKind::kSend;
       for (const Slot& s : slots_)
-        if (s.op && now - s.last >= timeout) {
+        if (s.op && overdue(s.op.get(), s.last)) {
           if (n++ == 0 || now - s.last > worst) kind = s.op->kind;
           worst = std::max(worst, now - s.last);
         }
       for (const auto& [seq, s] : sends_)
-        if (now - s.last >= timeout) {
+        if (overdue(nullptr, s.last)) {
           ++n;
           worst = std::max(worst, now - s.last);
         }
@@ -143,14 +147,14 @@ size_t PendingOps::expire(Clock::time_point now, std::chrono::milliseconds timeo
     }
     for (uint32_t i = 0; i < slots_.size(); ++i) {
       Slot& s = slots_[i];
-      if (!s.op || now - s.last < timeout) continue;
+      if (!s.op || !overdue(s.op.get(), s.last)) continue;
       worst = std::max(worst, now - s.last);
       ops.push_back(std::move(s.op));
       free_.push_back(i);
       count_.fetch_sub(1, std::memory_order_relaxed);
     }
     for (auto it = sends_.begin(); it != sends_.end();) {
-      if (now - it->second.last < timeout) {
+      if (!overdue(nullptr, it->second.last)) {
         ++it;
         continue;
       }

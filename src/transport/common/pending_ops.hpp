@@ -4,6 +4,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -46,8 +47,12 @@ class PendingOps {
   // describes the first one failed. With fail=false nothing is failed, only counted: for a
   // transport that must stop its threads (which may still write into an op's memory) before
   // any op completes; it then fails everything through fail_all().
+  // `alive` (optional, called under the table's lock for ops past their own deadline only;
+  // nullptr stands for a send) may spare an op that waits behind work that is moving: a
+  // transport whose answers come in order per channel passes "its channel is answering".
+  using Alive = std::function<bool(const TransferOp*)>;
   size_t expire(Clock::time_point now, std::chrono::milliseconds timeout, std::string* what = nullptr,
-                bool fail = true);
+                bool fail = true, const Alive& alive = {});
 
  private:
   // Ops live in reusable slots (no allocation or hashing per op). A token is the slot's index

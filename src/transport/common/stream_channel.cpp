@@ -178,7 +178,9 @@ bool StreamChannel::write_frames(std::vector<OutFrame>& frames, bool nonblocking
       uint64_t take = std::min(left, total - f.sent);
       f.sent += take;
       left -= take;
-      if (!f.response) handler_->on_frame_sent(f.hdr);
+      // Frames the caller's thread writes at once left right after their op was added (which
+      // stamped it): only the writer thread, draining a backlog, reports progress.
+      if (!nonblocking && !f.response) handler_->on_frame_sent(*this, f.hdr);
       if (f.sent == total) {
         f.keep.reset();
         ++first;

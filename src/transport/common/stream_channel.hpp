@@ -59,7 +59,7 @@ class StreamChannel {
     virtual void on_channel_down(StreamChannel& ch, const Status& why) = 0;
     // Bytes of frame `h` (one of ours) were accepted by the socket: per-op progress. Called
     // on whichever thread writes, at most once per frame per write call.
-    virtual void on_frame_sent(const FrameHeader& h) {}
+    virtual void on_frame_sent(StreamChannel& ch, const FrameHeader& h) {}
   };
 
   StreamChannel(net::Socket sock, Handler* handler, int index);

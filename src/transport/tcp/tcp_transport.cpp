@@ -44,6 +44,9 @@ struct ImmProgress {
 constexpr size_t kMaxImmInProgress = 1 << 16;
 // An unexpected message's buffer grows by at most this much ahead of the bytes that arrived.
 constexpr uint64_t kStashChunk = 1 << 20;
+// Read responses at least this large stamp their op's progress before their payload lands
+// (smaller ones complete or stamp right after it).
+constexpr uint64_t kStampBytes = 64 << 10;
 
 class TcpEndpoint final : public TransportEndpoint, public StreamChannel::Handler {
  public:
@@ -51,6 +54,7 @@ class TcpEndpoint final : public TransportEndpoint, public StreamChannel::Handle
       : events_(s.events),
         nchan_(s.channels),
         max_queued_(static_cast<size_t>(std::max(1, s.config.max_queued_responses))),
+        answered_(new std::atomic<Clock::rep>[s.channels]),
         channels_(s.channels),
         reads_(s.channels),
         read_mu_(s.channels) {}
@@ -173,7 +177,18 @@ class TcpEndpoint final : public TransportEndpoint, public StreamChannel::Handle
                     std::string* what) override {
     // Counted, not failed here: the endpoint then fails and close() stops the channel
     // threads (which may be landing a read response in an op's memory) before failing ops.
-    size_t n = pending_.expire(now, timeout, what, /*fail=*/false);
+    // An op past its own deadline is spared while a channel it uses keeps answering our
+    // requests: answers come in order per channel, so a backlog ahead of it is progress (a
+    // peer's own requests, e.g. zero-length writes, are not answers and keep nobody alive).
+    auto alive = [&](const TransferOp* op) {
+      for (int c = 0; c < nchan_; ++c) {
+        bool uses = op ? c < static_cast<int>(op->lanes.size()) && !op->lanes[c].pieces.empty() : c == 0;
+        if (uses && now - Clock::time_point(Clock::duration(answered_[c].load(std::memory_order_relaxed))) < timeout)
+          return true;
+      }
+      return false;
+    };
+    size_t n = pending_.expire(now, timeout, what, /*fail=*/false, alive);
     std::lock_guard<std::mutex> lk(attach_mu_);
     for (const auto& ch : channels_) {
       if (!ch) continue;
@@ -210,6 +225,13 @@ class TcpEndpoint final : public TransportEndpoint, public StreamChannel::Handle
   Status on_frame(StreamChannel& ch, const FrameHeader& h, PayloadReader& payload) override {
     pending_.touch();
     switch (static_cast<FrameType>(h.type)) {
+      case FrameType::kReadResp:
+      case FrameType::kAck:
+      case FrameType::kNack:
+      case FrameType::kSendAck: answered(ch); break;
+      default: break;
+    }
+    switch (static_cast<FrameType>(h.type)) {
       case FrameType::kWrite: return serve_write(ch, h, payload);
       case FrameType::kReadReq: return serve_read(ch, h);
       case FrameType::kReadResp: return take_read(ch, h, payload, Status::Ok());
@@ -229,17 +251,24 @@ class TcpEndpoint final : public TransportEndpoint, public StreamChannel::Handle
 
   // Bytes of our own request frames left: progress of their op (not of the peer's ops that
   // our responses answer: those tokens are the peer's).
-  void on_frame_sent(const FrameHeader& h) override {
+  void on_frame_sent(StreamChannel& ch, const FrameHeader& h) override {
     switch (static_cast<FrameType>(h.type)) {
       case FrameType::kWrite:
       case FrameType::kReadReq: pending_.progress(h.op_id); break;
       case FrameType::kSend: pending_.progress_send(h.op_id); break;
-      default: break;
+      default: return;
     }
+    answered(ch);
   }
 
  private:
   static void bootstrap_reply(net::Socket& sock);
+
+  using Clock = std::chrono::steady_clock;
+  // Channel `ch` moved our requests forward (an answer arrived, or request bytes left).
+  void answered(StreamChannel& ch) {
+    answered_[ch.index()].store(Clock::now().time_since_epoch().count(), std::memory_order_relaxed);
+  }
 
   // Callers hold attach_mu_, which also guards fail()'s walk over channels_.
   void install(int index, net::Socket sock) {
@@ -368,7 +397,7 @@ class TcpEndpoint final : public TransportEndpoint, public StreamChannel::Handle
       q.pop_front();
     }
     if (rp.lane_end != bool(h.flags & kLaneEnd)) return {ErrorCode::kProtocol, "read response lane mismatch"};
-    pending_.progress(rp.token);  // its response is arriving
+    if (rp.length >= kStampBytes) pending_.progress(rp.token);  // a long response is arriving
     if (refused.ok()) {
       if (h.length != rp.length) return {ErrorCode::kProtocol, "read response of the wrong length"};
       if (rp.device) {
@@ -457,6 +486,7 @@ class TcpEndpoint final : public TransportEndpoint, public StreamChannel::Handle
   EndpointEvents* events_;
   const int nchan_;
   const size_t max_queued_;
+  std::unique_ptr<std::atomic<Clock::rep>[]> answered_;  // per channel, see answered()
   std::vector<std::unique_ptr<StreamChannel>> channels_;
   std::vector<std::deque<ReadPiece>> reads_;
   std::vector<std::mutex> read_mu_;
