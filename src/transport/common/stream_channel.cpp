@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdint>
 #include <cstring>
 
 #include "core/log.hpp"
@@ -16,6 +17,7 @@ constexpr size_t kReadBuffer = 256 << 10;
 constexpr size_t kDirectRead = 32 << 10;  // payload reads this large bypass the buffer
 constexpr size_t kMaxIov = 512;
 constexpr size_t kMaxFramesPerWrite = kMaxIov / 2;
+constexpr size_t kMaxWriteBytes = 4 << 20;
 }  // namespace
 
 bool PayloadReader::read(void* dest, uint64_t n) {
@@ -143,16 +145,24 @@ bool StreamChannel::write_frames(std::vector<OutFrame>& frames, bool nonblocking
   while (first < frames.size()) {
     iovec iov[kMaxIov];
     int n = 0;
-    for (size_t i = first; i < frames.size() && n + 2 <= static_cast<int>(kMaxIov); ++i) {
+    // A blocking call gets at most kMaxWriteBytes: it returns only once it wrote all it was
+    // given, and its return is what stamps progress (write_stall(), per-op progress).
+    size_t budget = nonblocking ? SIZE_MAX : kMaxWriteBytes;
+    auto add = [&](const uint8_t* p, uint64_t len) {
+      size_t k = static_cast<size_t>(std::min<uint64_t>(len, budget));
+      iov[n++] = {const_cast<uint8_t*>(p), k};
+      budget -= k;
+    };
+    for (size_t i = first; i < frames.size() && n + 2 <= static_cast<int>(kMaxIov) && budget > 0; ++i) {
       OutFrame& f = frames[i];
       const uint64_t hlen = sizeof(FrameHeader);
       const uint8_t* payload = f.data ? f.data : reinterpret_cast<const uint8_t*>(f.text.data());
       if (f.sent < hlen) {
-        iov[n++] = {reinterpret_cast<uint8_t*>(&f.hdr) + f.sent, static_cast<size_t>(hlen - f.sent)};
-        if (f.hdr.length) iov[n++] = {const_cast<uint8_t*>(payload), static_cast<size_t>(f.hdr.length)};
+        add(reinterpret_cast<const uint8_t*>(&f.hdr) + f.sent, hlen - f.sent);
+        if (f.hdr.length && budget > 0) add(payload, f.hdr.length);
       } else {
         uint64_t off = f.sent - hlen;
-        iov[n++] = {const_cast<uint8_t*>(payload) + off, static_cast<size_t>(f.hdr.length - off)};
+        add(payload + off, f.hdr.length - off);
       }
     }
     msghdr msg{};
