@@ -165,6 +165,7 @@ size_t MessageMatcher::expire(std::chrono::steady_clock::time_point now, std::ch
       imm_waiters_.pop_front();
     }
   }
+  if (recvs.empty() && imms.empty()) return 0;
   const std::string limit = std::to_string(timeout.count()) + " ms (recv_timeout)";
   for (auto& r : recvs) r->future->complete({ErrorCode::kTimeout, "recv: no message arrived for it within " + limit});
   for (auto& f : imms) f->complete({ErrorCode::kTimeout, "imm_recv: no imm arrived within " + limit});
