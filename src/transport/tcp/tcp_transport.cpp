@@ -3,8 +3,8 @@
 // no intermediate copy. Both sides of an endpoint may issue operations on the same sockets.
 #include <algorithm>
 #include <memory>
-#include <string>
 #include <mutex>
+#include <string>
 #include <unordered_map>
 #include <vector>
 
