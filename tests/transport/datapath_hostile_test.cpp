@@ -315,19 +315,19 @@ namespace {
 
 // Per-op deadlines must not fail honest work queued behind a long backlog: ops waiting on a
 // channel that keeps answering are not overdue, even when their own turn comes after
-// op_timeout (here: 2 GiB of reads and writes on one channel, op_timeout 500 ms).
+// op_timeout (here: 3 GiB of reads and writes on one channel, op_timeout 300 ms).
 TEST(OpDeadlines, WorkQueuedBehindAMovingBacklogIsNotTimedOut) {
   // Reads and writes use disjoint halves on both sides (no data race on the buffers), and
   // the buffers outlive the engines.
   std::vector<uint8_t> la(8 * kMiB, 1), lb(8 * kMiB, 2);
-  EngineConfig c = engine_config("tcp", 1, 500ms);
+  EngineConfig c = engine_config("tcp", 1, 300ms);
   Engine a(c), b(c);
   auto ha = a.register_memory(la.data(), la.size());
   b.register_memory(lb.data(), lb.size(), Location::host(), "b");
   Endpoint ep = a.connect(b.local_info());
   RemoteHandle rb = *ep.remote_region("b");
   std::vector<Future> fs;
-  for (int i = 0; i < 256; ++i) {
+  for (int i = 0; i < 384; ++i) {
     fs.push_back(ep.read({{ha, 4 * kMiB, rb, 0, 4 * kMiB}}));
     fs.push_back(ep.write({{ha, 0, rb, 4 * kMiB, 4 * kMiB}}));
   }
@@ -339,8 +339,8 @@ TEST(OpDeadlines, WorkQueuedBehindAMovingBacklogIsNotTimedOut) {
   }
   EXPECT_TRUE(ep.connected());
   // Only meaningful if the backlog outlasted op_timeout (it does on the build hosts: about
-  // 1 s, 10 s under TSan); a faster host is not a failure.
-  if (std::chrono::steady_clock::now() - t0 < 500ms)
+  // 1 s, 15 s under TSan); a faster host is not a failure.
+  if (std::chrono::steady_clock::now() - t0 < 300ms)
     std::printf("note: the backlog drained within op_timeout; nothing was tested\n");
 }
 
