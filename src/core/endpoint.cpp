@@ -5,6 +5,9 @@
 #include "core/log.hpp"
 
 namespace sluice::detail {
+namespace {
+constexpr std::chrono::milliseconds kPinReleaseMargin{5000};
+}  // namespace
 
 EndpointImpl::EndpointImpl(std::shared_ptr<EngineImpl> engine, const Transport* kind, EngineInfo peer, uint64_t token,
                            int channels)
@@ -13,7 +16,12 @@ EndpointImpl::EndpointImpl(std::shared_ptr<EngineImpl> engine, const Transport* 
       transport_name_(kind->name()),
       token_(token),
       channels_(channels),
-      matcher_(engine_->config().max_unexpected_bytes) {
+      matcher_(engine_->config().max_unexpected_bytes, engine_->config().max_unexpected_messages) {
+  // unregister_memory waits at most this long for pins: the watchdog fails an op (and a
+  // stalled writer) after op_timeout, checking every 50 ms, and the transport then drops what
+  // it queued; the margin covers that hand-off. Set here because every pin held by a
+  // transport belongs to an endpoint (one value per engine, so every endpoint sets the same).
+  engine_->registry().set_pin_timeout(engine_->config().op_timeout + kPinReleaseMargin);
   set_peer(std::move(peer));
   // A waiter that polls saves a wake-up, but only where a spare core runs the progress
   // threads meanwhile: on a 2-core host it steals their CPU (measured here: 7.6 us round
@@ -23,8 +31,26 @@ EndpointImpl::EndpointImpl(std::shared_ptr<EngineImpl> engine, const Transport* 
   busy_wait_ = std::chrono::microseconds(us);
 }
 
-EndpointImpl::~EndpointImpl() {
-  if (transport_) transport_->close({ErrorCode::kCancelled, "endpoint destroyed"});
+EndpointImpl::~EndpointImpl() { close_transport({ErrorCode::kCancelled, "endpoint destroyed"}); }
+
+void EndpointImpl::close_transport(const Status& why) {
+  if (!transport_) return;
+  std::unique_lock<std::mutex> lk(close_mu_);
+  if (close_state_ == CloseState::kClosed) return;
+  if (close_state_ == CloseState::kClosing) {
+    // The closer itself (a callback of a future its close completes) and transport threads
+    // (the closer may be joining them) return at once; everyone else waits.
+    if (!tls_transport_thread && closer_ != std::this_thread::get_id())
+      close_cv_.wait(lk, [&] { return close_state_ == CloseState::kClosed; });
+    return;
+  }
+  close_state_ = CloseState::kClosing;
+  closer_ = std::this_thread::get_id();
+  lk.unlock();
+  transport_->close(why);
+  lk.lock();
+  close_state_ = CloseState::kClosed;
+  close_cv_.notify_all();
 }
 
 const Registry& EndpointImpl::registry() const { return engine_->registry(); }
@@ -207,19 +233,24 @@ void EndpointImpl::close(const Status& why) {
       failed_code_.store(static_cast<int>(why.code), std::memory_order_release);
     }
   }
-  if (transport_) transport_->close(why);
+  close_transport(why);
   matcher_.fail_all(why);
 }
 
 void EndpointImpl::check_progress(std::chrono::milliseconds timeout) {
-  if (!transport_ || transport_->pending() == 0) return;
-  auto idle = std::chrono::steady_clock::now() - transport_->last_progress();
-  if (idle < timeout) return;
-  Status why{ErrorCode::kTimeout, "no progress from peer for " +
-                                      std::to_string(std::chrono::duration_cast<std::chrono::milliseconds>(idle).count()) +
-                                      " ms (op timeout " + std::to_string(timeout.count()) + " ms)"};
+  if (!transport_ || failed_code_.load(std::memory_order_acquire) != 0) return;
+  const auto now = std::chrono::steady_clock::now();
+  // A recv / imm_recv nothing matched for recv_timeout fails alone; the endpoint stays usable.
+  const auto recv_timeout = engine_->config().recv_timeout;
+  if (recv_timeout.count() > 0) matcher_.expire(now, recv_timeout);
+  std::string what;
+  if (transport_->expire_ops(now, timeout, &what) == 0) return;
+  // The trigger is per operation, but an operation that timed out still fails the whole
+  // endpoint: a peer that leaves one op unanswered for op_timeout is stuck or hostile, and
+  // its stream (responses in order per channel) cannot be resynchronised anyway.
+  Status why{ErrorCode::kTimeout, what};
   on_failure(why);
-  transport_->close(why);
+  close_transport(why);
 }
 
 }  // namespace sluice::detail

@@ -3,10 +3,12 @@
 #pragma once
 
 #include <atomic>
+#include <condition_variable>
 #include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
+#include <thread>
 #include <unordered_map>
 
 #include "core/engine_info.hpp"
@@ -51,9 +53,12 @@ class EndpointImpl final : public EndpointEvents, public std::enable_shared_from
   uint64_t token() const { return token_; }
   std::string peer_engine_id() const;
   bool connected() const { return failed_code_.load() == 0; }
+  // Idempotent and safe from any thread, concurrently with the watchdog, a peer failure and
+  // Engine::close(): the transport is closed exactly once (see close_transport()).
   void close(const Status& why);
   void engine_forget();
-  // Watchdog: fail everything if the peer showed no progress for `timeout` while ops pend.
+  // Watchdog: per-operation deadlines (an op with no progress of its own for `timeout` fails
+  // and the peer is declared lost), receive deadlines (recv_timeout) and stalled writers.
   void check_progress(std::chrono::milliseconds timeout);
 
   // EndpointEvents
@@ -63,6 +68,10 @@ class EndpointImpl final : public EndpointEvents, public std::enable_shared_from
 
  private:
   void check_usable() const;
+  // Closes the transport once. A second caller waits until the first has finished (it never
+  // joins the transport's threads itself); a transport thread does not wait (the first
+  // closer may be joining it).
+  void close_transport(const Status& why);
   void prepare(FutureState& f) const;
   // `index`: the assignment's index in its batch, named in errors (-1: none).
   RegionPin pin_local(MemoryHandle h, uint64_t offset, uint64_t length, const char* what, long index) const;
@@ -89,6 +98,10 @@ class EndpointImpl final : public EndpointEvents, public std::enable_shared_from
   std::atomic<int> failed_code_{0};
   mutable std::mutex fail_mu_;
   Status failure_;
+  std::mutex close_mu_;
+  std::condition_variable close_cv_;
+  enum class CloseState { kOpen, kClosing, kClosed } close_state_ = CloseState::kOpen;
+  std::thread::id closer_;  // the thread running transport_->close()
 };
 
 }  // namespace sluice::detail

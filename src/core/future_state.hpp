@@ -40,6 +40,7 @@ class FutureState {
   explicit FutureState(OpKind kind, int parts = 1);
 
   OpKind kind() const { return kind_; }
+  Clock::time_point started() const { return start_; }
   // Complete one part; the future completes when every part has (with the first error seen).
   // Returns true if this call completed the future.
   bool part_done(const Status& status);

@@ -46,12 +46,12 @@ void MessageMatcher::post_recv(std::shared_ptr<MessageOp> op) {
       landing_.push_back(std::move(slot));  // so that fail_all() can reach the waiter
       return;
     }
-    unexpected_bytes_ -= slot->data.size();
+    unexpected_bytes_ -= slot->reserved;
   }
   finish_recv(*op, *slot);
 }
 
-MessageMatcher::Claim MessageMatcher::claim(uint64_t seq, uint64_t length) {
+MessageMatcher::Claim MessageMatcher::claim(uint64_t seq, uint64_t length, bool lazy) {
   Claim c;
   c.seq = seq;
   c.length = length;
@@ -61,10 +61,22 @@ MessageMatcher::Claim MessageMatcher::claim(uint64_t seq, uint64_t length) {
                "message sequence " + std::to_string(seq) + " arrived, expected " + std::to_string(incoming_)};
     return c;
   }
+  if (recvs_.empty() && unexpected_.size() >= max_messages_) {
+    c.error = {ErrorCode::kProtocol, "peer sent more than max_unexpected_messages (" + std::to_string(max_messages_) +
+                                         ") messages that no recv matched; refusing the peer"};
+    return c;
+  }
   ++incoming_;
   if (!recvs_.empty()) {
     c.recv = std::move(recvs_.front());
     recvs_.pop_front();
+    if (c.recv->expired) {
+      // Its recv gave up (recv_timeout): the message is drained and its sender told.
+      c.recv.reset();
+      c.error = {ErrorCode::kRemoteError, "the receiver's recv for message " + std::to_string(seq) +
+                                              " timed out (recv_timeout) before the message arrived; it was dropped"};
+      return c;
+    }
     c.dest = c.recv->ptr;
     c.capacity = c.recv->length;
     return c;
@@ -81,9 +93,10 @@ MessageMatcher::Claim MessageMatcher::claim(uint64_t seq, uint64_t length) {
     unexpected_.push_back(std::move(slot));
     return c;
   }
-  slot->data.resize(length);
+  if (!lazy) slot->data.resize(length);
+  slot->reserved = length;
   unexpected_bytes_ += length;
-  c.dest = slot->data.data();
+  c.dest = lazy ? nullptr : slot->data.data();
   c.capacity = length;
   c.stash = slot;
   unexpected_.push_back(std::move(slot));
@@ -113,7 +126,7 @@ Status MessageMatcher::deliver(Claim& c, const Status& transfer) {
       c.stash->status = transfer;
       c.stash->ready = true;
       waiter = std::move(c.stash->waiter);
-      if (waiter) unexpected_bytes_ -= c.stash->data.size();
+      if (waiter) unexpected_bytes_ -= c.stash->reserved;
       std::erase(landing_, c.stash);
     }
     if (waiter) finish_recv(*waiter, *c.stash);
@@ -121,6 +134,42 @@ Status MessageMatcher::deliver(Claim& c, const Status& transfer) {
     return transfer;
   }
   return c.error.ok() ? transfer : c.error;
+}
+
+uint8_t* MessageMatcher::stash_room(Claim& c, uint64_t size) {
+  // Only the claiming transport thread touches the buffer until deliver() marks it ready.
+  auto& d = c.stash->data;
+  if (d.size() < size) {
+    if (d.capacity() < size) d.reserve(std::min<uint64_t>(c.capacity, std::max<uint64_t>(size, 2 * d.capacity())));
+    d.resize(size);
+  }
+  return d.data();
+}
+
+size_t MessageMatcher::expire(std::chrono::steady_clock::time_point now, std::chrono::milliseconds timeout) {
+  std::vector<std::shared_ptr<MessageOp>> recvs;
+  std::vector<std::shared_ptr<FutureState>> imms;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (!failed_.ok()) return 0;
+    // Posted in order, so the first one still within its deadline ends the scan.
+    for (auto& r : recvs_) {
+      if (r->expired) continue;
+      if (now - r->future->started() < timeout) break;
+      r->expired = true;
+      r->pin.release();  // the user may free or reuse the buffer once the future fails
+      recvs.push_back(r);
+    }
+    while (!imm_waiters_.empty() && now - imm_waiters_.front()->started() >= timeout) {
+      imms.push_back(std::move(imm_waiters_.front()));
+      imm_waiters_.pop_front();
+    }
+  }
+  if (recvs.empty() && imms.empty()) return 0;
+  const std::string limit = std::to_string(timeout.count()) + " ms (recv_timeout)";
+  for (auto& r : recvs) r->future->complete({ErrorCode::kTimeout, "recv: no message arrived for it within " + limit});
+  for (auto& f : imms) f->complete({ErrorCode::kTimeout, "imm_recv: no imm arrived within " + limit});
+  return recvs.size() + imms.size();
 }
 
 void MessageMatcher::push_imm(uint32_t imm) {

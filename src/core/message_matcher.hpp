@@ -3,6 +3,7 @@
 // same way for imm_recv().
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <deque>
 #include <memory>
@@ -17,8 +18,9 @@ namespace sluice::detail {
 // A message that arrived before its recv; `ready` once all its bytes have landed. A recv
 // posted before then waits in `waiter`.
 struct StashSlot {
-  std::vector<uint8_t> data;
+  std::vector<uint8_t> data;  // grows as bytes land (lazy claims) or sized at claim
   uint64_t length = 0;
+  uint64_t reserved = 0;  // bytes of the unexpected budget it holds (its announced length)
   Status status;
   bool ready = false;
   std::shared_ptr<struct MessageOp> waiter;
@@ -30,11 +32,19 @@ struct MessageOp {
   uint64_t seq = 0;
   std::shared_ptr<FutureState> future;
   RegionPin pin;
+  // recv_timeout passed before any message matched it: the future failed and the pin is
+  // released, but the recv keeps its sequence slot so that its late message is drained (and
+  // its sender told) instead of landing in the next recv.
+  bool expired = false;
 };
 
 class MessageMatcher {
  public:
-  explicit MessageMatcher(uint64_t max_unexpected_bytes) : max_unexpected_(max_unexpected_bytes) {}
+  // max_unexpected_messages bounds the count of buffered unmatched messages (zero-length ones
+  // included): every one holds a sequence slot, so past the bound the peer cannot be refused
+  // one message at a time and claim() fails the endpoint (kProtocol) instead.
+  explicit MessageMatcher(uint64_t max_unexpected_bytes, uint64_t max_unexpected_messages = UINT64_MAX)
+      : max_unexpected_(max_unexpected_bytes), max_messages_(max_unexpected_messages) {}
 
   // Where the bytes of incoming message `seq` go. Messages must arrive in order.
   struct Claim {
@@ -48,7 +58,15 @@ class MessageMatcher {
   };
 
   void post_recv(std::shared_ptr<MessageOp> op);
-  Claim claim(uint64_t seq, uint64_t length);
+  // `lazy`: a stashed (unexpected) message gets no buffer yet (dest null, capacity = length):
+  // the transport calls stash_room() as its bytes arrive, so memory follows real bytes and a
+  // header announcing a huge message allocates nothing.
+  Claim claim(uint64_t seq, uint64_t length, bool lazy = false);
+  // Grows a lazy claim's stash buffer to `size` bytes (<= its length); returns its start.
+  static uint8_t* stash_room(Claim& c, uint64_t size);
+  // Receive deadlines: every recv and imm_recv that nothing matched for `timeout` completes
+  // with kTimeout. Returns how many did.
+  size_t expire(std::chrono::steady_clock::time_point now, std::chrono::milliseconds timeout);
   // What deliver() will report to the sender, without delivering: a transport can acknowledge
   // the sender before it completes the receiver's future (a receiver that closes as soon as
   // its recv completes must not leave the sender without its acknowledgement).
@@ -67,6 +85,7 @@ class MessageMatcher {
 
   std::mutex mu_;
   const uint64_t max_unexpected_;
+  const uint64_t max_messages_;
   uint64_t unexpected_bytes_ = 0;
   uint64_t posted_ = 0;    // recvs posted so far
   uint64_t incoming_ = 0;  // messages claimed so far

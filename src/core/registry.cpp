@@ -96,11 +96,19 @@ std::shared_ptr<RegionEntry> Registry::remove(uint64_t id) {
     bump_generation();
   }
   e->removing.store(true);
+  const std::chrono::milliseconds limit{pin_timeout_ms_.load(std::memory_order_relaxed)};
+  bool drained;
   {
     std::unique_lock<std::mutex> lk(e->mu);
-    e->drained.wait(lk, [&] { return e->inflight.load() == 0; });
+    drained = e->drained.wait_for(lk, limit, [&] { return e->inflight.load() == 0; });
   }
   leases_.close(e->lease_slot, e->id, lease_timeout_);
+  if (!drained)
+    throw Error(ErrorCode::kTimeout,
+                "unregister_memory: region " + std::to_string(id) + (e->name.empty() ? "" : " ('" + e->name + "')") +
+                    " is still in use by " + std::to_string(e->inflight.load()) + " operation(s) after " +
+                    std::to_string(limit.count()) +
+                    " ms; the handle is unregistered but its memory must not be freed while they run");
   return e;
 }
 

@@ -59,8 +59,11 @@ class Registry {
   MemoryHandle add(void* ptr, uint64_t length, Location location, const std::string& name, int memfd = -1,
                    bool owned = false);
   // Removes the handle (new lookups fail) and waits until every pin is released, local ones
-  // and same-host peers' leases (the latter at most lease_timeout).
-  // Returns the entry so the caller can free engine-owned memory.
+  // (at most pin_timeout) and same-host peers' leases (at most lease_timeout).
+  // Returns the entry so the caller can free engine-owned memory. Pins still held after
+  // pin_timeout throw kTimeout: the handle is gone, but the memory is still in use by
+  // operations and must not be freed. (The watchdog fails a stuck op or a stalled peer after
+  // op_timeout, and the transports drop what they hold, so this is not expected to happen.)
   std::shared_ptr<RegionEntry> remove(uint64_t id);
 
   // Bounds-checked lookup that pins the region. On failure returns an empty pin and sets
@@ -78,6 +81,8 @@ class Registry {
   void wake_waiters() const;
   const LeaseTable& leases() const { return leases_; }
   void set_lease_timeout(std::chrono::milliseconds t) { lease_timeout_ = t; }
+  // How long remove() waits for local pins (endpoints set op_timeout plus a margin).
+  void set_pin_timeout(std::chrono::milliseconds t) { pin_timeout_ms_.store(t.count(), std::memory_order_relaxed); }
 
  private:
   mutable std::shared_mutex mu_;
@@ -91,6 +96,7 @@ class Registry {
   mutable uint64_t wakes_ = 0;
   LeaseTable leases_;
   std::chrono::milliseconds lease_timeout_{30000};
+  std::atomic<int64_t> pin_timeout_ms_{35000};  // EngineConfig's default op_timeout + 5 s
 };
 
 // offset + length inside [0, size) without overflow.

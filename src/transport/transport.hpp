@@ -75,9 +75,29 @@ class TransportEndpoint {
   virtual size_t pending() const = 0;
   // When the peer last showed progress (for the engine's watchdog).
   virtual std::chrono::steady_clock::time_point last_progress() const = 0;
+  // Watchdog: fail (kTimeout) what is overdue at `now` and return how many problems were found
+  // (0: none); *what describes them. The core then declares the peer lost. Transports whose
+  // ops live in PendingOps override this with per-operation deadlines (PendingOps::expire:
+  // an op is overdue when it saw no progress of its own for `timeout`); this default keeps
+  // the old endpoint-level rule (anything pending and no progress at all for `timeout`).
+  virtual size_t expire_ops(std::chrono::steady_clock::time_point now, std::chrono::milliseconds timeout,
+                            std::string* what) {
+    if (pending() == 0) return 0;
+    auto idle = now - last_progress();
+    if (idle < timeout) return 0;
+    if (what)
+      *what = "no progress from peer for " +
+              std::to_string(std::chrono::duration_cast<std::chrono::milliseconds>(idle).count()) + " ms (op timeout " +
+              std::to_string(timeout.count()) + " ms)";
+    return pending();
+  }
   // Fail everything pending with `why` and stop; idempotent; joins the transport's threads.
   virtual void close(const Status& why) = 0;
 };
+
+// True on a transport's own threads (they deliver completions and may run user callbacks
+// that close the endpoint): such a thread must never wait for a close that joins it.
+inline thread_local bool tls_transport_thread = false;
 
 // What a transport may use from its engine.
 struct EngineContext {

@@ -226,3 +226,71 @@ TEST(MessageMatcher, ConcurrentPostAndArrive) {
     EXPECT_EQ(bufs[i], static_cast<uint64_t>(i));
   }
 }
+
+// Issue 18 class 5: a lazy claim gives an unexpected message no buffer until its bytes
+// arrive; the buffer then grows with them and the recv still gets the whole message.
+TEST(MessageMatcher, LazyClaimAllocatesAsBytesArrive) {
+  MessageMatcher m(1ull << 30);
+  auto c = m.claim(0, 200ull << 20, /*lazy=*/true);
+  ASSERT_TRUE(c.error.ok());
+  ASSERT_TRUE(c.stash);
+  EXPECT_EQ(c.dest, nullptr);
+  EXPECT_LT(c.stash->data.capacity(), 1u << 20) << "a 200 MiB announcement allocated before any byte arrived";
+  // Only a 3-byte message this time (the rest of the test: the buffer follows real bytes).
+  auto c2 = m.claim(1, 3, /*lazy=*/true);
+  uint8_t* p = MessageMatcher::stash_room(c2, 3);
+  std::memcpy(p, "xyz", 3);
+  EXPECT_TRUE(m.deliver(c2, Status::Ok()).ok());
+  EXPECT_TRUE(m.deliver(c, {ErrorCode::kPeerLost, "cut off"}).code == ErrorCode::kPeerLost);
+  uint8_t a[8] = {}, b[8] = {};
+  auto ra = recv_op(a, sizeof(a));
+  m.post_recv(ra);
+  EXPECT_EQ(ra->future->status().code, ErrorCode::kPeerLost);
+  auto rb = recv_op(b, sizeof(b));
+  m.post_recv(rb);
+  ASSERT_TRUE(rb->future->status().ok());
+  EXPECT_EQ(std::string(reinterpret_cast<char*>(b), 3), "xyz");
+}
+
+// Issue 18 class 5: unmatched messages are bounded in count, zero-length ones included.
+TEST(MessageMatcher, UnexpectedMessageCountIsBounded) {
+  MessageMatcher m(1 << 20, 100);
+  for (int i = 0; i < 100; ++i) ASSERT_TRUE(arrive(m, i, "").ok()) << i;
+  auto c = m.claim(100, 0);
+  EXPECT_EQ(c.error.code, ErrorCode::kProtocol);
+  EXPECT_NE(c.error.message.find("max_unexpected_messages (100)"), std::string::npos) << c.error.message;
+  // A posted recv drains one, and the next message is taken again.
+  uint8_t a[1];
+  m.post_recv(recv_op(a, 1));
+  EXPECT_TRUE(arrive(m, 100, "").ok());
+}
+
+// Issue 18 class 4: recv / imm_recv deadlines. A recv that timed out keeps its sequence slot:
+// its late message is refused (to the sender) and the next message reaches the next recv.
+TEST(MessageMatcher, ExpiredRecvKeepsItsSlotAndRefusesItsLateMessage) {
+  MessageMatcher m(1 << 20);
+  uint8_t a[8] = {}, b[8] = {};
+  auto ra = recv_op(a, sizeof(a));
+  m.post_recv(ra);
+  auto imm = m.imm_recv();
+  auto now = std::chrono::steady_clock::now();
+  EXPECT_EQ(m.expire(now, std::chrono::milliseconds(1000)), 0u);
+  EXPECT_EQ(m.expire(now + std::chrono::seconds(2), std::chrono::milliseconds(1000)), 2u);
+  ASSERT_TRUE(ra->future->done());
+  EXPECT_EQ(ra->future->status().code, ErrorCode::kTimeout);
+  ASSERT_TRUE(imm->done());
+  EXPECT_EQ(imm->status().code, ErrorCode::kTimeout);
+  auto rb = recv_op(b, sizeof(b));
+  m.post_recv(rb);
+  Status late = arrive(m, 0, "late");
+  EXPECT_EQ(late.code, ErrorCode::kRemoteError) << late.to_string();
+  EXPECT_EQ(std::string(reinterpret_cast<char*>(a), 4), std::string(4, '\0')) << "a late message landed";
+  EXPECT_TRUE(arrive(m, 1, "next").ok());
+  ASSERT_TRUE(rb->future->status().ok());
+  EXPECT_EQ(std::string(reinterpret_cast<char*>(b), 4), "next");
+  // A late imm goes to the next imm_recv.
+  m.push_imm(9);
+  auto imm2 = m.imm_recv();
+  ASSERT_TRUE(imm2->done());
+  EXPECT_EQ(imm2->imm(), 9u);
+}

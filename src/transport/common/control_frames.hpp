@@ -36,6 +36,7 @@ inline void post_status(StreamChannel& ch, FrameType type, uint64_t op_id, uint8
   OutFrame f;
   f.text = st.message.substr(0, kMaxMessageText);
   f.hdr = make_frame(type, op_id, 0, 0, f.text.size(), flags, 0, 0, static_cast<uint16_t>(st.code));
+  f.response = true;
   ch.post(std::move(f));
 }
 

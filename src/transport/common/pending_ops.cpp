@@ -1,5 +1,7 @@
 #include "transport/common/pending_ops.hpp"
 
+#include <algorithm>
+#include <string>
 #include <vector>
 
 namespace sluice::detail {
@@ -25,6 +27,7 @@ uint64_t PendingOps::add(std::shared_ptr<TransferOp> op) {
   s.gen = (s.gen + 1) & 0x3fffffffu;  // tokens stay below the rdma transport's wr_id tag bits
   if (s.gen == 0) s.gen = 1;
   s.op = std::move(op);
+  s.last = Clock::now();
   count_.fetch_add(1, std::memory_order_relaxed);
   return token_of(index, s.gen);
 }
@@ -54,7 +57,8 @@ bool PendingOps::add_send(std::shared_ptr<MessageOp> op) {
     return false;
   }
   if (count_.load(std::memory_order_relaxed) == 0) touch();
-  sends_[op->seq] = std::move(op);
+  const uint64_t seq = op->seq;
+  sends_[seq] = SendSlot{std::move(op), Clock::now()};
   count_.fetch_add(1, std::memory_order_relaxed);
   return true;
 }
@@ -71,6 +75,7 @@ bool PendingOps::lane_done(uint64_t token, const Status& st) {
     std::lock_guard<std::mutex> lk(mu_);
     Slot* s = slot_locked(token);
     if (!s) return false;
+    s->last = Clock::now();  // a lane finished: the op's own progress
     future = s->op->future;
   }
   // Completion runs user callbacks, so no lock is held across it. The call that completes the
@@ -86,17 +91,98 @@ bool PendingOps::lane_done(uint64_t token, const Status& st) {
 }
 
 bool PendingOps::note_error(uint64_t token, const Status& st) {
-  auto op = find(token);
-  if (!op) return false;
-  op->future->note_error(st);
+  std::shared_ptr<FutureState> future;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    Slot* s = slot_locked(token);
+    if (!s) return false;
+    s->last = Clock::now();
+    future = s->op->future;
+  }
+  future->note_error(st);
   return true;
+}
+
+void PendingOps::progress(uint64_t token) {
+  std::lock_guard<std::mutex> lk(mu_);
+  if (Slot* s = slot_locked(token)) s->last = Clock::now();
+}
+
+void PendingOps::progress_send(uint64_t seq) {
+  std::lock_guard<std::mutex> lk(mu_);
+  auto it = sends_.find(seq);
+  if (it != sends_.end()) it->second.last = Clock::now();
+}
+
+size_t PendingOps::expire(Clock::time_point now, std::chrono::milliseconds timeout, std::string* what, bool fail,
+                          const Alive& alive) {
+  auto overdue = [&](const TransferOp* op, Clock::time_point last) {
+    return now - last >= timeout && !(alive && alive(op));
+  };
+  std::vector<std::shared_ptr<TransferOp>> ops;
+  std::vector<std::shared_ptr<MessageOp>> sends;
+  Clock::duration worst{};
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (count_.load(std::memory_order_relaxed) == 0) return 0;
+    if (!fail) {
+      size_t n = 0;
+      OpKind kind = OpKind::kSend;
+      for (const Slot& s : slots_)
+        if (s.op && overdue(s.op.get(), s.last)) {
+          if (n++ == 0 || now - s.last > worst) kind = s.op->kind;
+          worst = std::max(worst, now - s.last);
+        }
+      for (const auto& [seq, s] : sends_)
+        if (overdue(nullptr, s.last)) {
+          ++n;
+          worst = std::max(worst, now - s.last);
+        }
+      if (n && what)
+        *what = std::to_string(n) + " operation(s) timed out: " + std::string(to_string(kind)) +
+                " saw no progress from the peer for " +
+                std::to_string(std::chrono::duration_cast<std::chrono::milliseconds>(worst).count()) +
+                " ms (op_timeout " + std::to_string(timeout.count()) + " ms)";
+      return n;
+    }
+    for (uint32_t i = 0; i < slots_.size(); ++i) {
+      Slot& s = slots_[i];
+      if (!s.op || !overdue(s.op.get(), s.last)) continue;
+      worst = std::max(worst, now - s.last);
+      ops.push_back(std::move(s.op));
+      free_.push_back(i);
+      count_.fetch_sub(1, std::memory_order_relaxed);
+    }
+    for (auto it = sends_.begin(); it != sends_.end();) {
+      if (!overdue(nullptr, it->second.last)) {
+        ++it;
+        continue;
+      }
+      worst = std::max(worst, now - it->second.last);
+      sends.push_back(std::move(it->second.op));
+      it = sends_.erase(it);
+      count_.fetch_sub(1, std::memory_order_relaxed);
+    }
+  }
+  const size_t n = ops.size() + sends.size();
+  if (n == 0) return 0;
+  const auto idle_ms = std::chrono::duration_cast<std::chrono::milliseconds>(worst).count();
+  auto describe = [&](const char* kind) {
+    return std::string(kind) + " saw no progress from the peer for " + std::to_string(idle_ms) + " ms (op_timeout " +
+           std::to_string(timeout.count()) + " ms)";
+  };
+  Status why{ErrorCode::kTimeout, ops.empty() ? describe("a send") : describe(std::string(to_string(ops.front()->kind)).c_str())};
+  if (what) *what = std::to_string(n) + " operation(s) timed out: " + why.message;
+  for (auto& op : ops) op->future->complete({ErrorCode::kTimeout, describe(std::string(to_string(op->kind)).c_str())});
+  for (auto& op : sends) op->future->complete({ErrorCode::kTimeout, describe("send")});
+  return n;
 }
 
 std::shared_ptr<MessageOp> PendingOps::take_send(uint64_t seq) {
   std::lock_guard<std::mutex> lk(mu_);
   auto it = sends_.find(seq);
   if (it == sends_.end()) return nullptr;
-  auto op = std::move(it->second);
+  auto op = std::move(it->second.op);
   sends_.erase(it);
   count_.fetch_sub(1, std::memory_order_relaxed);
   return op;
@@ -104,7 +190,7 @@ std::shared_ptr<MessageOp> PendingOps::take_send(uint64_t seq) {
 
 void PendingOps::fail_all(const Status& why) {
   std::vector<std::shared_ptr<TransferOp>> ops;
-  std::unordered_map<uint64_t, std::shared_ptr<MessageOp>> sends;
+  std::unordered_map<uint64_t, SendSlot> sends;
   {
     std::lock_guard<std::mutex> lk(mu_);
     if (failed_.ok()) failed_ = why;
@@ -117,7 +203,7 @@ void PendingOps::fail_all(const Status& why) {
     count_.store(0);
   }
   for (auto& op : ops) op->future->complete(why);
-  for (auto& [s, op] : sends) op->future->complete(why);
+  for (auto& [s, slot] : sends) slot.op->future->complete(why);
 }
 
 }  // namespace sluice::detail

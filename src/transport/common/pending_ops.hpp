@@ -4,8 +4,10 @@
 
 #include <atomic>
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <unordered_map>
 #include <vector>
 
@@ -30,8 +32,27 @@ class PendingOps {
   void fail_all(const Status& why);
 
   size_t size() const { return count_.load(std::memory_order_relaxed); }
+  // Endpoint-level stamp: the peer did something (kept for transports' own bookkeeping; it no
+  // longer keeps any one operation alive, see expire()).
   void touch() { last_.store(Clock::now().time_since_epoch().count(), std::memory_order_relaxed); }
   Clock::time_point last_progress() const { return Clock::time_point(Clock::duration(last_.load())); }
+  // Operation `token` (or send `seq` with progress_send) made progress of its own: bytes of
+  // its frames accepted by the socket, bytes of its read responses arrived. lane_done() and
+  // note_error() count as progress too. Unknown tokens are ignored.
+  void progress(uint64_t token);
+  void progress_send(uint64_t seq);
+  // Per-operation deadlines: fails (kTimeout) every op and send that has seen no progress of
+  // its own for `timeout`, and returns how many it failed (0: none). A peer that keeps the
+  // connection busy with other frames no longer keeps an unanswered op alive. *what (if given)
+  // describes the first one failed. With fail=false nothing is failed, only counted: for a
+  // transport that must stop its threads (which may still write into an op's memory) before
+  // any op completes; it then fails everything through fail_all().
+  // `alive` (optional, called under the table's lock for ops past their own deadline only;
+  // nullptr stands for a send) may spare an op that waits behind work that is moving: a
+  // transport whose answers come in order per channel passes "its channel is answering".
+  using Alive = std::function<bool(const TransferOp*)>;
+  size_t expire(Clock::time_point now, std::chrono::milliseconds timeout, std::string* what = nullptr,
+                bool fail = true, const Alive& alive = {});
 
  private:
   // Ops live in reusable slots (no allocation or hashing per op). A token is the slot's index
@@ -40,6 +61,11 @@ class PendingOps {
   struct Slot {
     std::shared_ptr<TransferOp> op;
     uint32_t gen = 0;
+    Clock::time_point last{};  // the op's own last progress (or its submission)
+  };
+  struct SendSlot {
+    std::shared_ptr<MessageOp> op;
+    Clock::time_point last{};
   };
   static uint64_t token_of(uint32_t index, uint32_t gen) { return uint64_t(gen) << 32 | index; }
   Slot* slot_locked(uint64_t token);
@@ -48,7 +74,7 @@ class PendingOps {
   mutable std::mutex mu_;
   std::vector<Slot> slots_;
   std::vector<uint32_t> free_;
-  std::unordered_map<uint64_t, std::shared_ptr<MessageOp>> sends_;
+  std::unordered_map<uint64_t, SendSlot> sends_;
   std::atomic<size_t> count_{0};
   std::atomic<Clock::rep> last_{Clock::now().time_since_epoch().count()};
   Status failed_;

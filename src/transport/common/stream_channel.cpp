@@ -5,9 +5,11 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdint>
 #include <cstring>
 
 #include "core/log.hpp"
+#include "transport/transport.hpp"
 
 namespace sluice::detail {
 namespace {
@@ -15,6 +17,7 @@ constexpr size_t kReadBuffer = 256 << 10;
 constexpr size_t kDirectRead = 32 << 10;  // payload reads this large bypass the buffer
 constexpr size_t kMaxIov = 512;
 constexpr size_t kMaxFramesPerWrite = kMaxIov / 2;
+constexpr size_t kMaxWriteBytes = 4 << 20;
 }  // namespace
 
 bool PayloadReader::read(void* dest, uint64_t n) {
@@ -52,28 +55,64 @@ StreamChannel::~StreamChannel() {
 }
 
 void StreamChannel::start() {
-  reader_ = std::thread([this] { reader_loop(); });
-  writer_ = std::thread([this] { writer_loop(); });
+  // The threads start by taking mu_, so they see their ids (on_own_thread()) set.
+  std::lock_guard<std::mutex> lk(mu_);
+  reader_ = std::thread([this] {
+    { std::lock_guard<std::mutex> l(mu_); }
+    tls_transport_thread = true;
+    reader_loop();
+  });
+  writer_ = std::thread([this] {
+    { std::lock_guard<std::mutex> l(mu_); }
+    tls_transport_thread = true;
+    writer_loop();
+  });
+  reader_id_ = reader_.get_id();
+  writer_id_ = writer_.get_id();
+}
+
+bool StreamChannel::on_own_thread() const {
+  auto self = std::this_thread::get_id();
+  return self == reader_id_ || self == writer_id_;
 }
 
 void StreamChannel::shutdown() {
   {
     std::lock_guard<std::mutex> lk(mu_);
     stop_ = true;
+    closing_ = true;
     cv_.notify_all();
   }
   sock_.shutdown();
 }
 
 void StreamChannel::join() {
-  if (reader_.joinable() && reader_.get_id() != std::this_thread::get_id()) reader_.join();
-  if (writer_.joinable() && writer_.get_id() != std::this_thread::get_id()) writer_.join();
+  // The watchdog, a user's close() and Engine::close() may all get here at once: joinable()
+  // and join() on one std::thread from two threads race (and a joiner left behind used to
+  // join a reused handle later). One joiner at a time; the others wait, then find nothing
+  // joinable. A channel thread (a completion callback closing its endpoint) joins nothing:
+  // it would join itself or wait on a joiner that waits for it.
+  if (on_own_thread()) return;
+  std::lock_guard<std::mutex> lk(join_mu_);
+  if (reader_.joinable()) reader_.join();
+  if (writer_.joinable()) writer_.join();
+}
+
+std::chrono::steady_clock::duration StreamChannel::write_stall(std::chrono::steady_clock::time_point now) {
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (queue_.empty() && !writing_) return {};
+  }
+  auto since = std::chrono::steady_clock::time_point(
+      std::chrono::steady_clock::duration(write_progress_.load(std::memory_order_relaxed)));
+  return now > since ? now - since : std::chrono::steady_clock::duration{};
 }
 
 void StreamChannel::post(OutFrame frame) {
   std::unique_lock<std::mutex> lk(mu_);
   if (stop_) return;
   if (writing_ || !queue_.empty()) {
+    if (frame.response) responses_queued_.fetch_add(1, std::memory_order_relaxed);
     queue_.push_back(std::move(frame));
     if (!writing_) cv_.notify_one();
     return;
@@ -81,16 +120,21 @@ void StreamChannel::post(OutFrame frame) {
   // Idle channel: write on the caller's thread, without blocking; the writer thread takes
   // over whatever the socket buffer did not accept.
   writing_ = true;
+  touch_write();  // the stall clock starts now, not at the last write long ago
   lk.unlock();
   std::vector<OutFrame> one;
   one.push_back(std::move(frame));
   size_t done = 0;
   bool ok = write_frames(one, /*nonblocking=*/true, &done);
+  const int err = errno;
   lk.lock();
   writing_ = false;
   if (!ok) {
+    // The peer is gone (not a local close): the reader reports kPeerLost, never kCancelled.
     stop_ = true;
+    if (!write_errno_) write_errno_ = err ? err : EPIPE;
   } else if (done == 0) {
+    if (one[0].response) responses_queued_.fetch_add(1, std::memory_order_relaxed);
     queue_.push_front(std::move(one[0]));
   }
   if (!queue_.empty() || stop_) cv_.notify_one();
@@ -101,16 +145,24 @@ bool StreamChannel::write_frames(std::vector<OutFrame>& frames, bool nonblocking
   while (first < frames.size()) {
     iovec iov[kMaxIov];
     int n = 0;
-    for (size_t i = first; i < frames.size() && n + 2 <= static_cast<int>(kMaxIov); ++i) {
+    // A blocking call gets at most kMaxWriteBytes: it returns only once it wrote all it was
+    // given, and its return is what stamps progress (write_stall(), per-op progress).
+    size_t budget = nonblocking ? SIZE_MAX : kMaxWriteBytes;
+    auto add = [&](const uint8_t* p, uint64_t len) {
+      size_t k = static_cast<size_t>(std::min<uint64_t>(len, budget));
+      iov[n++] = {const_cast<uint8_t*>(p), k};
+      budget -= k;
+    };
+    for (size_t i = first; i < frames.size() && n + 2 <= static_cast<int>(kMaxIov) && budget > 0; ++i) {
       OutFrame& f = frames[i];
       const uint64_t hlen = sizeof(FrameHeader);
       const uint8_t* payload = f.data ? f.data : reinterpret_cast<const uint8_t*>(f.text.data());
       if (f.sent < hlen) {
-        iov[n++] = {reinterpret_cast<uint8_t*>(&f.hdr) + f.sent, static_cast<size_t>(hlen - f.sent)};
-        if (f.hdr.length) iov[n++] = {const_cast<uint8_t*>(payload), static_cast<size_t>(f.hdr.length)};
+        add(reinterpret_cast<const uint8_t*>(&f.hdr) + f.sent, hlen - f.sent);
+        if (f.hdr.length && budget > 0) add(payload, f.hdr.length);
       } else {
         uint64_t off = f.sent - hlen;
-        iov[n++] = {const_cast<uint8_t*>(payload) + off, static_cast<size_t>(f.hdr.length - off)};
+        add(payload + off, f.hdr.length - off);
       }
     }
     msghdr msg{};
@@ -125,7 +177,10 @@ bool StreamChannel::write_frames(std::vector<OutFrame>& frames, bool nonblocking
       }
       return false;
     }
-    if (w > 0) touch_io();
+    if (w > 0) {
+      touch_io();
+      touch_write();
+    }
     uint64_t left = static_cast<uint64_t>(w);
     while (first < frames.size() && left > 0) {
       OutFrame& f = frames[first];
@@ -133,6 +188,9 @@ bool StreamChannel::write_frames(std::vector<OutFrame>& frames, bool nonblocking
       uint64_t take = std::min(left, total - f.sent);
       f.sent += take;
       left -= take;
+      // Frames the caller's thread writes at once left right after their op was added (which
+      // stamped it): only the writer thread, draining a backlog, reports progress.
+      if (!nonblocking && !f.response) handler_->on_frame_sent(*this, f.hdr);
       if (f.sent == total) {
         f.keep.reset();
         ++first;
@@ -155,23 +213,30 @@ void StreamChannel::writer_loop() {
     cv_.wait(lk, [&] { return stop_ || (!writing_ && !queue_.empty()); });
     if (stop_) break;
     writing_ = true;
+    touch_write();
     batch.clear();
     while (!queue_.empty() && batch.size() < kMaxFramesPerWrite) {
+      if (queue_.front().response) responses_queued_.fetch_sub(1, std::memory_order_relaxed);
       batch.push_back(std::move(queue_.front()));
       queue_.pop_front();
     }
     lk.unlock();
     size_t done = 0;
     bool ok = write_frames(batch, /*nonblocking=*/false, &done);
+    const int err = errno;
     batch.clear();
     lk.lock();
     writing_ = false;
     if (!ok) {
+      // A write failed: the peer is gone unless shutdown() (a local close) caused it.
       stop_ = true;
+      if (!write_errno_) write_errno_ = err ? err : EPIPE;
       break;
     }
   }
+  // Frames never sent are dropped here, releasing what they hold (region pins).
   queue_.clear();
+  responses_queued_.store(0, std::memory_order_relaxed);
   lk.unlock();
   sock_.shutdown();
 }
@@ -225,13 +290,18 @@ void StreamChannel::reader_loop() {
     exact_header_ = false;
     if (!fill(sizeof(FrameHeader), exact ? sizeof(FrameHeader) : rbuf_.size())) {
       const int err = errno;
-      bool stopping;
+      bool closing;
+      int write_err;
       {
-        std::lock_guard<std::mutex> lk(mu_);  // stop_ is written under mu_ by shutdown()
-        stopping = stop_;
+        std::lock_guard<std::mutex> lk(mu_);  // closing_ is written under mu_ by shutdown()
+        closing = closing_;
+        write_err = write_errno_;
       }
-      if (!stopping) why = {ErrorCode::kPeerLost, std::string("connection to peer lost: ") + net::errno_text(err)};
-      else why = {ErrorCode::kCancelled, "channel closed"};
+      // kCancelled only for a local close: a failed write (stop_ set by the writer) or an
+      // EOF / reset means the peer is gone.
+      if (closing) why = {ErrorCode::kCancelled, "channel closed"};
+      else if (write_err) why = {ErrorCode::kPeerLost, std::string("connection to peer lost (write failed): ") + net::errno_text(write_err)};
+      else why = {ErrorCode::kPeerLost, std::string("connection to peer lost: ") + net::errno_text(err)};
       break;
     }
     FrameHeader h;

@@ -26,6 +26,7 @@ struct OutFrame {
   std::string text;               // an owned payload (messages)
   std::shared_ptr<void> keep;     // held until the frame is on the wire
   uint64_t sent = 0;              // bytes of header + payload already written
+  bool response = false;          // answers a peer's request (counted: responses_queued())
 };
 
 class StreamChannel;
@@ -56,6 +57,9 @@ class StreamChannel {
     virtual Status on_frame(StreamChannel& ch, const FrameHeader& h, PayloadReader& payload) = 0;
     // The stream ended or broke (called once, on the reader thread).
     virtual void on_channel_down(StreamChannel& ch, const Status& why) = 0;
+    // Bytes of frame `h` (one of ours) were accepted by the socket: per-op progress. Called
+    // on whichever thread writes, at most once per frame per write call.
+    virtual void on_frame_sent(StreamChannel& ch, const FrameHeader& h) {}
   };
 
   StreamChannel(net::Socket sock, Handler* handler, int index);
@@ -64,8 +68,18 @@ class StreamChannel {
   // Queue a frame; never blocks on the network. Dropped silently once the channel is down.
   void post(OutFrame frame);
   // Unblock both threads (the handler hears on_channel_down); join() waits for them.
+  // shutdown() is the local close: only after it does the reader report kCancelled.
+  // join() is safe from any thread and concurrently: callers serialise, each thread is joined
+  // once, and a call from one of the channel's own threads joins nothing (no self-join).
   void shutdown();
   void join();
+  // Whether the calling thread is one of this channel's reader / writer threads.
+  bool on_own_thread() const;
+  // Responses (frames posted with `response`) waiting in the queue, not yet taken by a write.
+  size_t responses_queued() const { return responses_queued_.load(std::memory_order_relaxed); }
+  // How long frames have been waiting with no byte accepted by the socket (0 when nothing
+  // waits): a peer that stops reading stalls the writer with frames (and pins) queued.
+  std::chrono::steady_clock::duration write_stall(std::chrono::steady_clock::time_point now);
   int index() const { return index_; }
   // When bytes last moved on this socket, either way. A peer that is still accepting a long
   // write is not silent even though it has nothing to answer yet.
@@ -90,15 +104,24 @@ class StreamChannel {
   const int index_;
   std::thread reader_;
   std::thread writer_;
+  std::thread::id reader_id_, writer_id_;  // set by start(), read-only afterwards
+  std::mutex join_mu_;                     // serialises join()
   std::atomic<bool> down_{false};
   std::atomic<std::chrono::steady_clock::rep> last_io_{std::chrono::steady_clock::now().time_since_epoch().count()};
   void touch_io() { last_io_.store(std::chrono::steady_clock::now().time_since_epoch().count(), std::memory_order_relaxed); }
+  std::atomic<std::chrono::steady_clock::rep> write_progress_{0};  // see write_stall()
+  void touch_write() {
+    write_progress_.store(std::chrono::steady_clock::now().time_since_epoch().count(), std::memory_order_relaxed);
+  }
 
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<OutFrame> queue_;
   bool writing_ = false;  // a thread (caller or writer) owns the socket's send side
-  bool stop_ = false;
+  bool stop_ = false;     // the channel is going down (any reason)
+  bool closing_ = false;  // shutdown() was called: a local close, not a peer failure
+  int write_errno_ = 0;   // why a write failed (the peer is gone), 0 if none did
+  std::atomic<size_t> responses_queued_{0};
 
   std::vector<uint8_t> rbuf_;
   size_t rpos_ = 0, rend_ = 0;

@@ -139,6 +139,13 @@ class RdmaEndpoint final : public TransportEndpoint,
   std::shared_ptr<ProgressSource> progress_source() override { return shared_from_this(); }
   size_t pending() const override { return pending_.size(); }
   std::chrono::steady_clock::time_point last_progress() const override { return pending_.last_progress(); }
+  // Per-operation deadlines (lane completions stamp their op): see PendingOps::expire. Only
+  // counted: the core then closes the endpoint, which stops the queue pairs before failing
+  // ops (the adapter may still be writing into an overdue read's buffer).
+  size_t expire_ops(std::chrono::steady_clock::time_point now, std::chrono::milliseconds timeout,
+                    std::string* what) override {
+    return pending_.expire(now, timeout, what, /*fail=*/false);
+  }
   void close(const Status& why) override;
 
   // GoneListener

@@ -1,8 +1,10 @@
 // tcp: N persistent connections per endpoint. Requests and responses are frames (see
 // transport/common/frame.hpp); payloads move between the socket and registered memory with
 // no intermediate copy. Both sides of an endpoint may issue operations on the same sockets.
+#include <algorithm>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <unordered_map>
 #include <vector>
 
@@ -40,11 +42,22 @@ struct ImmProgress {
 };
 
 constexpr size_t kMaxImmInProgress = 1 << 16;
+// An unexpected message's buffer grows by at most this much ahead of the bytes that arrived.
+constexpr uint64_t kStashChunk = 1 << 20;
+// Read responses at least this large stamp their op's progress before their payload lands
+// (smaller ones complete or stamp right after it).
+constexpr uint64_t kStampBytes = 64 << 10;
 
 class TcpEndpoint final : public TransportEndpoint, public StreamChannel::Handler {
  public:
   explicit TcpEndpoint(const EndpointSetup& s)
-      : events_(s.events), nchan_(s.channels), channels_(s.channels), reads_(s.channels), read_mu_(s.channels) {}
+      : events_(s.events),
+        nchan_(s.channels),
+        max_queued_(static_cast<size_t>(std::max(1, s.config.max_queued_responses))),
+        answered_(new std::atomic<Clock::rep>[s.channels]),
+        channels_(s.channels),
+        reads_(s.channels),
+        read_mu_(s.channels) {}
   ~TcpEndpoint() override { close({ErrorCode::kCancelled, "endpoint destroyed"}); }
 
   void connect(const ChannelOpener& open) override {
@@ -157,20 +170,67 @@ class TcpEndpoint final : public TransportEndpoint, public StreamChannel::Handle
     return t;
   }
 
+  // Per-operation deadlines (PendingOps::expire), and channels whose writer is stalled: a
+  // peer that stops reading keeps frames queued (read responses pin our regions); after
+  // op_timeout with no byte accepted the endpoint fails and close() drops them.
+  size_t expire_ops(std::chrono::steady_clock::time_point now, std::chrono::milliseconds timeout,
+                    std::string* what) override {
+    // Counted, not failed here: the endpoint then fails and close() stops the channel
+    // threads (which may be landing a read response in an op's memory) before failing ops.
+    // An op past its own deadline is spared while a channel it uses keeps answering our
+    // requests: answers come in order per channel, so a backlog ahead of it is progress (a
+    // peer's own requests, e.g. zero-length writes, are not answers and keep nobody alive).
+    auto alive = [&](const TransferOp* op) {
+      for (int c = 0; c < nchan_; ++c) {
+        bool uses = op ? c < static_cast<int>(op->lanes.size()) && !op->lanes[c].pieces.empty() : c == 0;
+        if (uses && now - Clock::time_point(Clock::duration(answered_[c].load(std::memory_order_relaxed))) < timeout)
+          return true;
+      }
+      return false;
+    };
+    size_t n = pending_.expire(now, timeout, what, /*fail=*/false, alive);
+    std::lock_guard<std::mutex> lk(attach_mu_);
+    for (const auto& ch : channels_) {
+      if (!ch) continue;
+      auto stall = ch->write_stall(now);
+      if (stall < timeout) continue;
+      if (what && n == 0)
+        *what = "tcp channel " + std::to_string(ch->index()) + ": the peer accepted no bytes for " +
+                std::to_string(std::chrono::duration_cast<std::chrono::milliseconds>(stall).count()) +
+                " ms with frames queued (it stopped reading; op_timeout " + std::to_string(timeout.count()) + " ms)";
+      ++n;
+    }
+    return n;
+  }
+
+  // Safe from any thread and concurrently (StreamChannel::join serialises joiners and skips
+  // the caller's own thread). Operations fail only after the channel threads stopped, so no
+  // read response lands in an op's memory after its future completed.
   void close(const Status& why) override {
-    fail(why, /*notify=*/false);
+    const bool first = !failed_.exchange(true);
     std::vector<StreamChannel*> chans;  // channels_ slots are filled under attach_mu_
     {
       std::lock_guard<std::mutex> lk(attach_mu_);
       for (auto& ch : channels_)
-        if (ch) chans.push_back(ch.get());
+        if (ch) {
+          if (first) ch->shutdown();
+          chans.push_back(ch.get());
+        }
     }
     for (auto* ch : chans) ch->join();
+    if (first) pending_.fail_all(why);
   }
 
   // StreamChannel::Handler
   Status on_frame(StreamChannel& ch, const FrameHeader& h, PayloadReader& payload) override {
     pending_.touch();
+    switch (static_cast<FrameType>(h.type)) {
+      case FrameType::kReadResp:
+      case FrameType::kAck:
+      case FrameType::kNack:
+      case FrameType::kSendAck: answered(ch); break;
+      default: break;
+    }
     switch (static_cast<FrameType>(h.type)) {
       case FrameType::kWrite: return serve_write(ch, h, payload);
       case FrameType::kReadReq: return serve_read(ch, h);
@@ -189,8 +249,26 @@ class TcpEndpoint final : public TransportEndpoint, public StreamChannel::Handle
 
   void on_channel_down(StreamChannel&, const Status& why) override { fail(why, /*notify=*/true); }
 
+  // Bytes of our own request frames left: progress of their op (not of the peer's ops that
+  // our responses answer: those tokens are the peer's).
+  void on_frame_sent(StreamChannel& ch, const FrameHeader& h) override {
+    switch (static_cast<FrameType>(h.type)) {
+      case FrameType::kWrite:
+      case FrameType::kReadReq: pending_.progress(h.op_id); break;
+      case FrameType::kSend: pending_.progress_send(h.op_id); break;
+      default: return;
+    }
+    answered(ch);
+  }
+
  private:
   static void bootstrap_reply(net::Socket& sock);
+
+  using Clock = std::chrono::steady_clock;
+  // Channel `ch` moved our requests forward (an answer arrived, or request bytes left).
+  void answered(StreamChannel& ch) {
+    answered_[ch.index()].store(Clock::now().time_since_epoch().count(), std::memory_order_relaxed);
+  }
 
   // Callers hold attach_mu_, which also guards fail()'s walk over channels_.
   void install(int index, net::Socket sock) {
@@ -210,7 +288,19 @@ class TcpEndpoint final : public TransportEndpoint, public StreamChannel::Handle
     if (notify) events_->on_failure(why);
   }
 
+  // A peer that sends requests and never reads the responses: bounded per channel.
+  Status response_room(StreamChannel& ch) const {
+    if (ch.responses_queued() < max_queued_) return Status::Ok();
+    return {ErrorCode::kProtocol, "peer left " + std::to_string(ch.responses_queued()) +
+                                      " responses unread on tcp channel " + std::to_string(ch.index()) +
+                                      " (max_queued_responses " + std::to_string(max_queued_) + ")"};
+  }
+
   Status serve_write(StreamChannel& ch, const FrameHeader& h, PayloadReader& payload) {
+    if (h.flags & kLaneEnd) {
+      Status room = response_room(ch);
+      if (!room.ok()) return room;
+    }
     Status st;
     {
       RegionPin pin = events_->registry().pin(h.region, h.offset, h.length, &st, "target");
@@ -266,6 +356,8 @@ class TcpEndpoint final : public TransportEndpoint, public StreamChannel::Handle
 
   Status serve_read(StreamChannel& ch, const FrameHeader& h) {
     uint64_t length = (uint64_t(h.aux) << 32) | h.imm;
+    Status room = response_room(ch);
+    if (!room.ok()) return room;
     Status st;
     RegionPin pin = events_->registry().pin(h.region, h.offset, length, &st, "target");
     if (st.ok() && length > kMaxFramePayload) st = {ErrorCode::kInvalidArgument, "read piece too large"};
@@ -283,6 +375,7 @@ class TcpEndpoint final : public TransportEndpoint, public StreamChannel::Handle
     }
     OutFrame f;
     f.hdr = make_frame(FrameType::kReadResp, h.op_id, 0, 0, length, h.flags & kLaneEnd);
+    f.response = true;
     f.data = pin.get()->base + h.offset;
     f.keep = std::make_shared<RegionPin>(std::move(pin));
     if (staged) {
@@ -304,6 +397,7 @@ class TcpEndpoint final : public TransportEndpoint, public StreamChannel::Handle
       q.pop_front();
     }
     if (rp.lane_end != bool(h.flags & kLaneEnd)) return {ErrorCode::kProtocol, "read response lane mismatch"};
+    if (rp.length >= kStampBytes) pending_.progress(rp.token);  // a long response is arriving
     if (refused.ok()) {
       if (h.length != rp.length) return {ErrorCode::kProtocol, "read response of the wrong length"};
       if (rp.device) {
@@ -323,6 +417,7 @@ class TcpEndpoint final : public TransportEndpoint, public StreamChannel::Handle
       } else if (!payload.read(rp.dest, rp.length)) {
         return {ErrorCode::kPeerLost, "connection lost mid-read"};
       }
+      if (!rp.lane_end) pending_.progress(rp.token);
     }
     if (rp.lane_end)
       pending_.lane_done(rp.token, refused);
@@ -343,10 +438,25 @@ class TcpEndpoint final : public TransportEndpoint, public StreamChannel::Handle
   }
 
   Status serve_send(StreamChannel& ch, const FrameHeader& h, PayloadReader& payload) {
-    auto claim = events_->matcher().claim(h.op_id, h.length);
+    Status room = response_room(ch);
+    if (!room.ok()) return room;
+    auto claim = events_->matcher().claim(h.op_id, h.length, /*lazy=*/true);
     if (claim.error.code == ErrorCode::kProtocol) return claim.error;
     Status st = claim.error;
-    if (claim.dest) {
+    if (claim.stash) {
+      // No recv yet: the buffer grows as the bytes arrive, so a header that announces a huge
+      // message and then stalls costs nothing.
+      for (uint64_t off = 0; off < h.length;) {
+        uint64_t k = std::min(kStashChunk, h.length - off);
+        uint8_t* buf = MessageMatcher::stash_room(claim, off + k);
+        if (!payload.read(buf + off, k)) {
+          Status lost{ErrorCode::kPeerLost, "connection lost mid-message"};
+          events_->matcher().deliver(claim, lost);
+          return lost;
+        }
+        off += k;
+      }
+    } else if (claim.dest) {
       uint64_t n = std::min(h.length, claim.capacity);
       bool got = true;
       Status up;
@@ -375,6 +485,8 @@ class TcpEndpoint final : public TransportEndpoint, public StreamChannel::Handle
 
   EndpointEvents* events_;
   const int nchan_;
+  const size_t max_queued_;
+  std::unique_ptr<std::atomic<Clock::rep>[]> answered_;  // per channel, see answered()
   std::vector<std::unique_ptr<StreamChannel>> channels_;
   std::vector<std::deque<ReadPiece>> reads_;
   std::vector<std::mutex> read_mu_;

@@ -97,5 +97,33 @@ TEST(PendingOps, ConcurrentAddAndCompleteKeepsTokensUnique) {
   EXPECT_EQ(all.size(), static_cast<size_t>(kThreads * kEach)) << "a token was handed out twice";
 }
 
+// Issue 18 class 4: deadlines are per operation. An op that saw progress of its own stays;
+// one that saw none for the timeout fails with kTimeout, however busy the endpoint is.
+TEST(PendingOps, ExpireFailsOnlyOpsWithoutProgressOfTheirOwn) {
+  PendingOps p;
+  auto quiet = make_op(2), busy = make_op(2);
+  uint64_t tq = p.add(quiet), tb = p.add(busy);
+  auto send = std::make_shared<MessageOp>();
+  send->seq = 5;
+  send->future = std::make_shared<FutureState>(OpKind::kSend);
+  ASSERT_TRUE(p.add_send(send));
+  std::this_thread::sleep_for(std::chrono::milliseconds(60));
+  p.touch();  // endpoint-level activity keeps nobody alive
+  p.progress(tb);
+  ASSERT_TRUE(p.lane_done(tb, Status::Ok()));
+  std::string what;
+  EXPECT_EQ(p.expire(PendingOps::Clock::now(), std::chrono::milliseconds(50), &what), 2u);
+  EXPECT_NE(what.find("op_timeout 50 ms"), std::string::npos) << what;
+  ASSERT_TRUE(quiet->future->done());
+  EXPECT_EQ(quiet->future->status().code, ErrorCode::kTimeout);
+  ASSERT_TRUE(send->future->done());
+  EXPECT_EQ(send->future->status().code, ErrorCode::kTimeout);
+  EXPECT_FALSE(busy->future->done());
+  EXPECT_FALSE(p.lane_done(tq, Status::Ok())) << "an expired op's token still resolved";
+  EXPECT_EQ(p.size(), 1u);
+  EXPECT_TRUE(p.lane_done(tb, Status::Ok()));
+  EXPECT_TRUE(busy->future->status().ok());
+}
+
 }  // namespace
 }  // namespace sluice::detail

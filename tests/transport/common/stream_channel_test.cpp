@@ -1,0 +1,134 @@
+// StreamChannel: join() from several threads at once (issue 18 class 2: the watchdog and a
+// user's close() joined the same channel threads concurrently; the second pthread_join of a
+// running thread fails, and a joiner left behind later joined a reused handle).
+#include "transport/common/stream_channel.hpp"
+
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <thread>
+#include <vector>
+
+namespace sluice::detail {
+namespace {
+
+// A connected pair of loopback tcp sockets.
+std::pair<net::Socket, net::Socket> tcp_pair() {
+  int l = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(a);
+  if (::bind(l, reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0 || ::listen(l, 1) != 0 ||
+      ::getsockname(l, reinterpret_cast<sockaddr*>(&a), &len) != 0)
+    std::abort();
+  int c = ::socket(AF_INET, SOCK_STREAM, 0);
+  if (::connect(c, reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0) std::abort();
+  int s = ::accept(l, nullptr, nullptr);
+  ::close(l);
+  return {net::Socket(c), net::Socket(s)};
+}
+
+// Holds the reader thread inside on_frame until released, so the channel's threads are
+// still running while several threads join them.
+struct BlockingHandler : StreamChannel::Handler {
+  std::mutex mu;
+  std::condition_variable cv;
+  bool entered = false, released = false;
+  std::atomic<int> downs{0};
+  Status why;
+  Status on_frame(StreamChannel&, const FrameHeader&, PayloadReader&) override {
+    std::unique_lock<std::mutex> lk(mu);
+    entered = true;
+    cv.notify_all();
+    cv.wait(lk, [&] { return released; });
+    return Status::Ok();
+  }
+  void on_channel_down(StreamChannel&, const Status& w) override {
+    std::lock_guard<std::mutex> lk(mu);
+    why = w;
+    downs++;
+  }
+};
+
+TEST(StreamChannel, ConcurrentJoinsWhileTheThreadsStillRun) {
+  auto [mine, theirs] = tcp_pair();
+  BlockingHandler h;
+  StreamChannel ch(std::move(mine), &h, 0);
+  ch.start();
+  FrameHeader f = make_frame(FrameType::kAck, 1, 0, 0, 0, kLaneEnd);
+  ASSERT_EQ(::send(theirs.fd(), &f, sizeof(f), MSG_NOSIGNAL), static_cast<ssize_t>(sizeof(f)));
+  {
+    std::unique_lock<std::mutex> lk(h.mu);
+    ASSERT_TRUE(h.cv.wait_for(lk, std::chrono::seconds(5), [&] { return h.entered; }));
+  }
+  ch.shutdown();
+  std::atomic<int> joined{0}, threw{0};
+  std::vector<std::thread> joiners;
+  for (int i = 0; i < 4; ++i)
+    joiners.emplace_back([&] {
+      try {
+        ch.join();
+        joined++;
+      } catch (const std::exception&) {
+        threw++;
+      }
+    });
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  EXPECT_EQ(joined.load(), 0) << "join() returned while the reader thread was still running";
+  {
+    std::lock_guard<std::mutex> lk(h.mu);
+    h.released = true;
+    h.cv.notify_all();
+  }
+  for (auto& t : joiners) t.join();
+  EXPECT_EQ(threw.load(), 0) << "a concurrent join() threw";
+  EXPECT_EQ(joined.load(), 4);
+  EXPECT_EQ(h.downs.load(), 1);
+  EXPECT_EQ(h.why.code, ErrorCode::kCancelled) << "a local shutdown() is a cancellation: " << h.why.to_string();
+}
+
+// A write failure is the peer's loss, not a local close (issue 18 class 6): the writer hits
+// the reset while the reader is busy; the reader, when it next reads, used to take the
+// writer's stop flag for a local shutdown and report kCancelled.
+TEST(StreamChannel, FailedWriteIsPeerLostNotCancelled) {
+  auto [mine, theirs] = tcp_pair();
+  BlockingHandler h;
+  StreamChannel ch(std::move(mine), &h, 0);
+  ch.start();
+  FrameHeader f = make_frame(FrameType::kAck, 1, 0, 0, 0, kLaneEnd);
+  ASSERT_EQ(::send(theirs.fd(), &f, sizeof(f), MSG_NOSIGNAL), static_cast<ssize_t>(sizeof(f)));
+  {
+    std::unique_lock<std::mutex> lk(h.mu);
+    ASSERT_TRUE(h.cv.wait_for(lk, std::chrono::seconds(5), [&] { return h.entered; }));
+  }
+  linger lg{1, 0};  // close with a reset: our next writes fail
+  ::setsockopt(theirs.fd(), SOL_SOCKET, SO_LINGER, &lg, sizeof(lg));
+  theirs.close();
+  std::vector<uint8_t> big(1 << 20);
+  for (int i = 0; i < 8; ++i) {
+    OutFrame o;
+    o.hdr = make_frame(FrameType::kWrite, 1, 0, 0, big.size());
+    o.data = big.data();
+    ch.post(std::move(o));
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  {
+    std::lock_guard<std::mutex> lk(h.mu);
+    h.released = true;
+    h.cv.notify_all();
+  }
+  auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  while (h.downs.load() == 0 && std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  ASSERT_EQ(h.downs.load(), 1);
+  EXPECT_EQ(h.why.code, ErrorCode::kPeerLost) << h.why.to_string();
+  ch.shutdown();
+  ch.join();
+}
+
+}  // namespace
+}  // namespace sluice::detail
