@@ -352,6 +352,15 @@ class NvlinkEndpoint final : public TransportEndpoint, public StreamChannel::Han
 
   size_t pending() const override { return pending_.size(); }
   std::chrono::steady_clock::time_point last_progress() const override { return pending_.last_progress(); }
+  // Per-operation deadlines (PendingOps::expire), an op past its own deadline spared while
+  // work of ours keeps completing (as shm): frames the peer sends of its own accord keep
+  // nothing alive.
+  size_t expire_ops(std::chrono::steady_clock::time_point now, std::chrono::milliseconds timeout,
+                    std::string* what) override {
+    auto moving = std::chrono::steady_clock::time_point(std::chrono::steady_clock::duration(moving_.load()));
+    return pending_.expire(now, timeout, what, /*fail=*/false,
+                           [&](const TransferOp*) { return now - moving < timeout; });
+  }
 
   void close(const Status& why) override {
     fail(why, false);
@@ -386,8 +395,12 @@ class NvlinkEndpoint final : public TransportEndpoint, public StreamChannel::Han
       case FrameType::kSendRts: return serve_rts(ch, h);
       case FrameType::kPullWrite: return serve_pull(ch, h, payload);
       case FrameType::kAck:
-      case FrameType::kNack: return take_pull_ack(h, payload);
-      case FrameType::kSendAck: return complete_send_ack(pending_, h, payload);
+      case FrameType::kNack:
+        moved();
+        return take_pull_ack(h, payload);
+      case FrameType::kSendAck:
+        moved();
+        return complete_send_ack(pending_, h, payload);
       case FrameType::kError: return peer_error(payload);
       default: return {ErrorCode::kProtocol, "unexpected frame type " + std::to_string(h.type) + " on nvlink control"};
     }
@@ -858,6 +871,7 @@ class NvlinkEndpoint final : public TransportEndpoint, public StreamChannel::Han
   // A lane finished (or failed): imm after the last lane of a write_with_imm, then complete.
   void finish(Inflight& f, const Status& st) {
     pending_.touch();
+    moved();
     if (!st.ok()) f.track->failed = true;
     if (f.track->lanes_left.fetch_sub(1) == 1 && f.op->kind == OpKind::kWriteImm && !f.track->failed && control_) {
       OutFrame fr;
@@ -1008,6 +1022,8 @@ class NvlinkEndpoint final : public TransportEndpoint, public StreamChannel::Han
   bool poll_waiters_ = false;
   std::unique_ptr<StreamChannel> control_;
   PendingOps pending_;
+  std::atomic<std::chrono::steady_clock::rep> moving_{0};  // when work of ours last completed
+  void moved() { moving_.store(std::chrono::steady_clock::now().time_since_epoch().count(), std::memory_order_relaxed); }
   std::atomic<bool> failed_{false};
 
   std::mutex mu_;

@@ -349,6 +349,13 @@ void ShmEndpoint::close(const Status& why) {
   host_.forget(token_);
 }
 
+size_t ShmEndpoint::expire_ops(std::chrono::steady_clock::time_point now, std::chrono::milliseconds timeout,
+                               std::string* what) {
+  auto moving = std::chrono::steady_clock::time_point(std::chrono::steady_clock::duration(moving_.load()));
+  return pending_.expire(now, timeout, what, /*fail=*/false,
+                         [&](const TransferOp*) { return now - moving < timeout; });
+}
+
 Status ShmEndpoint::on_frame(StreamChannel& ch, const FrameHeader& h, PayloadReader& payload) {
   pending_.touch();
   switch (static_cast<FrameType>(h.type)) {
@@ -359,7 +366,9 @@ Status ShmEndpoint::on_frame(StreamChannel& ch, const FrameHeader& h, PayloadRea
     case FrameType::kAck:
     case FrameType::kNack: return take_ack(h, payload);
     case FrameType::kSendRts: return serve_rts(ch, h, payload);
-    case FrameType::kSendAck: return complete_send_ack(pending_, h, payload);
+    case FrameType::kSendAck:
+      moved();
+      return complete_send_ack(pending_, h, payload);
     case FrameType::kError: return peer_error(payload);
     default: return {ErrorCode::kProtocol, "unexpected frame type " + std::to_string(h.type) + " on shm control"};
   }
@@ -397,6 +406,8 @@ Status ShmEndpoint::take_ack(const FrameHeader& h, PayloadReader& payload) {
       if (gone) pulls_.erase(it);  // staged copies released: every frame was answered
     }
   }
+  moved();
+  pending_.progress(h.op_id);
   if (done && !pending_.lane_done(h.op_id, st)) return {ErrorCode::kProtocol, "ack for an unknown operation"};
   return Status::Ok();
 }
@@ -425,6 +436,7 @@ void ShmEndpoint::work() {
     }
     Status st = failed_.load() ? Status{ErrorCode::kCancelled, "endpoint closed"} : run_lane(*job.op, job.op->lanes[job.lane]);
     pending_.touch();
+    moved();
     if (!st.ok()) job.track->failed = true;
     if (st.code == ErrorCode::kPeerLost) {
       fail(st, true);
@@ -576,14 +588,22 @@ Status ShmEndpoint::serve_rts(StreamChannel& ch, const FrameHeader& h, PayloadRe
   if (h.length != sizeof(src) || !payload.read(&src, sizeof(src)))
     return {ErrorCode::kProtocol, "SEND_RTS without its 16-byte source"};
   uint64_t length = (uint64_t(h.aux) << 32) | h.imm;
-  auto claim = events_->matcher().claim(h.op_id, length);
+  auto claim = events_->matcher().claim(h.op_id, length, /*lazy=*/true);
   if (claim.error.code == ErrorCode::kProtocol) return claim.error;
   Status st = claim.error;
-  if (claim.dest) {
-    uint64_t n = std::min(length, claim.capacity);
+  if (claim.stash || claim.dest) {
+    uint64_t n = claim.stash ? length : std::min(length, claim.capacity);
     Held held(leases_);
     if (n) st = held.enter(src.slot, src.region, "the sender's");
-    if (n && st.ok()) st = cma::move(pid_.load(), {{claim.dest, h.region, n}}, /*write=*/false);
+    // No recv posted: the buffer grows chunk by chunk as the copy succeeds, so an announced
+    // size that the sender's memory does not back costs nothing.
+    constexpr uint64_t kChunk = 1 << 20;
+    for (uint64_t off = 0; st.ok() && off < n;) {
+      uint64_t k = claim.stash ? std::min(kChunk, n - off) : n;
+      uint8_t* dst = claim.stash ? MessageMatcher::stash_room(claim, off + k) : claim.dest;
+      st = cma::move(pid_.load(), {{dst + off, h.region + off, k}}, /*write=*/false);
+      off += k;
+    }
     if (n && st.ok()) st = held.still("the sender's");
   }
   st = events_->matcher().deliver(claim, st);

@@ -73,6 +73,12 @@ class ShmEndpoint final : public TransportEndpoint, public StreamChannel::Handle
   void send(std::shared_ptr<MessageOp> op) override;
   size_t pending() const override { return pending_.size(); }
   std::chrono::steady_clock::time_point last_progress() const override { return pending_.last_progress(); }
+  // Per-operation deadlines (PendingOps::expire). An op past its own deadline is spared while
+  // this endpoint keeps completing work of ours (lanes, answers to our requests): it waits in
+  // our own queue behind a moving backlog. Frames the peer sends of its own accord (requests,
+  // imms, chatter) keep nothing alive.
+  size_t expire_ops(std::chrono::steady_clock::time_point now, std::chrono::milliseconds timeout,
+                    std::string* what) override;
   void close(const Status& why) override;
 
   Status on_frame(StreamChannel& ch, const FrameHeader& h, PayloadReader& payload) override;
@@ -126,6 +132,8 @@ class ShmEndpoint final : public TransportEndpoint, public StreamChannel::Handle
   std::mutex ctl_mu_;  // guards control_ being installed (a service thread) against fail()/close()
   std::unique_ptr<StreamChannel> control_;
   PendingOps pending_;
+  std::atomic<std::chrono::steady_clock::rep> moving_{0};  // when work of ours last completed
+  void moved() { moving_.store(std::chrono::steady_clock::now().time_since_epoch().count(), std::memory_order_relaxed); }
   std::atomic<bool> failed_{false};
 
   std::mutex mu_;
