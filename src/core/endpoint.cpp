@@ -5,10 +5,6 @@
 #include "core/log.hpp"
 
 namespace sluice::detail {
-namespace {
-constexpr std::chrono::milliseconds kPinReleaseMargin{5000};
-}  // namespace
-
 EndpointImpl::EndpointImpl(std::shared_ptr<EngineImpl> engine, const Transport* kind, EngineInfo peer, uint64_t token,
                            int channels)
     : engine_(std::move(engine)),
@@ -17,11 +13,6 @@ EndpointImpl::EndpointImpl(std::shared_ptr<EngineImpl> engine, const Transport* 
       token_(token),
       channels_(channels),
       matcher_(engine_->config().max_unexpected_bytes, engine_->config().max_unexpected_messages) {
-  // unregister_memory waits at most this long for pins: the watchdog fails an op (and a
-  // stalled writer) after op_timeout, checking every 50 ms, and the transport then drops what
-  // it queued; the margin covers that hand-off. Set here because every pin held by a
-  // transport belongs to an endpoint (one value per engine, so every endpoint sets the same).
-  engine_->registry().set_pin_timeout(engine_->config().op_timeout + kPinReleaseMargin);
   set_peer(std::move(peer));
   // A waiter that polls saves a wake-up, but only where a spare core runs the progress
   // threads meanwhile: on a 2-core host it steals their CPU (measured here: 7.6 us round
