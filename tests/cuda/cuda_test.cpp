@@ -459,6 +459,54 @@ TEST(Nvlink, CrossProcessOffsetsImmAndStreams) {
 }
 
 // AllGather with both ranks in this process (one thread each).
+// A handle is bytes from a rendezvous socket: one that claims this process must name one of
+// its AllGather buffers (else a forged one would aim our kernels at any other memory).
+TEST(AllGather, ForgedInProcessHandlesAreRefused) {
+  NEED_GPUS(1);
+  cuda::AllGather a(1024, 2, cuda::DType::kBFloat16, 2, 0, 0);
+  cuda::AllGather b(1024, 2, cuda::DType::kBFloat16, 2, 1, 0);
+  std::string hb = b.handle();
+  // Layout of the handle (src/cuda/allgather.cu): pid, device, ptr, size, ipc handle.
+  struct H {
+    int pid, device;
+    uint64_t ptr, size;
+    char ipc[64];
+  };
+  auto unhex = [](const std::string& t) {
+    std::string out(t.size() / 2, '\0');
+    for (size_t i = 0; i < out.size(); ++i) out[i] = static_cast<char>(std::stoi(t.substr(2 * i, 2), nullptr, 16));
+    return out;
+  };
+  auto hex = [](const std::string& bytes) {
+    static const char* d = "0123456789abcdef";
+    std::string t;
+    for (unsigned char c : bytes) {
+      t += d[c >> 4];
+      t += d[c & 15];
+    }
+    return t;
+  };
+  std::string raw = unhex(hb);
+  ASSERT_EQ(raw.size(), sizeof(H));
+  H h;
+  std::memcpy(&h, raw.data(), sizeof(h));
+  void* other = nullptr;
+  CK(cudaMalloc(&other, h.size));
+  H forged = h;
+  forged.ptr = reinterpret_cast<uint64_t>(other);  // real device memory of ours, not a buffer
+  std::string fh = hex(std::string(reinterpret_cast<char*>(&forged), sizeof(forged)));
+  ErrorCode code = ErrorCode::kOk;
+  try {
+    a.connect({a.handle(), fh});
+  } catch (const Error& e) {
+    code = e.code();
+  }
+  EXPECT_EQ(code, ErrorCode::kProtocol);
+  // The genuine handle still connects.
+  a.connect({a.handle(), hb});
+  cudaFree(other);
+}
+
 TEST(AllGather, TwoRanksInProcessAndGraph) {
   NEED_GPUS(2);
   const int world = 2;
