@@ -14,6 +14,7 @@
 #include "bootstrap/socket.hpp"
 #include "core/engine_info.hpp"
 #include "loopback.hpp"
+#include "raw_peer.hpp"
 #include "sluice/version.hpp"
 #include "transport/common/frame.hpp"
 
@@ -29,39 +30,6 @@ namespace boot = sluice::bootstrap;
 namespace {
 
 constexpr uint64_t kPage = 4096;
-
-// The bootstrap header as messages.cpp lays it out (to forge broken ones).
-struct BootHeader {
-  uint32_t magic;
-  uint16_t version;
-  uint16_t kind;
-  uint32_t length;
-  uint32_t check;
-};
-uint32_t boot_check(const BootHeader& h) {
-  uint64_t x = (uint64_t(h.magic) << 32) ^ (uint64_t(h.version) << 16) ^ h.kind ^ (uint64_t(h.length) << 24);
-  x *= 0x9e3779b97f4a7c15ull;
-  return static_cast<uint32_t>(x >> 32);
-}
-BootHeader boot_header(uint16_t kind, uint32_t length, uint16_t version = kWireVersion) {
-  BootHeader h{0x42434c53, version, kind, length, 0};
-  h.check = boot_check(h);
-  return h;
-}
-
-// Waits until the peer closes `fd` (EOF or reset); drains whatever it sends first.
-bool closed_by_peer(int fd, std::chrono::milliseconds timeout) {
-  auto deadline = std::chrono::steady_clock::now() + timeout;
-  char buf[4096];
-  for (;;) {
-    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
-    if (left.count() <= 0) return false;
-    pollfd p{fd, POLLIN, 0};
-    if (::poll(&p, 1, static_cast<int>(left.count())) <= 0) continue;
-    ssize_t r = ::recv(fd, buf, sizeof(buf), 0);
-    if (r <= 0) return true;
-  }
-}
 
 struct Frame {
   FrameHeader h{};

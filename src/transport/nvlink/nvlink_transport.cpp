@@ -40,6 +40,7 @@
 #include "transport/common/control_frames.hpp"
 #include "transport/common/pending_ops.hpp"
 #include "transport/common/same_host.hpp"
+#include "transport/common/same_host_endpoints.hpp"
 #include "transport/common/stream_channel.hpp"
 #include "transport/shm/cma.hpp"
 #include "transport/shm/shm_wire.hpp"
@@ -183,7 +184,7 @@ class NvlinkHost {
   virtual void forget(uint64_t token) = 0;
 };
 
-class NvlinkEndpoint final : public TransportEndpoint, public StreamChannel::Handler {
+class NvlinkEndpoint final : public TransportEndpoint, public StreamChannel::Handler, public same_host::ProvenEndpoint {
  public:
   NvlinkEndpoint(const EndpointSetup& s, NvlinkHost& host, std::string peer_socket)
       : host_(host), events_(s.events), active_(s.active), token_(s.token), peer_socket_(std::move(peer_socket)),
@@ -234,7 +235,7 @@ class NvlinkEndpoint final : public TransportEndpoint, public StreamChannel::Han
   // Passive side: the process `cred` proved itself with this endpoint's token; its socket
   // becomes the control channel.
   // `sock` is taken only on success (else the service answers the refusal on it).
-  void authenticate(net::Socket& sock, const same_host::PeerCred& cred, int lease_fd, const std::string& engine) {
+  void authenticate(net::Socket& sock, const same_host::PeerCred& cred, int lease_fd, const std::string& engine) override {
     FdGuard guard{lease_fd};
     if (active_ || authenticated_.load()) throw Error(ErrorCode::kProtocol, "nvlink: endpoint already authenticated");
     if (engine != peer_engine_)
@@ -260,7 +261,7 @@ class NvlinkEndpoint final : public TransportEndpoint, public StreamChannel::Han
 
   // Answers the authenticated peer's question about one of our regions (*fd_out: a descriptor
   // to pass with the answer, or -1).
-  nlohmann::json describe_local(uint64_t id, const same_host::PeerCred& cred, int* fd_out) const {
+  nlohmann::json describe_local(uint64_t id, const same_host::PeerCred& cred, int* fd_out) const override {
     *fd_out = -1;
     if (!authenticated_.load() || cred.pid != pid_.load())
       throw Error(ErrorCode::kProtocol, "describe from a process that is not this endpoint's peer");
@@ -1053,16 +1054,15 @@ class NvlinkEndpoint final : public TransportEndpoint, public StreamChannel::Han
 class NvlinkTransport final : public Transport, public NvlinkHost {
  public:
   explicit NvlinkTransport(const EngineContext& ctx) : host_id_(ctx.host_id), engine_id_(ctx.engine_id), registry_(ctx.registry) {
-    service_.start("sluice-nvl-" + engine_id_, [this](net::Socket& s, const same_host::PeerCred& c, const nlohmann::json& r,
-                                                      int fd) { serve(s, c, r, fd); });
+    endpoints_.start("sluice-nvl", engine_id_, nullptr);
   }
-  ~NvlinkTransport() override { service_.stop(); }
+  ~NvlinkTransport() override { endpoints_.stop(); }
 
   std::string name() const override { return "nvlink"; }
   int priority() const override { return 30; }
   bool supports(const Location& loc) const override { return loc.is_host() || loc.kind == Location::Kind::kCuda; }
   // No pid, no handles, no addresses: a peer learns about our memory only after proving itself.
-  nlohmann::json local_address() const override { return {{"socket", service_.name()}, {"devices", cu::device_count()}}; }
+  nlohmann::json local_address() const override { return {{"socket", endpoints_.name()}, {"devices", cu::device_count()}}; }
 
   bool can_reach(const EngineInfo& peer, std::string* why) override {
     if (peer.host_id != host_id_) {
@@ -1080,7 +1080,7 @@ class NvlinkTransport final : public Transport, public NvlinkHost {
       *why = "the peer's nvlink address names no same-host socket";
       return false;
     }
-    if (name == service_.name()) {
+    if (name == endpoints_.name()) {
       *why = "the peer's same-host socket is this engine's own";
       return false;
     }
@@ -1106,8 +1106,7 @@ class NvlinkTransport final : public Transport, public NvlinkHost {
     std::string name = it == setup.peer.transports.end() ? std::string() : string_field(it->second, "socket");
     if (name.empty()) throw Error(ErrorCode::kProtocol, "nvlink: the peer's info names no same-host socket");
     auto ep = std::make_shared<NvlinkEndpoint>(setup, *this, name);
-    std::lock_guard<std::mutex> lk(mu_);
-    (setup.active ? active_ : passive_)[setup.token] = ep;
+    endpoints_.add(setup.token, setup.active, ep);
     return ep;
   }
 
@@ -1115,80 +1114,13 @@ class NvlinkTransport final : public Transport, public NvlinkHost {
   const Registry& registry() const override { return *registry_; }
   const std::string& engine_id() const override { return engine_id_; }
   int lease_fd() const override { return registry_->leases().ok() ? registry_->leases().memfd() : -1; }
-  void forget(uint64_t token) override {
-    std::lock_guard<std::mutex> lk(mu_);
-    for (auto* m : {&active_, &passive_}) {
-      auto it = m->find(token);
-      if (it != m->end() && it->second.expired()) m->erase(it);
-    }
-    for (auto* m : {&active_, &passive_}) std::erase_if(*m, [](auto& kv) { return kv.second.expired(); });
-  }
+  void forget(uint64_t) override { endpoints_.forget(); }
 
  private:
-  std::shared_ptr<NvlinkEndpoint> find(uint64_t token, bool passive) {
-    std::lock_guard<std::mutex> lk(mu_);
-    auto& m = passive ? passive_ : active_;
-    auto it = m.find(token);
-    return it == m.end() ? nullptr : it->second.lock();
-  }
-
-  // One request on our socket, from the process the kernel named in `cred`; a refusal is
-  // answered with its reason.
-  void serve(net::Socket& sock, const same_host::PeerCred& cred, const nlohmann::json& req, int fd) {
-    FdGuard guard{fd};
-    try {
-      handle(sock, cred, req, guard);
-    } catch (const Error& e) {
-      SLUICE_LOG(kDebug, "nvlink: refused a same-host request: " << e.what());
-      if (!sock.valid()) return;
-      try {
-        same_host::send(sock.fd(), {{"error", e.what()}, {"code", static_cast<int>(e.code())}});
-      } catch (const Error&) {
-      }
-    }
-  }
-
-  void handle(net::Socket& sock, const same_host::PeerCred& cred, const nlohmann::json& req, FdGuard& guard) {
-    std::string op = string_field(req, "op");
-    if (op == "probe") {
-      same_host::send(sock.fd(), {{"engine", engine_id_}});
-      return;
-    }
-    auto token_it = req.find("token");
-    if (token_it == req.end() || !token_it->is_number_unsigned())
-      throw Error(ErrorCode::kProtocol, "same-host request without an unsigned 'token'");
-    const uint64_t token = token_it->get<uint64_t>();
-    if (op == "auth") {
-      // The token of one of our own active endpoints means the connection loops back into this
-      // engine (a peer's info named our own socket): never serve ourselves as a peer.
-      if (find(token, /*passive=*/false)) throw Error(ErrorCode::kProtocol, "the connection loops back into this engine");
-      auto ep = find(token, /*passive=*/true);
-      if (!ep) throw Error(ErrorCode::kProtocol, "no endpoint is waiting for this token");
-      ep->authenticate(sock, cred, std::exchange(guard.fd, -1), string_field(req, "engine"));
-      return;
-    }
-    if (op == "describe") {
-      auto to_passive = req.find("to_passive");
-      auto region = req.find("region");
-      if (to_passive == req.end() || !to_passive->is_boolean() || region == req.end() || !region->is_number_unsigned())
-        throw Error(ErrorCode::kProtocol, "describe needs a boolean 'to_passive' and an unsigned 'region'");
-      auto ep = find(token, to_passive->get<bool>());
-      if (!ep) throw Error(ErrorCode::kProtocol, "no endpoint for this token");
-      int xfd = -1;
-      nlohmann::json d = ep->describe_local(region->get<uint64_t>(), cred, &xfd);
-      FdGuard xguard{xfd};
-      same_host::send(sock.fd(), d, xfd);
-      return;
-    }
-    throw Error(ErrorCode::kProtocol, "unknown same-host request '" + op + "'");
-  }
-
   std::string host_id_;
   std::string engine_id_;
   const Registry* registry_;
-  same_host::Service service_;
-  std::mutex mu_;
-  std::unordered_map<uint64_t, std::weak_ptr<NvlinkEndpoint>> active_, passive_;
+  same_host::Endpoints endpoints_;
 };
 
 }  // namespace

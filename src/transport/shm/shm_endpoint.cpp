@@ -101,7 +101,7 @@ void ShmEndpoint::connect(const ChannelOpener& open) {
   open(0, nlohmann::json::object());
 }
 
-void ShmEndpoint::authenticate(net::Socket& sock, const same_host::PeerCred& cred, int lease_fd) {
+void ShmEndpoint::authenticate(net::Socket& sock, const same_host::PeerCred& cred, int lease_fd, const std::string&) {
   FdGuard guard{lease_fd};
   if (active_ || authenticated_.load()) throw Error(ErrorCode::kProtocol, "shm: endpoint already authenticated");
   {

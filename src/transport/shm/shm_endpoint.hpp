@@ -25,6 +25,7 @@
 #include "core/lease_table.hpp"
 #include "transport/common/pending_ops.hpp"
 #include "transport/common/same_host.hpp"
+#include "transport/common/same_host_endpoints.hpp"
 #include "transport/common/stream_channel.hpp"
 #include "transport/shm/shm_wire.hpp"
 #include "transport/transport.hpp"
@@ -62,7 +63,7 @@ struct OpTrack {
   std::atomic<bool> failed{false};
 };
 
-class ShmEndpoint final : public TransportEndpoint, public StreamChannel::Handler {
+class ShmEndpoint final : public TransportEndpoint, public StreamChannel::Handler, public same_host::ProvenEndpoint {
  public:
   ShmEndpoint(const EndpointSetup& s, Host& host, std::string peer_socket);
   ~ShmEndpoint() override;
@@ -87,9 +88,9 @@ class ShmEndpoint final : public TransportEndpoint, public StreamChannel::Handle
   // Called by the transport's socket service.
   bool active() const { return active_; }
   // Passive side: the peer proved itself on our socket; takes the socket as control channel.
-  void authenticate(net::Socket& sock, const same_host::PeerCred& cred, int lease_fd);
+  void authenticate(net::Socket& sock, const same_host::PeerCred& cred, int lease_fd, const std::string& engine) override;
   // Answers the authenticated peer's question about one of our regions (*fd_out: its memfd).
-  nlohmann::json describe_local(uint64_t id, const same_host::PeerCred& cred, int* fd_out) const;
+  nlohmann::json describe_local(uint64_t id, const same_host::PeerCred& cred, int* fd_out) const override;
 
  private:
   struct Job {

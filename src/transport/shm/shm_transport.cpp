@@ -13,6 +13,7 @@
 #include "core/log.hpp"
 #include "cuda/staging.hpp"
 #include "transport/common/same_host.hpp"
+#include "transport/common/same_host_endpoints.hpp"
 #include "transport/shm/cma.hpp"
 #include "transport/shm/shm_endpoint.hpp"
 #include "transport/transport.hpp"
@@ -33,16 +34,18 @@ class ShmTransport final : public Transport, public Host {
  public:
   explicit ShmTransport(const EngineContext& ctx) : host_id_(ctx.host_id), engine_id_(ctx.engine_id), registry_(ctx.registry) {
     if (g_probe_word == 0) g_probe_word = std::random_device{}() | 1;
-    service_.start("sluice-shm-" + engine_id_, [this](net::Socket& s, const same_host::PeerCred& c, const nlohmann::json& r,
-                                                      int fd) { serve(s, c, r, fd); });
+    endpoints_.start("sluice-shm", engine_id_, [] {
+      return nlohmann::json{{"probe_addr", reinterpret_cast<uint64_t>(&g_probe_word)},
+                            {"probe_value", static_cast<uint64_t>(g_probe_word)}};
+    });
   }
-  ~ShmTransport() override { service_.stop(); }
+  ~ShmTransport() override { endpoints_.stop(); }
 
   std::string name() const override { return "shm"; }
   int priority() const override { return 20; }
   // cuda memory on this side is staged through pinned host buffers (CUDA builds with a GPU).
   bool supports(const Location& loc) const override { return loc.is_host() || staging::available(); }
-  nlohmann::json local_address() const override { return {{"socket", service_.name()}}; }
+  nlohmann::json local_address() const override { return {{"socket", endpoints_.name()}}; }
 
   bool can_reach(const EngineInfo& peer, std::string* why) override {
     if (peer.host_id != host_id_) {
@@ -54,7 +57,7 @@ class ShmTransport final : public Transport, public Host {
       *why = "the peer's shm address names no same-host socket";
       return false;
     }
-    if (name == service_.name()) {
+    if (name == endpoints_.name()) {
       *why = "the peer's same-host socket is this engine's own";
       return false;
     }
@@ -85,8 +88,7 @@ class ShmTransport final : public Transport, public Host {
     std::string name = it == setup.peer.transports.end() ? std::string() : string_field(it->second, "socket");
     if (name.empty()) throw Error(ErrorCode::kProtocol, "shm: the peer's info names no same-host socket");
     auto ep = std::make_shared<ShmEndpoint>(setup, *this, name);
-    std::lock_guard<std::mutex> lk(mu_);
-    (setup.active ? active_ : passive_)[setup.token] = ep;
+    endpoints_.add(setup.token, setup.active, ep);
     return ep;
   }
 
@@ -94,81 +96,13 @@ class ShmTransport final : public Transport, public Host {
   const Registry& registry() const override { return *registry_; }
   const std::string& engine_id() const override { return engine_id_; }
   int lease_fd() const override { return registry_->leases().ok() ? registry_->leases().memfd() : -1; }
-  void forget(uint64_t token) override {
-    std::lock_guard<std::mutex> lk(mu_);
-    for (auto* m : {&active_, &passive_}) {
-      auto it = m->find(token);
-      if (it != m->end() && it->second.expired()) m->erase(it);
-    }
-    // Drop other dead entries too (an endpoint that never closed, e.g. a refused handshake).
-    for (auto* m : {&active_, &passive_}) std::erase_if(*m, [](auto& kv) { return kv.second.expired(); });
-  }
+  void forget(uint64_t) override { endpoints_.forget(); }
 
  private:
-  std::shared_ptr<ShmEndpoint> find(uint64_t token, bool passive) {
-    std::lock_guard<std::mutex> lk(mu_);
-    auto& m = passive ? passive_ : active_;
-    auto it = m.find(token);
-    return it == m.end() ? nullptr : it->second.lock();
-  }
-
-  // One request on our socket, from the process the kernel named in `cred`.
-  void serve(net::Socket& sock, const same_host::PeerCred& cred, const nlohmann::json& req, int fd) {
-    struct Guard {
-      int fd;
-      ~Guard() {
-        if (fd >= 0) ::close(fd);
-      }
-    } guard{fd};
-    std::string op = string_field(req, "op");
-    if (op == "probe") {
-      same_host::send(sock.fd(), {{"engine", engine_id_},
-                                  {"probe_addr", reinterpret_cast<uint64_t>(&g_probe_word)},
-                                  {"probe_value", static_cast<uint64_t>(g_probe_word)}});
-      return;
-    }
-    auto token_it = req.find("token");
-    if (token_it == req.end() || !token_it->is_number_unsigned())
-      throw Error(ErrorCode::kProtocol, "same-host request without an unsigned 'token'");
-    const uint64_t token = token_it->get<uint64_t>();
-    if (op == "auth") {
-      // The token of one of our own active endpoints means the connection loops back into this
-      // engine (a peer's info named our own socket): never serve ourselves as a peer.
-      if (find(token, /*passive=*/false)) throw Error(ErrorCode::kProtocol, "the connection loops back into this engine");
-      auto ep = find(token, /*passive=*/true);
-      if (!ep) throw Error(ErrorCode::kProtocol, "no endpoint is waiting for this token");
-      ep->authenticate(sock, cred, std::exchange(guard.fd, -1));
-      return;
-    }
-    if (op == "describe") {
-      auto to_passive = req.find("to_passive");
-      auto region = req.find("region");
-      if (to_passive == req.end() || !to_passive->is_boolean() || region == req.end() || !region->is_number_unsigned())
-        throw Error(ErrorCode::kProtocol, "describe needs a boolean 'to_passive' and an unsigned 'region'");
-      auto ep = find(token, to_passive->get<bool>());
-      if (!ep) throw Error(ErrorCode::kProtocol, "no endpoint for this token");
-      int mfd = -1;
-      nlohmann::json d;
-      try {
-        d = ep->describe_local(region->get<uint64_t>(), cred, &mfd);
-      } catch (const Error& e) {
-        if (e.code() == ErrorCode::kProtocol) throw;
-        same_host::send(sock.fd(), {{"error", e.what()}});
-        return;
-      }
-      Guard mguard{mfd};
-      same_host::send(sock.fd(), d, mfd);
-      return;
-    }
-    throw Error(ErrorCode::kProtocol, "unknown same-host request '" + op + "'");
-  }
-
   std::string host_id_;
   std::string engine_id_;
   const Registry* registry_;
-  same_host::Service service_;
-  std::mutex mu_;
-  std::unordered_map<uint64_t, std::weak_ptr<ShmEndpoint>> active_, passive_;
+  same_host::Endpoints endpoints_;
 };
 
 }  // namespace
