@@ -217,15 +217,19 @@ void EndpointImpl::on_failure(const Status& why) {
 }
 
 void EndpointImpl::close(const Status& why) {
+  // Everything pending fails with the endpoint's first failure: the watchdog may close an
+  // endpoint concurrently with the user's own close(), which must still read as kCancelled.
+  Status first;
   {
     std::lock_guard<std::mutex> lk(fail_mu_);
     if (failed_code_.load() == 0) {
       failure_ = why;
-      failed_code_.store(static_cast<int>(why.code), std::memory_order_release);
+      failed_code_.store(static_cast<int>(why.code) ? static_cast<int>(why.code) : 1, std::memory_order_release);
     }
+    first = failure_;
   }
-  close_transport(why);
-  matcher_.fail_all(why);
+  close_transport(first);
+  matcher_.fail_all(first);
 }
 
 void EndpointImpl::check_progress(std::chrono::milliseconds timeout) {

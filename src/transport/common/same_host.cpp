@@ -9,7 +9,10 @@
 
 #include <cerrno>
 #include <cstring>
+#include <algorithm>
+#include <memory>
 #include <random>
+#include <vector>
 
 #include "core/lease_table.hpp"
 #include "core/log.hpp"
@@ -242,27 +245,136 @@ void Service::stop() {
   listen_.close();
 }
 
-void Service::loop() {
-  while (!stopping_.load()) {
-    pollfd fds[2] = {{listen_.fd(), POLLIN, 0}, {wake_[0], POLLIN, 0}};
-    if (::poll(fds, 2, 1000) <= 0 || (fds[1].revents & POLLIN)) continue;
-    net::Socket conn(::accept4(listen_.fd(), nullptr, nullptr, SOCK_CLOEXEC));
-    if (!conn.valid()) continue;
-    int fd = -1;
-    try {
-      PeerCred cred = peer_cred(conn.fd());
-      nlohmann::json req = recv(conn.fd(), Clock::now() + kRequestDeadline, &fd);
-      handler_(conn, cred, req, std::exchange(fd, -1));
-    } catch (const std::exception& e) {
-      SLUICE_LOG(kDebug, "same-host socket " << name_ << ": dropped a request: " << e.what());
-      if (conn.valid()) {
-        try {
-          send(conn.fd(), {{"error", e.what()}});
-        } catch (const Error&) {
+namespace {
+
+// A connection whose one request is still arriving. Many can be pending at once, each with its
+// own deadline, so a client that connects and trickles (or says nothing) delays nobody.
+struct Pending {
+  net::Socket sock;
+  PeerCred cred;
+  std::string buf;  // the 4-byte length and the body, as far as they arrived
+  int fd = -1;      // a descriptor that came with the first byte
+  Clock::time_point deadline;
+  ~Pending() {
+    if (fd >= 0) ::close(fd);
+  }
+};
+constexpr size_t kMaxPending = 64;
+
+// Reads what has arrived without blocking; true once the whole message is in p.buf.
+bool pull(Pending& p) {
+  for (;;) {
+    size_t want = 4;
+    if (p.buf.size() >= 4) {
+      uint32_t n = uint32_t(uint8_t(p.buf[0])) | uint32_t(uint8_t(p.buf[1])) << 8 | uint32_t(uint8_t(p.buf[2])) << 16 |
+                   uint32_t(uint8_t(p.buf[3])) << 24;
+      if (n > kMaxMessage) throw Error(ErrorCode::kProtocol, "same-host message of " + std::to_string(n) + " bytes (limit 64 KiB)");
+      want = 4 + n;
+    }
+    if (p.buf.size() >= 4 && p.buf.size() == want) return true;
+    char chunk[4096];
+    iovec iov{chunk, std::min(sizeof(chunk), want - p.buf.size())};
+    alignas(cmsghdr) char cbuf[CMSG_SPACE(sizeof(int) * 4)];
+    msghdr msg{};
+    msg.msg_iov = &iov;
+    msg.msg_iovlen = 1;
+    const bool first = p.buf.empty();
+    if (first) {
+      msg.msg_control = cbuf;
+      msg.msg_controllen = sizeof(cbuf);
+    }
+    ssize_t r = ::recvmsg(p.sock.fd(), &msg, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
+    if (r < 0) {
+      if (errno == EINTR) continue;
+      if (errno == EAGAIN || errno == EWOULDBLOCK) return false;
+      throw Error(ErrorCode::kPeerLost, "same-host socket: " + net::errno_text(errno));
+    }
+    if (r == 0) throw Error(ErrorCode::kPeerLost, "same-host client closed the connection");
+    if (first) {
+      for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c; c = CMSG_NXTHDR(&msg, c)) {
+        if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
+        size_t count = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+        for (size_t i = 0; i < count; ++i) {
+          int got;
+          std::memcpy(&got, CMSG_DATA(c) + i * sizeof(int), sizeof(int));
+          if (p.fd < 0) p.fd = got;
+          else ::close(got);
         }
       }
     }
-    if (fd >= 0) ::close(fd);
+    p.buf.append(chunk, static_cast<size_t>(r));
+  }
+}
+
+}  // namespace
+
+void Service::loop() {
+  std::vector<std::unique_ptr<Pending>> pending;
+  auto last_full_log = Clock::time_point{};
+  while (!stopping_.load()) {
+    std::vector<pollfd> fds = {{listen_.fd(), POLLIN, 0}, {wake_[0], POLLIN, 0}};
+    auto now = Clock::now();
+    auto next = now + std::chrono::seconds(1);
+    for (auto& p : pending) {
+      fds.push_back({p->sock.fd(), POLLIN, 0});
+      next = std::min(next, p->deadline);
+    }
+    int wait_ms = static_cast<int>(std::max<long long>(
+        1, std::chrono::duration_cast<std::chrono::milliseconds>(next - now).count() + 1));
+    int rc = ::poll(fds.data(), fds.size(), wait_ms);
+    if (rc < 0 && errno != EINTR) break;
+    if (fds[1].revents & POLLIN) continue;  // stop() woke us
+    std::vector<std::unique_ptr<Pending>> ready;
+    for (size_t i = 0; i < pending.size(); ++i) {
+      if (!pending[i]) continue;
+      if (!(fds[2 + i].revents & (POLLIN | POLLHUP | POLLERR))) continue;
+      try {
+        if (pull(*pending[i])) ready.push_back(std::move(pending[i]));
+      } catch (const Error& e) {
+        SLUICE_LOG(kDebug, "same-host socket " << name_ << ": dropped a request: " << e.what());
+        pending[i].reset();
+      }
+    }
+    now = Clock::now();
+    std::erase_if(pending, [&](const auto& p) { return !p || p->deadline <= now; });
+    if (fds[0].revents & POLLIN) {
+      net::Socket conn(::accept4(listen_.fd(), nullptr, nullptr, SOCK_CLOEXEC));
+      if (conn.valid()) {
+        if (pending.size() >= kMaxPending) {
+          if (now - last_full_log > std::chrono::seconds(1)) {
+            SLUICE_LOG(kWarn, "same-host socket " << name_ << ": " << kMaxPending
+                                                  << " requests pending; refusing more (a local process flooding it?)");
+            last_full_log = now;
+          }
+        } else {
+          try {
+            auto p = std::make_unique<Pending>();
+            p->cred = peer_cred(conn.fd());
+            p->sock = std::move(conn);
+            p->deadline = now + kRequestDeadline;
+            pending.push_back(std::move(p));
+          } catch (const Error& e) {
+            SLUICE_LOG(kDebug, "same-host socket " << name_ << ": " << e.what());
+          }
+        }
+      }
+    }
+    // Requests are handled here, one after another; handlers answer at once.
+    for (auto& p : ready) {
+      try {
+        auto j = nlohmann::json::parse(p->buf.begin() + 4, p->buf.end(), nullptr, /*allow_exceptions=*/false);
+        if (j.is_discarded() || !j.is_object()) throw Error(ErrorCode::kProtocol, "same-host message is not a JSON object");
+        handler_(p->sock, p->cred, j, std::exchange(p->fd, -1));
+      } catch (const std::exception& e) {
+        SLUICE_LOG(kDebug, "same-host socket " << name_ << ": dropped a request: " << e.what());
+        if (p->sock.valid()) {
+          try {
+            send(p->sock.fd(), {{"error", e.what()}});
+          } catch (const Error&) {
+          }
+        }
+      }
+    }
   }
 }
 
