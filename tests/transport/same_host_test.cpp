@@ -261,6 +261,21 @@ TEST_F(SameHost, ListenerThatCopiedOurInfoDoesNotGetShm) {
   expect_memory_intact();
 }
 
+// Local clients that connect to the engine's Unix socket and say nothing (any local process
+// can) must not hold up an honest peer's proof behind them.
+TEST_F(SameHost, SilentLocalClientsDoNotStallTheSocket) {
+  std::vector<net::Socket> silent;
+  for (int i = 0; i < 40; ++i) silent.push_back(sh::connect(socket_));
+  EngineConfig c = engine_config("shm", 1, 10s);
+  c.connect_timeout = 3000ms;
+  Engine other(c);
+  auto t0 = std::chrono::steady_clock::now();
+  Endpoint ep = other.connect(victim_->local_info());
+  EXPECT_EQ(ep.transport(), "shm");
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 3s) << "the proof waited behind silent clients";
+  ep.close();
+}
+
 // Two engines in one process that really are distinct engines still use shm, and it works.
 TEST_F(SameHost, HonestPeersStillUseShm) {
   EngineConfig c = engine_config("shm", 2, 10s);
