@@ -165,7 +165,9 @@ TEST_F(SameHost, ProvenPeerReachesOnlyRegisteredRegions) {
     FrameHeader a{};
     EXPECT_TRUE(read_all(ctl.fd(), &a, sizeof(a), 5s));
     std::string text(a.length, '\0');
-    if (a.length) EXPECT_TRUE(read_all(ctl.fd(), text.data(), a.length, 5s));
+    if (a.length) {
+      EXPECT_TRUE(read_all(ctl.fd(), text.data(), a.length, 5s));
+    }
     return std::make_pair(static_cast<FrameType>(a.type), static_cast<ErrorCode>(a.status));
   };
   std::vector<uint8_t> src(kPage, 0xab);
