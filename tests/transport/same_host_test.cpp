@@ -20,7 +20,7 @@
 #include "loopback.hpp"
 #include "transport/common/frame.hpp"
 #include "transport/common/same_host.hpp"
-#include "transport/shm/shm_wire.hpp"
+#include "transport/common/same_host_wire.hpp"
 
 using namespace sluice;
 using namespace sluice_test;
@@ -30,7 +30,7 @@ using sluice::detail::make_frame;
 using nlohmann::json;
 namespace boot = sluice::bootstrap;
 namespace sh = sluice::detail::same_host;
-namespace shm = sluice::detail::shm;
+
 
 namespace {
 
@@ -158,10 +158,10 @@ TEST_F(SameHost, ProvenPeerReachesOnlyRegisteredRegions) {
   auto acc = victim_->accept(2s);
   ASSERT_TRUE(acc.has_value());
 
-  auto pull = [&](const std::vector<shm::PullPiece>& pieces) {
-    FrameHeader h = make_frame(FrameType::kPullWrite, 99, 0, 0, pieces.size() * sizeof(shm::PullPiece), 0);
+  auto pull = [&](const std::vector<sh::PullPiece>& pieces) {
+    FrameHeader h = make_frame(FrameType::kPullWrite, 99, 0, 0, pieces.size() * sizeof(sh::PullPiece), 0);
     EXPECT_TRUE(write_all(ctl.fd(), &h, sizeof(h)));
-    EXPECT_TRUE(write_all(ctl.fd(), pieces.data(), pieces.size() * sizeof(shm::PullPiece)));
+    EXPECT_TRUE(write_all(ctl.fd(), pieces.data(), pieces.size() * sizeof(sh::PullPiece)));
     FrameHeader a{};
     EXPECT_TRUE(read_all(ctl.fd(), &a, sizeof(a), 5s));
     std::string text(a.length, '\0');

@@ -42,8 +42,8 @@
 #include "transport/common/same_host.hpp"
 #include "transport/common/same_host_endpoints.hpp"
 #include "transport/common/stream_channel.hpp"
-#include "transport/shm/cma.hpp"
-#include "transport/shm/shm_wire.hpp"
+#include "transport/common/cma.hpp"
+#include "transport/common/same_host_wire.hpp"
 #include "transport/transport.hpp"
 
 namespace sluice::detail {
@@ -644,7 +644,7 @@ class NvlinkEndpoint final : public TransportEndpoint, public StreamChannel::Han
       std::vector<bool> used(nstreams, false);
       auto stream_at = [&](int k) { return user ? user : stream(device, static_cast<size_t>(k)); };
       std::vector<cma::Span> spans;
-      std::vector<shm::PullPiece> pulls;
+      std::vector<same_host::PullPiece> pulls;
       std::vector<std::shared_ptr<std::vector<uint8_t>>> staged;
       const pid_t pid = pid_.load();
       int next = 0;
@@ -669,7 +669,7 @@ class NvlinkEndpoint final : public TransportEndpoint, public StreamChannel::Han
           const uint64_t at = rv.addr + g.remote_offset;  // the owner's address, as it described it
           const bool here_cuda = local_cuda && local_device(op, g.local) >= 0;
           if (write) {
-            shm::PullPiece pp{g.remote_id, g.remote_offset, g.length, reinterpret_cast<uint64_t>(g.local), 0, kNoLease, 0};
+            same_host::PullPiece pp{g.remote_id, g.remote_offset, g.length, reinterpret_cast<uint64_t>(g.local), 0, kNoLease, 0};
             if (here_cuda) {
               // The owner pulls a host copy of our cuda bytes, kept until it answered.
               cudaStream_t s = stream_at(0);
@@ -692,7 +692,7 @@ class NvlinkEndpoint final : public TransportEndpoint, public StreamChannel::Han
           // Local GPU, remote host: stage through host memory.
           cudaStream_t s = stream_at(0);
           std::vector<uint8_t> tmp(g.length);
-          Status st = cma::move(pid, {{tmp.data(), at, g.length}}, false);
+          Status st = cma::read(pid, {{tmp.data(), at, g.length}});
           if (!st.ok()) return st;
           if (st = f->leases->still(); !st.ok()) return st;
           cu::check(cudaMemcpyAsync(g.local, tmp.data(), g.length, cudaMemcpyDefault, s), "cudaMemcpyAsync");
@@ -716,7 +716,7 @@ class NvlinkEndpoint final : public TransportEndpoint, public StreamChannel::Han
         }
       }
       if (!spans.empty()) {  // reads only: writes into such memory are pulled by its owner
-        Status st = cma::move(pid, spans, /*write=*/false);
+        Status st = cma::read(pid, spans);
         if (!st.ok()) return st;
       }
       for (int k = 0; k < nstreams; ++k) {
@@ -733,21 +733,21 @@ class NvlinkEndpoint final : public TransportEndpoint, public StreamChannel::Han
   }
 
   // Last step of enqueue: the owner is asked to pull `pulls` (at most kMaxPullPieces a frame).
-  void post_pulls(Inflight* f, const std::vector<shm::PullPiece>& pulls,
+  void post_pulls(Inflight* f, const std::vector<same_host::PullPiece>& pulls,
                   std::vector<std::shared_ptr<std::vector<uint8_t>>> staged) {
     auto p = std::make_shared<PullState>();
     p->staged = std::move(staged);
-    p->frames_left = static_cast<int>((pulls.size() + shm::kMaxPullPieces - 1) / shm::kMaxPullPieces);
+    p->frames_left = static_cast<int>((pulls.size() + same_host::kMaxPullPieces - 1) / same_host::kMaxPullPieces);
     f->pull = p;
     {
       std::lock_guard<std::mutex> lk(pull_mu_);
       pulls_[f->token] = p;
     }
-    for (size_t first = 0; first < pulls.size(); first += shm::kMaxPullPieces) {
-      auto buf = std::make_shared<std::vector<shm::PullPiece>>(
-          pulls.begin() + first, pulls.begin() + std::min(pulls.size(), first + shm::kMaxPullPieces));
+    for (size_t first = 0; first < pulls.size(); first += same_host::kMaxPullPieces) {
+      auto buf = std::make_shared<std::vector<same_host::PullPiece>>(
+          pulls.begin() + first, pulls.begin() + std::min(pulls.size(), first + same_host::kMaxPullPieces));
       OutFrame fr;
-      fr.hdr = make_frame(FrameType::kPullWrite, f->token, 0, 0, buf->size() * sizeof(shm::PullPiece));
+      fr.hdr = make_frame(FrameType::kPullWrite, f->token, 0, 0, buf->size() * sizeof(same_host::PullPiece));
       fr.data = reinterpret_cast<const uint8_t*>(buf->data());
       fr.keep = buf;
       control_->post(std::move(fr));
@@ -808,17 +808,17 @@ class NvlinkEndpoint final : public TransportEndpoint, public StreamChannel::Han
   // region of ours, the bytes are read from the proven peer process, and its source region
   // (if it named one) is held under its lease for the copy.
   Status serve_pull(StreamChannel& ch, const FrameHeader& h, PayloadReader& payload) {
-    if (h.length % sizeof(shm::PullPiece) != 0 || h.length == 0 || h.length / sizeof(shm::PullPiece) > shm::kMaxPullPieces)
+    if (h.length % sizeof(same_host::PullPiece) != 0 || h.length == 0 || h.length / sizeof(same_host::PullPiece) > same_host::kMaxPullPieces)
       return {ErrorCode::kProtocol, "PULL_WRITE of " + std::to_string(h.length) + " bytes (pieces of 48 bytes, at most " +
-                                        std::to_string(shm::kMaxPullPieces) + ")"};
-    std::vector<shm::PullPiece> pieces(h.length / sizeof(shm::PullPiece));
+                                        std::to_string(same_host::kMaxPullPieces) + ")"};
+    std::vector<same_host::PullPiece> pieces(h.length / sizeof(same_host::PullPiece));
     if (!payload.read(pieces.data(), h.length)) return {ErrorCode::kPeerLost, "connection lost mid-frame"};
     Status st;
     std::vector<RegionPin> pins;
     std::vector<cma::Span> spans;
     LeaseHold held;
     held.leases = &leases_;
-    for (const shm::PullPiece& p : pieces) {
+    for (const same_host::PullPiece& p : pieces) {
       RegionPin pin = events_->registry().pin(p.dst_region, p.dst_offset, p.length, &st, "target");
       if (!pin) break;
       if (!pin.get()->location.is_host()) {
@@ -837,7 +837,7 @@ class NvlinkEndpoint final : public TransportEndpoint, public StreamChannel::Han
       spans.push_back({pin.get()->base + p.dst_offset, p.src_addr, p.length});
       pins.push_back(std::move(pin));
     }
-    if (st.ok()) st = cma::move(pid_.load(), spans, /*write=*/false);
+    if (st.ok()) st = cma::read(pid_.load(), spans);
     if (st.ok()) st = held.still();
     pins.clear();
     post_status(ch, st.ok() ? FrameType::kAck : FrameType::kNack, h.op_id, 0, st);
@@ -959,10 +959,10 @@ class NvlinkEndpoint final : public TransportEndpoint, public StreamChannel::Han
             cu::check(cudaSetDevice(device), "cudaSetDevice");
             cu::check(cudaMemcpy(claim.dest, rv.ptr + off, n, cudaMemcpyDefault), "cudaMemcpy");
           } else if (!dest_cuda) {
-            st = cma::move(pid_.load(), {{claim.dest, rv.addr + off, n}}, /*write=*/false);
+            st = cma::read(pid_.load(), {{claim.dest, rv.addr + off, n}});
           } else {
             std::vector<uint8_t> tmp(n);
-            st = cma::move(pid_.load(), {{tmp.data(), rv.addr + off, n}}, /*write=*/false);
+            st = cma::read(pid_.load(), {{tmp.data(), rv.addr + off, n}});
             if (st.ok()) st = held.still();
             if (st.ok()) cu::check(cudaMemcpy(claim.dest, tmp.data(), n, cudaMemcpyDefault), "cudaMemcpy");
           }

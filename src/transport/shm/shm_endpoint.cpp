@@ -10,12 +10,13 @@
 #include "core/log.hpp"
 #include "cuda/staging.hpp"
 #include "transport/common/control_frames.hpp"
-#include "transport/shm/cma.hpp"
+#include "transport/common/cma.hpp"
 
 namespace sluice::detail::shm {
 namespace {
 
 constexpr size_t kMaxImmInProgress = 1 << 16;
+constexpr uint64_t kInlinePull = 64 << 10;  // PULL_WRITEs up to this many bytes are served on the reader
 
 struct FdGuard {
   int fd;
@@ -383,6 +384,13 @@ Status ShmEndpoint::take_pull(const FrameHeader& h, PayloadReader& payload) {
   j.hdr = h;
   j.pull.resize(h.length / sizeof(PullPiece));
   if (!payload.read(j.pull.data(), h.length)) return {ErrorCode::kPeerLost, "connection lost mid-frame"};
+  // A small pull is copied right here: a hand-off to a worker would cost more than the copy.
+  uint64_t bytes = 0;
+  for (const PullPiece& p : j.pull) bytes += std::min<uint64_t>(p.length, kInlinePull + 1);
+  if (bytes <= kInlinePull) {
+    serve_pull(j);
+    return Status::Ok();
+  }
   enqueue(std::move(j));
   return Status::Ok();
 }
@@ -490,7 +498,7 @@ Status ShmEndpoint::run_read(const TransferOp& op, const Lane& lane) {
     else spans.push_back({dst, where[i].addr + p.remote_offset, p.length});
   }
   if (!spans.empty())
-    if (Status st = cma::move(pid_.load(), spans, /*write=*/false); !st.ok()) return st;
+    if (Status st = cma::read(pid_.load(), spans); !st.ok()) return st;
   if (Status st = held.still("peer"); !st.ok()) return st;
   for (auto& [i, b] : device) staging::upload(lane.pieces[i].local, b.get(), lane.pieces[i].length);
   return Status::Ok();
@@ -550,7 +558,7 @@ void ShmEndpoint::serve_pull(const Job& job) {
     spans.push_back({pin.get()->base + p.dst_offset, p.src_addr, p.length});
     pins.push_back(std::move(pin));
   }
-  if (st.ok()) st = cma::move(pid_.load(), spans, /*write=*/false);
+  if (st.ok()) st = cma::read(pid_.load(), spans);
   if (st.ok()) st = held.still("your source");
   if (!st.ok()) SLUICE_LOG(kDebug, "shm: refused a write: " << st.message);
   pins.clear();
@@ -601,7 +609,7 @@ Status ShmEndpoint::serve_rts(StreamChannel& ch, const FrameHeader& h, PayloadRe
     for (uint64_t off = 0; st.ok() && off < n;) {
       uint64_t k = claim.stash ? std::min(kChunk, n - off) : n;
       uint8_t* dst = claim.stash ? MessageMatcher::stash_room(claim, off + k) : claim.dest;
-      st = cma::move(pid_.load(), {{dst + off, h.region + off, k}}, /*write=*/false);
+      st = cma::read(pid_.load(), {{dst + off, h.region + off, k}});
       off += k;
     }
     if (n && st.ok()) st = held.still("the sender's");

@@ -27,10 +27,14 @@
 #include "transport/common/same_host.hpp"
 #include "transport/common/same_host_endpoints.hpp"
 #include "transport/common/stream_channel.hpp"
-#include "transport/shm/shm_wire.hpp"
+#include "transport/common/same_host_wire.hpp"
 #include "transport/transport.hpp"
 
 namespace sluice::detail::shm {
+
+using same_host::kMaxPullPieces;
+using same_host::PullPiece;
+using same_host::RtsSource;
 
 // What endpoints need from their transport (it outlives them).
 class Host {

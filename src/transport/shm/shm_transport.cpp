@@ -14,7 +14,7 @@
 #include "cuda/staging.hpp"
 #include "transport/common/same_host.hpp"
 #include "transport/common/same_host_endpoints.hpp"
-#include "transport/shm/cma.hpp"
+#include "transport/common/cma.hpp"
 #include "transport/shm/shm_endpoint.hpp"
 #include "transport/transport.hpp"
 

@@ -1,9 +1,10 @@
-// What shm peers exchange beyond the common frames (docs/wire-protocol.md, "shm").
+// What same-host peers (shm, nvlink) exchange beyond the common frames (docs/wire-protocol.md,
+// section 3.1).
 #pragma once
 
 #include <cstdint>
 
-namespace sluice::detail::shm {
+namespace sluice::detail::same_host {
 
 // One piece of a PULL_WRITE: the owner of `dst_region` copies `length` bytes from the
 // requester's address `src_addr` into its own region. The requester names its own memory (the
@@ -35,4 +36,4 @@ struct RtsSource {
 };
 static_assert(sizeof(RtsSource) == 16);
 
-}  // namespace sluice::detail::shm
+}  // namespace sluice::detail::same_host

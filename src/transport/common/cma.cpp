@@ -1,4 +1,4 @@
-#include "transport/shm/cma.hpp"
+#include "transport/common/cma.hpp"
 
 #include <sys/uio.h>
 
@@ -13,7 +13,7 @@ constexpr size_t kIov = 1024;  // IOV_MAX
 constexpr uint64_t kMaxCall = 1ull << 30;  // keep one call's length well inside ssize_t
 }  // namespace
 
-Status move(pid_t pid, const std::vector<Span>& spans, bool write) {
+Status read(pid_t pid, const std::vector<Span>& spans) {
   size_t i = 0;
   uint64_t done_in_span = 0;
   while (i < spans.size()) {
@@ -32,11 +32,11 @@ Status move(pid_t pid, const std::vector<Span>& spans, bool write) {
       ++j;
       off = 0;
     }
-    ssize_t r = write ? ::process_vm_writev(pid, local, n, remote, n, 0) : ::process_vm_readv(pid, local, n, remote, n, 0);
+    ssize_t r = ::process_vm_readv(pid, local, n, remote, n, 0);
     if (r < 0) {
       int err = errno;
       if (err == EINTR) continue;
-      std::string what = std::string(write ? "process_vm_writev" : "process_vm_readv") + ": " + std::strerror(err);
+      std::string what = std::string("process_vm_readv: ") + std::strerror(err);
       if (err == ESRCH) return {ErrorCode::kPeerLost, "peer process " + std::to_string(pid) + " is gone (" + what + ")"};
       if (err == EPERM) return {ErrorCode::kUnsupported, what};
       if (err == EFAULT) return {ErrorCode::kRemoteError, "peer memory is not mapped (" + what + ")"};
