@@ -32,6 +32,21 @@ socklen_t abstract_addr(const std::string& name, sockaddr_un* a) {
   return static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 + name.size());
 }
 
+// Keeps the first descriptor a received message carried in *fd_out (if it has none yet) and
+// closes any others: one descriptor per message; more are a peer's mistake.
+void take_descriptors(msghdr& msg, int* fd_out) {
+  for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c; c = CMSG_NXTHDR(&msg, c)) {
+    if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
+    size_t count = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+    for (size_t i = 0; i < count; ++i) {
+      int got;
+      std::memcpy(&got, CMSG_DATA(c) + i * sizeof(int), sizeof(int));
+      if (*fd_out < 0) *fd_out = got;
+      else ::close(got);
+    }
+  }
+}
+
 // Waits until fd is readable or the deadline passes; false on timeout.
 bool wait_readable(int fd, Clock::time_point deadline) {
   for (;;) {
@@ -65,16 +80,7 @@ void read_exact(int fd, void* buf, size_t n, Clock::time_point deadline, int* fd
     }
     if (r == 0) throw Error(ErrorCode::kPeerLost, "same-host peer closed the connection");
     if (fd_out) {
-      for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c; c = CMSG_NXTHDR(&msg, c)) {
-        if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
-        size_t count = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
-        for (size_t i = 0; i < count; ++i) {
-          int got;
-          std::memcpy(&got, CMSG_DATA(c) + i * sizeof(int), sizeof(int));
-          if (*fd_out < 0) *fd_out = got;
-          else ::close(got);  // one descriptor per message; more are a peer's mistake
-        }
-      }
+      take_descriptors(msg, fd_out);
       fd_out = nullptr;  // descriptors only ride on a message's first byte
     }
     p += r;
@@ -290,18 +296,7 @@ bool pull(Pending& p) {
       throw Error(ErrorCode::kPeerLost, "same-host socket: " + net::errno_text(errno));
     }
     if (r == 0) throw Error(ErrorCode::kPeerLost, "same-host client closed the connection");
-    if (first) {
-      for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c; c = CMSG_NXTHDR(&msg, c)) {
-        if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
-        size_t count = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
-        for (size_t i = 0; i < count; ++i) {
-          int got;
-          std::memcpy(&got, CMSG_DATA(c) + i * sizeof(int), sizeof(int));
-          if (p.fd < 0) p.fd = got;
-          else ::close(got);
-        }
-      }
-    }
+    if (first) take_descriptors(msg, &p.fd);
     p.buf.append(chunk, static_cast<size_t>(r));
   }
 }
