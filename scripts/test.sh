@@ -56,7 +56,10 @@ suite "sluice-bench end-to-end checks" bench_checks
 [ -x tests/sanitizers.sh ] && suite "sanitizers (ASan/UBSan, TSan)" tests/sanitizers.sh
 suite "fuzzing (libFuzzer: bootstrap and frame parsers)" fuzz_suite
 [ -x python/run_tests.sh ] && suite "Python package (pip install, pytest, examples)" python/run_tests.sh
-[ -x tests/rdma/run.sh ] && [ "${SLUICE_SKIP_RDMA:-0}" != 1 ] && suite "RDMA suite in a SoftRoCE guest" tests/rdma/run.sh
+# The RDMA suite reuses the ctest build (its conformance suites are the same binaries, run
+# with SLUICE_TEST_TRANSPORTS=rdma) and the TSan build of the sanitizer suite.
+[ -x tests/rdma/run.sh ] && [ "${SLUICE_SKIP_RDMA:-0}" != 1 ] && suite "RDMA suite in a SoftRoCE guest" \
+  env SLUICE_BUILD_DIR="$ROOT/build-test" SLUICE_RDMA_TSAN_BUILD_DIR="$ROOT/build-tsan" tests/rdma/run.sh
 
 echo "==================================================="
 [ $failed -gt 0 ] && echo "failed suites: ${failed_names[*]}"

@@ -29,9 +29,15 @@ if [ "$(echo $DEVS | wc -w)" -ge 2 ]; then
   # Every device: queue pairs striped over the rails (QP c on rail c % rails).
   step conformance-rails env SLUICE_IB_HCA="=$ALL" "$B/tests/rdma/rdma_conformance" ${SLUICE_RDMA_GTEST_ARGS:-}
 fi
-if [ -x "$B/tests/rdma/rdma_shared_suites" ]; then
-  step shared-suites env SLUICE_IB_HCA="=$ALL" "$B/tests/rdma/rdma_shared_suites" --gtest_filter='*/rdma' ${SLUICE_RDMA_GTEST_ARGS:-}
-fi
+# The shared conformance suites (what tcp and shm pass), from the same binaries, over rdma.
+for bin in sluice_loopback_tests sluice_multiprocess_tests; do
+  if [ -x "$B/tests/$bin" ]; then
+    step "conformance-$bin" env SLUICE_IB_HCA="=$ALL" SLUICE_TEST_TRANSPORTS=rdma "$B/tests/$bin" \
+      --gtest_filter='Conformance/*' ${SLUICE_RDMA_GTEST_ARGS:-}
+  else
+    step "conformance-$bin" sh -c "echo '$B/tests/$bin was not built'; false"
+  fi
+done
 if [ -n "${SLUICE_RDMA_TSAN_DIR:-}" ] && [ -x "$SLUICE_RDMA_TSAN_DIR/tests/rdma/rdma_conformance" ]; then
   step tsan bash "$(dirname "$0")/guest-tsan.sh" "$SLUICE_RDMA_TSAN_DIR"
 fi

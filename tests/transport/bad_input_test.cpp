@@ -2,6 +2,7 @@
 #include <gtest/gtest.h>
 
 #include "loopback.hpp"
+#include "transports_under_test.hpp"
 
 using namespace sluice;
 using namespace sluice_test;
@@ -149,6 +150,6 @@ TEST_P(BadInput, EngineLevelArgumentErrors) {
   EXPECT_EQ(lb_, snap_b_);
 }
 
-INSTANTIATE_TEST_SUITE_P(Transports, BadInput, ::testing::Values("tcp", "shm"), transport_name);
+INSTANTIATE_TEST_SUITE_P(Conformance, BadInput, ::testing::ValuesIn(transports_under_test()), transport_name);
 
 }  // namespace

@@ -11,6 +11,7 @@
 #include <nlohmann/json.hpp>
 
 #include "harness.hpp"
+#include "transports_under_test.hpp"
 
 using namespace sluice;
 using namespace sluice_test;
@@ -383,6 +384,6 @@ TEST_P(Integration, ConnectByListenAddressAndRefresh) {
   expect_child_matches_all();
 }
 
-INSTANTIATE_TEST_SUITE_P(Transports, Integration, ::testing::Values("tcp", "shm"), transport_name);
+INSTANTIATE_TEST_SUITE_P(Conformance, Integration, ::testing::ValuesIn(transports_under_test()), transport_name);
 
 }  // namespace

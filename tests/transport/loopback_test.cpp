@@ -5,6 +5,7 @@
 #include <thread>
 
 #include "loopback.hpp"
+#include "transports_under_test.hpp"
 
 using namespace sluice;
 using namespace sluice_test;
@@ -315,7 +316,7 @@ TEST_P(PeerUnregister, PeerUnregisteredRegionIsRefused) {
   EXPECT_EQ(code_of([&] { ep_.write({{ha_, 0, *rv, 0, 16}}); }), ErrorCode::kUnknownHandle);
 }
 
-INSTANTIATE_TEST_SUITE_P(Transports, PeerUnregister, ::testing::Values("tcp", "shm"), transport_name);
+INSTANTIATE_TEST_SUITE_P(Conformance, PeerUnregister, ::testing::ValuesIn(transports_under_test()), transport_name);
 
 class UnexpectedBound : public ::testing::TestWithParam<std::string> {};
 
@@ -355,6 +356,6 @@ TEST_P(UnexpectedBound, SendsBeyondTheBufferFailAndLaterMessagesStillMatch) {
   EXPECT_TRUE(ep.connected());
 }
 
-INSTANTIATE_TEST_SUITE_P(Transports, UnexpectedBound, ::testing::Values("tcp", "shm"), transport_name);
+INSTANTIATE_TEST_SUITE_P(Conformance, UnexpectedBound, ::testing::ValuesIn(transports_under_test()), transport_name);
 
-INSTANTIATE_TEST_SUITE_P(Transports, LoopbackTest, ::testing::Values("tcp", "shm"), transport_name);
+INSTANTIATE_TEST_SUITE_P(Conformance, LoopbackTest, ::testing::ValuesIn(transports_under_test()), transport_name);

@@ -7,6 +7,7 @@
 #include <set>
 
 #include "harness.hpp"
+#include "transports_under_test.hpp"
 
 using namespace sluice;
 using namespace sluice_test;
@@ -231,6 +232,6 @@ TEST_P(PeerLoss, EndpointCloseCancelsOnlyThatEndpoint) {
   victim_->kill(SIGCONT);
 }
 
-INSTANTIATE_TEST_SUITE_P(Transports, PeerLoss, ::testing::Values("tcp", "shm"), transport_name);
+INSTANTIATE_TEST_SUITE_P(Conformance, PeerLoss, ::testing::ValuesIn(transports_under_test()), transport_name);
 
 }  // namespace
