@@ -4,8 +4,10 @@
 // Stream ordering: the *_on_stream calls enqueue the copies of a read / write on the caller's
 // CUDA stream (cudaStream_t passed as void*), so they start after the work already queued on
 // it and later work on that stream sees the data. The returned Future completes when the
-// copies have finished. Only endpoints over the nvlink transport support this; others throw
-// kUnsupported.
+// copies have finished. They are shorthands for Endpoint::read / write / write_with_imm with
+// OpOptions::cuda_stream set; here a null stream means CUDA's legacy default stream (handle 0).
+// Only endpoints whose transport has Capabilities::stream_ordered accept them (today nvlink);
+// others throw kUnsupported.
 #pragma once
 
 #include <cstdint>

@@ -22,20 +22,23 @@ class Endpoint {
   explicit Endpoint(std::shared_ptr<detail::EndpointImpl> impl) : impl_(std::move(impl)) {}
 
   // One-sided operations over a batch. Caller errors (unknown handle, out-of-range offset,
-  // empty batch, closed endpoint) throw Error at once and transfer nothing; everything that
-  // goes wrong later completes the Future with an error.
-  Future read(const Batch& batch);
-  Future write(const Batch& batch);
+  // empty batch, closed endpoint, an option the transport lacks the capability for) throw
+  // Error at once and transfer nothing; everything that goes wrong later completes the Future
+  // with an error. `options` travel with the op to the transport (see OpOptions; e.g. a
+  // cuda_stream on a transport without Capabilities::stream_ordered throws kUnsupported).
+  Future read(const Batch& batch, const OpOptions& options = {});
+  Future write(const Batch& batch, const OpOptions& options = {});
   // The peer gets exactly one imm completion (imm_recv), after every byte of the batch is
   // visible in its memory.
-  Future write_with_imm(const Batch& batch, uint32_t imm);
+  Future write_with_imm(const Batch& batch, uint32_t imm, const OpOptions& options = {});
 
   // Two-sided messages. Matching rule: the k-th send on this endpoint is received by the k-th
   // recv posted on the peer's side of the same endpoint, whatever their sizes. A message
   // larger than its receive buffer fails both sides with kTruncated (the first `length` bytes
-  // are delivered). A send completes once the peer holds the data.
-  Future send(MemoryHandle local, uint64_t offset, uint64_t length);
-  Future recv(MemoryHandle local, uint64_t offset, uint64_t length);
+  // are delivered). A send completes once the peer holds the data. A cuda_stream option needs
+  // Capabilities::stream_ordered_messages.
+  Future send(MemoryHandle local, uint64_t offset, uint64_t length, const OpOptions& options = {});
+  Future recv(MemoryHandle local, uint64_t offset, uint64_t length, const OpOptions& options = {});
   // Completes with the next imm value the peer delivered (Future::imm()), in arrival order.
   Future imm_recv();
 
@@ -46,6 +49,8 @@ class Endpoint {
   void refresh_remote_regions();
 
   std::string transport() const;
+  // What the endpoint's transport can do (fixed for the endpoint's life).
+  Capabilities capabilities() const;
   int channels() const;
   std::string peer_engine_id() const;
   bool connected() const;

@@ -52,6 +52,35 @@ using Batch = std::vector<Assignment>;
 enum class OpKind : uint8_t { kRead = 0, kWrite = 1, kWriteImm = 2, kSend = 3, kRecv = 4, kImmRecv = 5 };
 std::string_view to_string(OpKind kind);
 
+// Per-operation options, passed with the op all the way to the transport (never through
+// thread state). The default value asks for nothing, so ops without options behave as before.
+struct OpOptions {
+  // A cudaStream_t (as void*): the op's copies are enqueued on this stream, after the work
+  // already queued on it, and later work on it sees the data; the op's Future completes when
+  // the copies have finished. nullptr: not stream-ordered. The legacy default stream, whose
+  // handle is 0, is passed as cudaStreamLegacy (or cudaStreamPerThread). Only transports with
+  // Capabilities::stream_ordered accept it (others throw kUnsupported at submit).
+  void* cuda_stream = nullptr;
+  // Reserved for per-op behaviour bits; none is defined yet, and a set bit throws
+  // kInvalidArgument (so that a future flag is never silently ignored by an older library).
+  uint32_t flags = 0;
+};
+
+// What a transport can do (Endpoint::capabilities()). Code above the engine chooses its path
+// from these, never from the transport's name.
+struct Capabilities {
+  bool host_memory = false;  // moves host regions
+  bool cuda_memory = false;  // moves cuda:N regions (directly, or staged through host memory)
+  // Honours OpOptions::cuda_stream on read / write / write_with_imm.
+  bool stream_ordered = false;
+  // Honours OpOptions::cuda_stream on send / recv (no transport does yet).
+  bool stream_ordered_messages = false;
+  bool imm = false;       // write_with_imm / imm_recv
+  bool signal = false;    // a remote 64-bit add (semaphore) on the thin post path
+  bool rma_post = false;  // the thin post path (post a write, post a signal, flush)
+  bool operator==(const Capabilities&) const = default;
+};
+
 // A region as a peer advertises it in its info blob.
 struct RegionInfo {
   uint64_t id = 0;

@@ -263,6 +263,34 @@ BATCH_DTYPE = [("local", "<u8"), ("local_offset", "<u8"), ("remote", "<u8"),
 """numpy dtype (list form) of a structured batch: ``np.zeros(n, dtype=sluice.BATCH_DTYPE)``."""
 
 
+_CUDA_STREAM_LEGACY = 1  # cudaStreamLegacy: the CUDA runtime's other name for stream 0
+
+
+def _stream(stream, what: str) -> Optional[int]:
+    """The ``stream=`` argument of read / write / write_with_imm as the handle the engine
+    takes: None (not stream-ordered) stays None; an int is a ``cudaStream_t``; an object with
+    ``__cuda_stream__()`` (the CUDA stream protocol: ``(version, handle)``) or with a
+    ``cuda_stream`` attribute (``torch.cuda.Stream``) gives its handle. Handle 0, the legacy
+    default stream (``torch.cuda.default_stream()``), is passed as cudaStreamLegacy, because
+    the engine reads a null stream as "no stream". Anything else is InvalidArgumentError."""
+    if stream is None:
+        return None
+    handle = stream
+    if callable(getattr(type(stream), "__cuda_stream__", None)):
+        got = stream.__cuda_stream__()
+        if not (isinstance(got, tuple) and len(got) == 2):
+            raise InvalidArgumentError(f"{what}: stream.__cuda_stream__() must return (version, handle), "
+                                       f"got {_describe_value(got)}")
+        handle = got[1]
+    elif hasattr(stream, "cuda_stream"):
+        handle = stream.cuda_stream
+    # bool is an int to operator.index, but True is never a stream.
+    if isinstance(handle, bool) or not hasattr(handle, "__index__"):
+        raise InvalidArgumentError(f"{what}: stream must be None, an int cudaStream_t or a CUDA stream "
+                                   f"object (torch.cuda.Stream), got {_describe_value(stream)}")
+    return _uint(handle, f"{what}: stream handle") or _CUDA_STREAM_LEGACY
+
+
 # ---------------------------------------------------------------- endpoint
 
 
@@ -282,17 +310,28 @@ class Endpoint:
         self._ep = core
         self._engine = engine
 
-    # one-sided
-    def read(self, batch) -> Future:
-        return self._ep.read(_as_batch(batch))
+    # one-sided. ``stream``: None, a ``torch.cuda.Stream`` (or any object with
+    # ``__cuda_stream__``) or an int cudaStream_t; with one, the op's copies are enqueued on
+    # that stream (after the work queued on it; later work on it sees the data). Only
+    # transports with the ``stream_ordered`` capability take it (UnsupportedError otherwise).
+    def read(self, batch, stream=None) -> Future:
+        return self._ep.read(_as_batch(batch), _stream(stream, "read"))
 
-    def write(self, batch) -> Future:
-        return self._ep.write(_as_batch(batch))
+    def write(self, batch, stream=None) -> Future:
+        return self._ep.write(_as_batch(batch), _stream(stream, "write"))
 
-    def write_with_imm(self, batch, imm: int) -> Future:
+    def write_with_imm(self, batch, imm: int, stream=None) -> Future:
         """Write; the peer then gets exactly one ``imm_recv`` completion carrying ``imm``
         (an unsigned 32-bit integer)."""
-        return self._ep.write_with_imm(_as_batch(batch), _uint(imm, "write_with_imm: imm", 32))
+        return self._ep.write_with_imm(_as_batch(batch), _uint(imm, "write_with_imm: imm", 32),
+                                       _stream(stream, "write_with_imm"))
+
+    @property
+    def capabilities(self) -> dict:
+        """What the endpoint's transport can do: ``host_memory``, ``cuda_memory``,
+        ``stream_ordered``, ``stream_ordered_messages``, ``imm``, ``signal``, ``rma_post``
+        (bools). Choose a path from these, not from the transport's name."""
+        return self._ep.capabilities
 
     # two-sided
     def _span(self, what, local, offset, length):
@@ -322,14 +361,15 @@ class Endpoint:
     # asyncio: each submits at once (caller errors raise here) and returns the Future, which
     # is awaitable: ``f = await ep.read_async(batch)``. Completion wakes the event loop
     # through call_soon_threadsafe; no thread per operation.
-    def read_async(self, batch) -> Future:
-        return self._ep.read(_as_batch(batch))
+    def read_async(self, batch, stream=None) -> Future:
+        return self._ep.read(_as_batch(batch), _stream(stream, "read"))
 
-    def write_async(self, batch) -> Future:
-        return self._ep.write(_as_batch(batch))
+    def write_async(self, batch, stream=None) -> Future:
+        return self._ep.write(_as_batch(batch), _stream(stream, "write"))
 
-    def write_with_imm_async(self, batch, imm: int) -> Future:
-        return self._ep.write_with_imm(_as_batch(batch), _uint(imm, "write_with_imm: imm", 32))
+    def write_with_imm_async(self, batch, imm: int, stream=None) -> Future:
+        return self._ep.write_with_imm(_as_batch(batch), _uint(imm, "write_with_imm: imm", 32),
+                                       _stream(stream, "write_with_imm"))
 
     def send_async(self, local, offset: int = 0, length: Optional[int] = None) -> Future:
         return self._ep.send(*self._span("send", local, offset, length))

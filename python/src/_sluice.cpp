@@ -302,12 +302,16 @@ sluice::Location location_of(const std::string& s) { return sluice::Location::pa
 struct PyEndpoint {
   sluice::Endpoint ep;
 
-  PyFuture op(int kind, py::handle batch_obj, uint32_t imm) {
+  // `stream`: a cudaStream_t as an integer, already checked and mapped by the Python layer
+  // (None: not stream-ordered; the legacy default stream arrives as cudaStreamLegacy).
+  PyFuture op(int kind, py::handle batch_obj, uint32_t imm, std::optional<uint64_t> stream) {
     sluice::Batch b = to_batch(batch_obj);
+    sluice::OpOptions o;
+    if (stream) o.cuda_stream = reinterpret_cast<void*>(static_cast<uintptr_t>(*stream));
     py::gil_scoped_release nogil;
-    if (kind == 0) return {ep.read(b)};
-    if (kind == 1) return {ep.write(b)};
-    return {ep.write_with_imm(b, imm)};
+    if (kind == 0) return {ep.read(b, o)};
+    if (kind == 1) return {ep.write(b, o)};
+    return {ep.write_with_imm(b, imm, o)};
   }
   PyFuture send(uint64_t h, uint64_t off, uint64_t len) {
     py::gil_scoped_release nogil;
@@ -475,9 +479,25 @@ PYBIND11_MODULE(_sluice, m) {
       .def("_on_complete", &PyFuture::on_complete);
 
   py::class_<PyEndpoint>(m, "Endpoint")
-      .def("read", [](PyEndpoint& e, py::handle b) { return e.op(0, b, 0); })
-      .def("write", [](PyEndpoint& e, py::handle b) { return e.op(1, b, 0); })
-      .def("write_with_imm", [](PyEndpoint& e, py::handle b, uint32_t imm) { return e.op(2, b, imm); })
+      .def("read", [](PyEndpoint& e, py::handle b, std::optional<uint64_t> s) { return e.op(0, b, 0, s); },
+           py::arg("batch"), py::arg("stream") = py::none())
+      .def("write", [](PyEndpoint& e, py::handle b, std::optional<uint64_t> s) { return e.op(1, b, 0, s); },
+           py::arg("batch"), py::arg("stream") = py::none())
+      .def("write_with_imm",
+           [](PyEndpoint& e, py::handle b, uint32_t imm, std::optional<uint64_t> s) { return e.op(2, b, imm, s); },
+           py::arg("batch"), py::arg("imm"), py::arg("stream") = py::none())
+      .def_property_readonly("capabilities", [](const PyEndpoint& e) {
+        const sluice::Capabilities c = e.ep.capabilities();
+        py::dict d;
+        d["host_memory"] = c.host_memory;
+        d["cuda_memory"] = c.cuda_memory;
+        d["stream_ordered"] = c.stream_ordered;
+        d["stream_ordered_messages"] = c.stream_ordered_messages;
+        d["imm"] = c.imm;
+        d["signal"] = c.signal;
+        d["rma_post"] = c.rma_post;
+        return d;
+      })
       .def("send", &PyEndpoint::send)
       .def("recv", &PyEndpoint::recv)
       .def("imm_recv", &PyEndpoint::imm_recv)

@@ -90,6 +90,21 @@ void EndpointImpl::check_usable() const {
   throw Error(failure_.code, "endpoint to " + peer_engine_id() + " is unusable: " + failure_.message);
 }
 
+void EndpointImpl::check_options(const OpOptions& options, OpKind kind, const char* what) const {
+  if (options.flags != 0)
+    throw Error(ErrorCode::kInvalidArgument,
+                std::string(what) + ": unknown op flags " + std::to_string(options.flags) + " (none is defined)");
+  if (!options.cuda_stream) return;
+  // Decided by the capability, not by a driver or a device: a CPU-only build refuses a stream
+  // on tcp exactly as a GPU build does.
+  const bool message = kind == OpKind::kSend || kind == OpKind::kRecv;
+  const Capabilities caps = kind_->capabilities();
+  if (message ? caps.stream_ordered_messages : caps.stream_ordered) return;
+  throw Error(ErrorCode::kUnsupported, std::string(what) + ": transport " + transport_name_ + " lacks the " +
+                                           (message ? "stream_ordered_messages" : "stream_ordered") +
+                                           " capability that an op with a cuda_stream needs");
+}
+
 RegionPin EndpointImpl::pin_local(MemoryHandle h, uint64_t offset, uint64_t length, const char* what, long index) const {
   Status st;
   RegionPin pin = engine_->registry().pin(h.id, offset, length, &st, "local");
@@ -102,13 +117,15 @@ RegionPin EndpointImpl::pin_local(MemoryHandle h, uint64_t offset, uint64_t leng
   return pin;
 }
 
-Future EndpointImpl::transfer(OpKind kind, const Batch& batch, uint32_t imm) {
+Future EndpointImpl::transfer(OpKind kind, const Batch& batch, uint32_t imm, const OpOptions& options) {
   const char* what = kind == OpKind::kRead ? "read" : kind == OpKind::kWrite ? "write" : "write_with_imm";
   if (batch.empty()) throw Error(ErrorCode::kEmptyBatch, std::string(what) + ": the batch has no assignments");
+  if (options.flags != 0 || options.cuda_stream) check_options(options, kind, what);
   check_usable();
   auto op = std::make_shared<TransferOp>();
   op->kind = kind;
   op->imm = imm;
+  op->options = options;
   // A one-assignment batch (the common small transfer) is planned from the stack.
   Piece single;
   std::vector<Piece> pieces;
@@ -158,9 +175,11 @@ Future EndpointImpl::transfer(OpKind kind, const Batch& batch, uint32_t imm) {
   return f;
 }
 
-Future EndpointImpl::send(MemoryHandle h, uint64_t offset, uint64_t length) {
+Future EndpointImpl::send(MemoryHandle h, uint64_t offset, uint64_t length, const OpOptions& options) {
+  if (options.flags != 0 || options.cuda_stream) check_options(options, OpKind::kSend, "send");
   check_usable();
   auto op = std::make_shared<MessageOp>();
+  op->options = options;
   op->pin = pin_local(h, offset, length, "send", -1);
   op->ptr = op->pin.get()->base + offset;
   op->length = length;
@@ -176,9 +195,11 @@ Future EndpointImpl::send(MemoryHandle h, uint64_t offset, uint64_t length) {
   return f;
 }
 
-Future EndpointImpl::recv(MemoryHandle h, uint64_t offset, uint64_t length) {
+Future EndpointImpl::recv(MemoryHandle h, uint64_t offset, uint64_t length, const OpOptions& options) {
+  if (options.flags != 0 || options.cuda_stream) check_options(options, OpKind::kRecv, "recv");
   check_usable();
   auto op = std::make_shared<MessageOp>();
+  op->options = options;
   op->pin = pin_local(h, offset, length, "recv", -1);
   op->ptr = op->pin.get()->base + offset;
   op->length = length;
@@ -259,16 +280,20 @@ detail::EndpointImpl& need(const std::shared_ptr<detail::EndpointImpl>& p) {
 }
 }  // namespace
 
-Future Endpoint::read(const Batch& batch) { return need(impl_).transfer(OpKind::kRead, batch, 0); }
-Future Endpoint::write(const Batch& batch) { return need(impl_).transfer(OpKind::kWrite, batch, 0); }
-Future Endpoint::write_with_imm(const Batch& batch, uint32_t imm) {
-  return need(impl_).transfer(OpKind::kWriteImm, batch, imm);
+Future Endpoint::read(const Batch& batch, const OpOptions& options) {
+  return need(impl_).transfer(OpKind::kRead, batch, 0, options);
 }
-Future Endpoint::send(MemoryHandle local, uint64_t offset, uint64_t length) {
-  return need(impl_).send(local, offset, length);
+Future Endpoint::write(const Batch& batch, const OpOptions& options) {
+  return need(impl_).transfer(OpKind::kWrite, batch, 0, options);
 }
-Future Endpoint::recv(MemoryHandle local, uint64_t offset, uint64_t length) {
-  return need(impl_).recv(local, offset, length);
+Future Endpoint::write_with_imm(const Batch& batch, uint32_t imm, const OpOptions& options) {
+  return need(impl_).transfer(OpKind::kWriteImm, batch, imm, options);
+}
+Future Endpoint::send(MemoryHandle local, uint64_t offset, uint64_t length, const OpOptions& options) {
+  return need(impl_).send(local, offset, length, options);
+}
+Future Endpoint::recv(MemoryHandle local, uint64_t offset, uint64_t length, const OpOptions& options) {
+  return need(impl_).recv(local, offset, length, options);
 }
 Future Endpoint::imm_recv() { return need(impl_).imm_recv(); }
 std::optional<RemoteHandle> Endpoint::remote_region(const std::string& name) const {
@@ -277,6 +302,7 @@ std::optional<RemoteHandle> Endpoint::remote_region(const std::string& name) con
 std::vector<RegionInfo> Endpoint::remote_regions() const { return need(impl_).remote_regions(); }
 void Endpoint::refresh_remote_regions() { need(impl_).refresh(); }
 std::string Endpoint::transport() const { return need(impl_).transport_name(); }
+Capabilities Endpoint::capabilities() const { return need(impl_).capabilities(); }
 int Endpoint::channels() const { return need(impl_).channels(); }
 std::string Endpoint::peer_engine_id() const { return need(impl_).peer_engine_id(); }
 bool Endpoint::connected() const { return need(impl_).connected(); }

@@ -31,9 +31,9 @@ class EndpointImpl final : public EndpointEvents, public std::enable_shared_from
   }
   TransportEndpoint& transport() { return *transport_; }
 
-  Future transfer(OpKind kind, const Batch& batch, uint32_t imm);
-  Future send(MemoryHandle h, uint64_t offset, uint64_t length);
-  Future recv(MemoryHandle h, uint64_t offset, uint64_t length);
+  Future transfer(OpKind kind, const Batch& batch, uint32_t imm, const OpOptions& options = {});
+  Future send(MemoryHandle h, uint64_t offset, uint64_t length, const OpOptions& options = {});
+  Future recv(MemoryHandle h, uint64_t offset, uint64_t length, const OpOptions& options = {});
   Future imm_recv();
 
   std::optional<RemoteHandle> remote_region(const std::string& name) const;
@@ -49,6 +49,7 @@ class EndpointImpl final : public EndpointEvents, public std::enable_shared_from
   }
 
   const std::string& transport_name() const { return transport_name_; }
+  Capabilities capabilities() const { return kind_->capabilities(); }
   int channels() const { return channels_; }
   uint64_t token() const { return token_; }
   std::string peer_engine_id() const;
@@ -68,6 +69,9 @@ class EndpointImpl final : public EndpointEvents, public std::enable_shared_from
 
  private:
   void check_usable() const;
+  // Throws (kInvalidArgument, kUnsupported) unless this transport can honour `options` on an
+  // op of `kind`; the message names the transport and the missing capability.
+  void check_options(const OpOptions& options, OpKind kind, const char* what) const;
   // Closes the transport once. A second caller waits until the first has finished (it never
   // joins the transport's threads itself); a transport thread does not wait (the first
   // closer may be joining it).

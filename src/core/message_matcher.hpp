@@ -30,6 +30,7 @@ struct MessageOp {
   uint8_t* ptr = nullptr;
   uint64_t length = 0;
   uint64_t seq = 0;
+  OpOptions options;  // validated against the transport's capabilities before submit
   std::shared_ptr<FutureState> future;
   RegionPin pin;
   // recv_timeout passed before any message matched it: the future failed and the pin is

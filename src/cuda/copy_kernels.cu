@@ -34,9 +34,4 @@ cudaError_t sm_copy(void* dst, const void* src, uint64_t n, cudaStream_t stream)
   return cudaGetLastError();
 }
 
-void*& current_user_stream() {
-  static thread_local void* s = nullptr;
-  return s;
-}
-
 }  // namespace sluice::detail::cuda

@@ -11,7 +11,4 @@ namespace sluice::detail::cuda {
 // dst and src are device-accessible (local or peer-mapped) addresses.
 cudaError_t sm_copy(void* dst, const void* src, uint64_t n, cudaStream_t stream);
 
-// The thread's "current user stream" for the stream-ordered API (nullptr when unset).
-void*& current_user_stream();
-
 }  // namespace sluice::detail::cuda

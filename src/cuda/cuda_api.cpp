@@ -1,6 +1,7 @@
 #include "sluice/cuda.hpp"
 
-#include "cuda/copy_kernels.hpp"
+#include <cuda_runtime_api.h>
+
 #include "cuda/cuda_util.hpp"
 
 namespace sluice::cuda {
@@ -8,17 +9,17 @@ namespace {
 
 namespace d = sluice::detail::cuda;
 
-struct StreamScope {
-  explicit StreamScope(void* s) { d::current_user_stream() = s; }
-  ~StreamScope() { d::current_user_stream() = nullptr; }
-};
-
-void need_nvlink(Endpoint& ep, const char* what) {
+// The *_on_stream calls are the stream-ordered ops of Endpoint with the stream as an option;
+// the endpoint checks the transport's stream_ordered capability. A missing device is
+// reported first (kNoDevice), as it always was.
+OpOptions on_stream(void* stream, const char* what) {
   std::string why;
   if (d::device_count(&why) == 0) throw Error(ErrorCode::kNoDevice, std::string(what) + ": " + why);
-  if (ep.transport() != "nvlink")
-    throw Error(ErrorCode::kUnsupported, std::string(what) + ": the endpoint runs over " + ep.transport() +
-                                             "; stream ordering needs nvlink");
+  // These calls always order on a stream, and in CUDA the handle 0 names the legacy default
+  // stream; in OpOptions nullptr means "no stream", so 0 is passed as cudaStreamLegacy.
+  OpOptions o;
+  o.cuda_stream = stream ? stream : static_cast<void*>(cudaStreamLegacy);
+  return o;
 }
 
 }  // namespace
@@ -32,19 +33,13 @@ std::string unavailable_reason() {
 bool built_with_cuda() { return true; }
 
 Future read_on_stream(Endpoint& ep, const Batch& batch, void* stream) {
-  need_nvlink(ep, "read_on_stream");
-  StreamScope s(stream);
-  return ep.read(batch);
+  return ep.read(batch, on_stream(stream, "read_on_stream"));
 }
 Future write_on_stream(Endpoint& ep, const Batch& batch, void* stream) {
-  need_nvlink(ep, "write_on_stream");
-  StreamScope s(stream);
-  return ep.write(batch);
+  return ep.write(batch, on_stream(stream, "write_on_stream"));
 }
 Future write_with_imm_on_stream(Endpoint& ep, const Batch& batch, uint32_t imm, void* stream) {
-  need_nvlink(ep, "write_with_imm_on_stream");
-  StreamScope s(stream);
-  return ep.write_with_imm(batch, imm);
+  return ep.write_with_imm(batch, imm, on_stream(stream, "write_with_imm_on_stream"));
 }
 
 }  // namespace sluice::cuda

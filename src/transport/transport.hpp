@@ -27,6 +27,7 @@ namespace sluice::detail {
 struct TransferOp {
   OpKind kind = OpKind::kWrite;
   uint32_t imm = 0;
+  OpOptions options;  // validated against the transport's capabilities before submit
   std::vector<Lane> lanes;
   std::shared_ptr<FutureState> future;  // parts = number of non-empty lanes
   InlineVec<RegionPin, 1> pins;         // local regions, held until completion
@@ -114,6 +115,10 @@ class Transport {
   // Higher is preferred when several transports reach a peer.
   virtual int priority() const = 0;
   virtual bool supports(const Location& location) const = 0;
+  // What this transport can do. The core checks each op's options against it before submit
+  // (an op never reaches a transport that cannot honour its options); code above the engine
+  // reads it through Endpoint::capabilities() instead of comparing names.
+  virtual Capabilities capabilities() const = 0;
   // This transport's part of the engine info blob.
   virtual nlohmann::json local_address() const = 0;
   // Whether this transport can reach `peer`; otherwise *why says why not.

@@ -166,6 +166,89 @@ TEST(Nvlink, InProcessWriteRead) {
   EXPECT_TRUE(back == data);
 }
 
+// Stream ordering through OpOptions::cuda_stream (the *_on_stream calls are shorthands for it):
+// the op's copies run on the caller's stream, after what is queued there and before what is
+// queued later. A long queue of memsets ahead of the op makes an unordered copy read stale data.
+TEST(Nvlink, StreamOrderedThroughOpOptions) {
+  NEED_GPUS(1);
+  Engine a(quiet()), b(quiet());
+  const size_t n = 4 << 20;
+  auto src = a.allocate(2 * n, Location::cuda(0));
+  auto busy = a.allocate(64 << 20, Location::cuda(0));
+  auto dst = b.allocate(n, Location::cuda(second_device()), "dst");
+  auto ep = a.connect(b.local_info());
+  ASSERT_EQ(ep.transport(), "nvlink");
+  auto peer = b.accept(5s);
+  ASSERT_TRUE(peer.has_value());
+  const Capabilities caps = ep.capabilities();
+  EXPECT_TRUE(caps.host_memory);
+  EXPECT_TRUE(caps.cuda_memory);
+  EXPECT_TRUE(caps.stream_ordered);
+  EXPECT_FALSE(caps.stream_ordered_messages);
+  EXPECT_TRUE(caps.imm);
+  auto r = *ep.remote_region("dst");
+  CK(cudaMemset(dst.ptr, 0, n));
+  CK(cudaDeviceSynchronize());
+
+  cudaStream_t s;
+  CK(cudaSetDevice(0));
+  CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  OpOptions on_s;
+  on_s.cuda_stream = s;
+  auto delay = [&](cudaStream_t q) {
+    for (int i = 0; i < 32; ++i) CK(cudaMemsetAsync(busy.ptr, i, 64 << 20, q));
+  };
+  // write_with_imm: the stream's 0xAB lands, its later 0xCD does not; the peer's imm comes
+  // after the bytes are visible.
+  auto imm = peer->imm_recv();
+  delay(s);
+  CK(cudaMemsetAsync(src.ptr, 0xAB, n, s));
+  auto w = ep.write_with_imm({{src.handle, 0, r, 0, n}}, 77, on_s);
+  CK(cudaMemsetAsync(src.ptr, 0xCD, n, s));
+  { auto st_ = w.wait(); ASSERT_TRUE(st_.ok()) << st_.to_string(); }
+  ASSERT_TRUE(imm.wait_for(10s));
+  EXPECT_EQ(imm.imm(), 77u);
+  std::vector<uint8_t> back(n);
+  CK(cudaMemcpy(back.data(), dst.ptr, n, cudaMemcpyDeviceToHost));
+  for (size_t i = 0; i < n; i += 4093) ASSERT_EQ(back[i], 0xAB) << i;
+  ASSERT_EQ(back[n - 1], 0xAB);
+  // read: a copy queued on the stream after the read sees the read's bytes.
+  delay(s);
+  auto g = ep.read({{src.handle, n, r, 0, n}}, on_s);
+  std::vector<uint8_t> got(n, 0);
+  CK(cudaMemcpyAsync(got.data(), static_cast<uint8_t*>(src.ptr) + n, n, cudaMemcpyDeviceToHost, s));
+  CK(cudaStreamSynchronize(s));
+  { auto st_ = g.wait(); ASSERT_TRUE(st_.ok()) << st_.to_string(); }
+  EXPECT_TRUE(got == back);
+  // The legacy default stream (handle 0) is passed as cudaStreamLegacy; the shorthand maps a
+  // null stream to it.
+  OpOptions legacy;
+  legacy.cuda_stream = static_cast<void*>(cudaStreamLegacy);
+  delay(nullptr);
+  CK(cudaMemsetAsync(src.ptr, 0x11, n, nullptr));
+  auto l = ep.write({{src.handle, 0, r, 0, n}}, legacy);
+  CK(cudaMemsetAsync(src.ptr, 0x22, n, nullptr));
+  { auto st_ = l.wait(); ASSERT_TRUE(st_.ok()) << st_.to_string(); }
+  CK(cudaMemcpy(back.data(), dst.ptr, n, cudaMemcpyDeviceToHost));
+  for (size_t i = 0; i < n; i += 4093) ASSERT_EQ(back[i], 0x11) << i;
+  delay(nullptr);
+  CK(cudaMemsetAsync(src.ptr, 0x33, n, nullptr));
+  auto sh = cuda::write_on_stream(ep, {{src.handle, 0, r, 0, n}}, nullptr);
+  { auto st_ = sh.wait(); ASSERT_TRUE(st_.ok()) << st_.to_string(); }
+  CK(cudaMemcpy(back.data(), dst.ptr, n, cudaMemcpyDeviceToHost));
+  for (size_t i = 0; i < n; i += 4093) ASSERT_EQ(back[i], 0x33) << i;
+  // Messages are not stream-ordered on nvlink: refused at submit, naming the capability.
+  try {
+    ep.send(src.handle, 0, 64, on_s);
+    ADD_FAILURE() << "send with a cuda_stream should throw on nvlink";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kUnsupported);
+    EXPECT_NE(std::string(e.what()).find("stream_ordered_messages"), std::string::npos) << e.what();
+  }
+  CK(cudaStreamSynchronize(s));
+  cudaStreamDestroy(s);
+}
+
 TEST(Nvlink, PeerUnregisteredRegionIsRefused) {
   // nvlink copies without asking the owner; the owner's lease table must still refuse a
   // stale handle, and the memory must stay untouched.

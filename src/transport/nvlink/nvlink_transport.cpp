@@ -300,7 +300,8 @@ class NvlinkEndpoint final : public TransportEndpoint, public StreamChannel::Han
     f.track->lanes_left = f.lanes;
     f.leases = std::make_shared<LeaseHold>();
     f.leases->leases = &leases_;
-    auto* user = static_cast<cudaStream_t>(cu::current_user_stream());
+    // The caller's stream travels with the op (the core admitted it: stream_ordered).
+    auto* user = static_cast<cudaStream_t>(op->options.cuda_stream);
     Status st = failed_.load() ? Status{ErrorCode::kCancelled, "endpoint closed"} : Status::Ok();
     std::unordered_map<uint64_t, RemoteView> views;
     if (st.ok()) st = resolve(*op, &f.device, &views);
@@ -1061,6 +1062,16 @@ class NvlinkTransport final : public Transport, public NvlinkHost {
   std::string name() const override { return "nvlink"; }
   int priority() const override { return 30; }
   bool supports(const Location& loc) const override { return loc.is_host() || loc.kind == Location::Kind::kCuda; }
+  // One-sided copies are enqueued on the op's cuda_stream when it has one (enqueue()); messages
+  // go over the control socket and are not stream-ordered.
+  Capabilities capabilities() const override {
+    Capabilities c;
+    c.host_memory = true;
+    c.cuda_memory = true;
+    c.stream_ordered = true;
+    c.imm = true;
+    return c;
+  }
   // No pid, no handles, no addresses: a peer learns about our memory only after proving itself.
   nlohmann::json local_address() const override { return {{"socket", endpoints_.name()}, {"devices", cu::device_count()}}; }
 

@@ -21,6 +21,15 @@ class RdmaTransport final : public Transport {
   // Above tcp, below shm: on one host shared memory is faster than the NIC loopback.
   int priority() const override { return 15; }
   bool supports(const Location&) const override { return true; }
+  // cuda memory is registered with the NIC (dmabuf / peer memory). Work requests are posted
+  // from the host, not ordered on a CUDA stream.
+  Capabilities capabilities() const override {
+    Capabilities c;
+    c.host_memory = true;
+    c.cuda_memory = true;
+    c.imm = true;
+    return c;
+  }
   json local_address() const override {
     json j = rails_->address();
     j["rkeys"] = rails_->rkeys(*reg_);  // registers regions lazily: peers learn rkeys from the info blob

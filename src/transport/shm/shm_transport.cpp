@@ -45,6 +45,14 @@ class ShmTransport final : public Transport, public Host {
   int priority() const override { return 20; }
   // cuda memory on this side is staged through pinned host buffers (CUDA builds with a GPU).
   bool supports(const Location& loc) const override { return loc.is_host() || staging::available(); }
+  // Copies run on the owner's and this side's threads, not on a CUDA stream: no stream order.
+  Capabilities capabilities() const override {
+    Capabilities c;
+    c.host_memory = true;
+    c.cuda_memory = staging::available();
+    c.imm = true;
+    return c;
+  }
   nlohmann::json local_address() const override { return {{"socket", endpoints_.name()}}; }
 
   bool can_reach(const EngineInfo& peer, std::string* why) override {

@@ -508,6 +508,14 @@ class TcpTransport final : public Transport {
   int priority() const override { return 10; }
   // cuda memory is staged through pinned host buffers (CUDA builds with a GPU).
   bool supports(const Location& loc) const override { return loc.is_host() || staging::available(); }
+  // Bytes move on socket threads, not on a CUDA stream: no stream order.
+  Capabilities capabilities() const override {
+    Capabilities c;
+    c.host_memory = true;
+    c.cuda_memory = staging::available();
+    c.imm = true;
+    return c;
+  }
   nlohmann::json local_address() const override { return nlohmann::json::object(); }  // the listener itself
   bool can_reach(const EngineInfo&, std::string*) override { return true; }
   std::shared_ptr<TransportEndpoint> create_endpoint(const EndpointSetup& setup) override {
