@@ -1,9 +1,11 @@
-// Engine options. Defaults suit a single host; every field can be overridden by a SLUICE_*
-// environment variable, read when the Engine is created (never at static initialisation).
+// Engine options. Defaults suit a single host; every field and option can be overridden by a
+// SLUICE_* environment variable, read when the Engine is created (never at static
+// initialisation). docs/configuration.md lists every parameter (`sluice-bench --list-params`).
 #pragma once
 
 #include <chrono>
 #include <cstdint>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -12,7 +14,7 @@ namespace sluice {
 enum class LogLevel : int { kError = 0, kWarn = 1, kInfo = 2, kDebug = 3, kTrace = 4 };
 
 struct EngineConfig {
-  // Transports this engine may use, by name ("shm", "tcp", later "rdma", "nvlink").
+  // Transports this engine may use, by name ("shm", "tcp", "rdma", "nvlink").
   // Empty = every transport available on this host.       env SLUICE_TRANSPORTS=tcp,shm
   std::vector<std::string> transports;
   // Channels per peer: TCP connections, shm workers, RDMA queue pairs.  env SLUICE_CHANNELS
@@ -21,7 +23,7 @@ struct EngineConfig {
   std::string listen_host = "127.0.0.1";
   uint16_t listen_port = 0;
   // Host identity used to decide whether a peer is on the same host (shm).
-  // Empty = derived from /etc/machine-id, hostname and boot id.   env SLUICE_HOST_ID
+  // Empty = derived from the hostname and the boot id.   env SLUICE_HOST_ID
   std::string host_id;
   // Deadline for connecting and for the handshake.          env SLUICE_CONNECT_TIMEOUT_MS
   std::chrono::milliseconds connect_timeout{5000};
@@ -49,20 +51,41 @@ struct EngineConfig {
   // Read responses a peer may have queued on one channel without reading them; more fail the
   // endpoint (a peer that stops reading cannot pin regions or grow queues without bound).
   int max_queued_responses = 4096;                // env SLUICE_MAX_QUEUED_RESPONSES
-  // RDMA ports to stripe over, in NCCL_IB_HCA syntax: "mlx5" (prefix), "=mlx5_0,mlx5_1:1"
-  // (exact, optional port), "^mlx5_3" / "^=mlx5_3" (exclude). Empty = every active port.
-  std::string rdma_devices;                       // env SLUICE_IB_HCA
-  // RoCE GID index; -1 = the RoCE v2 GID of the netdev's IPv4 address.   env SLUICE_IB_GID_INDEX
-  int rdma_gid_index = -1;
   // Future::wait() polls this long before sleeping. -1 = automatic: 0 on hosts with <= 2
   // hardware threads (a spinning waiter steals the progress threads' CPU), 20 us otherwise.
   int busy_wait_us = -1;                          // env SLUICE_BUSY_WAIT_US
   LogLevel log_level = LogLevel::kWarn;           // env SLUICE_LOG_LEVEL=error|warn|info|debug|trace
+  // Per-transport options, "<transport>.<key>" -> value as text, e.g. {"rdma.hca", "mlx5_0"},
+  // {"rdma.gid_index", "3"}. The transport that owns the namespace declares and parses them;
+  // an unknown key, or a namespace no transport of this build owns, is kInvalidArgument.
+  std::map<std::string, std::string> options;
 
-  // Returns `base` with every SLUICE_* variable that is set applied on top. Throws
-  // Error(kInvalidArgument) naming the variable when one does not parse.
+  // Sets one parameter by its table name: a field ("channels", "chunk_size",
+  // "connect_timeout_ms", ...) or an option ("rdma.hca"), parsing `value` exactly as its
+  // SLUICE_* variable is parsed. Throws Error(kInvalidArgument) naming `key`.
+  EngineConfig& set(const std::string& key, const std::string& value);
+  // The parameter's value in this config, as text that set() accepts (an option that is not
+  // set: its default).
+  std::string get(const std::string& key) const;
+
+  // Returns `base` with every SLUICE_* variable that is set applied on top (variables override
+  // code), after checking every field and option. Throws Error(kInvalidArgument) naming the
+  // variable, option key or field that does not parse or is out of range.
   static EngineConfig from_env(EngineConfig base);
 };
+
+// One row of the parameter table (what `sluice-bench --list-params` prints).
+struct ParamInfo {
+  std::string name;           // set()/options key: "channels", "rdma.hca"
+  std::string env;            // "SLUICE_CHANNELS"
+  std::string default_value;  // as text
+  std::string doc;
+  // "engine": per engine (EngineConfig, variable on top); "process": read from the variable
+  // where it is used; "test": test-only knob read from the variable when an endpoint is created.
+  std::string scope;
+};
+// Every parameter this build declares, sorted by name.
+std::vector<ParamInfo> list_params();
 
 inline EngineConfig env_config() { return EngineConfig::from_env(EngineConfig{}); }
 

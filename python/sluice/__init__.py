@@ -453,15 +453,38 @@ def _describe(obj) -> str:
     return f"{type(obj).__module__}.{type(obj).__qualname__}"
 
 
+def _option_text(key: str, value) -> str:
+    """An option's value as the text its SLUICE_* variable would hold; the C++ parser checks it."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return value
+    try:
+        return str(operator.index(value))  # ints and numpy integers
+    except TypeError:
+        raise InvalidArgumentError(
+            f"{key} must be a str, an integer or a bool, got {_describe_value(value)}") from None
+
+
+def list_params() -> list:
+    """Every engine parameter of this build: a list of dicts with ``name`` (the key for
+    :class:`Engine` keyword options), ``env`` (its SLUICE_* variable), ``default``, ``doc`` and
+    ``scope`` ("engine", "process": read from the variable where it is used, "test")."""
+    return _sluice.list_params()
+
+
 class Engine:
     """One transfer engine (normally one per process).
 
     ``transports``: names (list or "tcp,shm") this engine may use, default every one that runs
     here; ``channels``: channels per peer; ``listen``: "host:port" of the handshake listener
-    (port 0 = any); ``rdma_devices``: the RDMA ports to stripe over, NCCL_IB_HCA syntax
-    ("mlx5", "=mlx5_0,mlx5_1:1", "^mlx5_3"). Keyword options mirror ``sluice::EngineConfig``
-    (timeouts in seconds).
-    SLUICE_* environment variables override them, as in C++.
+    (port 0 = any). ``connect_timeout`` and ``op_timeout`` are in seconds.
+
+    Every other parameter of :func:`list_params` is a keyword option by its name, its value a
+    str, int or bool parsed exactly as its SLUICE_* variable: ``busy_wait_us=0``,
+    ``recv_timeout_ms=5000``, and per-transport options through a dict,
+    ``Engine(**{"rdma.hca": "mlx5_0", "rdma.gid_index": 3})``. An unknown name is an
+    InvalidArgumentError. SLUICE_* environment variables override them, as in C++.
     """
 
     def __init__(
@@ -477,7 +500,7 @@ class Engine:
         stripe_threshold: Optional[int] = None,
         max_unexpected_bytes: Optional[int] = None,
         log_level: Optional[str] = None,
-        rdma_devices: Optional[str] = None,
+        **options,
     ):
         self._regions: dict = {}
         self._lock = threading.Lock()
@@ -494,8 +517,7 @@ class Engine:
                 _opt_str(t, "transports: each name")
         if channels is not None:
             channels = _uint(channels, "channels", 31)
-        for what, text in (("listen", listen), ("host_id", host_id), ("log_level", log_level),
-                           ("rdma_devices", rdma_devices)):
+        for what, text in (("listen", listen), ("host_id", host_id), ("log_level", log_level)):
             _opt_str(text, what)
         connect_timeout = _seconds(connect_timeout, "connect_timeout", forever_ok=False)
         op_timeout = _seconds(op_timeout, "op_timeout", forever_ok=False)
@@ -503,11 +525,21 @@ class Engine:
                         ("max_unexpected_bytes", max_unexpected_bytes)):
             if n is not None:
                 _uint(n, what)
-        self._core = _sluice.Engine(
-            transports=list(transports) if transports else None, channels=channels, listen=listen,
-            host_id=host_id, connect_timeout=connect_timeout, op_timeout=op_timeout,
-            chunk_size=chunk_size, stripe_threshold=stripe_threshold,
-            max_unexpected_bytes=max_unexpected_bytes, log_level=log_level, rdma_devices=rdma_devices)
+        params = {key: _option_text(key, value) for key, value in options.items()}
+        named = {
+            "transports": ",".join(transports) if transports else None, "channels": channels, "listen": listen,
+            "host_id": host_id, "chunk_size": chunk_size, "stripe_threshold": stripe_threshold,
+            "max_unexpected_bytes": max_unexpected_bytes, "log_level": log_level,
+            "connect_timeout_ms": None if connect_timeout is None else int(connect_timeout * 1000),
+            "op_timeout_ms": None if op_timeout is None else int(op_timeout * 1000),
+        }
+        for key, value in named.items():
+            if value is None:
+                continue
+            if key in params:
+                raise InvalidArgumentError(f"{key} is given twice")
+            params[key] = _option_text(key, value)
+        self._core = _sluice.Engine(params)
         _live_engines.add(self)
 
     # ------------------------------------------------------------ memory
@@ -718,7 +750,7 @@ def _close_all() -> None:
 
 
 __all__ = [
-    "Engine", "Endpoint", "Future", "MemoryHandle", "RemoteHandle", "Allocation", "BATCH_DTYPE",
+    "Engine", "list_params", "Endpoint", "Future", "MemoryHandle", "RemoteHandle", "Allocation", "BATCH_DTYPE",
     "wait_all", "ErrorCode", "SluiceError", "InvalidArgumentError", "EmptyBatchError",
     "UnknownHandleError", "OutOfRangeError", "TruncatedError", "PeerLostError",
     "SluiceTimeoutError", "CancelledError", "RemoteError", "ProtocolError", "UnsupportedError",

@@ -394,44 +394,11 @@ struct PyEngine {
   }
 };
 
-std::unique_ptr<PyEngine> make_engine(std::optional<std::vector<std::string>> transports, std::optional<int> channels,
-                                      std::optional<std::string> listen, std::optional<std::string> host_id,
-                                      std::optional<double> connect_timeout, std::optional<double> op_timeout,
-                                      std::optional<uint64_t> chunk_size, std::optional<uint64_t> stripe_threshold,
-                                      std::optional<uint64_t> max_unexpected_bytes, std::optional<std::string> log_level,
-                                      std::optional<std::string> rdma_devices) {
+// Every option arrives as text and is parsed by EngineConfig::set, exactly as its SLUICE_*
+// variable would be (one parser for C++, Python and the environment).
+std::unique_ptr<PyEngine> make_engine(const std::map<std::string, std::string>& options) {
   sluice::EngineConfig c;
-  if (transports) c.transports = *transports;
-  if (channels) c.channels = *channels;
-  if (listen) {
-    auto colon = listen->rfind(':');
-    if (colon == std::string::npos) invalid("listen must be 'host:port', got '" + *listen + "'");
-    c.listen_host = listen->substr(0, colon);
-    try {
-      int port = std::stoi(listen->substr(colon + 1));
-      if (port < 0 || port > 65535) throw std::out_of_range("port");
-      c.listen_port = static_cast<uint16_t>(port);
-    } catch (const std::exception&) {
-      invalid("listen must be 'host:port', got '" + *listen + "'");
-    }
-  }
-  if (host_id) c.host_id = *host_id;
-  auto ms = [](double s) { return std::chrono::milliseconds(static_cast<int64_t>(s * 1000)); };
-  if (connect_timeout) c.connect_timeout = ms(*connect_timeout);
-  if (op_timeout) c.op_timeout = ms(*op_timeout);
-  if (chunk_size) c.chunk_size = *chunk_size;
-  if (stripe_threshold) c.stripe_threshold = *stripe_threshold;
-  if (max_unexpected_bytes) c.max_unexpected_bytes = *max_unexpected_bytes;
-  if (rdma_devices) c.rdma_devices = *rdma_devices;
-  if (log_level) {
-    const std::string& l = *log_level;
-    if (l == "error") c.log_level = sluice::LogLevel::kError;
-    else if (l == "warn") c.log_level = sluice::LogLevel::kWarn;
-    else if (l == "info") c.log_level = sluice::LogLevel::kInfo;
-    else if (l == "debug") c.log_level = sluice::LogLevel::kDebug;
-    else if (l == "trace") c.log_level = sluice::LogLevel::kTrace;
-    else invalid("log_level must be error|warn|info|debug|trace");
-  }
+  for (const auto& [key, value] : options) c.set(key, value);
   auto pe = std::make_unique<PyEngine>();
   py::gil_scoped_release nogil;
   pe->engine = std::make_shared<sluice::Engine>(c);
@@ -453,6 +420,19 @@ PYBIND11_MODULE(_sluice, m) {
     }
   });
 
+  m.def("list_params", [] {
+    py::list out;
+    for (const auto& p : sluice::list_params()) {
+      py::dict d;
+      d["name"] = p.name;
+      d["env"] = p.env;
+      d["default"] = p.default_value;
+      d["doc"] = p.doc;
+      d["scope"] = p.scope;
+      out.append(d);
+    }
+    return out;
+  });
   m.def("error_text", [](int code) { return std::string(sluice::to_string(static_cast<ErrorCode>(code))); });
   m.def("pin_buffer", &pin_buffer, py::arg("obj"), py::arg("writable") = true);
   m.def("dlpack_info", &dlpack_info);
@@ -511,11 +491,7 @@ PYBIND11_MODULE(_sluice, m) {
       .def("close", &PyEndpoint::close);
 
   py::class_<PyEngine>(m, "Engine")
-      .def(py::init(&make_engine), py::arg("transports") = py::none(), py::arg("channels") = py::none(),
-           py::arg("listen") = py::none(), py::arg("host_id") = py::none(), py::arg("connect_timeout") = py::none(),
-           py::arg("op_timeout") = py::none(), py::arg("chunk_size") = py::none(),
-           py::arg("stripe_threshold") = py::none(), py::arg("max_unexpected_bytes") = py::none(),
-           py::arg("log_level") = py::none(), py::arg("rdma_devices") = py::none())
+      .def(py::init(&make_engine), py::arg("options"))
       .def("register_memory",
            [](PyEngine& pe, uintptr_t ptr, uint64_t len, const std::string& loc, const std::string& name) {
              return pe.e()->register_memory(reinterpret_cast<void*>(ptr), len, location_of(loc), name).id;

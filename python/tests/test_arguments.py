@@ -163,7 +163,7 @@ def test_future_wait_timeout(ends):
     ({"connect_timeout": 1e300}, "connect_timeout"), ({"chunk_size": -1}, "chunk_size"),
     ({"stripe_threshold": 1.5}, "stripe_threshold"), ({"max_unexpected_bytes": 2 ** 64}, "max_unexpected_bytes"),
     ({"listen": 7000}, "listen"), ({"host_id": 1}, "host_id"), ({"log_level": 3}, "log_level"),
-    ({"rdma_devices": ["mlx5"]}, "rdma_devices"), ({"transports": 5}, "transports"),
+    ({"rdma.hca": ["mlx5"]}, "rdma.hca"), ({"transports": 5}, "transports"),
     ({"transports": ["tcp", 5]}, "transports"),
 ])
 def test_engine_config_types(kw, name):

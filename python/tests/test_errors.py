@@ -245,16 +245,8 @@ def test_errors_are_catchable_as_builtins(pair):
 
 
 def test_rdma_devices_selection_is_checked():
-    # A malformed device selection is refused with the reason, whether or not a NIC exists.
-    try:
-        e = sluice.Engine(transports=["rdma"], rdma_devices="^")
-    except sluice.InvalidArgumentError as err:
-        assert "rdma_devices" in str(err) or "SLUICE_IB_HCA" in str(err)
-        return
-    except sluice.NoDeviceError as err:
-        # the engine had no transport left: the reason names the selection (or, on a host
-        # without libibverbs, the missing library: the transport stops before reading it)
-        assert "rdma_devices" in str(err) or "libibverbs" in str(err), str(err)
-        return
-    e.close()
-    pytest.fail("an engine started with rdma_devices='^'")
+    # A malformed device selection is refused naming the option, whether or not a NIC exists
+    # (the rdma transport's parser checks it when the engine's config is resolved; a build
+    # without rdma owns no "rdma" namespace, which is refused naming the option too).
+    with pytest.raises(sluice.InvalidArgumentError, match="rdma.hca"):
+        sluice.Engine(transports=["rdma"], **{"rdma.hca": "^"})

@@ -12,6 +12,7 @@
 #include "core/device_hooks.hpp"
 #include "core/engine_impl.hpp"
 #include "core/log.hpp"
+#include "core/params.hpp"
 #include "sluice/version.hpp"
 
 namespace sluice::detail {
@@ -57,6 +58,7 @@ using nlohmann::json;
 
 EngineImpl::EngineImpl(EngineConfig config) : config_(EngineConfig::from_env(std::move(config))) {
   log::set_level(config_.log_level);
+  log_params(config_);
   registry_.set_lease_timeout(config_.op_timeout);
   // Pins are released when operations complete, which per-op deadlines bound by op_timeout;
   // the margin covers the watchdog period and the transport's close.

@@ -16,6 +16,7 @@
 #include <cstring>
 #include <cstdlib>
 
+#include "core/params.hpp"
 #include "cuda/cuda_util.hpp"
 #include "sluice/allgather.hpp"
 
@@ -23,6 +24,11 @@ namespace sluice::cuda {
 namespace {
 
 namespace d = sluice::detail::cuda;
+
+// Process-wide: an AllGather has no engine; read when one is created.
+const sluice::detail::Param<uint64_t> kLlMax{
+    "cuda.ag_ll_max", "SLUICE_AG_LL_MAX", 256 << 10, sluice::detail::size_in(0, 1ull << 40),
+    "AllGather: messages up to this size use the low-latency protocol", sluice::detail::ParamScope::kProcess};
 
 constexpr int kMaxWorld = 8;
 constexpr uint64_t kMaxChunks = 1024;
@@ -278,8 +284,7 @@ AllGather::AllGather(uint64_t max_tokens, uint64_t token_bytes, DType dtype, int
   m.device = device;
   m.dtype = dtype;
   m.max_bytes = max_tokens * token_bytes;
-  uint64_t ll = 256 << 10;
-  if (const char* e = std::getenv("SLUICE_AG_LL_MAX")) ll = std::strtoull(e, nullptr, 10);
+  const uint64_t ll = kLlMax.read();
   m.ll_max = std::min(m.max_bytes, ll);
   m.L = layout(m.max_bytes, m.ll_max, world);
   m.sms = sm_count(device);

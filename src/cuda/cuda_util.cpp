@@ -8,6 +8,7 @@
 #include <mutex>
 
 #include "core/log.hpp"
+#include "core/params.hpp"
 
 namespace sluice::detail::cuda {
 namespace {
@@ -135,11 +136,16 @@ void set_access(CUdeviceptr ptr, uint64_t size, int owner) {
   }
 }
 
+// Process-wide: read at each allocation (allocation has no engine config at hand).
+const Param<bool> kNoVmm{"cuda.no_vmm", "SLUICE_CUDA_NO_VMM", false, boolean(),
+                         "allocate GPU memory with cudaMalloc (cudaIpc sharing) instead of cuMem (POSIX fd)",
+                         ParamScope::kProcess};
+
 bool vmm_supported(int device) {
   const Driver& d = driver();
   if (!d.vmm) return false;
   (void)device;  // cuMemCreate itself reports a device without VMM / POSIX-fd support
-  return !std::getenv("SLUICE_CUDA_NO_VMM");
+  return !kNoVmm.read();
 }
 
 }  // namespace

@@ -69,11 +69,7 @@ TEST_F(FromEnv, ParsesEveryVariable) {
   ::setenv("SLUICE_STRIPE_THRESHOLD", "64k", 1);
   ::setenv("SLUICE_MAX_UNEXPECTED_BYTES", "1G", 1);
   ::setenv("SLUICE_LOG_LEVEL", "debug", 1);
-  ::setenv("SLUICE_IB_HCA", "=mlx5_0,mlx5_1:1", 1);
-  ::setenv("SLUICE_IB_GID_INDEX", "3", 1);
   auto c = EngineConfig::from_env(EngineConfig{});
-  EXPECT_EQ(c.rdma_devices, "=mlx5_0,mlx5_1:1");
-  EXPECT_EQ(c.rdma_gid_index, 3);
   EXPECT_EQ(c.transports, (std::vector<std::string>{"tcp", "shm"}));
   EXPECT_EQ(c.channels, 5);
   EXPECT_EQ(c.listen_host, "0.0.0.0");
@@ -103,8 +99,6 @@ TEST_F(FromEnv, EnvOverridesBase) {
 TEST_F(FromEnv, BadValuesNameTheVariable) {
   expect_rejected("SLUICE_CHANNELS", "two");
   expect_rejected("SLUICE_CHANNELS", "0");
-  expect_rejected("SLUICE_IB_GID_INDEX", "x");
-  expect_rejected("SLUICE_IB_GID_INDEX", "70000");
   expect_rejected("SLUICE_CHANNELS", "65");
   expect_rejected("SLUICE_CHANNELS", "-1");
   expect_rejected("SLUICE_CHANNELS", "4294967297");  // would wrap to 1 in an int

@@ -682,17 +682,17 @@ TEST(RdmaDevice, HcaFilterExcludingEveryDeviceMeansNoDevice) {
   const char* dev = std::getenv("RXE_DEV");
   ::setenv("SLUICE_IB_HCA", (std::string("=") + (dev ? dev : "rxe0") + ":1").c_str(), 1);
   EXPECT_NO_THROW(Engine e(cfg()));
-  // The same selection from code: EngineConfig::rdma_devices (the variable overrides it).
+  // The same selection from code: the option rdma.hca (the variable overrides it).
   ::unsetenv("SLUICE_IB_HCA");
   EngineConfig c = cfg();
-  c.rdma_devices = "=no_such_dev";
+  c.options["rdma.hca"] = "=no_such_dev";
   try {
     Engine e(c);
-    ADD_FAILURE() << "engine created with rdma_devices=no_such_dev";
+    ADD_FAILURE() << "engine created with rdma.hca=no_such_dev";
   } catch (const Error& e) {
     EXPECT_EQ(e.code(), ErrorCode::kNoDevice) << e.what();
   }
-  c.rdma_devices = std::string("=") + (dev ? dev : "rxe0");
+  c.options["rdma.hca"] = std::string("=") + (dev ? dev : "rxe0");
   Engine one(c);
   auto info = nlohmann::json::parse(one.local_info());
   ASSERT_EQ(info["transports"]["rdma"]["rails"].size(), 1u);

@@ -4,6 +4,8 @@
 #include <cstdlib>
 #include <stdexcept>
 
+#include "sluice/config.hpp"
+
 namespace bench {
 
 uint64_t parse_size(const std::string& s) {
@@ -24,6 +26,17 @@ std::string size_text(uint64_t b) {
   else if (b >= 1024 && b % 1024 == 0) std::snprintf(buf, sizeof buf, "%lluKiB", (unsigned long long)(b >> 10));
   else std::snprintf(buf, sizeof buf, "%lluB", (unsigned long long)b);
   return buf;
+}
+
+// The parameter table as a Markdown table (docs/configuration.md is generated from it).
+static void list_params() {
+  std::puts("| name | variable | default | scope | what |");
+  std::puts("|---|---|---|---|---|");
+  for (const auto& p : sluice::list_params()) {
+    std::string dflt = p.default_value.empty() ? "(empty)" : "`" + p.default_value + "`";
+    std::printf("| `%s` | `%s` | %s | %s | %s |\n", p.name.c_str(), p.env.c_str(), dflt.c_str(), p.scope.c_str(),
+                p.doc.c_str());
+  }
 }
 
 static void usage() {
@@ -53,7 +66,8 @@ static void usage() {
       "  --baseline                also measure the ceiling (raw TCP stream / process_vm_readv /\n"
       "                            memcpy) for the same sizes and print the ratio\n"
       "  --json | --csv            machine-readable output on stdout\n"
-      "  --quiet                   no progress on stderr");
+      "  --quiet                   no progress on stderr\n"
+      "  --list-params             print every engine parameter (name, variable, default, doc)");
 }
 
 Options parse(int argc, char** argv) {
@@ -65,6 +79,7 @@ Options parse(int argc, char** argv) {
       return argv[++i];
     };
     if (a == "--help" || a == "-h") { usage(); std::exit(0); }
+    else if (a == "--list-params") { list_params(); std::exit(0); }
     else if (a == "--role") o.role = next();
     else if (a == "--transport") o.transport = next();
     else if (a == "--op") o.op = next();

@@ -35,6 +35,7 @@
 #include "bootstrap/messages.hpp"
 #include "core/lease_table.hpp"
 #include "core/log.hpp"
+#include "core/params.hpp"
 #include "cuda/copy_kernels.hpp"
 #include "cuda/cuda_util.hpp"
 #include "transport/common/control_frames.hpp"
@@ -51,11 +52,16 @@ namespace {
 
 namespace cu = sluice::detail::cuda;
 
-uint64_t env_u64(const char* name, uint64_t dflt) {
-  const char* v = std::getenv(name);
-  if (!v || !*v) return dflt;
-  return std::strtoull(v, nullptr, 10);
-}
+const Param<uint64_t> kSmCopyMax{"nvlink.sm_copy_max", "SLUICE_NVLINK_SM_COPY_MAX", 0, size_in(0, 1ull << 40),
+                                  "copies up to this size from local GPU memory use an SM kernel, not the copy engine; 0 = off"};
+const Param<int> kStreams{"nvlink.streams", "SLUICE_NVLINK_STREAMS", 1, int_in(1, 16),
+                          "copy streams per endpoint; copies of at least nvlink.split_min are split over them"};
+const Param<uint64_t> kSplitMin{"nvlink.split_min", "SLUICE_NVLINK_SPLIT_MIN", 8ull << 20, size_in(1, 1ull << 40),
+                                "copies at least this large are split over nvlink.streams streams"};
+const Param<uint64_t> kInlineMax{"nvlink.inline_max", "SLUICE_NVLINK_INLINE_MAX", 64ull << 10, size_in(0, 1ull << 30),
+                                 "ops up to this size are polled to completion on the submitting thread (no hand-off)"};
+const Param<bool> kDisable{"nvlink.disable", "SLUICE_NVLINK_DISABLE", false, boolean(),
+                           "do not start the nvlink transport"};
 
 struct OpTrack {
   std::atomic<int> lanes_left{0};
@@ -189,10 +195,10 @@ class NvlinkEndpoint final : public TransportEndpoint, public StreamChannel::Han
   NvlinkEndpoint(const EndpointSetup& s, NvlinkHost& host, std::string peer_socket)
       : host_(host), events_(s.events), active_(s.active), token_(s.token), peer_socket_(std::move(peer_socket)),
         peer_engine_(s.peer.engine_id), timeout_(s.config.connect_timeout) {
-    sm_copy_max_ = env_u64("SLUICE_NVLINK_SM_COPY_MAX", 0);
-    nstreams_ = static_cast<int>(std::clamp<uint64_t>(env_u64("SLUICE_NVLINK_STREAMS", 1), 1, 16));
-    split_min_ = env_u64("SLUICE_NVLINK_SPLIT_MIN", 8ull << 20);
-    inline_max_ = env_u64("SLUICE_NVLINK_INLINE_MAX", 64ull << 10);
+    sm_copy_max_ = kSmCopyMax.get(s.config);
+    nstreams_ = kStreams.get(s.config);
+    split_min_ = kSplitMin.get(s.config);
+    inline_max_ = kInlineMax.get(s.config);
     // Where the engine lets waiters poll (spare cores), let them poll for about as long as
     // the copy should take, as cudaStreamSynchronize does: a sleeping waiter wakes late.
     int us = s.config.busy_wait_us;
@@ -1137,8 +1143,8 @@ class NvlinkTransport final : public Transport, public NvlinkHost {
 }  // namespace
 
 SLUICE_REGISTER_TRANSPORT(nvlink, "nvlink", [](const EngineContext& ctx, std::string* why) -> std::unique_ptr<Transport> {
-  if (std::getenv("SLUICE_NVLINK_DISABLE")) {
-    *why = "disabled by SLUICE_NVLINK_DISABLE";
+  if (kDisable.get(*ctx.config)) {
+    *why = "disabled by nvlink.disable / SLUICE_NVLINK_DISABLE";
     return nullptr;
   }
   if (cu::device_count(why) == 0) return nullptr;

@@ -185,7 +185,8 @@ void RdmaEndpoint::submit(std::shared_ptr<TransferOp> op) {
         return;
       }
       const uint32_t lkey = keys->mrs[ch.rail]->lkey;
-      rkey ^= fault_rkey_xor_;
+      if (fault_rkey_xor_ != 0) [[unlikely]]  // test-only fault injection, 0 in production
+        rkey ^= fault_rkey_xor_;
       // Pieces that continue the previous one on the remote side join its WR, as one more
       // gather entry (or by growing the last entry when they continue it locally too), up to
       // the devices' max_sge and merge_limit bytes; the rest start a new WR.

@@ -99,7 +99,7 @@ std::vector<std::shared_ptr<Device>> Device::open_all(const Verbs* v, const std:
     bool any_port = false;
     for (int p = 1; p <= 16 && !any_port; ++p) any_port = filter.matches(name, p);
     if (!any_port) {
-      seen += " " + name + "(not selected by SLUICE_IB_HCA / rdma_devices)";
+      seen += " " + name + "(not selected by rdma.hca / SLUICE_IB_HCA)";
       continue;
     }
     auto c = std::make_shared<Context>();
@@ -121,7 +121,7 @@ std::vector<std::shared_ptr<Device>> Device::open_all(const Verbs* v, const std:
     for (int p = 1; p <= c->attr.phys_port_cnt; ++p) {
       std::string where = " " + name + ":" + std::to_string(p);
       if (!filter.matches(name, p)) {
-        seen += where + "(not selected by SLUICE_IB_HCA / rdma_devices)";
+        seen += where + "(not selected by rdma.hca / SLUICE_IB_HCA)";
         continue;
       }
       ibv_port_attr pa{};

@@ -4,15 +4,51 @@
 #include <sys/eventfd.h>
 #include <unistd.h>
 
+#include <charconv>
 #include <cstring>
 
 #include "bootstrap/messages.hpp"
 #include "core/log.hpp"
+#include "core/params.hpp"
 #include "transport/rdma/endpoint.hpp"
 
 namespace sluice::detail::rdma {
 
 using nlohmann::json;
+
+namespace {
+
+const Param<int> kSpinUs{"rdma.spin_us", "SLUICE_RDMA_SPIN_US", 50, int_in(0, 1000000),
+                         "the progress thread polls the CQs this long after the last completion before sleeping"};
+const Param<int> kBusyMs{"rdma.busy_ms", "SLUICE_RDMA_BUSY_MS", 20, int_in(0, 60000),
+                         "the progress thread busy-polls while ops are outstanding, up to this long without a completion; 0 = off"};
+const Param<int> kPollUs{"rdma.poll_us", "SLUICE_RDMA_POLL_US", 20000, int_in(0, 10000000),
+                         "a waiter polls the CQs itself up to this long without a completion before it sleeps; 0 = never"};
+// Test-only knobs: read from the environment when an endpoint is created (ParamScope::kTest),
+// so a test can give one endpoint of an engine a different shape or a fault.
+const Param<uint64_t> kMaxWrBytesParam{"rdma.max_wr_bytes", "SLUICE_RDMA_MAX_WR_BYTES", rdma::kMaxWrBytes,
+                                       size_in(1, rdma::kMaxWrBytes),
+                                  "test only: a smaller message limit, to exercise splitting on devices with a large one",
+                                  ParamScope::kTest};
+const Param<int> kMaxSgeParam{"rdma.max_sge", "SLUICE_RDMA_MAX_SGE", rdma::kMaxSge, int_in(1, rdma::kMaxSge),
+                              "test only: gather entries per WR (1: every piece not contiguous locally gets its own WR)",
+                              ParamScope::kTest};
+const Param<uint64_t> kFaultRkeyXor{"rdma.fault_rkey_xor", "SLUICE_RDMA_FAULT_RKEY_XOR", 0,
+                                    [](const std::string& where, const std::string& text) -> uint64_t {
+                                      // hex (0x...) or decimal, 32 bits
+                                      bool hex = text.size() > 2 && text[0] == '0' && (text[1] == 'x' || text[1] == 'X');
+                                      uint64_t v = 0;
+                                      const char* b = text.data() + (hex ? 2 : 0);
+                                      const char* e = text.data() + text.size();
+                                      auto [p, ec] = std::from_chars(b, e, v, hex ? 16 : 10);
+                                      if (ec != std::errc() || p != e || v > UINT32_MAX)
+                                        param_error(where, text, "is not a 32-bit number");
+                                      return v;
+                                    },
+                                    "test only (fault injection): XOR every rkey of new endpoints with this",
+                                    ParamScope::kTest};
+
+}  // namespace
 
 Status wc_status(const Verbs& v, const ibv_wc& wc, const std::string& what) {
   ErrorCode code = ErrorCode::kRemoteError;
@@ -28,16 +64,12 @@ Status wc_status(const Verbs& v, const ibv_wc& wc, const std::string& what) {
 
 RdmaEndpoint::RdmaEndpoint(std::shared_ptr<Rails> rails, const Registry* reg, const EndpointSetup& s)
     : rails_(std::move(rails)), v_(rails_->v()), reg_(reg), events_(s.events), setup_(s), nchan_(s.channels), remote_(s.channels) {
-  if (const char* e = std::getenv("SLUICE_RDMA_SPIN_US")) spin_ = std::chrono::microseconds(std::atoi(e));
-  if (const char* e = std::getenv("SLUICE_RDMA_BUSY_MS")) busy_ = std::chrono::milliseconds(std::atoi(e));
-  if (const char* e = std::getenv("SLUICE_RDMA_POLL_US")) poll_budget_ = std::chrono::microseconds(std::atoi(e));
-  if (const char* e = std::getenv("SLUICE_RDMA_FAULT_RKEY_XOR")) fault_rkey_xor_ = static_cast<uint32_t>(std::strtoul(e, nullptr, 0));
-  // Test-only: a smaller message limit, to exercise the splitting on devices with a large one.
-  if (const char* e = std::getenv("SLUICE_RDMA_MAX_WR_BYTES"))
-    max_wr_bytes_ = std::max<uint64_t>(1, std::strtoull(e, nullptr, 0));
-  // Test-only: fewer gather entries per WR (1: every piece that does not continue the previous
-  // one locally gets its own WR).
-  if (const char* e = std::getenv("SLUICE_RDMA_MAX_SGE")) max_sge_ = std::clamp(std::atoi(e), 1, kMaxSge);
+  spin_ = std::chrono::microseconds(kSpinUs.get(s.config));
+  busy_ = std::chrono::milliseconds(kBusyMs.get(s.config));
+  poll_budget_ = std::chrono::microseconds(kPollUs.get(s.config));
+  fault_rkey_xor_ = static_cast<uint32_t>(kFaultRkeyXor.read());
+  max_wr_bytes_ = kMaxWrBytesParam.read();
+  max_sge_ = kMaxSgeParam.read();
   sq_depth_ = 1024;
   for (int r = 0; r < rails_->size(); ++r) {
     sq_depth_ = std::min(sq_depth_, rails_->at(r).attr().max_qp_wr);

@@ -28,7 +28,7 @@ HcaFilter HcaFilter::parse(const std::string& raw) {
     text = text.substr(1);
   }
   if (trim(text).empty()) {
-    if (f.exclude || f.exact) throw Error(ErrorCode::kInvalidArgument, "rdma devices (SLUICE_IB_HCA / rdma_devices) '" + raw + "' names no device");
+    if (f.exclude || f.exact) throw Error(ErrorCode::kInvalidArgument, "rdma.hca (SLUICE_IB_HCA) '" + raw + "' names no device");
     return f;
   }
   size_t pos = 0;
@@ -36,7 +36,7 @@ HcaFilter HcaFilter::parse(const std::string& raw) {
     size_t comma = text.find(',', pos);
     std::string item = trim(text.substr(pos, comma == std::string::npos ? std::string::npos : comma - pos));
     pos = comma == std::string::npos ? text.size() + 1 : comma + 1;
-    if (item.empty()) throw Error(ErrorCode::kInvalidArgument, "rdma devices (SLUICE_IB_HCA / rdma_devices) '" + raw + "' has an empty entry");
+    if (item.empty()) throw Error(ErrorCode::kInvalidArgument, "rdma.hca (SLUICE_IB_HCA) '" + raw + "' has an empty entry");
     HcaEntry e;
     size_t colon = item.find(':');
     if (colon != std::string::npos) {
@@ -44,12 +44,12 @@ HcaFilter HcaFilter::parse(const std::string& raw) {
       e.name = trim(item.substr(0, colon));
       if (port.empty() || port.size() > 3 ||
           port.find_first_not_of("0123456789") != std::string::npos || std::stoi(port) < 1)
-        throw Error(ErrorCode::kInvalidArgument, "rdma devices (SLUICE_IB_HCA / rdma_devices) '" + raw + "': bad port '" + port + "' in '" + item + "'");
+        throw Error(ErrorCode::kInvalidArgument, "rdma.hca (SLUICE_IB_HCA) '" + raw + "': bad port '" + port + "' in '" + item + "'");
       e.port = std::stoi(port);
     } else {
       e.name = item;
     }
-    if (e.name.empty()) throw Error(ErrorCode::kInvalidArgument, "rdma devices (SLUICE_IB_HCA / rdma_devices) '" + raw + "': entry '" + item + "' has no device name");
+    if (e.name.empty()) throw Error(ErrorCode::kInvalidArgument, "rdma.hca (SLUICE_IB_HCA) '" + raw + "': entry '" + item + "' has no device name");
     f.entries.push_back(std::move(e));
   }
   return f;

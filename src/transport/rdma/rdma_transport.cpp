@@ -2,7 +2,9 @@
 // This file is the Transport (what the engine sees); the endpoint is in endpoint.hpp and the
 // ports and their memory registrations in rails.hpp. See docs/rdma.md.
 
+#include "core/params.hpp"
 #include "transport/rdma/endpoint.hpp"
+#include "transport/rdma/hca_filter.hpp"
 #include "transport/rdma/rails.hpp"
 #include "transport/transport.hpp"
 
@@ -11,6 +13,18 @@ namespace {
 
 using nlohmann::json;
 using rdma::Rails;
+
+// The rdma namespace of EngineConfig::options; the rest of rdma's parameters are next to
+// their use in endpoint.cpp and verbs_loader.cpp.
+const Param<std::string> kHca{"rdma.hca", "SLUICE_IB_HCA", "",
+                              [](const std::string&, const std::string& text) {
+                                rdma::HcaFilter::parse(text);  // throws naming rdma.hca / SLUICE_IB_HCA
+                                return text;
+                              },
+                              "RDMA ports to stripe over, NCCL_IB_HCA syntax (mlx5, =mlx5_0,mlx5_1:1, ^mlx5_3); "
+                              "empty = every active port"};
+const Param<int> kGidIndex{"rdma.gid_index", "SLUICE_IB_GID_INDEX", -1, int_in(-1, 65535),
+                           "RoCE GID index; -1 = the RoCE v2 GID of the netdev's IPv4 address"};
 
 class RdmaTransport final : public Transport {
  public:
@@ -65,7 +79,8 @@ SLUICE_REGISTER_TRANSPORT(rdma, "rdma", [](const EngineContext& ctx, std::string
   const rdma::Verbs* v = rdma::Verbs::get(why);
   if (!v) return nullptr;
   const EngineConfig& c = *ctx.config;  // SLUICE_IB_HCA / SLUICE_IB_GID_INDEX already applied
-  auto rails = Rails::open(v, c.rdma_devices, c.rdma_gid_index >= 0 ? std::to_string(c.rdma_gid_index) : "", why);
+  const int gid = kGidIndex.get(c);
+  auto rails = Rails::open(v, kHca.get(c), gid >= 0 ? std::to_string(gid) : "", why);
   if (!rails) return nullptr;
   rails->start_sweeper(ctx.registry);
   return std::make_unique<RdmaTransport>(std::move(rails), ctx.registry);

@@ -5,8 +5,15 @@
 #include <cstdlib>
 #include <mutex>
 
+#include "core/params.hpp"
+
 namespace sluice::detail::rdma {
 namespace {
+
+// Process-wide: the library is loaded once, by the first engine that starts rdma.
+const Param<std::string> kIbverbsLib{"rdma.ibverbs_lib", "SLUICE_IBVERBS_LIB", "", any_text(),
+                                     "libibverbs to dlopen; empty = libibverbs.so.1, then libibverbs.so",
+                                     ParamScope::kProcess};
 
 template <typename F>
 bool bind(void* lib, F& fn, const char* name, std::string* missing) {
@@ -26,8 +33,8 @@ const Verbs* Verbs::get(std::string* why) {
   std::lock_guard<std::mutex> lk(mu);
   if (!tried) {
     tried = true;
-    const char* env = std::getenv("SLUICE_IBVERBS_LIB");
-    const char* names[] = {env && *env ? env : "libibverbs.so.1", env && *env ? nullptr : "libibverbs.so"};
+    const std::string lib = kIbverbsLib.read();
+    const char* names[] = {!lib.empty() ? lib.c_str() : "libibverbs.so.1", !lib.empty() ? nullptr : "libibverbs.so"};
     for (const char* n : names) {
       if (!n) continue;
       table.lib = ::dlopen(n, RTLD_NOW | RTLD_LOCAL);
