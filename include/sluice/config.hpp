@@ -7,11 +7,13 @@
 #include <string>
 #include <vector>
 
+#include "sluice/export.hpp"
+
 namespace sluice {
 
 enum class LogLevel : int { kError = 0, kWarn = 1, kInfo = 2, kDebug = 3, kTrace = 4 };
 
-struct EngineConfig {
+struct SLUICE_API EngineConfig {
   // Transports this engine may use, by name ("shm", "tcp", later "rdma", "nvlink").
   // Empty = every transport available on this host.       env SLUICE_TRANSPORTS=tcp,shm
   std::vector<std::string> transports;
