@@ -61,6 +61,18 @@ fi
 say "pip install . (scikit-build-core + CMake; build tree in build-wheel/)"
 "$VPY" -m pip install -q --disable-pip-version-check "$ROOT"
 
+say "version and C++ package in the wheel"
+"$VPY" - <<'PYEOF'
+import importlib.metadata, os, sluice
+assert importlib.metadata.version("sluice") == sluice.__version__, (importlib.metadata.version("sluice"), sluice.__version__)
+assert os.path.isfile(os.path.join(sluice.get_include(), "sluice", "sluice.hpp")), sluice.get_include()
+print(f"sluice {sluice.__version__}: headers in {sluice.get_include()}")
+PYEOF
+# An out-of-tree C++ project that does find_package(sluice) against the installed wheel.
+command -v cmake >/dev/null || { "$VPY" -m pip install -q --disable-pip-version-check cmake ninja; PATH=$VENV/bin:$PATH; }
+"$ROOT/tests/consumer/run.sh" --prefix "$("$VPY" -c 'import sluice; print(sluice.cmake_prefix_path())')" \
+  "$ROOT/build-wheel/consumer"
+
 # Run from a directory without a 'sluice' folder so that the installed package is tested.
 say "pytest"
 "$VPY" -m pytest "$ROOT/python/tests" -q --timeout=120 -p no:cacheprovider --rootdir "$ROOT" "$@"

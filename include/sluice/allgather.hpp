@@ -20,12 +20,14 @@
 #include <string>
 #include <vector>
 
+#include "sluice/export.hpp"
+
 namespace sluice::cuda {
 
 enum class DType : int { kUInt8 = 0, kInt8, kFloat16, kBFloat16, kFloat32, kInt32, kInt64, kFloat64 };
-size_t dtype_size(DType t);
+SLUICE_API size_t dtype_size(DType t);
 
-class AllGather {
+class SLUICE_API AllGather {
  public:
   // max_tokens x token_bytes: the largest message one rank contributes, in bytes.
   AllGather(uint64_t max_tokens, uint64_t token_bytes, DType dtype, int world_size, int rank, int device);

@@ -9,11 +9,13 @@
 #include <string>
 #include <vector>
 
+#include "sluice/export.hpp"
+
 namespace sluice {
 
 enum class LogLevel : int { kError = 0, kWarn = 1, kInfo = 2, kDebug = 3, kTrace = 4 };
 
-struct EngineConfig {
+struct SLUICE_API EngineConfig {
   // Transports this engine may use, by name ("shm", "tcp", "rdma", "nvlink").
   // Empty = every transport available on this host.       env SLUICE_TRANSPORTS=tcp,shm
   std::vector<std::string> transports;
@@ -85,7 +87,7 @@ struct ParamInfo {
   std::string scope;
 };
 // Every parameter this build declares, sorted by name.
-std::vector<ParamInfo> list_params();
+SLUICE_API std::vector<ParamInfo> list_params();
 
 inline EngineConfig env_config() { return EngineConfig::from_env(EngineConfig{}); }
 

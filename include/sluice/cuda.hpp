@@ -14,18 +14,19 @@
 #include <string>
 
 #include "sluice/endpoint.hpp"
+#include "sluice/export.hpp"
 
 namespace sluice::cuda {
 
 // Usable CUDA devices (0 without a driver or GPU).
-int device_count();
+SLUICE_API int device_count();
 // Why device_count() is 0 ("" when it is not).
-std::string unavailable_reason();
+SLUICE_API std::string unavailable_reason();
 // Whether this build of libsluice has CUDA support at all.
-bool built_with_cuda();
+SLUICE_API bool built_with_cuda();
 
-Future read_on_stream(Endpoint& ep, const Batch& batch, void* stream);
-Future write_on_stream(Endpoint& ep, const Batch& batch, void* stream);
-Future write_with_imm_on_stream(Endpoint& ep, const Batch& batch, uint32_t imm, void* stream);
+SLUICE_API Future read_on_stream(Endpoint& ep, const Batch& batch, void* stream);
+SLUICE_API Future write_on_stream(Endpoint& ep, const Batch& batch, void* stream);
+SLUICE_API Future write_with_imm_on_stream(Endpoint& ep, const Batch& batch, uint32_t imm, void* stream);
 
 }  // namespace sluice::cuda

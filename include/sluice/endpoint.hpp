@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "sluice/export.hpp"
 #include "sluice/future.hpp"
 #include "sluice/types.hpp"
 
@@ -16,7 +17,7 @@ namespace detail {
 class EndpointImpl;
 }
 
-class Endpoint {
+class SLUICE_API Endpoint {
  public:
   Endpoint() = default;
   explicit Endpoint(std::shared_ptr<detail::EndpointImpl> impl) : impl_(std::move(impl)) {}

@@ -11,6 +11,7 @@
 
 #include "sluice/config.hpp"
 #include "sluice/endpoint.hpp"
+#include "sluice/export.hpp"
 #include "sluice/types.hpp"
 
 namespace sluice {
@@ -25,6 +26,11 @@ struct Allocation {
   MemoryHandle handle;
   void* ptr = nullptr;
   uint64_t length = 0;
+  // The memfd behind a host allocation (-1 for device memory). Owned by the engine and
+  // closed by free() or close(): do not close it. mmap(fd, MAP_SHARED) gives a second view
+  // of the same pages that stays valid after free() (the Python binding hands that to
+  // numpy); dup() it to keep the file itself.
+  int fd = -1;
 };
 
 struct ConnectOptions {
@@ -34,7 +40,7 @@ struct ConnectOptions {
   std::optional<std::chrono::milliseconds> timeout;  // default: EngineConfig::connect_timeout
 };
 
-class Engine {
+class SLUICE_API Engine {
  public:
   // Applies SLUICE_* environment overrides on top of `config` (EngineConfig::from_env).
   explicit Engine(EngineConfig config = {});

@@ -6,6 +6,8 @@
 #include <string>
 #include <string_view>
 
+#include "sluice/export.hpp"
+
 namespace sluice {
 
 enum class ErrorCode : int {
@@ -27,10 +29,10 @@ enum class ErrorCode : int {
   kInternal,
 };
 
-std::string_view to_string(ErrorCode code);
+SLUICE_API std::string_view to_string(ErrorCode code);
 
 // A value type describing the outcome of an operation.
-struct Status {
+struct SLUICE_API Status {
   ErrorCode code = ErrorCode::kOk;
   std::string message;
 
@@ -39,7 +41,7 @@ struct Status {
   std::string to_string() const;
 };
 
-class Error : public std::runtime_error {
+class SLUICE_API Error : public std::runtime_error {
  public:
   Error(ErrorCode code, const std::string& message);
   explicit Error(const Status& status) : Error(status.code, status.message) {}

@@ -7,6 +7,7 @@
 #include <memory>
 
 #include "sluice/error.hpp"
+#include "sluice/export.hpp"
 
 namespace sluice {
 
@@ -14,7 +15,7 @@ namespace detail {
 class FutureState;
 }
 
-class Future {
+class SLUICE_API Future {
  public:
   using Callback = std::function<void(const Status&)>;
 

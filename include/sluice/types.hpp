@@ -6,10 +6,12 @@
 #include <string_view>
 #include <vector>
 
+#include "sluice/export.hpp"
+
 namespace sluice {
 
 // Where a region lives: host memory or the memory of CUDA device N.
-struct Location {
+struct SLUICE_API Location {
   enum class Kind : uint8_t { kHost = 0, kCuda = 1 };
   Kind kind = Kind::kHost;
   int device = -1;  // CUDA ordinal for kCuda; -1 for host
@@ -50,7 +52,7 @@ struct Assignment {
 using Batch = std::vector<Assignment>;
 
 enum class OpKind : uint8_t { kRead = 0, kWrite = 1, kWriteImm = 2, kSend = 3, kRecv = 4, kImmRecv = 5 };
-std::string_view to_string(OpKind kind);
+SLUICE_API std::string_view to_string(OpKind kind);
 
 // Per-operation options, passed with the op all the way to the transport (never through
 // thread state). The default value asks for nothing, so ops without options behave as before.

@@ -45,7 +45,23 @@ from .errors import (  # noqa: F401  (re-exported)
     UnsupportedError,
 )
 
-__version__ = _sluice.version
+__version__ = _sluice.version  # the C++ kVersion: CMakeLists.txt's project() version
+
+
+def get_include() -> str:
+    """The folder holding the C++ headers (``sluice/sluice.hpp``) that ship in this package."""
+    import os
+
+    return os.path.join(os.path.dirname(os.path.abspath(__file__)), "include")
+
+
+def cmake_prefix_path() -> str:
+    """A CMake prefix under which ``find_package(sluice)`` finds this package's libsluice:
+    ``cmake -DCMAKE_PREFIX_PATH=$(python -c 'import sluice; print(sluice.cmake_prefix_path())')``,
+    then link ``sluice::sluice``."""
+    import os
+
+    return os.path.dirname(os.path.abspath(__file__))
 
 Future = _sluice.Future
 
@@ -750,7 +766,7 @@ def _close_all() -> None:
 
 
 __all__ = [
-    "Engine", "list_params", "Endpoint", "Future", "MemoryHandle", "RemoteHandle", "Allocation", "BATCH_DTYPE",
+    "get_include", "cmake_prefix_path", "Engine", "list_params", "Endpoint", "Future", "MemoryHandle", "RemoteHandle", "Allocation", "BATCH_DTYPE",
     "wait_all", "ErrorCode", "SluiceError", "InvalidArgumentError", "EmptyBatchError",
     "UnknownHandleError", "OutOfRangeError", "TruncatedError", "PeerLostError",
     "SluiceTimeoutError", "CancelledError", "RemoteError", "ProtocolError", "UnsupportedError",

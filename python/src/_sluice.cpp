@@ -17,7 +17,6 @@
 #include <mutex>
 #include <optional>
 
-#include "core/engine_impl.hpp"  // the memfd behind an allocation (to map it for Python)
 #include "sluice/sluice.hpp"
 
 namespace py = pybind11;
@@ -506,11 +505,10 @@ PYBIND11_MODULE(_sluice, m) {
            [](PyEngine& pe, uint64_t len, const std::string& loc, const std::string& name) {
              auto e = pe.e();
              sluice::Allocation a = e->allocate(len, location_of(loc), name);
-             auto entry = e->impl().registry().find(a.handle.id);
              auto mp = std::make_unique<Mapping>();
              mp->length = a.length;
-             if (entry && entry->memfd >= 0) {
-               void* p = ::mmap(nullptr, a.length, PROT_READ | PROT_WRITE, MAP_SHARED, entry->memfd, 0);
+             if (a.fd >= 0) {
+               void* p = ::mmap(nullptr, a.length, PROT_READ | PROT_WRITE, MAP_SHARED, a.fd, 0);
                if (p == MAP_FAILED) {
                  e->free(a);
                  throw sluice::Error(ErrorCode::kSystem, "mmap of the allocation failed");

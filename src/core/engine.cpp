@@ -228,7 +228,7 @@ Allocation EngineImpl::allocate(uint64_t length, Location location, const std::s
   }
   try {
     auto h = registry_.add(p, size, location, name, fd, /*owned=*/true);
-    return {h, p, size};
+    return {h, p, size, fd};
   } catch (...) {
     ::munmap(p, size);
     ::close(fd);

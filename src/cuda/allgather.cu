@@ -422,7 +422,8 @@ int AllGather::rank() const { return impl_->rank; }
 
 }  // namespace sluice::cuda
 
-// C entry points for ctypes (python/sluice/cuda_allgather.py).
+// C entry points for ctypes (python/sluice/cuda_allgather.py). Marked SLUICE_API: libsluice is
+// built with hidden visibility and ctypes finds them by name.
 extern "C" {
 
 static void sluice_ag_err(const std::exception& e, char* err, int len) {
@@ -432,7 +433,7 @@ static void sluice_ag_err(const std::exception& e, char* err, int len) {
   }
 }
 
-void* sluice_ag_create(uint64_t max_bytes, int world, int rank, int device, char* err, int errlen) {
+SLUICE_API void* sluice_ag_create(uint64_t max_bytes, int world, int rank, int device, char* err, int errlen) {
   try {
     return new sluice::cuda::AllGather(max_bytes, 1, sluice::cuda::DType::kUInt8, world, rank, device);
   } catch (const std::exception& e) {
@@ -441,7 +442,7 @@ void* sluice_ag_create(uint64_t max_bytes, int world, int rank, int device, char
   }
 }
 
-int sluice_ag_handle(void* ag, char* out, int outlen, char* err, int errlen) {
+SLUICE_API int sluice_ag_handle(void* ag, char* out, int outlen, char* err, int errlen) {
   try {
     std::string h = static_cast<sluice::cuda::AllGather*>(ag)->handle();
     if (static_cast<int>(h.size()) + 1 > outlen) throw sluice::Error(sluice::ErrorCode::kInvalidArgument, "buffer too small");
@@ -453,7 +454,7 @@ int sluice_ag_handle(void* ag, char* out, int outlen, char* err, int errlen) {
   }
 }
 
-int sluice_ag_connect(void* ag, const char** handles, int n, char* err, int errlen) {
+SLUICE_API int sluice_ag_connect(void* ag, const char** handles, int n, char* err, int errlen) {
   try {
     std::vector<std::string> hs(handles, handles + n);
     static_cast<sluice::cuda::AllGather*>(ag)->connect(hs);
@@ -464,7 +465,7 @@ int sluice_ag_connect(void* ag, const char** handles, int n, char* err, int errl
   }
 }
 
-int sluice_ag_run(void* ag, const void* in, void* out, uint64_t bytes, void* stream, char* err, int errlen) {
+SLUICE_API int sluice_ag_run(void* ag, const void* in, void* out, uint64_t bytes, void* stream, char* err, int errlen) {
   try {
     static_cast<sluice::cuda::AllGather*>(ag)->all_gather_bytes(in, out, bytes, stream);
     return 0;
@@ -474,6 +475,6 @@ int sluice_ag_run(void* ag, const void* in, void* out, uint64_t bytes, void* str
   }
 }
 
-void sluice_ag_destroy(void* ag) { delete static_cast<sluice::cuda::AllGather*>(ag); }
+SLUICE_API void sluice_ag_destroy(void* ag) { delete static_cast<sluice::cuda::AllGather*>(ag); }
 
 }  // extern "C"
