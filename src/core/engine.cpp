@@ -160,7 +160,7 @@ void EngineImpl::close() {
   for (auto& e : registry_.entries()) {
     if (!e->owned) continue;
     try {
-      registry_.remove(e->id);
+      withdraw_region(e->id);
     } catch (const Error& err) {
       // Still in use (remove() timed out): freeing it now could let a late copy land in
       // memory reused for something else, so it is leaked instead.
@@ -195,7 +195,13 @@ EngineInfo EngineImpl::info() const {
     e.lease_memfd = registry_.leases().memfd();
     e.lease_slots = registry_.leases().slots();
   }
-  for (const auto& r : registry_.entries()) e.regions.push_back({r->info(), r->memfd, r->lease_slot});
+  {
+    std::lock_guard<std::mutex> lk(regions_mu_);
+    for (const auto& r : registry_.entries()) {
+      auto d = region_data_.find(r->id);
+      if (d != region_data_.end()) e.regions.push_back({r->info(), r->memfd, r->lease_slot, d->second});
+    }
+  }
   std::sort(e.regions.begin(), e.regions.end(), [](auto& a, auto& b) { return a.info.id < b.info.id; });
   return e;
 }
@@ -218,17 +224,49 @@ MemoryHandle EngineImpl::register_memory(void* ptr, uint64_t length, Location lo
                   "register_memory: " + location.to_string() + " memory needs the CUDA build (no device support here)");
     if (ptr && length) hooks->check(ptr, length, location.device);
   }
-  auto h = registry_.add(ptr, length, location, name);
+  return announce(registry_.add(ptr, length, location, name));
+}
+
+MemoryHandle EngineImpl::announce(MemoryHandle h) {
+  std::map<std::string, json> data;
+  auto e = registry_.find(h.id);
+  try {
+    for (const auto& t : transports_) {
+      json d = t->region_added(*e);
+      if (!d.is_null()) data[t->name()] = std::move(d);
+    }
+  } catch (...) {
+    // Nobody learned of the region: undo what the transports did and the registration.
+    registry_.remove(h.id);
+    for (const auto& t : transports_) t->region_removed(*e);
+    throw;
+  }
+  {
+    std::lock_guard<std::mutex> lk(regions_mu_);
+    region_data_[h.id] = std::move(data);
+  }
   publish();
   return h;
+}
+
+std::shared_ptr<RegionEntry> EngineImpl::withdraw_region(uint64_t id) {
+  {
+    std::lock_guard<std::mutex> lk(regions_mu_);
+    region_data_.erase(id);
+  }
+  publish();
+  // Throws kUnknownHandle, or kTimeout when pins outlive pin_timeout: then the transports
+  // keep the region reachable (the memory is still in use and is not freed either).
+  auto e = registry_.remove(id);
+  for (const auto& t : transports_) t->region_removed(*e);
+  return e;
 }
 
 void EngineImpl::unregister_memory(MemoryHandle h) {
   auto e = registry_.find(h.id);
   if (e && e->owned)
     throw Error(ErrorCode::kInvalidArgument, "region " + std::to_string(h.id) + " was allocated by the engine: use free()");
-  registry_.remove(h.id);
-  publish();
+  withdraw_region(h.id);
 }
 
 Allocation EngineImpl::allocate(uint64_t length, Location location, const std::string& name) {
@@ -239,8 +277,7 @@ Allocation EngineImpl::allocate(uint64_t length, Location location, const std::s
     uint64_t size = 0;
     void* p = hooks->allocate(length, location.device, &size);
     try {
-      auto h = registry_.add(p, size, location, name, -1, /*owned=*/true);
-      publish();
+      auto h = announce(registry_.add(p, size, location, name, -1, /*owned=*/true));
       return {h, p, size};
     } catch (...) {
       hooks->free(p);
@@ -263,8 +300,7 @@ Allocation EngineImpl::allocate(uint64_t length, Location location, const std::s
     throw Error(ErrorCode::kSystem, "mmap(" + std::to_string(size) + "): " + net::errno_text(err));
   }
   try {
-    auto h = registry_.add(p, size, location, name, fd, /*owned=*/true);
-    publish();
+    auto h = announce(registry_.add(p, size, location, name, fd, /*owned=*/true));
     return {h, p, size};
   } catch (...) {
     ::munmap(p, size);
@@ -281,7 +317,7 @@ void EngineImpl::free(const Allocation& a) {
   auto e = registry_.find(a.handle.id);
   if (!e || !e->owned || e->base != a.ptr)
     throw Error(ErrorCode::kUnknownHandle, "free: handle " + std::to_string(a.handle.id) + " is not an engine allocation");
-  registry_.remove(a.handle.id);
+  withdraw_region(a.handle.id);
   release_owned(*e);
 }
 

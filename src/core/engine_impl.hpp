@@ -4,6 +4,7 @@
 #include <atomic>
 #include <condition_variable>
 #include <deque>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -76,6 +77,12 @@ class EngineImpl : public std::enable_shared_from_this<EngineImpl> {
   void handle_channel(net::Socket& sock, const nlohmann::json& body, bootstrap::Clock::time_point deadline);
   void watchdog();
   void release_owned(const RegionEntry& e);  // frees engine-allocated memory
+  // Tells every transport about a region the registry just took, then publishes it (a peer
+  // never sees a region some transport has not prepared). Undoes the add on failure.
+  MemoryHandle announce(MemoryHandle h);
+  // Unpublishes the region, removes it from the registry (waiting for its pins) and returns
+  // once no transport lets a peer reach it.
+  std::shared_ptr<RegionEntry> withdraw_region(uint64_t id);
 
   EngineConfig config_;
   std::string engine_id_;
@@ -86,6 +93,10 @@ class EngineImpl : public std::enable_shared_from_this<EngineImpl> {
   mutable std::mutex dir_mu_;  // guards directory_ (swapped by use_directory)
   std::shared_ptr<PeerDirectory> directory_;
   std::atomic<uint64_t> listener_connections_{0};
+  // Regions every transport has been told of, with what each returned for peers; info()
+  // publishes only these.
+  mutable std::mutex regions_mu_;
+  std::unordered_map<uint64_t, std::map<std::string, nlohmann::json>> region_data_;
 
   std::mutex mu_;
   std::condition_variable cv_;

@@ -126,6 +126,14 @@ class Transport {
   // Whether this transport can reach `peer`; otherwise *why says why not.
   virtual bool can_reach(const EngineInfo& peer, std::string* why) = 0;
   virtual std::shared_ptr<TransportEndpoint> create_endpoint(const EndpointSetup& setup) = 0;
+  // Region lifecycle (NIXL's registerMem / getPublicData / deregisterMem). region_added():
+  // the engine registered `e`; it is published only after every transport returned. The
+  // result is what peers need to reach the region through this transport (rdma: its rkey on
+  // every rail), published with the region in the info blob; null: nothing.
+  virtual nlohmann::json region_added(const RegionEntry& e) { return nullptr; }
+  // The region is unregistered and no local operation pins it any more: return once no peer
+  // can reach it through this transport (rdma: peers acknowledged GONE, MRs deregistered).
+  virtual void region_removed(const RegionEntry& e) {}
 };
 
 struct TransportFactory {

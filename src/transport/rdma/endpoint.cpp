@@ -63,6 +63,7 @@ RdmaEndpoint::RdmaEndpoint(std::shared_ptr<Rails> rails, const Registry* reg, co
   }
   auto it = s.peer.transports.find("rdma");
   if (it != s.peer.transports.end()) take_peer(it->second);
+  take_region_keys(s.peer);
 }
 
 RdmaEndpoint::~RdmaEndpoint() {
@@ -195,7 +196,7 @@ json RdmaEndpoint::hello_body(int index) {
   j["rail"] = ch.peer_rail;  // the receiver's rail for this channel
   j["src_rail"] = ch.rail;
   if (index == 0) {
-    j["rkeys"] = rails_->rkeys(*reg_);
+    j["rkeys"] = rails_->rkeys();  // what region_added() registered; registers nothing
     j["scratch_addr"] = reinterpret_cast<uintptr_t>(ctrl_mem_.data());
     j["scratch_rkey"] = ctrl_mr_->rkey;
     j["recv_slots"] = recv_posted_;  // the peer's imm credit is what control messages leave
@@ -212,8 +213,17 @@ int RdmaEndpoint::peer_rails() const {
 void RdmaEndpoint::peer_updated(const EngineInfo& peer) {
   // Only the keys: the receive credits and scratch buffer are fixed at the handshake (a
   // refresh must not reset flow control mid-stream).
-  auto it = peer.transports.find("rdma");
-  if (it != peer.transports.end()) take_rkeys(it->second);
+  take_region_keys(peer);
+}
+
+void RdmaEndpoint::take_region_keys(const EngineInfo& peer) {
+  // Each region carries its rkeys (by rail) as the peer's rdma transport published them.
+  json keys = json::object();
+  for (const auto& r : peer.regions) {
+    auto d = r.transport_data.find("rdma");
+    if (d != r.transport_data.end() && d->second.is_array()) keys[std::to_string(r.info.id)] = d->second;
+  }
+  if (!keys.empty()) take_rkeys({{"rkeys", std::move(keys)}});
 }
 
 void RdmaEndpoint::take_peer(const json& j) {

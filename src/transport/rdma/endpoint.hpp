@@ -167,7 +167,8 @@ class RdmaEndpoint final : public TransportEndpoint,
   QpAddress local_qp_address(int index) const;
   nlohmann::json hello_body(int index);
   void take_peer(const nlohmann::json& j);
-  void take_rkeys(const nlohmann::json& j);  // the "rkeys" of the peer's rdma address
+  void take_rkeys(const nlohmann::json& j);  // {"rkeys": {id: [rkey by rail]}}
+  void take_region_keys(const EngineInfo& peer);  // the rkeys published with each region
   int peer_rails() const;
   void start_thread();
   void release();
