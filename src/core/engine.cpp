@@ -230,6 +230,7 @@ MemoryHandle EngineImpl::register_memory(void* ptr, uint64_t length, Location lo
 MemoryHandle EngineImpl::announce(MemoryHandle h) {
   std::map<std::string, json> data;
   auto e = registry_.find(h.id);
+  if (!e) throw Error(ErrorCode::kUnknownHandle, "region " + std::to_string(h.id) + " was unregistered while registering");
   try {
     for (const auto& t : transports_) {
       json d = t->region_added(*e);
