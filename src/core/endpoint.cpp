@@ -50,7 +50,12 @@ void EndpointImpl::set_peer(EngineInfo peer) {
   if (transport_) transport_->peer_updated(peer);
   std::lock_guard<std::mutex> lk(peer_mu_);
   remote_.clear();
-  for (const auto& r : peer.regions) remote_[r.info.id] = r;
+  remote_names_.clear();
+  for (const auto& r : peer.regions) {
+    remote_[r.info.id] = r;
+    // Names are unique per engine; a peer that repeats one gets its first region found.
+    if (!r.info.name.empty()) remote_names_.emplace(r.info.name, r.info.id);
+  }
   peer_ = std::move(peer);
 }
 
@@ -60,21 +65,19 @@ std::string EndpointImpl::peer_engine_id() const {
 }
 
 void EndpointImpl::refresh() {
-  std::string host;
-  uint16_t port;
+  std::string ref;
   {
     std::lock_guard<std::mutex> lk(peer_mu_);
-    host = dial_host_.empty() ? peer_.listen_host : dial_host_;
-    port = dial_host_.empty() ? peer_.listen_port : dial_port_;
+    ref = peer_ref_.empty() ? engine_->peer_ref(peer_) : peer_ref_;
   }
-  set_peer(engine_->query_info(host, port, engine_->config().connect_timeout));
+  set_peer(engine_->lookup_peer(ref, engine_->config().connect_timeout));
 }
 
 std::optional<RemoteHandle> EndpointImpl::remote_region(const std::string& name) const {
   std::lock_guard<std::mutex> lk(peer_mu_);
-  for (const auto& [id, r] : remote_)
-    if (r.info.name == name) return RemoteHandle{id};
-  return std::nullopt;
+  auto it = remote_names_.find(name);
+  if (it == remote_names_.end()) return std::nullopt;
+  return RemoteHandle{it->second};
 }
 
 std::vector<RegionInfo> EndpointImpl::remote_regions() const {

@@ -39,13 +39,15 @@ class EndpointImpl final : public EndpointEvents, public std::enable_shared_from
   std::optional<RemoteHandle> remote_region(const std::string& name) const;
   std::vector<RegionInfo> remote_regions() const;
   void set_peer(EngineInfo peer);
+  // Asks the engine's directory for the peer's current info (on the caller's thread: the
+  // application asked for it) and hands it to the transport through peer_updated().
   void refresh();
-  // The listener this side dialed; refresh() asks it, never the "listen" address a peer's
-  // info names (a hostile peer could name a third party).
-  void set_dial_address(std::string host, uint16_t port) {
+  // What refresh() asks the directory for: the target this side connected to (for the
+  // listener directory the "host:port" it dialed, never the "listen" address a peer's info
+  // names: a hostile peer could name a third party).
+  void set_peer_ref(std::string ref) {
     std::lock_guard<std::mutex> lk(peer_mu_);
-    dial_host_ = std::move(host);
-    dial_port_ = port;
+    peer_ref_ = std::move(ref);
   }
 
   const std::string& transport_name() const { return transport_name_; }
@@ -92,8 +94,8 @@ class EndpointImpl final : public EndpointEvents, public std::enable_shared_from
   mutable std::mutex peer_mu_;
   EngineInfo peer_;
   std::unordered_map<uint64_t, PeerRegion> remote_;
-  std::string dial_host_;  // empty: an accepted endpoint, refresh() asks the peer's listener
-  uint16_t dial_port_ = 0;
+  std::unordered_map<std::string, uint64_t> remote_names_;  // name -> id, kept with remote_
+  std::string peer_ref_;  // empty: an accepted endpoint, refresh() asks for the peer's own ref
 
   std::chrono::microseconds busy_wait_{0};
   std::mutex send_mu_;  // orders sequence numbering with hand-over to the transport

@@ -13,6 +13,7 @@
 #include "core/engine_impl.hpp"
 #include "core/log.hpp"
 #include "core/params.hpp"
+#include "directory/listener_directory.hpp"
 #include "sluice/version.hpp"
 
 namespace sluice::detail {
@@ -56,7 +57,8 @@ using nlohmann::json;
 
 }  // namespace
 
-EngineImpl::EngineImpl(EngineConfig config) : config_(EngineConfig::from_env(std::move(config))) {
+EngineImpl::EngineImpl(EngineConfig config)
+    : config_(EngineConfig::from_env(std::move(config))), directory_(std::make_shared<ListenerDirectory>()) {
   log::set_level(config_.log_level);
   log_params(config_);
   registry_.set_lease_timeout(config_.op_timeout);
@@ -104,8 +106,39 @@ void EngineImpl::start() {
   listener_.start(config_.listen_host, config_.listen_port, [this](net::Socket s) { handle_connection(std::move(s)); },
                   config_.max_handshakes);
   watchdog_ = std::thread([this] { watchdog(); });
+  publish();
   SLUICE_LOG(kInfo, "engine " << engine_id_ << " listening on " << listen_address());
 }
+
+std::shared_ptr<PeerDirectory> EngineImpl::directory() const {
+  std::lock_guard<std::mutex> lk(dir_mu_);
+  return directory_;
+}
+
+void EngineImpl::use_directory(std::shared_ptr<PeerDirectory> dir) {
+  if (!dir) throw Error(ErrorCode::kInvalidArgument, "use_directory: no directory");
+  {
+    std::lock_guard<std::mutex> lk(dir_mu_);
+    directory_ = std::move(dir);
+  }
+  publish();
+}
+
+void EngineImpl::publish() {
+  auto dir = directory();
+  if (!dir->wants_updates()) return;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (closed_) return;
+  }
+  dir->publish(info());
+}
+
+EngineInfo EngineImpl::lookup_peer(const std::string& ref, std::chrono::milliseconds timeout) {
+  return directory()->lookup(ref, PeerDirectory::Clock::now() + timeout);
+}
+
+std::string EngineImpl::peer_ref(const EngineInfo& peer) const { return directory()->ref_for(peer); }
 
 void EngineImpl::close() {
   std::vector<std::shared_ptr<EndpointImpl>> eps;
@@ -115,6 +148,7 @@ void EngineImpl::close() {
     closed_ = true;
     cv_.notify_all();
   }
+  directory()->withdraw(engine_id_);
   listener_.stop();
   if (watchdog_.joinable()) watchdog_.join();
   {
@@ -128,7 +162,7 @@ void EngineImpl::close() {
   for (auto& e : registry_.entries()) {
     if (!e->owned) continue;
     try {
-      registry_.remove(e->id);
+      withdraw_region(e->id);
     } catch (const Error& err) {
       // Still in use (remove() timed out): freeing it now could let a late copy land in
       // memory reused for something else, so it is leaked instead.
@@ -163,7 +197,13 @@ EngineInfo EngineImpl::info() const {
     e.lease_memfd = registry_.leases().memfd();
     e.lease_slots = registry_.leases().slots();
   }
-  for (const auto& r : registry_.entries()) e.regions.push_back({r->info(), r->memfd, r->lease_slot});
+  {
+    std::lock_guard<std::mutex> lk(regions_mu_);
+    for (const auto& r : registry_.entries()) {
+      auto d = region_data_.find(r->id);
+      if (d != region_data_.end()) e.regions.push_back({r->info(), r->memfd, r->lease_slot, d->second});
+    }
+  }
   std::sort(e.regions.begin(), e.regions.end(), [](auto& a, auto& b) { return a.info.id < b.info.id; });
   return e;
 }
@@ -186,14 +226,50 @@ MemoryHandle EngineImpl::register_memory(void* ptr, uint64_t length, Location lo
                   "register_memory: " + location.to_string() + " memory needs the CUDA build (no device support here)");
     if (ptr && length) hooks->check(ptr, length, location.device);
   }
-  return registry_.add(ptr, length, location, name);
+  return announce(registry_.add(ptr, length, location, name));
+}
+
+MemoryHandle EngineImpl::announce(MemoryHandle h) {
+  std::map<std::string, json> data;
+  auto e = registry_.find(h.id);
+  if (!e) throw Error(ErrorCode::kUnknownHandle, "region " + std::to_string(h.id) + " was unregistered while registering");
+  try {
+    for (const auto& t : transports_) {
+      json d = t->region_added(*e);
+      if (!d.is_null()) data[t->name()] = std::move(d);
+    }
+  } catch (...) {
+    // Nobody learned of the region: undo what the transports did and the registration.
+    registry_.remove(h.id);
+    for (const auto& t : transports_) t->region_removed(*e);
+    throw;
+  }
+  {
+    std::lock_guard<std::mutex> lk(regions_mu_);
+    region_data_[h.id] = std::move(data);
+  }
+  publish();
+  return h;
+}
+
+std::shared_ptr<RegionEntry> EngineImpl::withdraw_region(uint64_t id) {
+  {
+    std::lock_guard<std::mutex> lk(regions_mu_);
+    region_data_.erase(id);
+  }
+  publish();
+  // Throws kUnknownHandle, or kTimeout when pins outlive pin_timeout: then the transports
+  // keep the region reachable (the memory is still in use and is not freed either).
+  auto e = registry_.remove(id);
+  for (const auto& t : transports_) t->region_removed(*e);
+  return e;
 }
 
 void EngineImpl::unregister_memory(MemoryHandle h) {
   auto e = registry_.find(h.id);
   if (e && e->owned)
     throw Error(ErrorCode::kInvalidArgument, "region " + std::to_string(h.id) + " was allocated by the engine: use free()");
-  registry_.remove(h.id);
+  withdraw_region(h.id);
 }
 
 Allocation EngineImpl::allocate(uint64_t length, Location location, const std::string& name) {
@@ -204,7 +280,7 @@ Allocation EngineImpl::allocate(uint64_t length, Location location, const std::s
     uint64_t size = 0;
     void* p = hooks->allocate(length, location.device, &size);
     try {
-      auto h = registry_.add(p, size, location, name, -1, /*owned=*/true);
+      auto h = announce(registry_.add(p, size, location, name, -1, /*owned=*/true));
       return {h, p, size};
     } catch (...) {
       hooks->free(p);
@@ -227,7 +303,7 @@ Allocation EngineImpl::allocate(uint64_t length, Location location, const std::s
     throw Error(ErrorCode::kSystem, "mmap(" + std::to_string(size) + "): " + net::errno_text(err));
   }
   try {
-    auto h = registry_.add(p, size, location, name, fd, /*owned=*/true);
+    auto h = announce(registry_.add(p, size, location, name, fd, /*owned=*/true));
     return {h, p, size, fd};
   } catch (...) {
     ::munmap(p, size);
@@ -244,7 +320,7 @@ void EngineImpl::free(const Allocation& a) {
   auto e = registry_.find(a.handle.id);
   if (!e || !e->owned || e->base != a.ptr)
     throw Error(ErrorCode::kUnknownHandle, "free: handle " + std::to_string(a.handle.id) + " is not an engine allocation");
-  registry_.remove(a.handle.id);
+  withdraw_region(a.handle.id);
   release_owned(*e);
 }
 
@@ -272,13 +348,6 @@ Transport* EngineImpl::choose_transport(const EngineInfo& peer, const std::strin
   throw Error(ErrorCode::kUnsupported, "no common transport reaches peer " + peer.engine_id + why_not);
 }
 
-EngineInfo EngineImpl::query_info(const std::string& host, uint16_t port, std::chrono::milliseconds timeout) {
-  Exchange x = open_exchange(host, port, timeout);
-  bootstrap::send_msg(x.sock.fd(), MsgKind::kInfo, json::object(), x.deadline);
-  json reply = bootstrap::expect_reply(x.sock.fd(), "info query", x.deadline);
-  return EngineInfo::from_json(bootstrap::require_object(reply, "info", "info reply"));
-}
-
 EngineImpl::Exchange EngineImpl::open_exchange(const std::string& host, uint16_t port, std::chrono::milliseconds timeout) {
   // One absolute deadline for the whole exchange (connect, request, reply): a peer that
   // trickles its reply cannot stretch it the way a per-recv() timeout could be.
@@ -295,11 +364,7 @@ std::shared_ptr<EndpointImpl> EngineImpl::connect(const std::string& target, con
   }
   auto timeout = options.timeout.value_or(config_.connect_timeout);
   EngineInfo peer;
-  // Hello and channels go to the listener we dialed: the address the user gave, or the blob's.
-  // A peer's INFO reply could name any third party as its "listen" address, and we would send
-  // it our full info.
-  std::string host;
-  uint16_t port = 0;
+  std::string ref;  // what refresh_remote_regions() asks the directory for
   auto first = target.find_first_not_of(" \t\r\n");
   if (first != std::string::npos && target[first] == '{') {
     try {
@@ -307,19 +372,24 @@ std::shared_ptr<EndpointImpl> EngineImpl::connect(const std::string& target, con
     } catch (const Error& e) {
       throw Error(ErrorCode::kInvalidArgument, std::string("connect: not a valid engine info blob: ") + e.what());
     }
-    host = peer.listen_host;
-    port = peer.listen_port;
+    ref = peer_ref(peer);
   } else {
-    std::tie(host, port) = split_host_port(target);
-    peer = query_info(host, port, timeout);
+    // The directory's answer names the listener to dial: for the default one, the
+    // "host:port" the user gave (never the address a peer's INFO reply claims: it could name
+    // a third party, and we would send it our full info).
+    peer = lookup_peer(target, timeout);
+    ref = target;
   }
+  // Hello and channels go to that listener.
+  const std::string host = peer.listen_host;
+  const uint16_t port = peer.listen_port;
   if (peer.engine_id == engine_id_)
     SLUICE_LOG(kDebug, "connecting to our own engine " << engine_id_ << " (loopback endpoint)");
   Transport* t = choose_transport(peer, options.transport);
   const uint64_t token = random_u64();
   const int channels = config_.channels;
   auto ep = std::make_shared<EndpointImpl>(shared_from_this(), t, peer, token, channels);
-  ep->set_dial_address(host, port);
+  ep->set_peer_ref(ref);
   EndpointSetup setup{true, token, channels, peer, ep.get(), config_};
   ep->set_transport(t->create_endpoint(setup));
 
@@ -380,6 +450,7 @@ void EngineImpl::forget(EndpointImpl* ep) {
 }
 
 void EngineImpl::handle_connection(net::Socket sock) {
+  listener_connections_.fetch_add(1);
   // The whole request must arrive before one deadline; the replies we send share it.
   auto deadline = bootstrap::Clock::now() + config_.connect_timeout;
   net::set_io_timeout(sock.fd(), config_.connect_timeout);
@@ -410,7 +481,7 @@ void EngineImpl::handle_connection(net::Socket sock) {
         handle_hello(sock, msg.second);
         return;
       case MsgKind::kChannel:
-        handle_channel(sock, msg.second);
+        handle_channel(sock, msg.second, deadline);
         return;
       default:
         throw Error(ErrorCode::kProtocol, "unexpected bootstrap message kind " + std::to_string(int(msg.first)));
@@ -470,7 +541,7 @@ void EngineImpl::check_accept_room() const {
                                              std::to_string(config_.max_pending_accepts) + ")");
 }
 
-void EngineImpl::handle_channel(net::Socket& sock, const json& body) {
+void EngineImpl::handle_channel(net::Socket& sock, const json& body, bootstrap::Clock::time_point deadline) {
   uint64_t token = bootstrap::require_u64(body, "token", "channel attach");
   uint64_t index = bootstrap::require_u64(body, "index", "channel attach");
   std::shared_ptr<EndpointImpl> ep;
@@ -483,17 +554,12 @@ void EngineImpl::handle_channel(net::Socket& sock, const json& body) {
   if (index >= static_cast<uint64_t>(ep->channels()))
     throw Error(ErrorCode::kProtocol, "channel attach: field 'index' must be 0.." + std::to_string(ep->channels() - 1) +
                                           ", got " + std::to_string(index));
-  // attach() owns the socket (and may close it) even when it throws: keep a duplicate so
-  // that the refusal reaches the peer and never lands on a reused descriptor number.
-  net::Socket reply(::dup(sock.fd()));
-  bool ready = false;
-  try {
-    ready = ep->transport().attach(static_cast<int>(index), std::move(sock), body);
-  } catch (const Error& e) {
-    if (reply.valid()) bootstrap::send_error(reply.fd(), static_cast<int>(e.code()), e.what());
-    throw;
-  }
-  if (!ready) return;
+  // The transport decides and the engine answers: a refusal (attach() throws) goes back on
+  // the socket from handle_connection(); the transport gets the socket only after its
+  // reply has left, so nothing it starts on the socket can interleave with the reply.
+  json reply = ep->transport().attach(static_cast<int>(index), body);
+  bootstrap::send_msg(sock.fd(), MsgKind::kReply, reply, deadline);
+  if (!ep->transport().adopt(static_cast<int>(index), std::move(sock))) return;
   std::lock_guard<std::mutex> lk(mu_);
   passive_.erase(token);
   if (closed_) return;

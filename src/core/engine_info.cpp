@@ -21,6 +21,11 @@ json EngineInfo::to_json() const {
                {"name", r.info.name}};
     if (r.info.shareable) jr["memfd"] = r.memfd;
     if (r.lease_slot != 0xffffffffu) jr["lease"] = r.lease_slot;
+    if (!r.transport_data.empty()) {
+      json td = json::object();
+      for (const auto& [k, v] : r.transport_data) td[k] = v;
+      jr["transports"] = std::move(td);
+    }
     regs.push_back(std::move(jr));
   }
   json tr = json::object();
@@ -75,6 +80,16 @@ PeerRegion region_from_json(const json& jr) {
   if (jr.contains("memfd")) {
     r.memfd = static_cast<int>(require_int(jr, "memfd", "region", 0, INT32_MAX));
     r.info.shareable = true;
+  }
+  if (jr.contains("transports")) {
+    const json& td = require_object(jr, "transports", "region");
+    if (td.size() > kMaxTransports)
+      throw Error(ErrorCode::kProtocol, "region: field 'transports' names more than " + std::to_string(kMaxTransports) +
+                                            " transports");
+    for (auto it = td.begin(); it != td.end(); ++it) {
+      if (it.key().size() > 64) throw Error(ErrorCode::kProtocol, "region: a transport name is longer than 64 bytes");
+      r.transport_data[it.key()] = it.value();
+    }
   }
   return r;
 }

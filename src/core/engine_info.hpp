@@ -16,6 +16,8 @@ struct PeerRegion {
   RegionInfo info;
   int memfd = -1;  // the owner's descriptor number for shareable memory
   uint32_t lease_slot = 0xffffffffu;  // its slot in the owner's lease table
+  // Per transport, what Transport::region_added() returned for it (rdma: rkeys by rail).
+  std::map<std::string, nlohmann::json> transport_data;
 };
 
 struct EngineInfo {

@@ -56,31 +56,7 @@ MemoryHandle Registry::add(void* ptr, uint64_t length, Location location, const 
   e->lease_slot = leases_.open(e->id);
   regions_[e->id] = e;
   if (!name.empty()) names_[name] = e->id;
-  bump_generation();
   return MemoryHandle{e->id};
-}
-
-void Registry::bump_generation() {
-  {
-    std::lock_guard<std::mutex> lk(gen_mu_);
-    generation_.fetch_add(1);
-  }
-  gen_cv_.notify_all();
-}
-
-uint64_t Registry::wait_generation(uint64_t seen, std::chrono::milliseconds timeout) const {
-  std::unique_lock<std::mutex> lk(gen_mu_);
-  uint64_t w = wakes_;
-  gen_cv_.wait_for(lk, timeout, [&] { return generation_.load() != seen || wakes_ != w; });
-  return generation_.load();
-}
-
-void Registry::wake_waiters() const {
-  {
-    std::lock_guard<std::mutex> lk(gen_mu_);
-    wakes_++;
-  }
-  gen_cv_.notify_all();
 }
 
 std::shared_ptr<RegionEntry> Registry::remove(uint64_t id) {
@@ -93,7 +69,6 @@ std::shared_ptr<RegionEntry> Registry::remove(uint64_t id) {
     e = it->second;
     regions_.erase(it);
     if (!e->name.empty()) names_.erase(e->name);
-    bump_generation();
   }
   e->removing.store(true);
   const std::chrono::milliseconds limit{pin_timeout_ms_.load(std::memory_order_relaxed)};

@@ -74,11 +74,6 @@ class Registry {
   std::shared_ptr<RegionEntry> find(uint64_t id) const;
   std::vector<RegionInfo> snapshot() const;
   std::vector<std::shared_ptr<RegionEntry>> entries() const;
-  uint64_t generation() const { return generation_.load(); }
-  // Block until the generation differs from `seen`, wake_waiters() is called, or `timeout`;
-  // returns the current generation. Lets watchers sleep instead of polling.
-  uint64_t wait_generation(uint64_t seen, std::chrono::milliseconds timeout) const;
-  void wake_waiters() const;
   const LeaseTable& leases() const { return leases_; }
   void set_lease_timeout(std::chrono::milliseconds t) { lease_timeout_ = t; }
   // How long remove() waits for local pins (endpoints set op_timeout plus a margin).
@@ -89,11 +84,6 @@ class Registry {
   std::unordered_map<uint64_t, std::shared_ptr<RegionEntry>> regions_;
   std::unordered_map<std::string, uint64_t> names_;
   uint64_t next_id_ = 1;
-  std::atomic<uint64_t> generation_{0};
-  void bump_generation();
-  mutable std::mutex gen_mu_;
-  mutable std::condition_variable gen_cv_;
-  mutable uint64_t wakes_ = 0;
   LeaseTable leases_;
   std::chrono::milliseconds lease_timeout_{30000};
   std::atomic<int64_t> pin_timeout_ms_{35000};  // EngineConfig's default op_timeout + 5 s

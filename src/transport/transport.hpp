@@ -62,9 +62,16 @@ class TransportEndpoint {
   virtual ~TransportEndpoint() = default;
   // Active side: open every channel (blocking, bounded by the connect timeout); throws Error.
   virtual void connect(const ChannelOpener& open) = 0;
-  // Passive side: channel `index` arrived through the listener. The transport owns the socket
-  // from here and sends its own reply. Returns true once every channel is attached.
-  virtual bool attach(int index, net::Socket sock, const nlohmann::json& hello) = 0;
+  // Passive side, in two steps, because the engine (not the transport) answers the peer:
+  // 1. attach(): channel `index` arrived through the listener with `hello`. Check it, claim
+  //    the channel and return the body of the reply; throw Error to refuse (the engine sends
+  //    the refusal). The socket is not the transport's yet, so nothing it does can race the
+  //    reply's bytes on it.
+  // 2. adopt(): the engine sent the reply; the transport takes the socket (or drops it) and
+  //    returns true once every channel is attached. Not called when the reply could not be
+  //    sent: the engine's watchdog then drops the half-open endpoint.
+  virtual nlohmann::json attach(int index, const nlohmann::json& hello) = 0;
+  virtual bool adopt(int index, net::Socket sock) = 0;
   virtual void submit(std::shared_ptr<TransferOp> op) = 0;
   virtual void send(std::shared_ptr<MessageOp> op) = 0;
   // The peer's info changed (hello reply, refresh_remote_regions): new regions, new keys.
@@ -124,6 +131,14 @@ class Transport {
   // Whether this transport can reach `peer`; otherwise *why says why not.
   virtual bool can_reach(const EngineInfo& peer, std::string* why) = 0;
   virtual std::shared_ptr<TransportEndpoint> create_endpoint(const EndpointSetup& setup) = 0;
+  // Region lifecycle (NIXL's registerMem / getPublicData / deregisterMem). region_added():
+  // the engine registered `e`; it is published only after every transport returned. The
+  // result is what peers need to reach the region through this transport (rdma: its rkey on
+  // every rail), published with the region in the info blob; null: nothing.
+  virtual nlohmann::json region_added(const RegionEntry& e) { return nullptr; }
+  // The region is unregistered and no local operation pins it any more: return once no peer
+  // can reach it through this transport (rdma: peers acknowledged GONE, MRs deregistered).
+  virtual void region_removed(const RegionEntry& e) {}
 };
 
 struct TransportFactory {

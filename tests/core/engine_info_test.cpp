@@ -131,3 +131,25 @@ TEST(EngineInfo, SplitHostPort) {
     }
   }
 }
+
+// What Transport::region_added() returned travels with the region.
+TEST(EngineInfo, RegionTransportDataRoundTrips) {
+  EngineInfo e = sample();
+  e.regions[0].transport_data["rdma"] = json::array({11u, 22u});
+  EngineInfo back = EngineInfo::parse(e.dump());
+  ASSERT_EQ(back.regions.size(), e.regions.size());
+  const PeerRegion* r = back.find_region(1);
+  ASSERT_NE(r, nullptr);
+  ASSERT_EQ(r->transport_data.count("rdma"), 1u);
+  EXPECT_EQ(r->transport_data.at("rdma"), json::array({11u, 22u}));
+  EXPECT_TRUE(back.find_region(7)->transport_data.empty());
+  EXPECT_FALSE(json::parse(e.dump())["regions"][1].contains("transports"));  // none: no field
+}
+
+TEST(EngineInfo, RegionTransportDataMustBeAnObject) {
+  json j = sample().to_json();
+  j["regions"][0]["transports"] = json::array({1, 2});
+  EXPECT_EQ(parse_code(j.dump()), ErrorCode::kProtocol);
+  j["regions"][0]["transports"] = json::object({{std::string(65, 'x'), 1}});
+  EXPECT_EQ(parse_code(j.dump()), ErrorCode::kProtocol);
+}

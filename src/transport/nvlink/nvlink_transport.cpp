@@ -32,7 +32,6 @@
 #include <thread>
 #include <unordered_map>
 
-#include "bootstrap/messages.hpp"
 #include "core/lease_table.hpp"
 #include "core/log.hpp"
 #include "core/params.hpp"
@@ -224,16 +223,17 @@ class NvlinkEndpoint final : public TransportEndpoint, public StreamChannel::Han
     open(0, nlohmann::json::object());
   }
 
-  bool attach(int index, net::Socket sock, const nlohmann::json&) override {
+  nlohmann::json attach(int index, const nlohmann::json&) override {
     // The listener's channel only completes the endpoint: the peer must already have proven
     // on our Unix socket that it is a process on this host (a remote peer never can).
     if (index != 0) throw Error(ErrorCode::kProtocol, "nvlink takes one channel");
     if (!authenticated_.load())
       throw Error(ErrorCode::kProtocol, "nvlink: the peer has not proven that it is a process on this host "
                                         "(no authenticated same-host socket for this endpoint)");
-    bootstrap::send_msg(sock.fd(), bootstrap::MsgKind::kReply, nlohmann::json::object());
-    return true;
+    return nlohmann::json::object();
   }
+  // The listener's socket carried only the handshake; the same-host socket is the channel.
+  bool adopt(int, net::Socket) override { return true; }
 
   // Called by the transport's socket service.
   bool active() const { return active_; }

@@ -2,7 +2,6 @@
 // send completions and imm ordering (see endpoint.hpp).
 #include <arpa/inet.h>
 
-#include "bootstrap/messages.hpp"
 #include "core/log.hpp"
 #include "transport/rdma/endpoint.hpp"
 
@@ -76,35 +75,15 @@ Status RdmaEndpoint::post(int c, Wr* wrs, size_t n) {
   return drain(ch, c);
 }
 
+// Keys come from the peer's info: the hello reply, then every refresh the core delivers
+// through peer_updated(). A region the peer registered since then is unknown here until the
+// application refreshes; nothing on this (the submitting) thread goes to the network.
 bool RdmaEndpoint::rkey_for(uint64_t remote_id, int peer_rail, uint32_t* rkey) {
-  for (int attempt = 0; attempt < 2; ++attempt) {
-    {
-      std::lock_guard<std::mutex> lk(rkey_mu_);
-      auto it = rkeys_.find(remote_id);
-      if (it != rkeys_.end() && peer_rail < static_cast<int>(it->second.size())) {
-        *rkey = it->second[peer_rail];
-        return true;
-      }
-      if (gone_.count(remote_id)) return false;
-    }
-    if (attempt == 0) refresh_rkeys();
-  }
-  return false;
-}
-
-// A region the peer registered after we connected: ask its listener for its current info,
-// whose rdma part carries the rkeys of every region it has (registering them lazily).
-void RdmaEndpoint::refresh_rkeys() {
-  try {
-    net::Socket s = net::connect_tcp(setup_.peer.listen_host, setup_.peer.listen_port, setup_.config.connect_timeout);
-    net::set_io_timeout(s.fd(), setup_.config.connect_timeout);
-    bootstrap::send_msg(s.fd(), bootstrap::MsgKind::kInfo, json::object());
-    json reply = bootstrap::expect_reply(s.fd(), "rdma rkey refresh");
-    if (reply.contains("info") && reply["info"].contains("transports") && reply["info"]["transports"].contains("rdma"))
-      take_peer(reply["info"]["transports"]["rdma"]);
-  } catch (const std::exception& e) {
-    SLUICE_LOG(kWarn, "rdma: cannot refresh the peer's memory keys: " << e.what());
-  }
+  std::lock_guard<std::mutex> lk(rkey_mu_);
+  auto it = rkeys_.find(remote_id);
+  if (it == rkeys_.end() || peer_rail >= static_cast<int>(it->second.size())) return false;
+  *rkey = it->second[peer_rail];
+  return true;
 }
 
 const std::vector<int>& RdmaEndpoint::chans_near(uint32_t mask) {

@@ -7,7 +7,6 @@
 #include <charconv>
 #include <cstring>
 
-#include "bootstrap/messages.hpp"
 #include "core/log.hpp"
 #include "core/params.hpp"
 #include "transport/rdma/endpoint.hpp"
@@ -96,6 +95,7 @@ RdmaEndpoint::RdmaEndpoint(std::shared_ptr<Rails> rails, const Registry* reg, co
   }
   auto it = s.peer.transports.find("rdma");
   if (it != s.peer.transports.end()) take_peer(it->second);
+  take_region_keys(s.peer);
 }
 
 RdmaEndpoint::~RdmaEndpoint() {
@@ -228,7 +228,7 @@ json RdmaEndpoint::hello_body(int index) {
   j["rail"] = ch.peer_rail;  // the receiver's rail for this channel
   j["src_rail"] = ch.rail;
   if (index == 0) {
-    j["rkeys"] = rails_->rkeys(*reg_);
+    j["rkeys"] = rails_->rkeys();  // what region_added() registered; registers nothing
     j["scratch_addr"] = reinterpret_cast<uintptr_t>(ctrl_mem_.data());
     j["scratch_rkey"] = ctrl_mr_->rkey;
     j["recv_slots"] = recv_posted_;  // the peer's imm credit is what control messages leave
@@ -242,7 +242,37 @@ int RdmaEndpoint::peer_rails() const {
   return std::max<int>(1, static_cast<int>(it->second["rails"].size()));
 }
 
+void RdmaEndpoint::peer_updated(const EngineInfo& peer) {
+  // Only the keys: the receive credits and scratch buffer are fixed at the handshake (a
+  // refresh must not reset flow control mid-stream).
+  take_region_keys(peer);
+}
+
+void RdmaEndpoint::take_region_keys(const EngineInfo& peer) {
+  // Each region carries its rkeys (by rail) as the peer's rdma transport published them.
+  json keys = json::object();
+  for (const auto& r : peer.regions) {
+    auto d = r.transport_data.find("rdma");
+    if (d != r.transport_data.end() && d->second.is_array()) keys[std::to_string(r.info.id)] = d->second;
+  }
+  if (!keys.empty()) take_rkeys({{"rkeys", std::move(keys)}});
+}
+
 void RdmaEndpoint::take_peer(const json& j) {
+  if (!j.is_object()) return;
+  take_rkeys(j);
+  if (j.contains("recv_slots") && j["recv_slots"].is_number_unsigned()) {
+    int64_t slots = std::min<int64_t>(j["recv_slots"].get<uint32_t>(), kRecvSlots);
+    std::lock_guard<std::mutex> lk(imm_mu_);
+    imm_credits_ = imm_credits_max_ = std::max<int64_t>(1, slots - kCtrlReserve);
+  }
+  if (j.contains("scratch_rkey")) {
+    peer_scratch_addr_ = j["scratch_addr"].get<uint64_t>();
+    peer_scratch_rkey_ = j["scratch_rkey"].get<uint32_t>();
+  }
+}
+
+void RdmaEndpoint::take_rkeys(const json& j) {
   if (!j.is_object()) return;
   if (j.contains("rkeys") && j["rkeys"].is_object()) {
     std::lock_guard<std::mutex> lk(rkey_mu_);
@@ -255,15 +285,6 @@ void RdmaEndpoint::take_peer(const json& j) {
         if (x.is_number_unsigned()) keys.push_back(x.get<uint32_t>());
       rkeys_[id] = std::move(keys);
     }
-  }
-  if (j.contains("recv_slots") && j["recv_slots"].is_number_unsigned()) {
-    int64_t slots = std::min<int64_t>(j["recv_slots"].get<uint32_t>(), kRecvSlots);
-    std::lock_guard<std::mutex> lk(imm_mu_);
-    imm_credits_ = imm_credits_max_ = std::max<int64_t>(1, slots - kCtrlReserve);
-  }
-  if (j.contains("scratch_rkey")) {
-    peer_scratch_addr_ = j["scratch_addr"].get<uint64_t>();
-    peer_scratch_rkey_ = j["scratch_rkey"].get<uint32_t>();
   }
 }
 
@@ -284,7 +305,7 @@ void RdmaEndpoint::connect(const ChannelOpener& open) {
   start_thread();
 }
 
-bool RdmaEndpoint::attach(int index, net::Socket sock, const json& hello) {
+json RdmaEndpoint::attach(int index, const json& hello) {
   std::lock_guard<std::mutex> lk(attach_mu_);
   if (index < 0 || index >= nchan_) throw Error(ErrorCode::kProtocol, "rdma: channel index out of range");
   if (chans_[index]->qp) throw Error(ErrorCode::kProtocol, "channel " + std::to_string(index) + " attached twice");
@@ -298,7 +319,12 @@ bool RdmaEndpoint::attach(int index, net::Socket sock, const json& hello) {
   create_qp(index, rail, peer_rail);
   take_peer(h);
   bring_up(index, QpAddress::from_json(h));
-  bootstrap::send_msg(sock.fd(), bootstrap::MsgKind::kReply, {{"rdma", hello_body(index)}});
+  return {{"rdma", hello_body(index)}};
+}
+
+bool RdmaEndpoint::adopt(int index, net::Socket sock) {
+  std::lock_guard<std::mutex> lk(attach_mu_);
+  // The listener's socket stays open as a liveness probe of the peer.
   chans_[index]->sock = std::move(sock);
   chans_[index]->sock_live = true;
   if (++attached_ == nchan_) {

@@ -133,7 +133,9 @@ class RdmaEndpoint final : public TransportEndpoint,
 
   // TransportEndpoint
   void connect(const ChannelOpener& open) override;
-  bool attach(int index, net::Socket sock, const nlohmann::json& hello) override;
+  void peer_updated(const EngineInfo& peer) override;
+  nlohmann::json attach(int index, const nlohmann::json& hello) override;
+  bool adopt(int index, net::Socket sock) override;
   void submit(std::shared_ptr<TransferOp> op) override;
   void send(std::shared_ptr<MessageOp> op) override;
   std::shared_ptr<ProgressSource> progress_source() override { return shared_from_this(); }
@@ -165,6 +167,8 @@ class RdmaEndpoint final : public TransportEndpoint,
   QpAddress local_qp_address(int index) const;
   nlohmann::json hello_body(int index);
   void take_peer(const nlohmann::json& j);
+  void take_rkeys(const nlohmann::json& j);  // {"rkeys": {id: [rkey by rail]}}
+  void take_region_keys(const EngineInfo& peer);  // the rkeys published with each region
   int peer_rails() const;
   void start_thread();
   void release();
@@ -175,7 +179,6 @@ class RdmaEndpoint final : public TransportEndpoint,
   Status drain(Chan& ch, int c);                            // ch.mu held
   void handle_send_completion(const ibv_wc& wc);
   bool rkey_for(uint64_t remote_id, int peer_rail, uint32_t* rkey);
-  void refresh_rkeys();
   const std::vector<int>& chans_near(uint32_t rails_mask);
   void release_imms();
   void post_imm(uint64_t token, uint32_t imm, uint32_t lanes);  // imm_mu_ held

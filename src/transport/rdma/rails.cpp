@@ -14,18 +14,8 @@ std::shared_ptr<Rails> Rails::open(const Verbs* v, const std::string& hca, const
   return r;
 }
 
-void Rails::stop_sweeper() {
-  std::lock_guard<std::mutex> lk(sweeper_mu_);
-  stop_.store(true);
-  if (reg_) reg_->wake_waiters();
-  if (sweeper_.joinable()) sweeper_.join();
-  reg_ = nullptr;
-}
-
 Rails::~Rails() {
-  stop_sweeper();
   for (auto& [k, r] : ranges_) deregister(r.keys);
-  regions_.clear();  // releases the pins
 }
 
 nlohmann::json Rails::address() const {
@@ -56,11 +46,6 @@ const RegionKeys* Rails::keys_for(const Registry& reg, const RegionEntry* e, Sta
   std::lock_guard<std::mutex> lk(mu_);
   auto it = regions_.find(e->id);
   if (it != regions_.end()) return it->second.keys;
-  RegionPin region = reg.pin_whole(e->id);  // pinned before the lookup can be outrun by remove()
-  if (!region) {
-    *st = {ErrorCode::kUnknownHandle, "rdma: region " + std::to_string(e->id) + " is no longer registered"};
-    return nullptr;
-  }
   auto key = std::make_pair(reinterpret_cast<uintptr_t>(e->base), e->length);
   Range& r = ranges_[key];
   if (r.keys.mrs.empty()) {
@@ -79,55 +64,26 @@ const RegionKeys* Rails::keys_for(const Registry& reg, const RegionEntry* e, Sta
                                          << std::hex << r.keys.near << std::dec);
   }
   r.refs++;
-  regions_[e->id] = ByRegion{std::move(region), key, &r.keys};
+  regions_[e->id] = ByRegion{key, &r.keys};
   return &r.keys;
 }
 
-nlohmann::json Rails::rkeys(const Registry& reg) {
+nlohmann::json Rails::rkeys() {
   nlohmann::json out = nlohmann::json::object();
-  for (const auto& e : reg.entries()) {
-    Status st;
-    const RegionKeys* k = keys_for(reg, e.get(), &st);
-    if (!k) continue;
+  std::lock_guard<std::mutex> lk(mu_);
+  for (const auto& [id, r] : regions_) {
     nlohmann::json keys = nlohmann::json::array();
-    for (ibv_mr* mr : k->mrs) keys.push_back(mr->rkey);
-    out[std::to_string(e->id)] = keys;
+    for (ibv_mr* mr : r.keys->mrs) keys.push_back(mr->rkey);
+    out[std::to_string(id)] = keys;
   }
   return out;
 }
 
-void Rails::start_sweeper(const Registry* reg) {
-  reg_ = reg;
-  sweeper_ = std::thread([this, reg] {
-    uint64_t seen = reg->generation();
-    bool waiting = false;
-    while (!stop_.load()) {
-      // Sleep until a region comes or goes; poll every 10 ms only while a removed region
-      // still has operations in flight.
-      uint64_t g = reg->wait_generation(seen, waiting ? std::chrono::milliseconds(10) : std::chrono::milliseconds(1000));
-      if (stop_.load()) break;
-      if (g == seen && !waiting) continue;
-      seen = g;
-      waiting = sweep(*reg);
-    }
-  });
-}
-
-bool Rails::sweep(const Registry& reg) {
-  bool waiting = false;
-  std::vector<uint64_t> gone;
+void Rails::forget(uint64_t id) {
   {
     std::lock_guard<std::mutex> lk(mu_);
-    for (auto& [id, r] : regions_) {
-      if (reg.find(id)) continue;
-      if (r.pin.get()->inflight.load(std::memory_order_acquire) > 1) {  // operations still use it
-        waiting = true;
-        continue;
-      }
-      gone.push_back(id);
-    }
+    if (!regions_.count(id)) return;  // never registered here (its registration failed)
   }
-  if (gone.empty()) return waiting;
   // Tell every connected peer first (they drop the rkeys and refuse the region locally).
   std::vector<std::shared_ptr<GoneListener>> ls;
   {
@@ -141,25 +97,17 @@ bool Rails::sweep(const Registry& reg) {
       }
     }
   }
-  for (uint64_t id : gone)
-    for (auto& l : ls) l->region_gone(id);
+  for (auto& l : ls) l->region_gone(id);
   ls.clear();
-  std::vector<RegionPin> release;  // released after mu_: releasing wakes Registry::remove()
-  {
-    std::lock_guard<std::mutex> lk(mu_);
-    for (uint64_t id : gone) {
-      auto it = regions_.find(id);
-      if (it == regions_.end()) continue;
-      auto r = ranges_.find(it->second.key);
-      if (r != ranges_.end() && --r->second.refs <= 0) {
-        deregister(r->second.keys);
-        ranges_.erase(r);
-      }
-      release.push_back(std::move(it->second.pin));
-      regions_.erase(it);
-    }
+  std::lock_guard<std::mutex> lk(mu_);
+  auto it = regions_.find(id);
+  if (it == regions_.end()) return;
+  auto r = ranges_.find(it->second.key);
+  if (r != ranges_.end() && --r->second.refs <= 0) {
+    deregister(r->second.keys);
+    ranges_.erase(r);
   }
-  return waiting;
+  regions_.erase(it);
 }
 
 void Rails::add_listener(std::weak_ptr<GoneListener> l) {

@@ -49,20 +49,17 @@ class Rails {
   // {"link": "eth"|"ib", "rails": [Device::address(), ...]}
   nlohmann::json address() const;
 
-  // Registration cache. Returns the region's keys on every rail (registering it the first time;
-  // a region with the same range as a registered one shares its MRs); nullptr with *st. The
-  // cache holds a pin on every region it registered, so Registry::remove() (unregister_memory,
-  // free, engine close) waits until the sweeper thread has deregistered the MRs: once
-  // unregister returns, a peer's stale rkey can no longer reach the memory. The result stays
-  // valid while the caller holds a pin on the region.
+  // Registration cache. Returns the region's keys on every rail (registering it the first time:
+  // the transport's region_added(); a region with the same range as a registered one shares
+  // its MRs); nullptr with *st. The result stays valid while the caller holds a pin on the
+  // region (forget() runs only after the region's pins drained).
   const RegionKeys* keys_for(const Registry& reg, const RegionEntry* e, Status* st);
-  // Registers every region of the registry (errors skipped): {id: [rkey on rail 0, ...]}.
-  nlohmann::json rkeys(const Registry& reg);
-  // Starts the thread that deregisters regions removed from `reg` (woken by the registry when
-  // regions come or go). `reg` must outlive this object.
-  void start_sweeper(const Registry* reg);
-  // Joins the sweeper (the transport calls it before its engine's registry goes away).
-  void stop_sweeper();
+  // The regions registered so far (no registration): {id: [rkey on rail 0, ...]}.
+  nlohmann::json rkeys();
+  // The region was unregistered and no local operation uses it: tell every connected peer
+  // (each acknowledges, bounded), then deregister its MRs. Once this returns a peer's stale
+  // rkey can no longer reach the memory.
+  void forget(uint64_t id);
   size_t cached_regions();
   void add_listener(std::weak_ptr<GoneListener> l);
 
@@ -72,12 +69,10 @@ class Rails {
     int refs = 0;
   };
   struct ByRegion {
-    RegionPin pin;
     std::pair<uintptr_t, uint64_t> key;
     const RegionKeys* keys = nullptr;  // in ranges_[key] (map nodes stay put): one lookup per op
   };
   uint32_t near_rails(const RegionEntry& e) const;
-  bool sweep(const Registry& reg);  // returns true while a removed region still has pins
   void deregister(RegionKeys& k);
 
   const Verbs* v_ = nullptr;
@@ -85,10 +80,6 @@ class Rails {
   std::vector<Locality> nics_;
   std::mutex listeners_mu_;
   std::vector<std::weak_ptr<GoneListener>> listeners_;
-  std::thread sweeper_;
-  const Registry* reg_ = nullptr;
-  std::mutex sweeper_mu_;
-  std::atomic<bool> stop_{false};
   std::mutex mu_;
   std::map<std::pair<uintptr_t, uint64_t>, Range> ranges_;
   std::unordered_map<uint64_t, ByRegion> regions_;

@@ -3,6 +3,7 @@
 // ports and their memory registrations in rails.hpp. See docs/rdma.md.
 
 #include "core/params.hpp"
+#include "core/log.hpp"
 #include "transport/rdma/endpoint.hpp"
 #include "transport/rdma/hca_filter.hpp"
 #include "transport/rdma/rails.hpp"
@@ -29,8 +30,6 @@ const Param<int> kGidIndex{"rdma.gid_index", "SLUICE_IB_GID_INDEX", -1, int_in(-
 class RdmaTransport final : public Transport {
  public:
   RdmaTransport(std::shared_ptr<Rails> rails, const Registry* reg) : rails_(std::move(rails)), reg_(reg) {}
-  // Endpoints may keep the rails alive longer; the sweeper must not outlive the registry.
-  ~RdmaTransport() override { rails_->stop_sweeper(); }
   std::string name() const override { return "rdma"; }
   // Above tcp, below shm: on one host shared memory is faster than the NIC loopback.
   int priority() const override { return 15; }
@@ -44,11 +43,23 @@ class RdmaTransport final : public Transport {
     c.imm = true;
     return c;
   }
-  json local_address() const override {
-    json j = rails_->address();
-    j["rkeys"] = rails_->rkeys(*reg_);  // registers regions lazily: peers learn rkeys from the info blob
-    return j;
+  json local_address() const override { return rails_->address(); }
+  // Every region is registered on every rail when the engine registers it; peers find its
+  // rkeys (by rail) with the region in the info blob.
+  json region_added(const RegionEntry& e) override {
+    Status st;
+    const rdma::RegionKeys* k = rails_->keys_for(*reg_, &e, &st);
+    if (!k) {
+      // Not fatal to the registration: other transports may move this memory. Peers get no
+      // rkey for it over rdma, and local use reports the error.
+      SLUICE_LOG(kInfo, "rdma: region " << e.id << " not registered with the NIC: " << st.message);
+      return nullptr;
+    }
+    json keys = json::array();
+    for (ibv_mr* mr : k->mrs) keys.push_back(mr->rkey);
+    return keys;
   }
+  void region_removed(const RegionEntry& e) override { rails_->forget(e.id); }
   bool can_reach(const EngineInfo& peer, std::string* why) override {
     auto it = peer.transports.find("rdma");
     if (it == peer.transports.end()) {
@@ -82,7 +93,6 @@ SLUICE_REGISTER_TRANSPORT(rdma, "rdma", [](const EngineContext& ctx, std::string
   const int gid = kGidIndex.get(c);
   auto rails = Rails::open(v, kHca.get(c), gid >= 0 ? std::to_string(gid) : "", why);
   if (!rails) return nullptr;
-  rails->start_sweeper(ctx.registry);
   return std::make_unique<RdmaTransport>(std::move(rails), ctx.registry);
 });
 

@@ -6,7 +6,6 @@
 
 #include <cstring>
 
-#include "bootstrap/messages.hpp"
 #include "core/log.hpp"
 #include "cuda/staging.hpp"
 #include "transport/common/control_frames.hpp"
@@ -120,16 +119,18 @@ void ShmEndpoint::authenticate(net::Socket& sock, const same_host::PeerCred& cre
   same_host::send(fd, {{"ok", true}, {"engine", host_.engine_id()}}, host_.lease_fd());
 }
 
-bool ShmEndpoint::attach(int index, net::Socket sock, const nlohmann::json&) {
+nlohmann::json ShmEndpoint::attach(int index, const nlohmann::json&) {
   // The listener's channel only completes the endpoint: the peer must already have proven
   // on our Unix socket that it is a process on this host (a remote peer never can).
   if (index != 0) throw Error(ErrorCode::kProtocol, "shm takes one channel");
   if (!authenticated_.load())
     throw Error(ErrorCode::kProtocol, "shm: the peer has not proven that it is a process on this host "
                                       "(no authenticated same-host socket for this endpoint)");
-  bootstrap::send_msg(sock.fd(), bootstrap::MsgKind::kReply, nlohmann::json::object());
-  return true;
+  return nlohmann::json::object();
 }
+
+// The listener's socket carried only the handshake; the same-host socket is the channel.
+bool ShmEndpoint::adopt(int, net::Socket) { return true; }
 
 nlohmann::json ShmEndpoint::describe_local(uint64_t id, const same_host::PeerCred& cred, int* fd_out) const {
   *fd_out = -1;

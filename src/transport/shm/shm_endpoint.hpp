@@ -73,7 +73,8 @@ class ShmEndpoint final : public TransportEndpoint, public StreamChannel::Handle
   ~ShmEndpoint() override;
 
   void connect(const ChannelOpener& open) override;
-  bool attach(int index, net::Socket sock, const nlohmann::json& hello) override;
+  nlohmann::json attach(int index, const nlohmann::json& hello) override;
+  bool adopt(int index, net::Socket sock) override;
   void submit(std::shared_ptr<TransferOp> op) override;
   void send(std::shared_ptr<MessageOp> op) override;
   size_t pending() const override { return pending_.size(); }

@@ -8,7 +8,6 @@
 #include <unordered_map>
 #include <vector>
 
-#include "bootstrap/messages.hpp"
 #include "core/log.hpp"
 #include "cuda/staging.hpp"
 #include "transport/common/control_frames.hpp"
@@ -68,10 +67,15 @@ class TcpEndpoint final : public TransportEndpoint, public StreamChannel::Handle
     }
   }
 
-  bool attach(int index, net::Socket sock, const nlohmann::json&) override {
+  nlohmann::json attach(int index, const nlohmann::json&) override {
     std::lock_guard<std::mutex> lk(attach_mu_);
-    if (channels_[index]) throw Error(ErrorCode::kProtocol, "channel " + std::to_string(index) + " attached twice");
-    bootstrap_reply(sock);
+    if (claimed_[index]) throw Error(ErrorCode::kProtocol, "channel " + std::to_string(index) + " attached twice");
+    claimed_[index] = true;
+    return nlohmann::json::object();
+  }
+
+  bool adopt(int index, net::Socket sock) override {
+    std::lock_guard<std::mutex> lk(attach_mu_);
     install(index, std::move(sock));
     return ++attached_ == nchan_;
   }
@@ -262,8 +266,6 @@ class TcpEndpoint final : public TransportEndpoint, public StreamChannel::Handle
   }
 
  private:
-  static void bootstrap_reply(net::Socket& sock);
-
   using Clock = std::chrono::steady_clock;
   // Channel `ch` moved our requests forward (an answer arrived, or request bytes left).
   void answered(StreamChannel& ch) {
@@ -492,15 +494,12 @@ class TcpEndpoint final : public TransportEndpoint, public StreamChannel::Handle
   std::vector<std::mutex> read_mu_;
   PendingOps pending_;
   mutable std::mutex attach_mu_;
+  std::vector<bool> claimed_ = std::vector<bool>(static_cast<size_t>(nchan_));  // attach() said yes
   int attached_ = 0;
   std::atomic<bool> failed_{false};
   std::mutex imm_mu_;
   std::unordered_map<uint64_t, ImmProgress> imm_;
 };
-
-void TcpEndpoint::bootstrap_reply(net::Socket& sock) {
-  bootstrap::send_msg(sock.fd(), bootstrap::MsgKind::kReply, nlohmann::json::object());
-}
 
 class TcpTransport final : public Transport {
  public:
