@@ -42,6 +42,7 @@ class RecordingTransport final : public Transport {
   std::string name() const override { return "recording"; }
   int priority() const override { return 0; }
   bool supports(const Location&) const override { return true; }
+  Capabilities capabilities() const override { return {}; }  // moves nothing
   nlohmann::json local_address() const override { return nlohmann::json::object(); }
   bool can_reach(const EngineInfo&, std::string* why) override {
     *why = "a test transport moves nothing";
