@@ -42,11 +42,13 @@ long env_long(const char* name, long def, long lo, long hi) {
 }
 }  // namespace
 
-void Listener::start(const std::string& host, uint16_t port, Handler handler, int max_handshakes) {
+void Listener::start(const std::string& host, uint16_t port, Handler handler, int max_handshakes,
+                     std::chrono::milliseconds idle) {
   max_handshakes_ = max_handshakes < 1 ? 1 : max_handshakes;
   if (!limits_set_) {
     max_connections_ = static_cast<int>(env_long("SLUICE_LISTEN_MAX_CONNECTIONS", 1024, 1, 1 << 20));
-    idle_ = std::chrono::milliseconds(env_long("SLUICE_LISTEN_IDLE_MS", 10000, 1, 3600 * 1000));
+    idle_ = std::chrono::milliseconds(
+        env_long("SLUICE_LISTEN_IDLE_MS", std::max<long>(1, static_cast<long>(idle.count())), 1, 3600 * 1000));
   }
   max_connections_ = std::max(max_connections_, 1);
   sock_ = net::listen_tcp(host, port);

@@ -8,7 +8,8 @@
 //
 // Tunables (read by start(), parsed strictly):
 //   SLUICE_LISTEN_MAX_CONNECTIONS  connections held, silent or being handshaken (default 1024)
-//   SLUICE_LISTEN_IDLE_MS          how long an accepted connection may stay silent (default 10000)
+//   SLUICE_LISTEN_IDLE_MS          how long an accepted connection may stay silent (default: the
+//                                  engine's connect_timeout, the handshake deadline)
 #pragma once
 
 #include <atomic>
@@ -45,7 +46,10 @@ class Listener {
  public:
   using Handler = std::function<void(net::Socket)>;
   ~Listener() { stop(); }
-  void start(const std::string& host, uint16_t port, Handler handler, int max_handshakes = 64);
+  // `idle`: how long an accepted connection may stay silent (the engine passes its handshake
+  // deadline, connect_timeout); SLUICE_LISTEN_IDLE_MS overrides it.
+  void start(const std::string& host, uint16_t port, Handler handler, int max_handshakes = 64,
+             std::chrono::milliseconds idle = std::chrono::milliseconds(10000));
   void stop();
   uint16_t port() const { return port_; }
   int active() const { return active_.load(); }
