@@ -54,6 +54,8 @@ struct CurrentScope {
 };
 // Bytes one drain may write before it lets the reactor serve other channels.
 constexpr size_t kDrainBytes = 16 << 20;
+// Bytes the receive fiber reads before it yields to the reactor once.
+constexpr uint64_t kYieldBytes = 1 << 20;
 }  // namespace
 
 StreamChannel::StreamChannel(net::Socket sock, Handler* handler, int index)
@@ -94,7 +96,9 @@ void StreamChannel::after_resume() {
   });
 }
 
-void StreamChannel::wake_fiber() {
+void StreamChannel::wake_fiber(bool input) {
+  // Any wake but a timer may mean new input (or a local shutdown): read before waiting again.
+  if (input) drained_ = false;
   if (!waiting_input_) return;
   waiting_input_ = false;
   reactor_->cancel_wake(this);
@@ -108,12 +112,25 @@ void StreamChannel::on_events(uint32_t events) {
   if (events & (EPOLLIN | EPOLLRDHUP | EPOLLHUP | EPOLLERR)) wake_fiber();
 }
 
-void StreamChannel::on_deadline() { wake_fiber(); }
+void StreamChannel::on_deadline() { wake_fiber(/*input=*/false); }
 
 void StreamChannel::wait_input(std::chrono::steady_clock::time_point until) {
   waiting_input_ = true;
   if (until != std::chrono::steady_clock::time_point{}) reactor_->wake_at(this, until);
   fiber_->yield();
+}
+
+void StreamChannel::took(uint64_t bytes) {
+  // A peer that never pauses would keep the fiber reading forever: every kYieldBytes it lets
+  // the reactor serve the rest (this channel's own send backlog, other channels) first.
+  read_since_yield_ += bytes;
+  if (read_since_yield_ < kYieldBytes) return;
+  read_since_yield_ = 0;
+  {
+    std::lock_guard<std::mutex> lk(mu_);  // the fiber runs: no removal can be queued yet
+    reactor_->post([this] { wake_fiber(); });
+  }
+  wait_input();
 }
 
 void StreamChannel::kick() {
@@ -329,10 +346,13 @@ bool StreamChannel::fill(size_t min_bytes, size_t max_read) {
   }
   while (rend_ < min_bytes) {
     size_t room = std::min(kReadBuffer - rend_, std::max(max_read, min_bytes - rend_));
+    if (drained_) wait_input();  // the last read emptied the socket: skip a recv that says EAGAIN
     ssize_t r = ::recv(sock_.fd(), rbuf_.get() + rend_, room, 0);
     if (r > 0) {
       touch_io();
       rend_ += static_cast<size_t>(r);
+      drained_ = static_cast<size_t>(r) < room;
+      took(static_cast<uint64_t>(r));
     } else if (r == 0) {
       errno = ECONNRESET;
       return false;
@@ -356,11 +376,14 @@ bool StreamChannel::read_payload(uint8_t* dest, uint64_t n) {
     // Straight into the destination, as it arrives; waits yield to the reactor.
     exact_header_ = true;
     while (n > 0) {
+      if (drained_) wait_input();
       ssize_t r = ::recv(sock_.fd(), dest, n, 0);
       if (r > 0) {
         touch_io();
+        drained_ = static_cast<uint64_t>(r) < n;
         dest += r;
         n -= static_cast<uint64_t>(r);
+        took(static_cast<uint64_t>(r));
       } else if (r == 0) {
         errno = ECONNRESET;
         return false;

@@ -97,7 +97,7 @@ class StreamChannel : private ReactorSource {
   void on_events(uint32_t events) override;
   void on_deadline() override;
   // Reactor thread: resume the fiber if it waits; after_resume() detaches a finished one.
-  void wake_fiber();
+  void wake_fiber(bool input = true);
   void after_resume();
   // Callers hold mu_: a write failed, the peer is gone.
   void write_failed(int err);
@@ -107,6 +107,8 @@ class StreamChannel : private ReactorSource {
   void kick();
   // Receive fiber: wait for input (or a wake-up, or `until`).
   void wait_input(std::chrono::steady_clock::time_point until = {});
+  // Receive fiber: count bytes read; yield to the reactor every so often (fairness).
+  void took(uint64_t bytes);
   // Write frames of `frames` without blocking, starting at their `sent` offsets; *fully_sent:
   // frames now wholly on the wire. Returns false on error. `progress`: report on_frame_sent.
   bool write_frames(std::vector<OutFrame>& frames, bool progress, size_t* fully_sent);
@@ -123,6 +125,10 @@ class StreamChannel : private ReactorSource {
   std::unique_ptr<Fiber> fiber_;        // the receive side (reader_loop)
   bool started_ = false;
   bool waiting_input_ = false;          // reactor thread only: the fiber waits in wait_input()
+  // Reactor thread only: a read came back short, so the socket was empty; the next read waits
+  // for an input edge first (edge-triggered: data arriving after that read brings one).
+  bool drained_ = false;
+  uint64_t read_since_yield_ = 0;       // receive fiber only
   bool finishing_ = false;              // under mu_: the fiber ended, the reactor's removal is queued
   bool detached_ = false;               // under mu_: the reactor dropped us (join() may return)
   std::condition_variable detached_cv_;
