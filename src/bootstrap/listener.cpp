@@ -1,10 +1,13 @@
 #include "bootstrap/listener.hpp"
 
 #include <fcntl.h>
-#include <poll.h>
+#include <sys/epoll.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <cstdlib>
+#include <string>
 #include <system_error>
 #include <utility>
 
@@ -25,12 +28,42 @@ bool LogLimiter::allow(uint64_t* held_back) {
   return true;
 }
 
-void Listener::start(const std::string& host, uint16_t port, Handler handler, int max_handshakes) {
+namespace {
+long env_long(const char* name, long def, long lo, long hi) {
+  const char* v = std::getenv(name);
+  if (!v || !*v) return def;
+  char* end = nullptr;
+  errno = 0;
+  long n = std::strtol(v, &end, 10);
+  if (errno || *end || n < lo || n > hi)
+    throw Error(ErrorCode::kInvalidArgument, std::string(name) + ": expected an integer in " + std::to_string(lo) +
+                                                 ".." + std::to_string(hi) + ", got '" + v + "'");
+  return n;
+}
+}  // namespace
+
+void Listener::start(const std::string& host, uint16_t port, Handler handler, int max_handshakes,
+                     std::chrono::milliseconds idle) {
   max_handshakes_ = max_handshakes < 1 ? 1 : max_handshakes;
+  if (!limits_set_) {
+    max_connections_ = static_cast<int>(env_long("SLUICE_LISTEN_MAX_CONNECTIONS", 1024, 1, 1 << 20));
+    idle_ = std::chrono::milliseconds(
+        env_long("SLUICE_LISTEN_IDLE_MS", std::max<long>(1, static_cast<long>(idle.count())), 1, 3600 * 1000));
+  }
+  max_connections_ = std::max(max_connections_, 1);
   sock_ = net::listen_tcp(host, port);
   port_ = net::local_port(sock_.fd());
+  net::set_nonblocking(sock_.fd());
   handler_ = std::move(handler);
-  if (::pipe2(wake_, O_CLOEXEC) != 0) throw Error(ErrorCode::kSystem, "pipe: " + net::errno_text(errno));
+  if (::pipe2(wake_, O_CLOEXEC | O_NONBLOCK) != 0) throw Error(ErrorCode::kSystem, "pipe: " + net::errno_text(errno));
+  epfd_ = ::epoll_create1(EPOLL_CLOEXEC);
+  if (epfd_ < 0) throw Error(ErrorCode::kSystem, "epoll_create1: " + net::errno_text(errno));
+  epoll_event ev{};
+  ev.events = EPOLLIN;
+  ev.data.fd = sock_.fd();
+  ::epoll_ctl(epfd_, EPOLL_CTL_ADD, sock_.fd(), &ev);
+  ev.data.fd = wake_[0];
+  ::epoll_ctl(epfd_, EPOLL_CTL_ADD, wake_[0], &ev);
   thread_ = std::thread([this] { loop(); });
 }
 
@@ -42,8 +75,12 @@ void Listener::stop() {
   }
   if (thread_.joinable()) thread_.join();
   reap(true);
+  conns_.clear();
+  order_.clear();
+  held_.store(0);
   for (int& fd : wake_)
     if (fd >= 0) ::close(std::exchange(fd, -1));
+  if (epfd_ >= 0) ::close(std::exchange(epfd_, -1));
   sock_.close();
 }
 
@@ -65,29 +102,86 @@ void Listener::reap(bool all) {
     if (w.thread.joinable()) w.thread.join();
 }
 
-void Listener::loop() {
-  while (!stopping_.load()) {
-    pollfd fds[2] = {{sock_.fd(), POLLIN, 0}, {wake_[0], POLLIN, 0}};
-    int rc = ::poll(fds, 2, 1000);
-    reap(false);
-    if (rc <= 0 || (fds[1].revents & POLLIN)) continue;
+void Listener::drop(int fd) {
+  auto it = conns_.find(fd);
+  if (it == conns_.end()) return;
+  if (!it->second.readable) ::epoll_ctl(epfd_, EPOLL_CTL_DEL, fd, nullptr);
+  conns_.erase(it);  // closes the socket
+  held_.store(static_cast<int>(conns_.size()));
+}
+
+void Listener::accept_all() {
+  for (;;) {
     net::Socket conn = net::accept_tcp(sock_.fd());
     if (!conn.valid()) {
       // Out of descriptors: the pending connection keeps the socket readable; back off
       // instead of spinning until handshakes in flight finish.
       if (errno == EMFILE || errno == ENFILE) std::this_thread::sleep_for(std::chrono::milliseconds(10));
-      continue;
+      return;
     }
-    if (active_.load() >= max_handshakes_) {
-      // Closing at once (rather than queueing) keeps both threads and descriptors bounded;
-      // an honest peer sees a reset and retries.
+    if (static_cast<int>(conns_.size()) + active_.load() >= max_connections_) {
+      // At the bound: the oldest connection still silent makes room (an idle flood ages out
+      // in arrival order, an honest peer speaks at once). With none silent, the new one goes.
+      bool evicted = false;
+      while (!order_.empty() && !evicted) {
+        auto [fd, seq] = order_.front();
+        order_.pop_front();
+        auto it = conns_.find(fd);
+        if (it == conns_.end() || it->second.seq != seq || it->second.readable) continue;
+        drop(fd);
+        evicted = true;
+      }
       uint64_t held = 0;
       if (busy_log_.allow(&held))
-        SLUICE_LOG(kWarn, "listener: " << max_handshakes_ << " handshakes in flight (max_handshakes); closed a new "
-                                       << "connection at once" << (held ? " (and " + std::to_string(held) +
-                                       " more since the last report)" : std::string()));
+        SLUICE_LOG(kWarn, "listener: " << max_connections_ << " connections held (SLUICE_LISTEN_MAX_CONNECTIONS); "
+                                       << (evicted ? "closed the oldest silent one" : "closed a new one at once")
+                                       << (held ? " (and " + std::to_string(held) + " more since the last report)"
+                                                : std::string()));
+      if (!evicted) continue;
+    }
+    const int fd = conn.fd();
+    epoll_event ev{};
+    ev.events = EPOLLIN | EPOLLRDHUP;
+    ev.data.fd = fd;
+    if (::epoll_ctl(epfd_, EPOLL_CTL_ADD, fd, &ev) != 0) continue;  // closes it
+    Held h{std::move(conn), std::chrono::steady_clock::now() + idle_, false, ++seq_};
+    order_.emplace_back(fd, h.seq);
+    conns_.emplace(fd, std::move(h));
+    held_.store(static_cast<int>(conns_.size()));
+  }
+}
+
+void Listener::expire(std::chrono::steady_clock::time_point now) {
+  // Arrival order is deadline order: stop at the first one still in time.
+  while (!order_.empty()) {
+    auto [fd, seq] = order_.front();
+    auto it = conns_.find(fd);
+    if (it == conns_.end() || it->second.seq != seq) {
+      order_.pop_front();
       continue;
     }
+    if (it->second.deadline > now) break;
+    order_.pop_front();
+    drop(fd);
+  }
+}
+
+void Listener::dispatch() {
+  // Readable connections, oldest first, while handler threads are free.
+  for (auto oi = order_.begin(); oi != order_.end() && active_.load() < max_handshakes_;) {
+    auto it = conns_.find(oi->first);
+    if (it == conns_.end() || it->second.seq != oi->second) {
+      oi = order_.erase(oi);
+      continue;
+    }
+    if (!it->second.readable) {
+      ++oi;
+      continue;
+    }
+    net::Socket conn = std::move(it->second.sock);
+    conns_.erase(it);
+    oi = order_.erase(oi);
+    held_.store(static_cast<int>(conns_.size()));
     active_.fetch_add(1);
     std::lock_guard<std::mutex> lk(mu_);
     workers_.emplace_back();
@@ -101,6 +195,8 @@ void Listener::loop() {
         }
         active_.fetch_sub(1);
         w.done.store(true);
+        char c = 0;
+        (void)!::write(wake_[1], &c, 1);  // a slot is free: dispatch the next one
       });
     } catch (const std::system_error& e) {
       // No thread for it (resource limit): the connection is closed, the listener goes on.
@@ -108,6 +204,35 @@ void Listener::loop() {
       workers_.pop_back();
       SLUICE_LOG(kWarn, "listener: cannot start a handshake thread: " << e.what());
     }
+  }
+}
+
+void Listener::loop() {
+  constexpr int kMaxEvents = 64;
+  epoll_event evs[kMaxEvents];
+  while (!stopping_.load()) {
+    int n = ::epoll_wait(epfd_, evs, kMaxEvents, 100);
+    reap(false);
+    if (stopping_.load()) break;
+    for (int i = 0; i < n; ++i) {
+      int fd = evs[i].data.fd;
+      if (fd == wake_[0]) {
+        char buf[64];
+        while (::read(wake_[0], buf, sizeof(buf)) > 0) {
+        }
+      } else if (fd == sock_.fd()) {
+        accept_all();
+      } else {
+        // First bytes (or a hang-up, which the handler reports): ready for a handler thread.
+        auto it = conns_.find(fd);
+        if (it != conns_.end() && !it->second.readable) {
+          it->second.readable = true;
+          ::epoll_ctl(epfd_, EPOLL_CTL_DEL, fd, nullptr);
+        }
+      }
+    }
+    expire(std::chrono::steady_clock::now());
+    dispatch();
   }
 }
 

@@ -133,6 +133,11 @@ void tune_stream(int fd, int buffer_bytes) {
   }
 }
 
+void set_nonblocking(int fd) {
+  int fl = ::fcntl(fd, F_GETFL, 0);
+  if (fl < 0 || ::fcntl(fd, F_SETFL, fl | O_NONBLOCK) != 0) throw Error(ErrorCode::kSystem, "fcntl(O_NONBLOCK): " + errno_text(errno));
+}
+
 void set_io_timeout(int fd, std::chrono::milliseconds timeout) {
   timeval tv{};
   tv.tv_sec = timeout.count() / 1000;

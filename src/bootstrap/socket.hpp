@@ -37,6 +37,8 @@ Socket accept_tcp(int listen_fd);
 
 // Data-path settings: TCP_NODELAY and large kernel buffers.
 void tune_stream(int fd, int buffer_bytes = 8 << 20);
+// O_NONBLOCK on: the progress reactors drive the descriptor.
+void set_nonblocking(int fd);
 // Bound every blocking recv/send on fd (0 = no bound).
 void set_io_timeout(int fd, std::chrono::milliseconds timeout);
 

@@ -104,7 +104,7 @@ EngineImpl::~EngineImpl() { close(); }
 
 void EngineImpl::start() {
   listener_.start(config_.listen_host, config_.listen_port, [this](net::Socket s) { handle_connection(std::move(s)); },
-                  config_.max_handshakes);
+                  config_.max_handshakes, config_.connect_timeout);
   watchdog_ = std::thread([this] { watchdog(); });
   publish();
   SLUICE_LOG(kInfo, "engine " << engine_id_ << " listening on " << listen_address());

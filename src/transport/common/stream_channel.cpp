@@ -1,5 +1,6 @@
 #include "transport/common/stream_channel.hpp"
 
+#include <sys/epoll.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
 
@@ -7,6 +8,7 @@
 #include <cerrno>
 #include <cstdint>
 #include <cstring>
+#include <utility>
 
 #include "core/log.hpp"
 #include "transport/transport.hpp"
@@ -17,7 +19,6 @@ constexpr size_t kReadBuffer = 256 << 10;
 constexpr size_t kDirectRead = 32 << 10;  // payload reads this large bypass the buffer
 constexpr size_t kMaxIov = 512;
 constexpr size_t kMaxFramesPerWrite = kMaxIov / 2;
-constexpr size_t kMaxWriteBytes = 4 << 20;
 }  // namespace
 
 bool PayloadReader::read(void* dest, uint64_t n) {
@@ -43,8 +44,22 @@ std::string PayloadReader::read_text(uint64_t max) {
   return s;
 }
 
+namespace {
+// The channel whose fiber (or whose drain) runs on this thread now.
+thread_local StreamChannel* tls_current = nullptr;
+struct CurrentScope {
+  StreamChannel* saved;
+  explicit CurrentScope(StreamChannel* c) : saved(std::exchange(tls_current, c)) {}
+  ~CurrentScope() { tls_current = saved; }
+};
+// Bytes one drain may write before it lets the reactor serve other channels.
+constexpr size_t kDrainBytes = 16 << 20;
+// Bytes the receive fiber reads before it yields to the reactor once.
+constexpr uint64_t kYieldBytes = 1 << 20;
+}  // namespace
+
 StreamChannel::StreamChannel(net::Socket sock, Handler* handler, int index)
-    : sock_(std::move(sock)), handler_(handler), index_(index), rbuf_(kReadBuffer) {
+    : sock_(std::move(sock)), handler_(handler), index_(index), rbuf_(new uint8_t[kReadBuffer]) {
   net::set_io_timeout(sock_.fd(), std::chrono::milliseconds(0));
   net::tune_stream(sock_.fd());
 }
@@ -55,47 +70,115 @@ StreamChannel::~StreamChannel() {
 }
 
 void StreamChannel::start() {
-  // The threads start by taking mu_, so they see their ids (on_own_thread()) set.
+  pool_ = ProgressPool::shared();
+  reactor_ = &pool_->pick();
+  net::set_nonblocking(sock_.fd());
+  fiber_ = std::make_unique<Fiber>([this] { reader_loop(); });
   std::lock_guard<std::mutex> lk(mu_);
-  reader_ = std::thread([this] {
-    { std::lock_guard<std::mutex> l(mu_); }
-    tls_transport_thread = true;
-    reader_loop();
+  started_ = true;
+  reactor_->add(sock_.fd(), this);
+  reactor_->post([this] {
+    CurrentScope cur(this);
+    fiber_->resume();
+    after_resume();
   });
-  writer_ = std::thread([this] {
-    { std::lock_guard<std::mutex> l(mu_); }
-    tls_transport_thread = true;
-    writer_loop();
-  });
-  reader_id_ = reader_.get_id();
-  writer_id_ = writer_.get_id();
 }
 
-bool StreamChannel::on_own_thread() const {
-  auto self = std::this_thread::get_id();
-  return self == reader_id_ || self == writer_id_;
+void StreamChannel::after_resume() {
+  if (!fiber_->finished()) return;
+  // The receive side ended: the reactor lets go of us, then join() may return.
+  std::lock_guard<std::mutex> lk(mu_);
+  finishing_ = true;
+  reactor_->remove(sock_.fd(), this, [this] {
+    std::lock_guard<std::mutex> l(mu_);
+    detached_ = true;
+    detached_cv_.notify_all();
+  });
 }
+
+void StreamChannel::wake_fiber(bool input) {
+  // Any wake but a timer may mean new input (or a local shutdown): read before waiting again.
+  if (input) drained_ = false;
+  if (!waiting_input_) return;
+  waiting_input_ = false;
+  reactor_->cancel_wake(this);
+  CurrentScope cur(this);
+  fiber_->resume();
+  after_resume();
+}
+
+void StreamChannel::on_events(uint32_t events) {
+  if (events & (EPOLLOUT | EPOLLERR | EPOLLHUP)) drain();
+  if (events & (EPOLLIN | EPOLLRDHUP | EPOLLHUP | EPOLLERR)) wake_fiber();
+}
+
+void StreamChannel::on_deadline() { wake_fiber(/*input=*/false); }
+
+void StreamChannel::wait_input(std::chrono::steady_clock::time_point until) {
+  waiting_input_ = true;
+  if (until != std::chrono::steady_clock::time_point{}) reactor_->wake_at(this, until);
+  fiber_->yield();
+}
+
+void StreamChannel::took(uint64_t bytes) {
+  // A peer that never pauses would keep the fiber reading forever: every kYieldBytes it lets
+  // the reactor serve the rest (this channel's own send backlog, other channels) first.
+  read_since_yield_ += bytes;
+  if (read_since_yield_ < kYieldBytes) return;
+  read_since_yield_ = 0;
+  {
+    std::lock_guard<std::mutex> lk(mu_);  // the fiber runs: no removal can be queued yet
+    reactor_->post([this] { wake_fiber(); });
+  }
+  wait_input();
+}
+
+void StreamChannel::kick() {
+  // Callers hold mu_ and checked !finishing_: the task is queued before the reactor's
+  // removal task, so it never runs on a destroyed channel.
+  reactor_->post([this] { drain(); });
+}
+
+bool StreamChannel::on_own_thread() const { return tls_current == this; }
 
 void StreamChannel::shutdown() {
   {
     std::lock_guard<std::mutex> lk(mu_);
     stop_ = true;
     closing_ = true;
-    cv_.notify_all();
+    // The socket's hang-up wakes the fiber; this makes sure of it (any socket family).
+    if (started_ && !finishing_) reactor_->post([this] { wake_fiber(); });
   }
   sock_.shutdown();
 }
 
 void StreamChannel::join() {
-  // The watchdog, a user's close() and Engine::close() may all get here at once: joinable()
-  // and join() on one std::thread from two threads race (and a joiner left behind used to
-  // join a reused handle later). One joiner at a time; the others wait, then find nothing
-  // joinable. A channel thread (a completion callback closing its endpoint) joins nothing:
-  // it would join itself or wait on a joiner that waits for it.
+  // The watchdog, a user's close() and Engine::close() may all get here at once; each waits
+  // until the reactor dropped the channel. The channel's own fiber (a completion callback
+  // closing its endpoint) waits for nothing: it is what the others wait for.
   if (on_own_thread()) return;
-  std::lock_guard<std::mutex> lk(join_mu_);
-  if (reader_.joinable()) reader_.join();
-  if (writer_.joinable()) writer_.join();
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (!started_) return;
+  }
+  if (Fiber::current() && tls_current) {
+    // Another channel's fiber, maybe on the same reactor: wait by yielding to it.
+    StreamChannel* me = tls_current;
+    for (;;) {
+      {
+        std::lock_guard<std::mutex> lk(mu_);
+        if (detached_) return;
+      }
+      me->wait_input(std::chrono::steady_clock::now() + std::chrono::milliseconds(1));
+    }
+  }
+  if (ProgressPool::on_reactor_thread()) {
+    // A reactor thread outside any fiber cannot wait (it would wait for itself).
+    SLUICE_LOG(kError, "stream channel: join() on a progress thread outside a channel; not waiting");
+    return;
+  }
+  std::unique_lock<std::mutex> lk(mu_);
+  detached_cv_.wait(lk, [&] { return detached_; });
 }
 
 std::chrono::steady_clock::duration StreamChannel::write_stall(std::chrono::steady_clock::time_point now) {
@@ -108,70 +191,123 @@ std::chrono::steady_clock::duration StreamChannel::write_stall(std::chrono::stea
   return now > since ? now - since : std::chrono::steady_clock::duration{};
 }
 
+void StreamChannel::write_failed(int err) {
+  // The peer is gone (not a local close): the receive side reports kPeerLost, never
+  // kCancelled. Callers hold mu_.
+  stop_ = true;
+  if (!write_errno_) write_errno_ = err ? err : EPIPE;
+  queue_.clear();  // frames never sent are dropped here, releasing what they hold (pins)
+  responses_queued_.store(0, std::memory_order_relaxed);
+}
+
 void StreamChannel::post(OutFrame frame) {
   std::unique_lock<std::mutex> lk(mu_);
   if (stop_) return;
   if (writing_ || !queue_.empty()) {
+    // Whoever writes now takes it, or the reactor does when the socket has room again.
     if (frame.response) responses_queued_.fetch_add(1, std::memory_order_relaxed);
     queue_.push_back(std::move(frame));
-    if (!writing_) cv_.notify_one();
     return;
   }
-  // Idle channel: write on the caller's thread, without blocking; the writer thread takes
-  // over whatever the socket buffer did not accept.
+  // Idle channel: write on the caller's thread, without blocking; the reactor takes over
+  // whatever the socket buffer did not accept.
   writing_ = true;
   touch_write();  // the stall clock starts now, not at the last write long ago
   lk.unlock();
   std::vector<OutFrame> one;
   one.push_back(std::move(frame));
   size_t done = 0;
-  bool ok = write_frames(one, /*nonblocking=*/true, &done);
+  bool ok = write_frames(one, /*progress=*/false, &done);
   const int err = errno;
   lk.lock();
   writing_ = false;
   if (!ok) {
-    // The peer is gone (not a local close): the reader reports kPeerLost, never kCancelled.
-    stop_ = true;
-    if (!write_errno_) write_errno_ = err ? err : EPIPE;
-  } else if (done == 0) {
+    write_failed(err);
+    lk.unlock();
+    sock_.shutdown();
+    return;
+  }
+  if (done == 0) {
     if (one[0].response) responses_queued_.fetch_add(1, std::memory_order_relaxed);
     queue_.push_front(std::move(one[0]));
   }
-  if (!queue_.empty() || stop_) cv_.notify_one();
+  // The reactor may have seen the socket's room come back while we held the send side.
+  if (!queue_.empty() && !finishing_) kick();
 }
 
-bool StreamChannel::write_frames(std::vector<OutFrame>& frames, bool nonblocking, size_t* fully_sent) {
+void StreamChannel::drain() {
+  CurrentScope cur(this);
+  std::unique_lock<std::mutex> lk(mu_);
+  if (stop_) {
+    queue_.clear();
+    responses_queued_.store(0, std::memory_order_relaxed);
+    return;
+  }
+  if (writing_ || queue_.empty()) return;
+  writing_ = true;
+  std::vector<OutFrame> batch;
+  size_t written = 0;
+  for (;;) {
+    while (!queue_.empty() && batch.size() < kMaxFramesPerWrite) {
+      if (queue_.front().response) responses_queued_.fetch_sub(1, std::memory_order_relaxed);
+      written += sizeof(FrameHeader) + queue_.front().hdr.length;
+      batch.push_back(std::move(queue_.front()));
+      queue_.pop_front();
+    }
+    lk.unlock();
+    size_t done = 0;
+    bool ok = write_frames(batch, /*progress=*/true, &done);
+    const int err = errno;
+    lk.lock();
+    if (!ok) {
+      writing_ = false;
+      write_failed(err);
+      lk.unlock();
+      sock_.shutdown();
+      return;
+    }
+    const bool full = done < batch.size();
+    // Frames the socket did not take go back to the front, in order.
+    for (size_t i = batch.size(); i-- > done;) {
+      if (batch[i].response) responses_queued_.fetch_add(1, std::memory_order_relaxed);
+      queue_.push_front(std::move(batch[i]));
+    }
+    batch.clear();
+    if (full || queue_.empty()) break;  // full: the next EPOLLOUT edge brings us back
+    if (written >= kDrainBytes) {
+      // Let the other channels of this reactor have a turn, then carry on.
+      if (!finishing_) kick();
+      break;
+    }
+  }
+  writing_ = false;
+}
+
+bool StreamChannel::write_frames(std::vector<OutFrame>& frames, bool progress, size_t* fully_sent) {
   size_t first = 0;
   while (first < frames.size()) {
     iovec iov[kMaxIov];
     int n = 0;
-    // A blocking call gets at most kMaxWriteBytes: it returns only once it wrote all it was
-    // given, and its return is what stamps progress (write_stall(), per-op progress).
-    size_t budget = nonblocking ? SIZE_MAX : kMaxWriteBytes;
-    auto add = [&](const uint8_t* p, uint64_t len) {
-      size_t k = static_cast<size_t>(std::min<uint64_t>(len, budget));
-      iov[n++] = {const_cast<uint8_t*>(p), k};
-      budget -= k;
-    };
-    for (size_t i = first; i < frames.size() && n + 2 <= static_cast<int>(kMaxIov) && budget > 0; ++i) {
+    for (size_t i = first; i < frames.size() && n + 2 <= static_cast<int>(kMaxIov); ++i) {
       OutFrame& f = frames[i];
       const uint64_t hlen = sizeof(FrameHeader);
       const uint8_t* payload = f.data ? f.data : reinterpret_cast<const uint8_t*>(f.text.data());
       if (f.sent < hlen) {
-        add(reinterpret_cast<const uint8_t*>(&f.hdr) + f.sent, hlen - f.sent);
-        if (f.hdr.length && budget > 0) add(payload, f.hdr.length);
+        iov[n++] = {reinterpret_cast<uint8_t*>(&f.hdr) + f.sent, hlen - f.sent};
+        if (f.hdr.length) iov[n++] = {const_cast<uint8_t*>(payload), f.hdr.length};
       } else {
         uint64_t off = f.sent - hlen;
-        add(payload + off, f.hdr.length - off);
+        iov[n++] = {const_cast<uint8_t*>(payload + off), f.hdr.length - off};
       }
     }
     msghdr msg{};
     msg.msg_iov = iov;
     msg.msg_iovlen = n;
-    ssize_t w = ::sendmsg(sock_.fd(), &msg, MSG_NOSIGNAL | (nonblocking ? MSG_DONTWAIT : 0));
+    ssize_t w = ::sendmsg(sock_.fd(), &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
     if (w < 0) {
       if (errno == EINTR) continue;
-      if (nonblocking && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+      if (errno == EAGAIN || errno == EWOULDBLOCK) {
+        // The socket buffer is full: the reactor goes on when it has room (EPOLLOUT).
         *fully_sent = first;
         return true;
       }
@@ -189,74 +325,39 @@ bool StreamChannel::write_frames(std::vector<OutFrame>& frames, bool nonblocking
       f.sent += take;
       left -= take;
       // Frames the caller's thread writes at once left right after their op was added (which
-      // stamped it): only the writer thread, draining a backlog, reports progress.
-      if (!nonblocking && !f.response) handler_->on_frame_sent(*this, f.hdr);
+      // stamped it): only the reactor, draining a backlog, reports progress.
+      if (progress && !f.response) handler_->on_frame_sent(*this, f.hdr);
       if (f.sent == total) {
         f.keep.reset();
         ++first;
       }
-    }
-    if (nonblocking && first < frames.size()) {
-      // The socket buffer is full: hand the rest to the writer thread.
-      *fully_sent = first;
-      return true;
     }
   }
   *fully_sent = frames.size();
   return true;
 }
 
-void StreamChannel::writer_loop() {
-  std::vector<OutFrame> batch;
-  std::unique_lock<std::mutex> lk(mu_);
-  for (;;) {
-    cv_.wait(lk, [&] { return stop_ || (!writing_ && !queue_.empty()); });
-    if (stop_) break;
-    writing_ = true;
-    touch_write();
-    batch.clear();
-    while (!queue_.empty() && batch.size() < kMaxFramesPerWrite) {
-      if (queue_.front().response) responses_queued_.fetch_sub(1, std::memory_order_relaxed);
-      batch.push_back(std::move(queue_.front()));
-      queue_.pop_front();
-    }
-    lk.unlock();
-    size_t done = 0;
-    bool ok = write_frames(batch, /*nonblocking=*/false, &done);
-    const int err = errno;
-    batch.clear();
-    lk.lock();
-    writing_ = false;
-    if (!ok) {
-      // A write failed: the peer is gone unless shutdown() (a local close) caused it.
-      stop_ = true;
-      if (!write_errno_) write_errno_ = err ? err : EPIPE;
-      break;
-    }
-  }
-  // Frames never sent are dropped here, releasing what they hold (region pins).
-  queue_.clear();
-  responses_queued_.store(0, std::memory_order_relaxed);
-  lk.unlock();
-  sock_.shutdown();
-}
-
 bool StreamChannel::fill(size_t min_bytes, size_t max_read) {
   if (rend_ - rpos_ >= min_bytes) return true;
   if (rpos_ > 0) {
-    std::memmove(rbuf_.data(), rbuf_.data() + rpos_, rend_ - rpos_);
+    std::memmove(rbuf_.get(), rbuf_.get() + rpos_, rend_ - rpos_);
     rend_ -= rpos_;
     rpos_ = 0;
   }
   while (rend_ < min_bytes) {
-    size_t room = std::min(rbuf_.size() - rend_, std::max(max_read, min_bytes - rend_));
-    ssize_t r = ::recv(sock_.fd(), rbuf_.data() + rend_, room, 0);
+    size_t room = std::min(kReadBuffer - rend_, std::max(max_read, min_bytes - rend_));
+    if (drained_) wait_input();  // the last read emptied the socket: skip a recv that says EAGAIN
+    ssize_t r = ::recv(sock_.fd(), rbuf_.get() + rend_, room, 0);
     if (r > 0) {
       touch_io();
       rend_ += static_cast<size_t>(r);
+      drained_ = static_cast<size_t>(r) < room;
+      took(static_cast<uint64_t>(r));
     } else if (r == 0) {
       errno = ECONNRESET;
       return false;
+    } else if (errno == EAGAIN || errno == EWOULDBLOCK) {
+      wait_input();  // the reactor serves the other channels meanwhile
     } else if (errno != EINTR) {
       return false;
     }
@@ -266,19 +367,36 @@ bool StreamChannel::fill(size_t min_bytes, size_t max_read) {
 
 bool StreamChannel::read_payload(uint8_t* dest, uint64_t n) {
   uint64_t have = std::min<uint64_t>(n, rend_ - rpos_);
-  std::memcpy(dest, rbuf_.data() + rpos_, have);
+  std::memcpy(dest, rbuf_.get() + rpos_, have);
   rpos_ += have;
   dest += have;
   n -= have;
   if (n == 0) return true;
   if (n >= kDirectRead) {
+    // Straight into the destination, as it arrives; waits yield to the reactor.
     exact_header_ = true;
-    bool ok = net::read_full(sock_.fd(), dest, n);
-    touch_io();
-    return ok;
+    while (n > 0) {
+      if (drained_) wait_input();
+      ssize_t r = ::recv(sock_.fd(), dest, n, 0);
+      if (r > 0) {
+        touch_io();
+        drained_ = static_cast<uint64_t>(r) < n;
+        dest += r;
+        n -= static_cast<uint64_t>(r);
+        took(static_cast<uint64_t>(r));
+      } else if (r == 0) {
+        errno = ECONNRESET;
+        return false;
+      } else if (errno == EAGAIN || errno == EWOULDBLOCK) {
+        wait_input();
+      } else if (errno != EINTR) {
+        return false;
+      }
+    }
+    return true;
   }
-  if (!fill(n, rbuf_.size())) return false;
-  std::memcpy(dest, rbuf_.data() + rpos_, n);
+  if (!fill(n, kReadBuffer)) return false;
+  std::memcpy(dest, rbuf_.get() + rpos_, n);
   rpos_ += n;
   return true;
 }
@@ -288,7 +406,7 @@ void StreamChannel::reader_loop() {
   for (;;) {
     bool exact = exact_header_;
     exact_header_ = false;
-    if (!fill(sizeof(FrameHeader), exact ? sizeof(FrameHeader) : rbuf_.size())) {
+    if (!fill(sizeof(FrameHeader), exact ? sizeof(FrameHeader) : kReadBuffer)) {
       const int err = errno;
       bool closing;
       int write_err;
@@ -305,7 +423,7 @@ void StreamChannel::reader_loop() {
       break;
     }
     FrameHeader h;
-    std::memcpy(&h, rbuf_.data() + rpos_, sizeof(h));
+    std::memcpy(&h, rbuf_.get() + rpos_, sizeof(h));
     const char* problem = frame_problem(h);
     if (*problem) {
       why = {ErrorCode::kProtocol, std::string("peer sent a malformed frame (") + problem + ")"};
@@ -333,11 +451,19 @@ void StreamChannel::reader_loop() {
   }
   down_.store(true, std::memory_order_release);
   {
-    // Give a just-posted error frame a moment to leave before the socket goes down.
+    // Give a just-posted error frame a moment to leave before the socket goes down (waiting
+    // by yielding: the reactor drains it meanwhile).
+    auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(50);
     std::unique_lock<std::mutex> lk(mu_);
-    cv_.wait_for(lk, std::chrono::milliseconds(50), [&] { return queue_.empty() && !writing_; });
+    while (!stop_ && (!queue_.empty() || writing_) && std::chrono::steady_clock::now() < until) {
+      if (!writing_) kick();
+      lk.unlock();
+      wait_input(std::min(until, std::chrono::steady_clock::now() + std::chrono::milliseconds(1)));
+      lk.lock();
+    }
     stop_ = true;
-    cv_.notify_all();
+    queue_.clear();  // frames never sent are dropped here, releasing what they hold (pins)
+    responses_queued_.store(0, std::memory_order_relaxed);
   }
   sock_.shutdown();
   handler_->on_channel_down(*this, why);

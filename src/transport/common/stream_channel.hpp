@@ -1,8 +1,9 @@
-// One framed, bidirectional byte stream (a connected socket) with a reader thread and a
-// writer thread. Callers post frames; small frames go out on the caller's thread when the
-// channel is idle (no hand-off), otherwise the writer thread drains a queue with writev.
-// Received frames go to a Handler on the reader thread, which pulls the payload straight
-// into its destination.
+// One framed, bidirectional byte stream (a connected socket), served by the engine-wide
+// progress pool (progress_pool.hpp) rather than threads of its own. Callers post frames;
+// frames go out on the caller's thread when the channel is idle (no hand-off), otherwise the
+// channel's reactor drains the queue with non-blocking writev on EPOLLOUT. Received frames go
+// to a Handler on the channel's receive fiber (on a reactor thread), which pulls the payload
+// straight into its destination; a read that would block yields to the reactor.
 #pragma once
 
 #include <atomic>
@@ -11,12 +12,12 @@
 #include <memory>
 #include <mutex>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "bootstrap/socket.hpp"
 #include "sluice/error.hpp"
 #include "transport/common/frame.hpp"
+#include "transport/common/progress_pool.hpp"
 
 namespace sluice::detail {
 
@@ -47,15 +48,15 @@ class PayloadReader {
   uint64_t remaining_;
 };
 
-class StreamChannel {
+class StreamChannel : private ReactorSource {
  public:
   class Handler {
    public:
     virtual ~Handler() = default;
-    // Called on the reader thread for every well-formed frame. Return a non-ok status to
+    // Called on the channel's receive fiber for every well-formed frame. Return a non-ok status to
     // declare the peer broken (the channel then stops).
     virtual Status on_frame(StreamChannel& ch, const FrameHeader& h, PayloadReader& payload) = 0;
-    // The stream ended or broke (called once, on the reader thread).
+    // The stream ended or broke (called once, on the receive fiber).
     virtual void on_channel_down(StreamChannel& ch, const Status& why) = 0;
     // Bytes of frame `h` (one of ours) were accepted by the socket: per-op progress. Called
     // on whichever thread writes, at most once per frame per write call.
@@ -67,13 +68,14 @@ class StreamChannel {
   void start();
   // Queue a frame; never blocks on the network. Dropped silently once the channel is down.
   void post(OutFrame frame);
-  // Unblock both threads (the handler hears on_channel_down); join() waits for them.
-  // shutdown() is the local close: only after it does the reader report kCancelled.
-  // join() is safe from any thread and concurrently: callers serialise, each thread is joined
-  // once, and a call from one of the channel's own threads joins nothing (no self-join).
+  // Stop the channel (the handler hears on_channel_down); join() waits until the reactor holds
+  // no reference to it any more. shutdown() is the local close: only after it does the
+  // receive side report kCancelled. join() is safe from any thread and concurrently; from the
+  // channel's own fiber it returns at once (no self-join), and from another fiber it waits by
+  // yielding, so that the reactor it may share goes on serving.
   void shutdown();
   void join();
-  // Whether the calling thread is one of this channel's reader / writer threads.
+  // Whether the caller runs on this channel's receive fiber, or is its reactor draining it.
   bool on_own_thread() const;
   // Responses (frames posted with `response`) waiting in the queue, not yet taken by a write.
   size_t responses_queued() const { return responses_queued_.load(std::memory_order_relaxed); }
@@ -91,9 +93,25 @@ class StreamChannel {
  private:
   friend class PayloadReader;
   void reader_loop();
-  void writer_loop();
-  // Write frames [0, n) of `frames`, starting at their `sent` offsets. Returns false on error.
-  bool write_frames(std::vector<OutFrame>& frames, bool nonblocking, size_t* fully_sent);
+  // ReactorSource: readiness and wake-ups, on the reactor thread.
+  void on_events(uint32_t events) override;
+  void on_deadline() override;
+  // Reactor thread: resume the fiber if it waits; after_resume() detaches a finished one.
+  void wake_fiber(bool input = true);
+  void after_resume();
+  // Callers hold mu_: a write failed, the peer is gone.
+  void write_failed(int err);
+  // Reactor thread: write queued frames until the socket is full (EPOLLOUT resumes).
+  void drain();
+  // Ask the reactor to drain (a frame was queued while nobody writes).
+  void kick();
+  // Receive fiber: wait for input (or a wake-up, or `until`).
+  void wait_input(std::chrono::steady_clock::time_point until = {});
+  // Receive fiber: count bytes read; yield to the reactor every so often (fairness).
+  void took(uint64_t bytes);
+  // Write frames of `frames` without blocking, starting at their `sent` offsets; *fully_sent:
+  // frames now wholly on the wire. Returns false on error. `progress`: report on_frame_sent.
+  bool write_frames(std::vector<OutFrame>& frames, bool progress, size_t* fully_sent);
   // Buffer at least min_bytes; reads at most max_read more than that (exact header reads
   // keep large payloads out of the buffer so they land in place with one copy).
   bool fill(size_t min_bytes, size_t max_read);
@@ -102,10 +120,18 @@ class StreamChannel {
   net::Socket sock_;
   Handler* handler_;
   const int index_;
-  std::thread reader_;
-  std::thread writer_;
-  std::thread::id reader_id_, writer_id_;  // set by start(), read-only afterwards
-  std::mutex join_mu_;                     // serialises join()
+  std::shared_ptr<ProgressPool> pool_;  // keeps the reactors alive while we use them
+  Reactor* reactor_ = nullptr;          // set by start(), read-only afterwards
+  std::unique_ptr<Fiber> fiber_;        // the receive side (reader_loop)
+  bool started_ = false;
+  bool waiting_input_ = false;          // reactor thread only: the fiber waits in wait_input()
+  // Reactor thread only: a read came back short, so the socket was empty; the next read waits
+  // for an input edge first (edge-triggered: data arriving after that read brings one).
+  bool drained_ = false;
+  uint64_t read_since_yield_ = 0;       // receive fiber only
+  bool finishing_ = false;              // under mu_: the fiber ended, the reactor's removal is queued
+  bool detached_ = false;               // under mu_: the reactor dropped us (join() may return)
+  std::condition_variable detached_cv_;
   std::atomic<bool> down_{false};
   std::atomic<std::chrono::steady_clock::rep> last_io_{std::chrono::steady_clock::now().time_since_epoch().count()};
   void touch_io() { last_io_.store(std::chrono::steady_clock::now().time_since_epoch().count(), std::memory_order_relaxed); }
@@ -115,15 +141,15 @@ class StreamChannel {
   }
 
   std::mutex mu_;
-  std::condition_variable cv_;
   std::deque<OutFrame> queue_;
-  bool writing_ = false;  // a thread (caller or writer) owns the socket's send side
+  bool writing_ = false;  // a thread (caller or reactor) owns the socket's send side
   bool stop_ = false;     // the channel is going down (any reason)
   bool closing_ = false;  // shutdown() was called: a local close, not a peer failure
   int write_errno_ = 0;   // why a write failed (the peer is gone), 0 if none did
   std::atomic<size_t> responses_queued_{0};
 
-  std::vector<uint8_t> rbuf_;
+  // Not zero-filled: an idle channel's buffer pages are never touched, so cost no memory.
+  std::unique_ptr<uint8_t[]> rbuf_;
   size_t rpos_ = 0, rend_ = 0;
   bool exact_header_ = false;  // the last payload was large: read the next header alone
 };

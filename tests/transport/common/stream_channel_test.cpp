@@ -7,8 +7,10 @@
 #include <netinet/in.h>
 #include <sys/socket.h>
 
+#include <algorithm>
 #include <atomic>
 #include <condition_variable>
+#include <memory>
 #include <thread>
 #include <vector>
 
@@ -128,6 +130,56 @@ TEST(StreamChannel, FailedWriteIsPeerLostNotCancelled) {
   EXPECT_EQ(h.why.code, ErrorCode::kPeerLost) << h.why.to_string();
   ch.shutdown();
   ch.join();
+}
+
+// Channels share the progress reactors: a peer that stops mid-payload must not stall the
+// other channels of its reactor (its read waits by yielding, not by blocking the thread).
+struct CountingHandler : StreamChannel::Handler {
+  std::atomic<int> frames{0}, downs{0};
+  std::vector<uint8_t> sink = std::vector<uint8_t>(1 << 20);
+  Status on_frame(StreamChannel&, const FrameHeader& h, PayloadReader& p) override {
+    if (h.length && !p.read(sink.data(), std::min<uint64_t>(h.length, sink.size())))
+      return {ErrorCode::kPeerLost, "mid-frame"};
+    frames++;
+    return Status::Ok();
+  }
+  void on_channel_down(StreamChannel&, const Status&) override { downs++; }
+};
+
+TEST(StreamChannel, StalledPeerDoesNotStallOthers) {
+  constexpr int kStalled = 16;  // more than the reactors: some share one with the live channel
+  std::vector<net::Socket> stalled_peers;
+  std::vector<std::unique_ptr<StreamChannel>> stalled;
+  CountingHandler hs;
+  for (int i = 0; i < kStalled; ++i) {
+    auto [mine, theirs] = tcp_pair();
+    stalled.push_back(std::make_unique<StreamChannel>(std::move(mine), &hs, i));
+    stalled.back()->start();
+    // A header announcing 1 MiB, then a few bytes of it, then silence.
+    FrameHeader f = make_frame(FrameType::kWrite, 1, 0, 0, 1 << 20);
+    ASSERT_EQ(::send(theirs.fd(), &f, sizeof(f), MSG_NOSIGNAL), static_cast<ssize_t>(sizeof(f)));
+    ASSERT_EQ(::send(theirs.fd(), "0123456789", 10, MSG_NOSIGNAL), 10);
+    stalled_peers.push_back(std::move(theirs));
+  }
+  auto [mine, theirs] = tcp_pair();
+  CountingHandler hl;
+  StreamChannel live(std::move(mine), &hl, 99);
+  live.start();
+  for (int i = 0; i < 100; ++i) {
+    FrameHeader f = make_frame(FrameType::kAck, 1, 0, 0, 0, kLaneEnd);
+    ASSERT_EQ(::send(theirs.fd(), &f, sizeof(f), MSG_NOSIGNAL), static_cast<ssize_t>(sizeof(f)));
+  }
+  auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  while (hl.frames.load() < 100 && std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  EXPECT_EQ(hl.frames.load(), 100) << "a live channel starved behind stalled ones";
+  EXPECT_EQ(hs.frames.load(), 0);
+  // Local close of the stalled ones: each reports once, and join() returns.
+  for (auto& c : stalled) c->shutdown();
+  for (auto& c : stalled) c->join();
+  EXPECT_EQ(hs.downs.load(), kStalled);
+  live.shutdown();
+  live.join();
 }
 
 }  // namespace

@@ -1,0 +1,308 @@
+#include "transport/common/progress_pool.hpp"
+
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
+#include <sys/mman.h>
+#include <ucontext.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdlib>
+#include <string>
+
+#include "core/log.hpp"
+#include "sluice/error.hpp"
+#include "transport/transport.hpp"
+
+// Fibers switch stacks behind the sanitizers' backs unless told (ucontext is not intercepted).
+#if defined(__SANITIZE_THREAD__)
+#define SLUICE_TSAN 1
+#elif defined(__has_feature)
+#if __has_feature(thread_sanitizer)
+#define SLUICE_TSAN 1
+#endif
+#endif
+#if defined(__SANITIZE_ADDRESS__)
+#define SLUICE_ASAN 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define SLUICE_ASAN 1
+#endif
+#endif
+
+#ifdef SLUICE_TSAN
+extern "C" {
+void* __tsan_get_current_fiber(void);
+void* __tsan_create_fiber(unsigned flags);
+void __tsan_destroy_fiber(void* fiber);
+void __tsan_switch_to_fiber(void* fiber, unsigned flags);
+}
+#endif
+#ifdef SLUICE_ASAN
+extern "C" {
+void __sanitizer_start_switch_fiber(void** fake_stack_save, const void* bottom, size_t size);
+void __sanitizer_finish_switch_fiber(void* fake_stack_save, const void** bottom_old, size_t* size_old);
+}
+#endif
+
+namespace sluice::detail {
+
+namespace {
+thread_local Fiber* tls_fiber = nullptr;
+thread_local bool tls_reactor = false;
+constexpr size_t kGuard = 4096;
+}  // namespace
+
+struct Fiber::Context {
+  ucontext_t fiber;
+  ucontext_t caller;
+};
+
+Fiber::Fiber(std::function<void()> body, size_t stack_bytes)
+    : ctx_(std::make_unique<Context>()), body_(std::move(body)), stack_bytes_(stack_bytes) {
+  // The stack is reserved, not committed: an idle channel costs the pages it touched.
+  stack_ = ::mmap(nullptr, stack_bytes_ + kGuard, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
+                  -1, 0);
+  if (stack_ == MAP_FAILED) {
+    stack_ = nullptr;
+    throw Error(ErrorCode::kSystem, "fiber stack: " + std::string(std::strerror(errno)));
+  }
+  ::mprotect(stack_, kGuard, PROT_NONE);  // overflow faults instead of corrupting memory
+  ::getcontext(&ctx_->fiber);
+  ctx_->fiber.uc_stack.ss_sp = static_cast<char*>(stack_) + kGuard;
+  ctx_->fiber.uc_stack.ss_size = stack_bytes_;
+  ctx_->fiber.uc_link = nullptr;
+  auto p = reinterpret_cast<uintptr_t>(this);
+  ::makecontext(&ctx_->fiber, reinterpret_cast<void (*)()>(&Fiber::trampoline), 2, static_cast<unsigned>(p),
+                static_cast<unsigned>(p >> 32));
+#ifdef SLUICE_TSAN
+  san_fiber_ = __tsan_create_fiber(0);
+#endif
+}
+
+Fiber::~Fiber() {
+#ifdef SLUICE_TSAN
+  if (san_fiber_) __tsan_destroy_fiber(san_fiber_);
+#endif
+  if (stack_) ::munmap(stack_, stack_bytes_ + kGuard);
+}
+
+Fiber* Fiber::current() { return tls_fiber; }
+
+void Fiber::trampoline(unsigned lo, unsigned hi) {
+  auto* self = reinterpret_cast<Fiber*>(static_cast<uintptr_t>(lo) | (static_cast<uintptr_t>(hi) << 32));
+#ifdef SLUICE_ASAN
+  __sanitizer_finish_switch_fiber(nullptr, &self->caller_stack_, &self->caller_stack_size_);
+#endif
+  try {
+    self->body_();
+  } catch (const std::exception& e) {
+    SLUICE_LOG(kError, "progress fiber: uncaught exception: " << e.what());
+  }
+  self->finished_ = true;
+  // Back to the reactor for good; this stack is never resumed.
+#ifdef SLUICE_ASAN
+  __sanitizer_start_switch_fiber(nullptr, self->caller_stack_, self->caller_stack_size_);
+#endif
+#ifdef SLUICE_TSAN
+  __tsan_switch_to_fiber(self->san_caller_, 0);
+#endif
+  ::setcontext(&self->ctx_->caller);
+}
+
+void Fiber::resume() {
+  if (finished_) return;
+  Fiber* outer = tls_fiber;
+  tls_fiber = this;
+#ifdef SLUICE_TSAN
+  san_caller_ = __tsan_get_current_fiber();
+  __tsan_switch_to_fiber(san_fiber_, 0);
+#endif
+#ifdef SLUICE_ASAN
+  void* fake = nullptr;
+  __sanitizer_start_switch_fiber(&fake, static_cast<char*>(stack_) + kGuard, stack_bytes_);
+#endif
+  ::swapcontext(&ctx_->caller, &ctx_->fiber);
+#ifdef SLUICE_ASAN
+  __sanitizer_finish_switch_fiber(fake, nullptr, nullptr);
+#endif
+  tls_fiber = outer;
+}
+
+void Fiber::yield() {
+#ifdef SLUICE_ASAN
+  __sanitizer_start_switch_fiber(&asan_fake_, caller_stack_, caller_stack_size_);
+#endif
+#ifdef SLUICE_TSAN
+  __tsan_switch_to_fiber(san_caller_, 0);
+#endif
+  ::swapcontext(&ctx_->fiber, &ctx_->caller);
+#ifdef SLUICE_ASAN
+  __sanitizer_finish_switch_fiber(asan_fake_, &caller_stack_, &caller_stack_size_);
+#endif
+}
+
+Reactor::Reactor() {
+  epfd_ = ::epoll_create1(EPOLL_CLOEXEC);
+  wakefd_ = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+  if (epfd_ < 0 || wakefd_ < 0) throw Error(ErrorCode::kSystem, "progress reactor: " + std::string(std::strerror(errno)));
+  epoll_event ev{};
+  ev.events = EPOLLIN;
+  ev.data.ptr = nullptr;  // the wake descriptor
+  ::epoll_ctl(epfd_, EPOLL_CTL_ADD, wakefd_, &ev);
+  std::lock_guard<std::mutex> lk(mu_);  // the thread reads thread_id_ only after taking mu_
+  thread_ = std::thread([this] {
+    { std::lock_guard<std::mutex> l(mu_); }
+    tls_reactor = true;
+    tls_transport_thread = true;
+    loop();
+  });
+  thread_id_ = thread_.get_id();
+}
+
+Reactor::~Reactor() {
+  stop_.store(true);
+  uint64_t one = 1;
+  (void)!::write(wakefd_, &one, sizeof(one));
+  if (thread_.joinable()) {
+    if (on_thread()) thread_.detach();
+    else thread_.join();
+  }
+  ::close(epfd_);
+  ::close(wakefd_);
+}
+
+void Reactor::add(int fd, ReactorSource* src) {
+  epoll_event ev{};
+  ev.events = EPOLLIN | EPOLLOUT | EPOLLRDHUP | EPOLLET;
+  ev.data.ptr = src;
+  if (::epoll_ctl(epfd_, EPOLL_CTL_ADD, fd, &ev) != 0)
+    throw Error(ErrorCode::kSystem, "epoll_ctl: " + std::string(std::strerror(errno)));
+  sources_.fetch_add(1, std::memory_order_relaxed);
+}
+
+void Reactor::remove(int fd, ReactorSource* src, std::function<void()> done) {
+  // Removed as a task, after the batch that may still name src: no stale pointer is used.
+  post([this, fd, src, done = std::move(done)] {
+    ::epoll_ctl(epfd_, EPOLL_CTL_DEL, fd, nullptr);
+    cancel_wake(src);
+    sources_.fetch_sub(1, std::memory_order_relaxed);
+    done();
+  });
+}
+
+void Reactor::post(std::function<void()> fn) {
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    tasks_.push_back(std::move(fn));
+  }
+  uint64_t one = 1;
+  (void)!::write(wakefd_, &one, sizeof(one));
+}
+
+void Reactor::wake_at(ReactorSource* src, std::chrono::steady_clock::time_point when) {
+  for (auto& d : deadlines_)
+    if (d.second == src) {
+      d.first = when;
+      return;
+    }
+  deadlines_.emplace_back(when, src);
+}
+
+void Reactor::cancel_wake(ReactorSource* src) {
+  std::erase_if(deadlines_, [&](const auto& d) { return d.second == src; });
+}
+
+void Reactor::loop() {
+  constexpr int kMaxEvents = 128;
+  epoll_event evs[kMaxEvents];
+  std::vector<std::function<void()>> tasks;
+  while (!stop_.load(std::memory_order_relaxed)) {
+    int timeout = -1;
+    auto now = std::chrono::steady_clock::now();
+    for (const auto& d : deadlines_) {
+      auto ms = std::chrono::ceil<std::chrono::milliseconds>(d.first - now).count();
+      ms = std::max<long long>(ms, 0);
+      if (timeout < 0 || ms < timeout) timeout = static_cast<int>(std::min<long long>(ms, 1000));
+    }
+    int n = ::epoll_wait(epfd_, evs, kMaxEvents, timeout);
+    if (n < 0 && errno != EINTR) {
+      SLUICE_LOG(kError, "progress reactor: epoll_wait: " << std::strerror(errno));
+      n = 0;
+    }
+    for (int i = 0; i < n; ++i) {
+      if (!evs[i].data.ptr) {
+        uint64_t v;
+        (void)!::read(wakefd_, &v, sizeof(v));
+        continue;
+      }
+      static_cast<ReactorSource*>(evs[i].data.ptr)->on_events(evs[i].events);
+    }
+    if (!deadlines_.empty()) {
+      now = std::chrono::steady_clock::now();
+      std::vector<ReactorSource*> due;
+      for (auto it = deadlines_.begin(); it != deadlines_.end();) {
+        if (it->first <= now) {
+          due.push_back(it->second);
+          it = deadlines_.erase(it);
+        } else {
+          ++it;
+        }
+      }
+      for (auto* s : due) s->on_deadline();
+    }
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      tasks.swap(tasks_);
+    }
+    for (auto& t : tasks) t();
+    tasks.clear();
+  }
+}
+
+int progress_threads_from_env() {
+  unsigned hw = std::max(1u, std::thread::hardware_concurrency());
+  int def = static_cast<int>(std::min(4u, hw));
+  const char* v = std::getenv("SLUICE_PROGRESS_THREADS");
+  if (!v || !*v) return def;
+  char* end = nullptr;
+  errno = 0;
+  long n = std::strtol(v, &end, 10);
+  if (errno || *end || n < 1 || n > 64)
+    throw Error(ErrorCode::kInvalidArgument,
+                std::string("SLUICE_PROGRESS_THREADS: expected an integer in 1..64, got '") + v + "'");
+  return static_cast<int>(n);
+}
+
+ProgressPool::ProgressPool(int threads) {
+  for (int i = 0; i < threads; ++i) reactors_.push_back(std::make_unique<Reactor>());
+}
+
+Reactor& ProgressPool::pick() {
+  Reactor* best = reactors_.front().get();
+  for (auto& r : reactors_)
+    if (r->sources() < best->sources()) best = r.get();
+  return *best;
+}
+
+bool ProgressPool::on_reactor_thread() { return tls_reactor; }
+
+std::shared_ptr<ProgressPool> ProgressPool::shared() {
+  // Kept for the life of the process (reactors idle in epoll_wait cost nothing); a forked
+  // child inherits the object but not its threads, so it builds its own (the parent's copy
+  // is leaked there on purpose: its threads do not exist to be joined).
+  static std::mutex mu;
+  static std::shared_ptr<ProgressPool>* pool = nullptr;
+  static pid_t owner = 0;
+  std::lock_guard<std::mutex> lk(mu);
+  if (!pool || owner != ::getpid()) {
+    int n = progress_threads_from_env();
+    pool = new std::shared_ptr<ProgressPool>(std::make_shared<ProgressPool>(n));
+    owner = ::getpid();
+    SLUICE_LOG(kInfo, "progress: " << n << " reactor threads (SLUICE_PROGRESS_THREADS)");
+  }
+  return *pool;
+}
+
+}  // namespace sluice::detail
