@@ -1,5 +1,7 @@
 #include "bootstrap/listener.hpp"
 
+#include "core/params.hpp"
+
 #include <fcntl.h>
 #include <sys/epoll.h>
 #include <unistd.h>
@@ -29,26 +31,24 @@ bool LogLimiter::allow(uint64_t* held_back) {
 }
 
 namespace {
-long env_long(const char* name, long def, long lo, long hi) {
-  const char* v = std::getenv(name);
-  if (!v || !*v) return def;
-  char* end = nullptr;
-  errno = 0;
-  long n = std::strtol(v, &end, 10);
-  if (errno || *end || n < lo || n > hi)
-    throw Error(ErrorCode::kInvalidArgument, std::string(name) + ": expected an integer in " + std::to_string(lo) +
-                                                 ".." + std::to_string(hi) + ", got '" + v + "'");
-  return n;
-}
+// Process-wide: the listener is created by the engine but reads these where it starts.
+const detail::Param<int> kMaxConnections{
+    "listen.max_connections", "SLUICE_LISTEN_MAX_CONNECTIONS", 1024, detail::int_in(1, 1 << 20),
+    "handshake connections held at once, silent or being handshaken (at the bound the oldest silent one is closed)",
+    detail::ParamScope::kProcess};
+const detail::Param<int> kIdleMs{"listen.idle_ms", "SLUICE_LISTEN_IDLE_MS", 0, detail::int_in(0, 3600 * 1000),
+                                 "how long an accepted connection may stay silent; 0 = the engine's connect_timeout",
+                                 detail::ParamScope::kProcess};
 }  // namespace
 
 void Listener::start(const std::string& host, uint16_t port, Handler handler, int max_handshakes,
                      std::chrono::milliseconds idle) {
   max_handshakes_ = max_handshakes < 1 ? 1 : max_handshakes;
   if (!limits_set_) {
-    max_connections_ = static_cast<int>(env_long("SLUICE_LISTEN_MAX_CONNECTIONS", 1024, 1, 1 << 20));
-    idle_ = std::chrono::milliseconds(
-        env_long("SLUICE_LISTEN_IDLE_MS", std::max<long>(1, static_cast<long>(idle.count())), 1, 3600 * 1000));
+    max_connections_ = kMaxConnections.read();
+    int idle_ms = kIdleMs.read();
+    idle_ = idle_ms > 0 ? std::chrono::milliseconds(idle_ms)
+                        : std::chrono::milliseconds(std::max<long>(1, static_cast<long>(idle.count())));
   }
   max_connections_ = std::max(max_connections_, 1);
   sock_ = net::listen_tcp(host, port);

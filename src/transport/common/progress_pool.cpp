@@ -1,5 +1,7 @@
 #include "transport/common/progress_pool.hpp"
 
+#include "core/params.hpp"
+
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
 #include <sys/mman.h>
@@ -261,18 +263,18 @@ void Reactor::loop() {
   }
 }
 
+namespace {
+// Process-wide, like the pool: read when the pool is first used, never at static init.
+const Param<int> kProgressThreads{"progress.threads", "SLUICE_PROGRESS_THREADS", 0, int_in(0, 64),
+                                  "epoll reactors serving every stream channel of the process; 0 = min(4, cores)",
+                                  ParamScope::kProcess};
+}  // namespace
+
 int progress_threads_from_env() {
+  int n = kProgressThreads.read();
+  if (n > 0) return n;
   unsigned hw = std::max(1u, std::thread::hardware_concurrency());
-  int def = static_cast<int>(std::min(4u, hw));
-  const char* v = std::getenv("SLUICE_PROGRESS_THREADS");
-  if (!v || !*v) return def;
-  char* end = nullptr;
-  errno = 0;
-  long n = std::strtol(v, &end, 10);
-  if (errno || *end || n < 1 || n > 64)
-    throw Error(ErrorCode::kInvalidArgument,
-                std::string("SLUICE_PROGRESS_THREADS: expected an integer in 1..64, got '") + v + "'");
-  return static_cast<int>(n);
+  return static_cast<int>(std::min(4u, hw));
 }
 
 ProgressPool::ProgressPool(int threads) {
