@@ -158,6 +158,50 @@ int NvlinkEndpoint::local_device(const TransferOp& op, const uint8_t* p) {
   return cu::pointer_device(p);
 }
 
+namespace {
+
+// The op's pieces as copies: pieces contiguous on both sides are merged back into one copy
+// (the core cut them for stream transports).
+std::vector<Seg> merged_segs(const TransferOp& op) {
+  std::vector<Seg> segs;
+  for (const Lane& lane : op.lanes)
+    for (const Piece& p : lane.pieces) segs.push_back({p.local, p.remote_id, p.remote_offset, p.length});
+  if (op.lanes.size() > 1)
+    std::sort(segs.begin(), segs.end(), [](const Seg& a, const Seg& b) {
+      return a.remote_id != b.remote_id ? a.remote_id < b.remote_id : a.remote_offset < b.remote_offset;
+    });
+  std::vector<Seg> merged;
+  for (const Seg& g : segs) {
+    if (!merged.empty()) {
+      Seg& m = merged.back();
+      if (m.remote_id == g.remote_id && m.remote_offset + m.length == g.remote_offset && m.local + m.length == g.local) {
+        m.length += g.length;
+        continue;
+      }
+    }
+    merged.push_back(g);
+  }
+  return merged;
+}
+
+}  // namespace
+
+// One enqueue() call: what its copy cases share, and what they leave for its last steps.
+struct CopyPlan {
+  const TransferOp* op = nullptr;
+  cudaStream_t user = nullptr;  // the caller's stream, if the op has one
+  int device = 0;
+  bool write = false;
+  bool local_cuda = false;      // some copy has a local cuda side
+  int nstreams = 1;
+  pid_t pid = 0;
+  std::vector<bool> used;       // the streams (of nstreams) that got copies: one event each
+  std::vector<cma::Span> spans;  // CMA reads, done together
+  std::vector<same_host::PullPiece> pulls;
+  std::vector<std::shared_ptr<std::vector<uint8_t>>> staged;
+  int next = 0;                 // the stream of the next cuda copy
+};
+
 // Enqueue every copy of the op (its regions resolved and leased in `views`): pieces
 // contiguous on both sides are merged back into one copy (the core cut them for stream
 // transports), large copies are split over SLUICE_NVLINK_STREAMS streams. Appends one event
@@ -165,118 +209,119 @@ int NvlinkEndpoint::local_device(const TransferOp& op, const uint8_t* p) {
 Status NvlinkEndpoint::enqueue(const TransferOp& op, cudaStream_t user, Inflight* f,
                                const std::unordered_map<uint64_t, RemoteView>& views) {
   try {
-    const bool write = op.kind != OpKind::kRead;
-    std::vector<Seg> segs;
-    for (const Lane& lane : op.lanes)
-      for (const Piece& p : lane.pieces) segs.push_back({p.local, p.remote_id, p.remote_offset, p.length});
-    if (op.lanes.size() > 1)
-      std::sort(segs.begin(), segs.end(), [](const Seg& a, const Seg& b) {
-        return a.remote_id != b.remote_id ? a.remote_id < b.remote_id : a.remote_offset < b.remote_offset;
-      });
-    std::vector<Seg> merged;
-    for (const Seg& g : segs) {
-      if (!merged.empty()) {
-        Seg& m = merged.back();
-        if (m.remote_id == g.remote_id && m.remote_offset + m.length == g.remote_offset && m.local + m.length == g.local) {
-          m.length += g.length;
-          continue;
-        }
-      }
-      merged.push_back(g);
-    }
-    const int device = f->device;
-    bool local_cuda = false;
-    for (const Seg& g : merged) local_cuda |= local_device(op, g.local) >= 0;
-    cu::check(cudaSetDevice(device), "cudaSetDevice");
-    const int nstreams = user ? 1 : nstreams_;
-    std::vector<bool> used(nstreams, false);
-    auto stream_at = [&](int k) { return user ? user : stream(device, static_cast<size_t>(k)); };
-    std::vector<cma::Span> spans;
-    std::vector<same_host::PullPiece> pulls;
-    std::vector<std::shared_ptr<std::vector<uint8_t>>> staged;
-    const pid_t pid = pid_.load();
-    int next = 0;
+    CopyPlan c;
+    c.op = &op;
+    c.user = user;
+    c.write = op.kind != OpKind::kRead;
+    const std::vector<Seg> merged = merged_segs(op);
+    c.device = f->device;
+    for (const Seg& g : merged) c.local_cuda |= local_device(op, g.local) >= 0;
+    cu::check(cudaSetDevice(c.device), "cudaSetDevice");
+    c.nstreams = user ? 1 : nstreams_;
+    c.used.assign(c.nstreams, false);
+    c.pid = pid_.load();
     for (const Seg& g : merged) {
       // resolve() checked every piece against the described region; merging keeps that.
       const RemoteView& rv = views.at(g.remote_id);
       if (rv.host && rv.ptr) {
-        // The peer's memfd memory is mapped here: a plain memcpy, or a copy from / to the GPU.
-        uint8_t* remote = rv.ptr + g.remote_offset;
-        if (!local_cuda || local_device(op, g.local) < 0) {
-          if (write) std::memcpy(remote, g.local, g.length);
-          else std::memcpy(g.local, remote, g.length);
-        } else {
-          cudaStream_t s = stream_at(0);
-          used[0] = true;
-          cu::check(cudaMemcpyAsync(write ? remote : g.local, write ? g.local : remote, g.length, cudaMemcpyDefault, s),
-                    "cudaMemcpyAsync");
-        }
-        continue;
-      }
-      if (rv.host) {
-        const uint64_t at = rv.addr + g.remote_offset;  // the owner's address, as it described it
-        const bool here_cuda = local_cuda && local_device(op, g.local) >= 0;
-        if (write) {
-          same_host::PullPiece pp{g.remote_id, g.remote_offset, g.length, reinterpret_cast<uint64_t>(g.local), 0, kNoLease, 0};
-          if (here_cuda) {
-            // The owner pulls a host copy of our cuda bytes, kept until it answered.
-            cudaStream_t s = stream_at(0);
-            auto tmp = std::make_shared<std::vector<uint8_t>>(g.length);
-            cu::check(cudaStreamSynchronize(s), "cudaStreamSynchronize");
-            cu::check(cudaMemcpy(tmp->data(), g.local, g.length, cudaMemcpyDefault), "cudaMemcpy");
-            pp.src_addr = reinterpret_cast<uint64_t>(tmp->data());
-            staged.push_back(std::move(tmp));
-          } else if (const RegionEntry* e = pin_of(op, g.local)) {
-            pp.src_region = e->id;  // the owner holds our lease on it while it copies
-            pp.src_slot = e->lease_slot;
-          }
-          pulls.push_back(pp);
-          continue;
-        }
-        if (!here_cuda) {
-          spans.push_back({g.local, at, g.length});
-          continue;
-        }
-        // Local GPU, remote host: stage through host memory.
-        cudaStream_t s = stream_at(0);
-        std::vector<uint8_t> tmp(g.length);
-        Status st = cma::read(pid, {{tmp.data(), at, g.length}});
+        copy_mapped_host(c, g, rv);
+      } else if (rv.host) {
+        Status st = copy_unmapped_host(c, g, rv, *f);
         if (!st.ok()) return st;
-        if (st = f->leases->still(); !st.ok()) return st;
-        cu::check(cudaMemcpyAsync(g.local, tmp.data(), g.length, cudaMemcpyDefault, s), "cudaMemcpyAsync");
-        cu::check(cudaStreamSynchronize(s), "cudaStreamSynchronize");
-        continue;
-      }
-      uint8_t* remote = rv.ptr + g.remote_offset;
-      uint8_t* dst = write ? remote : g.local;
-      const uint8_t* src = write ? g.local : remote;
-      int parts = g.length >= split_min_ ? nstreams : 1;
-      uint64_t step = (g.length / parts + 4095) / 4096 * 4096;
-      for (uint64_t off = 0; off < g.length; off += step) {
-        uint64_t n = std::min(step, g.length - off);
-        int k = next++ % nstreams;
-        cudaStream_t s = stream_at(k);
-        used[k] = true;
-        if (local_cuda && n <= sm_copy_max_)
-          cu::check(cu::sm_copy(dst + off, src + off, n, s), "sm_copy");
-        else
-          cu::check(cudaMemcpyAsync(dst + off, src + off, n, cudaMemcpyDefault, s), "cudaMemcpyAsync");
+      } else {
+        copy_cuda(c, g, rv);
       }
     }
-    if (!spans.empty()) {  // reads only: writes into such memory are pulled by its owner
-      Status st = cma::read(pid, spans);
+    if (!c.spans.empty()) {  // reads only: writes into such memory are pulled by its owner
+      Status st = cma::read(c.pid, c.spans);
       if (!st.ok()) return st;
     }
-    for (int k = 0; k < nstreams; ++k) {
-      if (!used[k]) continue;
-      cudaEvent_t e = take_event(device);
+    for (int k = 0; k < c.nstreams; ++k) {
+      if (!c.used[k]) continue;
+      cudaEvent_t e = take_event(c.device);
       f->events.push_back(e);
-      cu::check(cudaEventRecord(e, stream_at(k)), "cudaEventRecord");
+      cu::check(cudaEventRecord(e, stream_at(c, k)), "cudaEventRecord");
     }
-    if (!pulls.empty()) post_pulls(f, pulls, std::move(staged));
+    if (!c.pulls.empty()) post_pulls(f, c.pulls, std::move(c.staged));
     return Status::Ok();
   } catch (const Error& e) {
     return e.status();
+  }
+}
+
+// The stream for the plan's k-th lane of copies: the caller's, if the op has one.
+cudaStream_t NvlinkEndpoint::stream_at(const CopyPlan& c, int k) {
+  return c.user ? c.user : stream(c.device, static_cast<size_t>(k));
+}
+
+// Copy case: the peer's memfd memory is mapped here: a plain memcpy, or a copy from / to the GPU.
+void NvlinkEndpoint::copy_mapped_host(CopyPlan& c, const Seg& g, const RemoteView& rv) {
+  uint8_t* remote = rv.ptr + g.remote_offset;
+  if (!c.local_cuda || local_device(*c.op, g.local) < 0) {
+    if (c.write) std::memcpy(remote, g.local, g.length);
+    else std::memcpy(g.local, remote, g.length);
+  } else {
+    cudaStream_t s = stream_at(c, 0);
+    c.used[0] = true;
+    cu::check(cudaMemcpyAsync(c.write ? remote : g.local, c.write ? g.local : remote, g.length, cudaMemcpyDefault, s),
+              "cudaMemcpyAsync");
+  }
+}
+
+// Copy case: the peer's host memory is not mapped here. Writes become PULL_WRITE pieces,
+// reads into host memory CMA spans; reads into local GPU memory are staged through host
+// memory now. Throws Error (cuda).
+Status NvlinkEndpoint::copy_unmapped_host(CopyPlan& c, const Seg& g, const RemoteView& rv, Inflight& f) {
+  const uint64_t at = rv.addr + g.remote_offset;  // the owner's address, as it described it
+  const bool here_cuda = c.local_cuda && local_device(*c.op, g.local) >= 0;
+  if (c.write) {
+    same_host::PullPiece pp{g.remote_id, g.remote_offset, g.length, reinterpret_cast<uint64_t>(g.local), 0, kNoLease, 0};
+    if (here_cuda) {
+      // The owner pulls a host copy of our cuda bytes, kept until it answered.
+      cudaStream_t s = stream_at(c, 0);
+      auto tmp = std::make_shared<std::vector<uint8_t>>(g.length);
+      cu::check(cudaStreamSynchronize(s), "cudaStreamSynchronize");
+      cu::check(cudaMemcpy(tmp->data(), g.local, g.length, cudaMemcpyDefault), "cudaMemcpy");
+      pp.src_addr = reinterpret_cast<uint64_t>(tmp->data());
+      c.staged.push_back(std::move(tmp));
+    } else if (const RegionEntry* e = pin_of(*c.op, g.local)) {
+      pp.src_region = e->id;  // the owner holds our lease on it while it copies
+      pp.src_slot = e->lease_slot;
+    }
+    c.pulls.push_back(pp);
+    return Status::Ok();
+  }
+  if (!here_cuda) {
+    c.spans.push_back({g.local, at, g.length});
+    return Status::Ok();
+  }
+  // Local GPU, remote host: stage through host memory.
+  cudaStream_t s = stream_at(c, 0);
+  std::vector<uint8_t> tmp(g.length);
+  Status st = cma::read(c.pid, {{tmp.data(), at, g.length}});
+  if (!st.ok()) return st;
+  if (st = f.leases->still(); !st.ok()) return st;
+  cu::check(cudaMemcpyAsync(g.local, tmp.data(), g.length, cudaMemcpyDefault, s), "cudaMemcpyAsync");
+  cu::check(cudaStreamSynchronize(s), "cudaStreamSynchronize");
+  return Status::Ok();
+}
+
+// Copy case: cuda memory of the peer, mapped here; large copies are split over the streams.
+void NvlinkEndpoint::copy_cuda(CopyPlan& c, const Seg& g, const RemoteView& rv) {
+  uint8_t* remote = rv.ptr + g.remote_offset;
+  uint8_t* dst = c.write ? remote : g.local;
+  const uint8_t* src = c.write ? g.local : remote;
+  int parts = g.length >= split_min_ ? c.nstreams : 1;
+  uint64_t step = (g.length / parts + 4095) / 4096 * 4096;
+  for (uint64_t off = 0; off < g.length; off += step) {
+    uint64_t n = std::min(step, g.length - off);
+    int k = c.next++ % c.nstreams;
+    cudaStream_t s = stream_at(c, k);
+    c.used[k] = true;
+    if (c.local_cuda && n <= sm_copy_max_)
+      cu::check(cu::sm_copy(dst + off, src + off, n, s), "sm_copy");
+    else
+      cu::check(cudaMemcpyAsync(dst + off, src + off, n, cudaMemcpyDefault, s), "cudaMemcpyAsync");
   }
 }
 

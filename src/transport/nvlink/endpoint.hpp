@@ -110,6 +110,8 @@ struct Seg {
   uint64_t length;
 };
 
+struct CopyPlan;  // one enqueue() call (data_path.cpp)
+
 // A peer region as its owner described it over the authenticated socket, and where its bytes
 // are as seen from this process.
 struct RemoteView {
@@ -206,6 +208,10 @@ class NvlinkEndpoint final : public TransportEndpoint, public StreamChannel::Han
   static int local_device(const TransferOp& op, const uint8_t* p);
   Status enqueue(const TransferOp& op, cudaStream_t user, Inflight* f,
                  const std::unordered_map<uint64_t, RemoteView>& views);
+  cudaStream_t stream_at(const CopyPlan& c, int k);
+  void copy_mapped_host(CopyPlan& c, const Seg& g, const RemoteView& rv);
+  Status copy_unmapped_host(CopyPlan& c, const Seg& g, const RemoteView& rv, Inflight& f);
+  void copy_cuda(CopyPlan& c, const Seg& g, const RemoteView& rv);
   void post_pulls(Inflight* f, const std::vector<same_host::PullPiece>& pulls,
                   std::vector<std::shared_ptr<std::vector<uint8_t>>> staged);
 
