@@ -1,0 +1,142 @@
+// nvlink completion: an op's CUDA events (polled on the submitting thread for small ops, else
+// by the endpoint's poller thread), the owner's answers to its PULL_WRITEs, and its lanes
+// finishing (the imm of a write_with_imm after the last one) (see endpoint.hpp).
+#include <algorithm>
+
+#include "transport/nvlink/endpoint.hpp"
+
+namespace sluice::detail::nvlink {
+
+// This side's copies of the op are done with `st`: complete it, unless the owner has yet to
+// answer PULL_WRITEs of it (then the last answer completes it).
+void NvlinkEndpoint::settle(Inflight& f, Status st) {
+  if (auto p = f.pull) {
+    {
+      std::lock_guard<std::mutex> lk(p->mu);
+      p->own_done = true;
+      if (p->st.ok() && !st.ok()) p->st = st;
+      if (p->frames_left > 0) {
+        f.pull.reset();  // no cycle through the parked op
+        p->parked.emplace(std::move(f));
+        return;
+      }
+      st = p->st;
+    }
+    std::lock_guard<std::mutex> lk(pull_mu_);
+    pulls_.erase(f.token);
+  }
+  finish_all(f, st);
+}
+
+// The owner answered a PULL_WRITE frame.
+Status NvlinkEndpoint::take_pull_ack(const FrameHeader& h, PayloadReader& payload) {
+  Status st = frame_status(h, payload);
+  if (h.type == static_cast<uint8_t>(FrameType::kNack) && st.ok()) st = {ErrorCode::kRemoteError, "peer refused the write"};
+  std::shared_ptr<PullState> p;
+  {
+    std::lock_guard<std::mutex> lk(pull_mu_);
+    auto it = pulls_.find(h.op_id);
+    if (it != pulls_.end()) p = it->second;
+  }
+  if (!p) return {ErrorCode::kProtocol, "ack for an unknown operation"};
+  std::optional<Inflight> done;
+  {
+    std::lock_guard<std::mutex> lk(p->mu);
+    if (p->frames_left <= 0) return {ErrorCode::kProtocol, "more acks than PULL_WRITE frames"};
+    if (p->st.ok() && !st.ok()) p->st = st;
+    if (--p->frames_left > 0 || !p->own_done) return Status::Ok();
+    done = std::move(p->parked);
+    p->parked.reset();
+    st = p->st;
+  }
+  {
+    std::lock_guard<std::mutex> lk(pull_mu_);
+    pulls_.erase(h.op_id);
+  }
+  if (done) finish_all(*done, st);
+  return Status::Ok();
+}
+
+// cudaSuccess when every event fired, cudaErrorNotReady, or the first error.
+cudaError_t NvlinkEndpoint::events_done(const Inflight& f) {
+  for (auto e : f.events) {
+    cudaError_t r = cudaEventQuery(e);
+    if (r != cudaSuccess) return r;
+  }
+  return cudaSuccess;
+}
+
+void NvlinkEndpoint::complete(Inflight& f, cudaError_t e) {
+  Status st = Status::Ok();
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    st = {ErrorCode::kInternal, std::string("nvlink copy failed: ") + cudaGetErrorString(e)};
+  }
+  for (auto ev : f.events) give_event(f.device, ev);
+  f.events.clear();
+  if (st.ok() && f.op->kind == OpKind::kRead) st = f.leases->still();
+  settle(f, st);
+}
+
+void NvlinkEndpoint::finish_all(Inflight& f, const Status& st) {
+  for (int i = 0; i < std::max(f.lanes, 1); ++i) finish(f, st);
+}
+
+// A lane finished (or failed): imm after the last lane of a write_with_imm, then complete.
+void NvlinkEndpoint::finish(Inflight& f, const Status& st) {
+  pending_.touch();
+  moved();
+  if (!st.ok()) f.track->failed = true;
+  if (f.track->lanes_left.fetch_sub(1) == 1 && f.op->kind == OpKind::kWriteImm && !f.track->failed && control_) {
+    OutFrame fr;
+    fr.hdr = make_frame(FrameType::kImm, f.token, 0, 0, 0, 0, f.op->imm);
+    control_->post(std::move(fr));
+  }
+  pending_.lane_done(f.token, st);
+}
+
+void NvlinkEndpoint::poll() {
+  std::deque<Inflight> mine;
+  auto idle_since = std::chrono::steady_clock::now();
+  for (;;) {
+    if (mine.empty() && !has_work_.load(std::memory_order_acquire)) {
+      // Spin a little before sleeping: a new op is often right behind the last one.
+      if (std::chrono::steady_clock::now() - idle_since < std::chrono::microseconds(200)) {
+        if (stop_flag_.load(std::memory_order_acquire)) break;
+        std::this_thread::yield();
+        continue;
+      }
+    }
+    {
+      std::unique_lock<std::mutex> lk(mu_);
+      if (mine.empty()) cv_.wait(lk, [&] { return stop_ || !inflight_.empty(); });
+      if (stop_) break;
+      while (!inflight_.empty()) {
+        mine.push_back(std::move(inflight_.front()));
+        inflight_.pop_front();
+      }
+      has_work_.store(false, std::memory_order_release);
+    }
+    bool progressed = false;
+    for (auto it = mine.begin(); it != mine.end();) {
+      cudaError_t e = events_done(*it);
+      if (e == cudaErrorNotReady) {
+        ++it;
+        continue;
+      }
+      complete(*it, e);
+      it = mine.erase(it);
+      progressed = true;
+    }
+    if (mine.empty()) idle_since = std::chrono::steady_clock::now();
+    if (!progressed && !mine.empty()) std::this_thread::yield();
+  }
+  // Closing: wait for the copies so that no engine thread touches memory after close().
+  for (auto& f : mine)
+    for (auto e : f.events) {
+      cudaEventSynchronize(e);
+      give_event(f.device, e);
+    }
+}
+
+}  // namespace sluice::detail::nvlink

@@ -1,0 +1,350 @@
+// nvlink data path: submit resolves and leases the peer's regions an op touches, then enqueues
+// its copies (merged per contiguous range, split over streams) on per-device streams, or moves
+// host bytes with memcpy / CMA / PULL_WRITE; the streams and the event pool (see endpoint.hpp).
+#include <algorithm>
+#include <cstring>
+
+#include "cuda/copy_kernels.hpp"
+#include "transport/common/cma.hpp"
+#include "transport/nvlink/endpoint.hpp"
+
+namespace sluice::detail::nvlink {
+namespace {
+
+const RegionEntry* pin_of(const TransferOp& op, const uint8_t* p) {
+  for (const auto& pin : op.pins) {
+    const RegionEntry* e = pin.get();
+    if (p >= e->base && p < e->base + e->length) return e;
+  }
+  return nullptr;
+}
+
+}  // namespace
+
+void NvlinkEndpoint::submit(std::shared_ptr<TransferOp> op) {
+  uint64_t token = pending_.add(op);
+  if (!token) return;
+  Inflight f;
+  f.op = op;
+  f.token = token;
+  f.track = std::make_shared<OpTrack>();
+  for (auto& l : op->lanes) f.lanes += l.pieces.empty() ? 0 : 1;
+  f.track->lanes_left = f.lanes;
+  f.leases = std::make_shared<LeaseHold>();
+  f.leases->leases = &leases_;
+  // The caller's stream travels with the op (the core admitted it: stream_ordered).
+  auto* user = static_cast<cudaStream_t>(op->options.cuda_stream);
+  Status st = failed_.load() ? Status{ErrorCode::kCancelled, "endpoint closed"} : Status::Ok();
+  std::unordered_map<uint64_t, RemoteView> views;
+  if (st.ok()) st = resolve(*op, &f.device, &views);
+  if (st.ok()) st = hold_leases(views, *f.leases);
+  if (st.ok()) st = enqueue(*op, user, &f, views);
+  if (!st.ok() || f.events.empty()) {
+    for (auto e : f.events) {
+      cudaEventSynchronize(e);
+      give_event(f.device, e);
+    }
+    f.events.clear();
+    if (st.ok() && op->kind == OpKind::kRead) st = f.leases->still();
+    settle(f, st);
+    return;
+  }
+  // Small ops: wait here a moment, so that the caller's Future is already complete (no
+  // thread hand-off on the latency path). Never with a user stream: its earlier work may
+  // take any time.
+  if (!user && op->bytes <= inline_max_) {
+    auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(30);
+    while (std::chrono::steady_clock::now() < until) {
+      if (events_done(f) != cudaErrorNotReady) break;
+    }
+    cudaError_t e = events_done(f);
+    if (e != cudaErrorNotReady) {
+      complete(f, e);
+      return;
+    }
+  }
+  if (poll_waiters_) {
+    // ~300 GB/s over NVLink, plus the completion path; at most 2 ms.
+    uint64_t us = std::min<uint64_t>(op->bytes / 300000 + 30, 2000);
+    op->future->set_busy_wait(std::chrono::microseconds(us));
+  }
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    inflight_.push_back(std::move(f));
+    has_work_.store(true, std::memory_order_release);
+  }
+  cv_.notify_one();
+}
+
+// The device that drives the op's copies: its first local cuda piece's, else the current one.
+int NvlinkEndpoint::op_device(const TransferOp& op) {
+  for (const Lane& lane : op.lanes)
+    for (const Piece& p : lane.pieces) {
+      int d = local_device(op, p.local);
+      if (d >= 0) return d;
+    }
+  int d = 0;
+  cudaGetDevice(&d);
+  return d;
+}
+
+// Every peer region the op touches, as its owner described it, with each piece checked
+// against it.
+Status NvlinkEndpoint::resolve(const TransferOp& op, int* device, std::unordered_map<uint64_t, RemoteView>* out) {
+  try {
+    *device = op_device(op);
+    for (const Lane& lane : op.lanes)
+      for (const Piece& p : lane.pieces) {
+        auto it = out->find(p.remote_id);
+        if (it == out->end()) it = out->emplace(p.remote_id, view(p.remote_id, *device)).first;
+        if (!in_bounds(p.remote_offset, p.length, it->second.length))
+          return {ErrorCode::kOutOfRange, "peer region " + std::to_string(p.remote_id) + " is " +
+                                              std::to_string(it->second.length) + " bytes (as its owner describes it); " +
+                                              std::to_string(p.length) + " bytes at offset " +
+                                              std::to_string(p.remote_offset) + " do not fit"};
+      }
+    return Status::Ok();
+  } catch (const Error& e) {
+    return e.status();
+  }
+}
+
+Status NvlinkEndpoint::hold_leases(const std::unordered_map<uint64_t, RemoteView>& views, LeaseHold& h) {
+  for (const auto& [id, v] : views) {
+    if (v.slot == kNoLease || !leases_.enter(v.slot, id)) {
+      forget_region(id);
+      return {ErrorCode::kUnknownHandle, "peer region " + std::to_string(id) + " is no longer registered"};
+    }
+    h.slots.push_back(v.slot);
+    h.ids.push_back(id);
+  }
+  return Status::Ok();
+}
+
+cudaStream_t NvlinkEndpoint::stream(int device, size_t lane) {
+  std::lock_guard<std::mutex> lk(res_mu_);
+  auto& s = streams_[{device, lane}];
+  if (!s) {
+    cu::check(cudaSetDevice(device), "cudaSetDevice");
+    cu::check(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreate");
+  }
+  return s;
+}
+
+cudaEvent_t NvlinkEndpoint::take_event(int device) {
+  std::lock_guard<std::mutex> lk(res_mu_);
+  auto& pool = event_pool_[device];
+  if (!pool.empty()) {
+    auto e = pool.back();
+    pool.pop_back();
+    return e;
+  }
+  cudaEvent_t e = nullptr;
+  cu::check(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreate");
+  return e;
+}
+
+void NvlinkEndpoint::give_event(int device, cudaEvent_t e) {
+  std::lock_guard<std::mutex> lk(res_mu_);
+  event_pool_[device].push_back(e);
+}
+
+// The device of local address p (from the op's pins), or -1 for host memory.
+int NvlinkEndpoint::local_device(const TransferOp& op, const uint8_t* p) {
+  for (const auto& pin : op.pins) {
+    const RegionEntry* e = pin.get();
+    if (p >= e->base && p < e->base + e->length) return e->location.is_host() ? -1 : e->location.device;
+  }
+  return cu::pointer_device(p);
+}
+
+namespace {
+
+// The op's pieces as copies: pieces contiguous on both sides are merged back into one copy
+// (the core cut them for stream transports).
+std::vector<Seg> merged_segs(const TransferOp& op) {
+  std::vector<Seg> segs;
+  for (const Lane& lane : op.lanes)
+    for (const Piece& p : lane.pieces) segs.push_back({p.local, p.remote_id, p.remote_offset, p.length});
+  if (op.lanes.size() > 1)
+    std::sort(segs.begin(), segs.end(), [](const Seg& a, const Seg& b) {
+      return a.remote_id != b.remote_id ? a.remote_id < b.remote_id : a.remote_offset < b.remote_offset;
+    });
+  std::vector<Seg> merged;
+  for (const Seg& g : segs) {
+    if (!merged.empty()) {
+      Seg& m = merged.back();
+      if (m.remote_id == g.remote_id && m.remote_offset + m.length == g.remote_offset && m.local + m.length == g.local) {
+        m.length += g.length;
+        continue;
+      }
+    }
+    merged.push_back(g);
+  }
+  return merged;
+}
+
+}  // namespace
+
+// One enqueue() call: what its copy cases share, and what they leave for its last steps.
+struct CopyPlan {
+  const TransferOp* op = nullptr;
+  cudaStream_t user = nullptr;  // the caller's stream, if the op has one
+  int device = 0;
+  bool write = false;
+  bool local_cuda = false;      // some copy has a local cuda side
+  int nstreams = 1;
+  pid_t pid = 0;
+  std::vector<bool> used;       // the streams (of nstreams) that got copies: one event each
+  std::vector<cma::Span> spans;  // CMA reads, done together
+  std::vector<same_host::PullPiece> pulls;
+  std::vector<std::shared_ptr<std::vector<uint8_t>>> staged;
+  int next = 0;                 // the stream of the next cuda copy
+};
+
+// Enqueue every copy of the op (its regions resolved and leased in `views`): pieces
+// contiguous on both sides are merged back into one copy (the core cut them for stream
+// transports), large copies are split over SLUICE_NVLINK_STREAMS streams. Appends one event
+// per stream used to f->events (none when everything completed synchronously).
+Status NvlinkEndpoint::enqueue(const TransferOp& op, cudaStream_t user, Inflight* f,
+                               const std::unordered_map<uint64_t, RemoteView>& views) {
+  try {
+    CopyPlan c;
+    c.op = &op;
+    c.user = user;
+    c.write = op.kind != OpKind::kRead;
+    const std::vector<Seg> merged = merged_segs(op);
+    c.device = f->device;
+    for (const Seg& g : merged) c.local_cuda |= local_device(op, g.local) >= 0;
+    cu::check(cudaSetDevice(c.device), "cudaSetDevice");
+    c.nstreams = user ? 1 : nstreams_;
+    c.used.assign(c.nstreams, false);
+    c.pid = pid_.load();
+    for (const Seg& g : merged) {
+      // resolve() checked every piece against the described region; merging keeps that.
+      const RemoteView& rv = views.at(g.remote_id);
+      if (rv.host && rv.ptr) {
+        copy_mapped_host(c, g, rv);
+      } else if (rv.host) {
+        Status st = copy_unmapped_host(c, g, rv, *f);
+        if (!st.ok()) return st;
+      } else {
+        copy_cuda(c, g, rv);
+      }
+    }
+    if (!c.spans.empty()) {  // reads only: writes into such memory are pulled by its owner
+      Status st = cma::read(c.pid, c.spans);
+      if (!st.ok()) return st;
+    }
+    for (int k = 0; k < c.nstreams; ++k) {
+      if (!c.used[k]) continue;
+      cudaEvent_t e = take_event(c.device);
+      f->events.push_back(e);
+      cu::check(cudaEventRecord(e, stream_at(c, k)), "cudaEventRecord");
+    }
+    if (!c.pulls.empty()) post_pulls(f, c.pulls, std::move(c.staged));
+    return Status::Ok();
+  } catch (const Error& e) {
+    return e.status();
+  }
+}
+
+// The stream for the plan's k-th lane of copies: the caller's, if the op has one.
+cudaStream_t NvlinkEndpoint::stream_at(const CopyPlan& c, int k) {
+  return c.user ? c.user : stream(c.device, static_cast<size_t>(k));
+}
+
+// Copy case: the peer's memfd memory is mapped here: a plain memcpy, or a copy from / to the GPU.
+void NvlinkEndpoint::copy_mapped_host(CopyPlan& c, const Seg& g, const RemoteView& rv) {
+  uint8_t* remote = rv.ptr + g.remote_offset;
+  if (!c.local_cuda || local_device(*c.op, g.local) < 0) {
+    if (c.write) std::memcpy(remote, g.local, g.length);
+    else std::memcpy(g.local, remote, g.length);
+  } else {
+    cudaStream_t s = stream_at(c, 0);
+    c.used[0] = true;
+    cu::check(cudaMemcpyAsync(c.write ? remote : g.local, c.write ? g.local : remote, g.length, cudaMemcpyDefault, s),
+              "cudaMemcpyAsync");
+  }
+}
+
+// Copy case: the peer's host memory is not mapped here. Writes become PULL_WRITE pieces,
+// reads into host memory CMA spans; reads into local GPU memory are staged through host
+// memory now. Throws Error (cuda).
+Status NvlinkEndpoint::copy_unmapped_host(CopyPlan& c, const Seg& g, const RemoteView& rv, Inflight& f) {
+  const uint64_t at = rv.addr + g.remote_offset;  // the owner's address, as it described it
+  const bool here_cuda = c.local_cuda && local_device(*c.op, g.local) >= 0;
+  if (c.write) {
+    same_host::PullPiece pp{g.remote_id, g.remote_offset, g.length, reinterpret_cast<uint64_t>(g.local), 0, kNoLease, 0};
+    if (here_cuda) {
+      // The owner pulls a host copy of our cuda bytes, kept until it answered.
+      cudaStream_t s = stream_at(c, 0);
+      auto tmp = std::make_shared<std::vector<uint8_t>>(g.length);
+      cu::check(cudaStreamSynchronize(s), "cudaStreamSynchronize");
+      cu::check(cudaMemcpy(tmp->data(), g.local, g.length, cudaMemcpyDefault), "cudaMemcpy");
+      pp.src_addr = reinterpret_cast<uint64_t>(tmp->data());
+      c.staged.push_back(std::move(tmp));
+    } else if (const RegionEntry* e = pin_of(*c.op, g.local)) {
+      pp.src_region = e->id;  // the owner holds our lease on it while it copies
+      pp.src_slot = e->lease_slot;
+    }
+    c.pulls.push_back(pp);
+    return Status::Ok();
+  }
+  if (!here_cuda) {
+    c.spans.push_back({g.local, at, g.length});
+    return Status::Ok();
+  }
+  // Local GPU, remote host: stage through host memory.
+  cudaStream_t s = stream_at(c, 0);
+  std::vector<uint8_t> tmp(g.length);
+  Status st = cma::read(c.pid, {{tmp.data(), at, g.length}});
+  if (!st.ok()) return st;
+  if (st = f.leases->still(); !st.ok()) return st;
+  cu::check(cudaMemcpyAsync(g.local, tmp.data(), g.length, cudaMemcpyDefault, s), "cudaMemcpyAsync");
+  cu::check(cudaStreamSynchronize(s), "cudaStreamSynchronize");
+  return Status::Ok();
+}
+
+// Copy case: cuda memory of the peer, mapped here; large copies are split over the streams.
+void NvlinkEndpoint::copy_cuda(CopyPlan& c, const Seg& g, const RemoteView& rv) {
+  uint8_t* remote = rv.ptr + g.remote_offset;
+  uint8_t* dst = c.write ? remote : g.local;
+  const uint8_t* src = c.write ? g.local : remote;
+  int parts = g.length >= split_min_ ? c.nstreams : 1;
+  uint64_t step = (g.length / parts + 4095) / 4096 * 4096;
+  for (uint64_t off = 0; off < g.length; off += step) {
+    uint64_t n = std::min(step, g.length - off);
+    int k = c.next++ % c.nstreams;
+    cudaStream_t s = stream_at(c, k);
+    c.used[k] = true;
+    if (c.local_cuda && n <= sm_copy_max_)
+      cu::check(cu::sm_copy(dst + off, src + off, n, s), "sm_copy");
+    else
+      cu::check(cudaMemcpyAsync(dst + off, src + off, n, cudaMemcpyDefault, s), "cudaMemcpyAsync");
+  }
+}
+
+// Last step of enqueue: the owner is asked to pull `pulls` (at most kMaxPullPieces a frame).
+void NvlinkEndpoint::post_pulls(Inflight* f, const std::vector<same_host::PullPiece>& pulls,
+                                std::vector<std::shared_ptr<std::vector<uint8_t>>> staged) {
+  auto p = std::make_shared<PullState>();
+  p->staged = std::move(staged);
+  p->frames_left = static_cast<int>((pulls.size() + same_host::kMaxPullPieces - 1) / same_host::kMaxPullPieces);
+  f->pull = p;
+  {
+    std::lock_guard<std::mutex> lk(pull_mu_);
+    pulls_[f->token] = p;
+  }
+  for (size_t first = 0; first < pulls.size(); first += same_host::kMaxPullPieces) {
+    auto buf = std::make_shared<std::vector<same_host::PullPiece>>(
+        pulls.begin() + first, pulls.begin() + std::min(pulls.size(), first + same_host::kMaxPullPieces));
+    OutFrame fr;
+    fr.hdr = make_frame(FrameType::kPullWrite, f->token, 0, 0, buf->size() * sizeof(same_host::PullPiece));
+    fr.data = reinterpret_cast<const uint8_t*>(buf->data());
+    fr.keep = buf;
+    control_->post(std::move(fr));
+  }
+}
+
+}  // namespace sluice::detail::nvlink

@@ -1,0 +1,278 @@
+// nvlink endpoint: one proven same-host peer, CUDA and host memory (the transport and its
+// design are in nvlink_transport.cpp). The endpoint is split by concern:
+//   endpoint.cpp    set-up (prove / authenticate / attach), describing our regions, close, failure
+//   peer_view.cpp   the peer's regions as their owner describes them: cuda imports, host mappings
+//   data_path.cpp   submit: resolve and lease the peer's regions, streams and events, the copies
+//   completion.cpp  completion: CUDA events, the poller thread, PULL_WRITE answers, lanes
+//   control.cpp     control frames: imm, SEND rendezvous, serving the peer's PULL_WRITEs
+#pragma once
+
+#include <cuda_runtime_api.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "core/lease_table.hpp"
+#include "cuda/cuda_util.hpp"
+#include "transport/common/control_frames.hpp"
+#include "transport/common/pending_ops.hpp"
+#include "transport/common/same_host.hpp"
+#include "transport/common/same_host_endpoints.hpp"
+#include "transport/common/same_host_wire.hpp"
+#include "transport/common/stream_channel.hpp"
+#include "transport/transport.hpp"
+
+namespace sluice::detail::nvlink {
+
+namespace cu = sluice::detail::cuda;
+
+struct OpTrack {
+  std::atomic<int> lanes_left{0};
+  std::atomic<bool> failed{false};
+};
+
+struct FdGuard {
+  int fd;
+  ~FdGuard() {
+    if (fd >= 0) ::close(fd);
+  }
+};
+
+// Leases on the peer regions an op touches (see core/lease_table.hpp): the peer cannot finish
+// unregistering one while our copies may still reach it.
+struct LeaseHold {
+  PeerLeases* leases = nullptr;
+  std::vector<uint32_t> slots;
+  std::vector<uint64_t> ids;
+  ~LeaseHold() {
+    for (uint32_t s : slots) leases->leave(s);
+  }
+  // After a read: the bytes count only if the owner withdrew none of the regions meanwhile (it
+  // may have stopped waiting for us and reused the memory).
+  Status still() const {
+    for (size_t i = 0; i < slots.size(); ++i)
+      if (!leases->still(slots[i], ids[i]))
+        return {ErrorCode::kUnknownHandle, "peer region " + std::to_string(ids[i]) +
+                                               " was unregistered during the copy; the copy is discarded"};
+    return Status::Ok();
+  }
+};
+
+struct PullState;
+
+// One submitted op: the events of the streams its copies went on; when every event has
+// fired (and the owner answered every PULL_WRITE of it), each of its `lanes` non-empty lanes
+// completes.
+struct Inflight {
+  std::shared_ptr<TransferOp> op;
+  uint64_t token = 0;
+  std::shared_ptr<OpTrack> track;
+  std::vector<cudaEvent_t> events;
+  int device = 0;
+  int lanes = 0;
+  std::shared_ptr<LeaseHold> leases;  // released when the op's copies are done
+  std::shared_ptr<PullState> pull;    // the op's writes the owner executes, if any
+};
+
+// Writes into a peer's host memory that is not a mapped memfd are PULL_WRITEs, as in shm: the
+// owner copies the bytes out of this process into its own region (process_vm_readv), so no
+// late write of ours can land in memory the owner already reused. The op completes once its
+// own copies are done and every frame was answered, whichever comes last.
+struct PullState {
+  std::mutex mu;
+  int frames_left = 0;
+  bool own_done = false;
+  Status st;
+  std::optional<Inflight> parked;  // the op, once its own copies are done, until the last answer
+  std::vector<std::shared_ptr<std::vector<uint8_t>>> staged;  // host copies of cuda sources
+};
+
+// A copy after merging the op's pieces.
+struct Seg {
+  uint8_t* local;
+  uint64_t remote_id;
+  uint64_t remote_offset;
+  uint64_t length;
+};
+
+struct CopyPlan;  // one enqueue() call (data_path.cpp)
+
+// A peer region as its owner described it over the authenticated socket, and where its bytes
+// are as seen from this process.
+struct RemoteView {
+  uint8_t* ptr = nullptr;  // byte 0 as addressable here (cuda regions, mapped memfd host regions)
+  bool host = false;       // a host region: mapped (ptr) or else moved with CMA at `addr`
+  uint64_t addr = 0;       // the owner's virtual address of byte 0
+  uint64_t length = 0;     // every offset is checked against this
+  uint32_t slot = kNoLease;
+  std::shared_ptr<void> keep;  // the import or mapping `ptr` points into
+};
+
+// A peer's engine-allocated (memfd) host region mapped here, as shm does.
+struct HostMapping {
+  uint8_t* base = nullptr;
+  uint64_t length = 0;
+  ~HostMapping() {
+    if (base) ::munmap(base, length);
+  }
+};
+
+// One of the peer's cuda allocations mapped here, and the regions that use it: the mapping is
+// reused for a new region only while one of them is still registered (else the owner may have
+// freed the allocation and made a new one at the same address).
+struct ImportRec {
+  std::shared_ptr<cu::Import> imp;
+  std::vector<std::pair<uint32_t, uint64_t>> users;  // (lease slot, region id)
+};
+
+// Fields of the owner's description of a region (peer_view.cpp); the transport reads the
+// peer's info with string_field too.
+uint64_t unsigned_field(const nlohmann::json& j, const char* key, const char* what);
+std::string string_field(const nlohmann::json& j, const char* key);
+
+// What endpoints need from their transport (it outlives them).
+class NvlinkHost {
+ public:
+  virtual ~NvlinkHost() = default;
+  virtual const Registry& registry() const = 0;
+  virtual const std::string& engine_id() const = 0;
+  virtual int lease_fd() const = 0;
+  virtual void forget(uint64_t token) = 0;
+};
+
+class NvlinkEndpoint final : public TransportEndpoint, public StreamChannel::Handler, public same_host::ProvenEndpoint {
+ public:
+  // endpoint.cpp
+  NvlinkEndpoint(const EndpointSetup& s, NvlinkHost& host, std::string peer_socket);
+  ~NvlinkEndpoint() override { close({ErrorCode::kCancelled, "endpoint destroyed"}); }
+
+  void connect(const ChannelOpener& open) override;
+  nlohmann::json attach(int index, const nlohmann::json&) override;
+  // The listener's socket carried only the handshake; the same-host socket is the channel.
+  bool adopt(int, net::Socket) override { return true; }
+
+  // Called by the transport's socket service.
+  bool active() const { return active_; }
+
+  void authenticate(net::Socket& sock, const same_host::PeerCred& cred, int lease_fd, const std::string& engine) override;
+  nlohmann::json describe_local(uint64_t id, const same_host::PeerCred& cred, int* fd_out) const override;
+
+  size_t pending() const override { return pending_.size(); }
+  std::chrono::steady_clock::time_point last_progress() const override { return pending_.last_progress(); }
+  size_t expire_ops(std::chrono::steady_clock::time_point now, std::chrono::milliseconds timeout,
+                    std::string* what) override;
+
+  void close(const Status& why) override;
+
+  // data_path.cpp
+  void submit(std::shared_ptr<TransferOp> op) override;
+
+  // control.cpp
+  void send(std::shared_ptr<MessageOp> op) override;
+  Status on_frame(StreamChannel& ch, const FrameHeader& h, PayloadReader& payload) override;
+  void on_channel_down(StreamChannel&, const Status& why) override { fail(why, true); }
+
+ private:
+  // endpoint.cpp
+  void proven(pid_t pid);
+  void install(net::Socket sock);
+  void fail(const Status& why, bool notify);
+
+  // peer_view.cpp
+  void forget_region(uint64_t id);
+  RemoteView view(uint64_t id, int device);
+  uint8_t* map_cuda(uint64_t id, const nlohmann::json& r, int fd, int device, RemoteView& rv);
+
+  // data_path.cpp
+  int op_device(const TransferOp& op);
+  Status resolve(const TransferOp& op, int* device, std::unordered_map<uint64_t, RemoteView>* out);
+  Status hold_leases(const std::unordered_map<uint64_t, RemoteView>& views, LeaseHold& h);
+  cudaStream_t stream(int device, size_t lane);
+  cudaEvent_t take_event(int device);
+  void give_event(int device, cudaEvent_t e);
+  static int local_device(const TransferOp& op, const uint8_t* p);
+  Status enqueue(const TransferOp& op, cudaStream_t user, Inflight* f,
+                 const std::unordered_map<uint64_t, RemoteView>& views);
+  cudaStream_t stream_at(const CopyPlan& c, int k);
+  void copy_mapped_host(CopyPlan& c, const Seg& g, const RemoteView& rv);
+  Status copy_unmapped_host(CopyPlan& c, const Seg& g, const RemoteView& rv, Inflight& f);
+  void copy_cuda(CopyPlan& c, const Seg& g, const RemoteView& rv);
+  void post_pulls(Inflight* f, const std::vector<same_host::PullPiece>& pulls,
+                  std::vector<std::shared_ptr<std::vector<uint8_t>>> staged);
+
+  // completion.cpp
+  void settle(Inflight& f, Status st);
+  Status take_pull_ack(const FrameHeader& h, PayloadReader& payload);
+  static cudaError_t events_done(const Inflight& f);
+  void complete(Inflight& f, cudaError_t e);
+  void finish_all(Inflight& f, const Status& st);
+  void finish(Inflight& f, const Status& st);
+  void poll();
+
+  // control.cpp
+  Status serve_rts(StreamChannel& ch, const FrameHeader& h);
+  Status serve_pull(StreamChannel& ch, const FrameHeader& h, PayloadReader& payload);
+
+
+  NvlinkHost& host_;
+  EndpointEvents* events_;
+  const bool active_;
+  const uint64_t token_;
+  const std::string peer_socket_;
+  const std::string peer_engine_;
+  const std::chrono::milliseconds timeout_;
+  // Set once the peer proved itself: the process the kernel named, never a pid a message claimed.
+  std::atomic<pid_t> pid_{0};
+  std::atomic<bool> same_process_{false};
+  std::atomic<bool> authenticated_{false};
+  uint64_t sm_copy_max_ = 0;
+  int nstreams_ = 1;
+  uint64_t split_min_ = 8ull << 20;
+  uint64_t inline_max_ = 64ull << 10;
+  bool poll_waiters_ = false;
+  std::unique_ptr<StreamChannel> control_;
+  PendingOps pending_;
+  std::atomic<std::chrono::steady_clock::rep> moving_{0};  // when work of ours last completed
+  void moved() { moving_.store(std::chrono::steady_clock::now().time_since_epoch().count(), std::memory_order_relaxed); }
+  std::atomic<bool> failed_{false};
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  PeerLeases leases_;  // declared before inflight_: destroyed after the ops holding leases
+  std::deque<Inflight> inflight_;
+  bool stop_ = false;
+  std::atomic<bool> stop_flag_{false};
+  std::atomic<bool> has_work_{false};
+  std::thread poller_;
+
+  std::mutex res_mu_;
+  std::map<std::pair<int, size_t>, cudaStream_t> streams_;
+  std::map<int, std::vector<cudaEvent_t>> event_pool_;
+
+  std::mutex map_mu_;
+  std::unordered_map<uint64_t, RemoteView> views_;   // peer region id -> its owner's description
+  std::unordered_map<uint64_t, ImportRec> imports_;  // peer allocation base -> its mapping here
+
+  std::mutex pull_mu_;
+  std::unordered_map<uint64_t, std::shared_ptr<PullState>> pulls_;  // op token -> its PULL_WRITEs
+
+  std::mutex close_mu_;
+  bool closed_ = false;
+};
+
+}  // namespace sluice::detail::nvlink
