@@ -53,15 +53,19 @@ class FakeEndpoint final : public TransportEndpoint {
   size_t pending() const override { return pending_.size(); }
   std::chrono::steady_clock::time_point last_progress() const override { return pending_.last_progress(); }
   // Per-operation deadlines, as the socket transports keep them (PendingOps::expire): an op
-  // the test holds sees no progress and fails with kTimeout; the core then fails the endpoint.
+  // the test holds sees no progress. Counted, not failed, as tcp does: the core then fails
+  // the endpoint and closes us, and close() fails the ops with kTimeout, so by the time a
+  // test sees the op's future complete the endpoint is already marked lost.
   size_t expire_ops(std::chrono::steady_clock::time_point now, std::chrono::milliseconds timeout,
                     std::string* what) override {
-    return pending_.expire(now, timeout, what, /*fail=*/true);
+    return pending_.expire(now, timeout, what, /*fail=*/false);
   }
 
   void close(const Status& why) override { stop(why, /*notify=*/false); }
 
-  // The transport lost its peer: fail everything, then tell the core (tcp's channel-down path).
+  // The transport lost its peer (notify): tell the core, then fail everything. The core is
+  // told first (tcp does it the other way round) so that a test that sees an op fail also
+  // sees the endpoint marked lost, without polling.
   void stop(const Status& why, bool notify) {
     {
       std::lock_guard<std::mutex> lk(FakeNet::get().serve_mu());
@@ -70,8 +74,8 @@ class FakeEndpoint final : public TransportEndpoint {
     }
     FakeNet::get().drop_from(this);
     FakeNet::get().unlink(token_, this);
-    pending_.fail_all(why);
     if (notify) events_->on_failure(why);
+    pending_.fail_all(why);
   }
 
   void set_self(std::weak_ptr<FakeEndpoint> self) { self_ = std::move(self); }
