@@ -166,6 +166,8 @@ void NvlinkEndpoint::install(net::Socket sock) {
 
 void NvlinkEndpoint::fail(const Status& why, bool notify) {
   if (failed_.exchange(true)) return;
+  // The core learns first: whoever sees a failed future then sees a failed endpoint.
+  if (notify) events_->on_failure(why);
   if (control_) control_->shutdown();
   {
     std::lock_guard<std::mutex> lk(mu_);
@@ -189,7 +191,6 @@ void NvlinkEndpoint::fail(const Status& why, bool notify) {
     std::lock_guard<std::mutex> lk(pull_mu_);
     pulls_.clear();
   }
-  if (notify) events_->on_failure(why);
 }
 
 }  // namespace sluice::detail::nvlink

@@ -203,6 +203,8 @@ void RdmaEndpoint::wake() {
 
 void RdmaEndpoint::fail(const Status& why, bool notify) {
   failed_.store(true);
+  // The core learns first: whoever sees a failed future then sees a failed endpoint.
+  if (notify && events_ && !notified_.exchange(true)) events_->on_failure(why);
   if (!failing_.exchange(true)) {
     SLUICE_LOG(kDebug, "rdma: endpoint failed: " << why.message);
     // Flush the queues: every outstanding WR completes with IBV_WC_WR_FLUSH_ERR.
@@ -220,7 +222,6 @@ void RdmaEndpoint::fail(const Status& why, bool notify) {
     std::lock_guard<std::mutex> lk(gone_mu_);
     gone_cv_.notify_all();
   }
-  if (notify && events_ && !notified_.exchange(true)) events_->on_failure(why);
 }
 
 }  // namespace sluice::detail::rdma

@@ -622,6 +622,8 @@ Status ShmEndpoint::serve_rts(StreamChannel& ch, const FrameHeader& h, PayloadRe
 
 void ShmEndpoint::fail(const Status& why, bool notify) {
   if (failed_.exchange(true)) return;
+  // The core learns first: whoever sees a failed future then sees a failed endpoint.
+  if (notify) events_->on_failure(why);
   {
     std::lock_guard<std::mutex> lk(ctl_mu_);
     if (control_) control_->shutdown();
@@ -637,7 +639,6 @@ void ShmEndpoint::fail(const Status& why, bool notify) {
     std::lock_guard<std::mutex> lk(track_mu_);
     pulls_.clear();
   }
-  if (notify) events_->on_failure(why);
 }
 
 }  // namespace sluice::detail::shm

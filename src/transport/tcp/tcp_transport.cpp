@@ -281,13 +281,14 @@ class TcpEndpoint final : public TransportEndpoint, public StreamChannel::Handle
 
   void fail(const Status& why, bool notify) {
     if (failed_.exchange(true)) return;
+    // The core learns first: whoever sees a failed future then sees a failed endpoint.
+    if (notify) events_->on_failure(why);
     {
       std::lock_guard<std::mutex> lk(attach_mu_);
       for (auto& ch : channels_)
         if (ch) ch->shutdown();
     }
     pending_.fail_all(why);
-    if (notify) events_->on_failure(why);
   }
 
   // A peer that sends requests and never reads the responses: bounded per channel.
