@@ -143,6 +143,11 @@ bool StreamChannel::on_own_thread() const { return tls_current == this; }
 
 void StreamChannel::shutdown() {
   {
+    // Waits for a copy into a destination in progress on the channel's fiber; none starts after.
+    std::lock_guard<std::mutex> lk(dest_mu_);
+    dest_closed_ = true;
+  }
+  {
     std::lock_guard<std::mutex> lk(mu_);
     stop_ = true;
     closing_ = true;
@@ -367,7 +372,14 @@ bool StreamChannel::fill(size_t min_bytes, size_t max_read) {
 
 bool StreamChannel::read_payload(uint8_t* dest, uint64_t n) {
   uint64_t have = std::min<uint64_t>(n, rend_ - rpos_);
-  std::memcpy(dest, rbuf_.get() + rpos_, have);
+  {
+    std::lock_guard<std::mutex> lk(dest_mu_);
+    if (dest_closed_) {
+      errno = ECONNRESET;
+      return false;
+    }
+    std::memcpy(dest, rbuf_.get() + rpos_, have);
+  }
   rpos_ += have;
   dest += have;
   n -= have;
@@ -377,7 +389,15 @@ bool StreamChannel::read_payload(uint8_t* dest, uint64_t n) {
     exact_header_ = true;
     while (n > 0) {
       if (drained_) wait_input();
-      ssize_t r = ::recv(sock_.fd(), dest, n, 0);
+      ssize_t r;
+      {
+        std::lock_guard<std::mutex> lk(dest_mu_);  // non-blocking recv: never held across a wait
+        if (dest_closed_) {
+          errno = ECONNRESET;
+          return false;
+        }
+        r = ::recv(sock_.fd(), dest, n, 0);
+      }
       if (r > 0) {
         touch_io();
         drained_ = static_cast<uint64_t>(r) < n;
@@ -396,7 +416,14 @@ bool StreamChannel::read_payload(uint8_t* dest, uint64_t n) {
     return true;
   }
   if (!fill(n, kReadBuffer)) return false;
-  std::memcpy(dest, rbuf_.get() + rpos_, n);
+  {
+    std::lock_guard<std::mutex> lk(dest_mu_);
+    if (dest_closed_) {
+      errno = ECONNRESET;
+      return false;
+    }
+    std::memcpy(dest, rbuf_.get() + rpos_, n);
+  }
   rpos_ += n;
   return true;
 }

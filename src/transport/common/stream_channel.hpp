@@ -140,6 +140,14 @@ class StreamChannel : private ReactorSource {
     write_progress_.store(std::chrono::steady_clock::now().time_since_epoch().count(), std::memory_order_relaxed);
   }
 
+  // Guards every write into a payload's destination (an op's registered memory). shutdown()
+  // sets dest_closed_ under it, so once shutdown() returns no byte lands in a destination any
+  // more: the transport may then fail the ops and their owners may free the memory (without
+  // this a fiber could still be copying buffered bytes of a read response into a buffer whose
+  // future had already failed). Held only around non-blocking copies, never across a yield.
+  std::mutex dest_mu_;
+  bool dest_closed_ = false;
+
   std::mutex mu_;
   std::deque<OutFrame> queue_;
   bool writing_ = false;  // a thread (caller or reactor) owns the socket's send side
