@@ -98,7 +98,6 @@ void StreamChannel::after_resume() {
 
 void StreamChannel::wake_fiber(bool input) {
   // Any wake but a timer may mean new input (or a local shutdown): read before waiting again.
-  if (input) drained_ = false;
   if (!waiting_input_) return;
   waiting_input_ = false;
   reactor_->cancel_wake(this);
@@ -351,12 +350,12 @@ bool StreamChannel::fill(size_t min_bytes, size_t max_read) {
   }
   while (rend_ < min_bytes) {
     size_t room = std::min(kReadBuffer - rend_, std::max(max_read, min_bytes - rend_));
-    if (drained_) wait_input();  // the last read emptied the socket: skip a recv that says EAGAIN
+    // Always read before waiting: a short read does not mean the socket is empty of events
+    // (data and the peer's FIN can arrive together, and edge-triggered epoll reports them once).
     ssize_t r = ::recv(sock_.fd(), rbuf_.get() + rend_, room, 0);
     if (r > 0) {
       touch_io();
       rend_ += static_cast<size_t>(r);
-      drained_ = static_cast<size_t>(r) < room;
       took(static_cast<uint64_t>(r));
     } else if (r == 0) {
       errno = ECONNRESET;
@@ -388,7 +387,6 @@ bool StreamChannel::read_payload(uint8_t* dest, uint64_t n) {
     // Straight into the destination, as it arrives; waits yield to the reactor.
     exact_header_ = true;
     while (n > 0) {
-      if (drained_) wait_input();
       ssize_t r;
       {
         std::lock_guard<std::mutex> lk(dest_mu_);  // non-blocking recv: never held across a wait
@@ -400,7 +398,6 @@ bool StreamChannel::read_payload(uint8_t* dest, uint64_t n) {
       }
       if (r > 0) {
         touch_io();
-        drained_ = static_cast<uint64_t>(r) < n;
         dest += r;
         n -= static_cast<uint64_t>(r);
         took(static_cast<uint64_t>(r));

@@ -125,9 +125,6 @@ class StreamChannel : private ReactorSource {
   std::unique_ptr<Fiber> fiber_;        // the receive side (reader_loop)
   bool started_ = false;
   bool waiting_input_ = false;          // reactor thread only: the fiber waits in wait_input()
-  // Reactor thread only: a read came back short, so the socket was empty; the next read waits
-  // for an input edge first (edge-triggered: data arriving after that read brings one).
-  bool drained_ = false;
   uint64_t read_since_yield_ = 0;       // receive fiber only
   bool finishing_ = false;              // under mu_: the fiber ended, the reactor's removal is queued
   bool detached_ = false;               // under mu_: the reactor dropped us (join() may return)
