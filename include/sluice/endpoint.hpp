@@ -1,6 +1,7 @@
 // A connection to one peer engine, over one transport, with N channels.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -42,6 +43,28 @@ class SLUICE_API Endpoint {
   Future recv(MemoryHandle local, uint64_t offset, uint64_t length, const OpOptions& options = {});
   // Completes with the next imm value the peer delivered (Future::imm()), in arrival order.
   Future imm_recv();
+
+  // The thin post path (Capabilities::rma_post), for proxies that turn a stream of small
+  // requests into transfers (the GPU port channel): no Future, no batch planning per call.
+  // - post_write() copies `length` bytes from local + local_offset to remote +
+  //   remote_offset. It returns once the write is accepted (waiting, at most op_timeout,
+  //   while post.depth posts are outstanding); the local bytes must stay unchanged until a
+  //   flush() returned.
+  // - post_signal() raises the peer's 64-bit counter at remote + offset (8-byte aligned) by
+  //   `add`, after every byte of every earlier post_write of this endpoint is visible there.
+  //   A peer that reads the counter with acquire order and sees the new value sees the data.
+  //   rdma makes it an atomic add; the others are atomic for host counters and, for cuda
+  //   counters, against other signals only (so a counter is raised by peers, never written
+  //   by its owner meanwhile).
+  // - flush() returns once every earlier post finished; it throws the first error any of
+  //   them met since the last flush, or kTimeout (0: op_timeout).
+  // Caller errors (unknown handle, out of range, no rma_post capability) and a failed
+  // endpoint throw at once. Posts on one endpoint are serialised; use one poster per
+  // endpoint for speed.
+  void post_write(MemoryHandle local, uint64_t local_offset, RemoteHandle remote, uint64_t remote_offset,
+                  uint64_t length);
+  void post_signal(RemoteHandle remote, uint64_t offset, uint64_t add = 1);
+  void flush(std::chrono::milliseconds timeout = std::chrono::milliseconds(0));
 
   // The handle of a region the peer registered under `name`, if its blob advertised one.
   std::optional<RemoteHandle> remote_region(const std::string& name) const;

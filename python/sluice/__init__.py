@@ -374,6 +374,26 @@ class Endpoint:
         """Completes with the next imm the peer delivered (``Future.imm``)."""
         return self._ep.imm_recv()
 
+    # thin post path (capabilities["rma_post"]): no Future per call, for proxies
+    def post_write(self, local, local_offset: int, remote, remote_offset: int, length: int) -> None:
+        """Post a write of ``length`` bytes; returns once accepted. The bytes are at the peer
+        (and the source may change) after the next :meth:`flush` returned."""
+        self._ep.post_write(_uint(local, "post_write: local handle"), _uint(local_offset, "post_write: local_offset"),
+                            _uint(remote, "post_write: remote handle"),
+                            _uint(remote_offset, "post_write: remote_offset"), _uint(length, "post_write: length"))
+
+    def post_signal(self, remote, offset: int, add: int = 1) -> None:
+        """Raise the peer's 64-bit counter at ``remote + offset`` (8-byte aligned) by ``add``
+        after every byte of every earlier ``post_write`` is visible there."""
+        self._ep.post_signal(_uint(remote, "post_signal: remote handle"), _uint(offset, "post_signal: offset"),
+                             _uint(add, "post_signal: add", 64))
+
+    def flush(self, timeout: Optional[float] = None) -> None:
+        """Wait until every earlier post finished; raises the first error any met since the
+        last flush (or TimeoutError after ``timeout`` seconds; default: the op timeout)."""
+        ms = 0 if timeout is None else max(1, int(timeout * 1000))
+        self._ep.flush(ms)
+
     # asyncio: each submits at once (caller errors raise here) and returns the Future, which
     # is awaitable: ``f = await ep.read_async(batch)``. Completion wakes the event loop
     # through call_soon_threadsafe; no thread per operation.

@@ -324,6 +324,18 @@ struct PyEndpoint {
     py::gil_scoped_release nogil;
     return {ep.imm_recv()};
   }
+  void post_write(uint64_t h, uint64_t loff, uint64_t r, uint64_t roff, uint64_t len) {
+    py::gil_scoped_release nogil;
+    ep.post_write({h}, loff, {r}, roff, len);
+  }
+  void post_signal(uint64_t r, uint64_t off, uint64_t add) {
+    py::gil_scoped_release nogil;
+    ep.post_signal({r}, off, add);
+  }
+  void flush(uint64_t timeout_ms) {
+    py::gil_scoped_release nogil;
+    ep.flush(std::chrono::milliseconds(timeout_ms));
+  }
   std::optional<uint64_t> remote_region(const std::string& name) const {
     auto r = ep.remote_region(name);
     if (!r) return std::nullopt;
@@ -480,6 +492,9 @@ PYBIND11_MODULE(_sluice, m) {
       .def("send", &PyEndpoint::send)
       .def("recv", &PyEndpoint::recv)
       .def("imm_recv", &PyEndpoint::imm_recv)
+      .def("post_write", &PyEndpoint::post_write)
+      .def("post_signal", &PyEndpoint::post_signal)
+      .def("flush", &PyEndpoint::flush)
       .def("remote_region", &PyEndpoint::remote_region)
       .def("remote_regions", &PyEndpoint::remote_regions)
       .def("refresh_remote_regions", &PyEndpoint::refresh)

@@ -178,6 +178,71 @@ Future EndpointImpl::transfer(OpKind kind, const Batch& batch, uint32_t imm, con
   return f;
 }
 
+void EndpointImpl::check_post(const char* what) const {
+  if (!kind_->capabilities().rma_post)
+    throw Error(ErrorCode::kUnsupported,
+                std::string(what) + ": transport " + transport_name_ + " lacks the rma_post capability (thin post path)");
+  check_usable();
+}
+
+const RegionInfo& EndpointImpl::remote_locked(RemoteHandle remote, uint64_t offset, uint64_t length,
+                                              const char* what) const {
+  auto it = remote_.find(remote.id);
+  if (it == remote_.end())
+    throw Error(ErrorCode::kUnknownHandle, std::string(what) + ": remote region handle " + std::to_string(remote.id) +
+                                               " is not advertised by peer " + peer_.engine_id);
+  const RegionInfo& r = it->second.info;
+  if (!in_bounds(offset, length, r.length))
+    throw Error(ErrorCode::kOutOfRange, std::string(what) + ": remote region " + std::to_string(r.id) + ": offset " +
+                                            std::to_string(offset) + " + length " + std::to_string(length) +
+                                            " exceeds its " + std::to_string(r.length) + " bytes");
+  if (!kind_->supports(r.location))
+    throw Error(ErrorCode::kUnsupported, std::string(what) + ": transport " + transport_name_ +
+                                             " cannot reach the peer's " + r.location.to_string() + " memory");
+  return r;
+}
+
+void EndpointImpl::post_write(MemoryHandle local, uint64_t local_offset, RemoteHandle remote, uint64_t remote_offset,
+                              uint64_t length) {
+  check_post("post_write");
+  if (length == 0) throw Error(ErrorCode::kInvalidArgument, "post_write: zero length");
+  PostWrite w;
+  w.pin = pin_local(local, local_offset, length, "post_write", -1);
+  w.src = w.pin.get()->base + local_offset;
+  {
+    std::lock_guard<std::mutex> lk(peer_mu_);
+    const RegionInfo& r = remote_locked(remote, remote_offset, length, "post_write");
+    w.dst = Piece{const_cast<uint8_t*>(w.src), r.id, remote_offset, r.addr + remote_offset, length};
+  }
+  std::lock_guard<std::mutex> lk(post_mu_);
+  Status st = transport_->post_write(std::move(w), engine_->config().op_timeout);
+  if (!st.ok()) throw Error(st.code, "post_write: " + st.message);
+}
+
+void EndpointImpl::post_signal(RemoteHandle remote, uint64_t offset, uint64_t add) {
+  check_post("post_signal");
+  if (offset % 8 != 0)
+    throw Error(ErrorCode::kInvalidArgument, "post_signal: offset " + std::to_string(offset) + " is not 8-byte aligned");
+  PostSignal s;
+  {
+    std::lock_guard<std::mutex> lk(peer_mu_);
+    const RegionInfo& r = remote_locked(remote, offset, 8, "post_signal");
+    s = PostSignal{r.id, offset, r.addr + offset, add, r.location};
+  }
+  std::lock_guard<std::mutex> lk(post_mu_);
+  Status st = transport_->post_signal(s, engine_->config().op_timeout);
+  if (!st.ok()) throw Error(st.code, "post_signal: " + st.message);
+}
+
+void EndpointImpl::flush(std::chrono::milliseconds timeout) {
+  if (!kind_->capabilities().rma_post)
+    throw Error(ErrorCode::kUnsupported,
+                "flush: transport " + transport_name_ + " lacks the rma_post capability (thin post path)");
+  if (timeout.count() <= 0) timeout = engine_->config().op_timeout;
+  Status st = transport_->flush(timeout);
+  if (!st.ok()) throw Error(st.code, "flush: " + st.message);
+}
+
 Future EndpointImpl::send(MemoryHandle h, uint64_t offset, uint64_t length, const OpOptions& options) {
   if (options.flags != 0 || options.cuda_stream) check_options(options, OpKind::kSend, "send");
   check_usable();
@@ -299,6 +364,14 @@ Future Endpoint::recv(MemoryHandle local, uint64_t offset, uint64_t length, cons
   return need(impl_).recv(local, offset, length, options);
 }
 Future Endpoint::imm_recv() { return need(impl_).imm_recv(); }
+void Endpoint::post_write(MemoryHandle local, uint64_t local_offset, RemoteHandle remote, uint64_t remote_offset,
+                          uint64_t length) {
+  need(impl_).post_write(local, local_offset, remote, remote_offset, length);
+}
+void Endpoint::post_signal(RemoteHandle remote, uint64_t offset, uint64_t add) {
+  need(impl_).post_signal(remote, offset, add);
+}
+void Endpoint::flush(std::chrono::milliseconds timeout) { need(impl_).flush(timeout); }
 std::optional<RemoteHandle> Endpoint::remote_region(const std::string& name) const {
   return need(impl_).remote_region(name);
 }

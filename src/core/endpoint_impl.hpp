@@ -35,6 +35,11 @@ class EndpointImpl final : public EndpointEvents, public std::enable_shared_from
   Future send(MemoryHandle h, uint64_t offset, uint64_t length, const OpOptions& options = {});
   Future recv(MemoryHandle h, uint64_t offset, uint64_t length, const OpOptions& options = {});
   Future imm_recv();
+  // The thin post path (Endpoint::post_write etc.): throw Error, like the public calls.
+  void post_write(MemoryHandle local, uint64_t local_offset, RemoteHandle remote, uint64_t remote_offset,
+                  uint64_t length);
+  void post_signal(RemoteHandle remote, uint64_t offset, uint64_t add);
+  void flush(std::chrono::milliseconds timeout);
 
   std::optional<RemoteHandle> remote_region(const std::string& name) const;
   std::vector<RegionInfo> remote_regions() const;
@@ -79,6 +84,9 @@ class EndpointImpl final : public EndpointEvents, public std::enable_shared_from
   // closer may be joining it).
   void close_transport(const Status& why);
   void prepare(FutureState& f) const;
+  void check_post(const char* what) const;
+  // The peer's region `remote`, checked for [offset, offset + length); call under peer_mu_.
+  const RegionInfo& remote_locked(RemoteHandle remote, uint64_t offset, uint64_t length, const char* what) const;
   // `index`: the assignment's index in its batch, named in errors (-1: none).
   RegionPin pin_local(MemoryHandle h, uint64_t offset, uint64_t length, const char* what, long index) const;
 
@@ -98,6 +106,7 @@ class EndpointImpl final : public EndpointEvents, public std::enable_shared_from
   std::string peer_ref_;  // empty: an accepted endpoint, refresh() asks for the peer's own ref
 
   std::chrono::microseconds busy_wait_{0};
+  std::mutex post_mu_;  // one poster at a time (the transports' post contract)
   std::mutex send_mu_;  // orders sequence numbering with hand-over to the transport
   std::atomic<uint64_t> send_seq_{0};
   std::atomic<unsigned> rotate_{0};

@@ -23,7 +23,11 @@
 
 namespace sluice::detail {
 
+class PostTracker;
+
 // A validated read / write / write_with_imm, already split into one lane per channel.
+// Ops of the thin post path are TransferOps too where a transport finds that convenient:
+// they carry `post` instead of a future (see PendingOps).
 struct TransferOp {
   OpKind kind = OpKind::kWrite;
   uint32_t imm = 0;
@@ -32,6 +36,28 @@ struct TransferOp {
   std::shared_ptr<FutureState> future;  // parts = number of non-empty lanes
   InlineVec<RegionPin, 1> pins;         // local regions, held until completion
   uint64_t bytes = 0;
+  // Thin post path only (future is null): completion is reported to `post`; a signal
+  // (post_signal) is one piece of 8 bytes whose value to add is `signal_add`.
+  PostTracker* post = nullptr;
+  uint64_t post_epoch = 0;
+  bool signal = false;
+  uint64_t signal_add = 0;
+  Status post_error;  // PendingOps::note_error on a post
+};
+
+// The thin post path (Capabilities::rma_post): what a proxy posts, one request per call.
+// The core has checked handles, bounds and capabilities, and pinned the local region.
+struct PostWrite {
+  RegionPin pin;            // the local region, held until the write completed
+  const uint8_t* src = nullptr;
+  Piece dst;                // dst.local == src; remote id, offset, addr and length
+};
+struct PostSignal {
+  uint64_t remote_id = 0;
+  uint64_t remote_offset = 0;  // 8-byte aligned, offset + 8 within the region
+  uint64_t remote_addr = 0;    // the peer's virtual address of remote_offset
+  uint64_t add = 0;
+  Location location;           // where the peer's counter lives
 };
 
 // What a transport endpoint reports up to the core endpoint that owns it.
@@ -74,6 +100,28 @@ class TransportEndpoint {
   virtual bool adopt(int index, net::Socket sock) = 0;
   virtual void submit(std::shared_ptr<TransferOp> op) = 0;
   virtual void send(std::shared_ptr<MessageOp> op) = 0;
+  // The thin post path (transports with Capabilities::rma_post; the defaults refuse). The
+  // contract, shared by every transport (tests/transport/post_test.cpp checks it):
+  // - The core calls these from one thread at a time per endpoint (it serialises posters).
+  // - post_write() returns once the write is accepted; with post.depth posts outstanding it
+  //   first waits for one to finish, at most `timeout` (then kTimeout, nothing posted).
+  // - post_signal() raises the peer's 64-bit counter by `add` once every byte of every
+  //   earlier post_write of this endpoint is visible at the peer; it never blocks for that
+  //   (the transport sequences it). A waiter on the counter that sees the new value and
+  //   then reads the data sees the data.
+  // - flush() returns once every earlier post finished, with the first error any of them met
+  //   since the last flush (then forgotten), or kTimeout after `timeout` (posts stay
+  //   outstanding). After the endpoint failed every call returns its failure.
+  // - No allocation and no FutureState per post in the steady state.
+  virtual Status post_write(PostWrite&& w, std::chrono::milliseconds timeout) {
+    return {ErrorCode::kUnsupported, "this transport has no thin post path"};
+  }
+  virtual Status post_signal(const PostSignal& s, std::chrono::milliseconds timeout) {
+    return {ErrorCode::kUnsupported, "this transport has no thin post path"};
+  }
+  virtual Status flush(std::chrono::milliseconds timeout) {
+    return {ErrorCode::kUnsupported, "this transport has no thin post path"};
+  }
   // The peer's info changed (hello reply, refresh_remote_regions): new regions, new keys.
   virtual void peer_updated(const EngineInfo& peer) {}
   // What a waiter on this endpoint's futures may poll instead of sleeping (nullptr: nothing,

@@ -11,7 +11,7 @@ uint64_t PendingOps::add(std::shared_ptr<TransferOp> op) {
   if (!failed_.ok()) {
     Status why = failed_;
     lk.unlock();
-    op->future->complete(why);
+    finish(op, why);
     return 0;
   }
   if (count_.load(std::memory_order_relaxed) == 0) touch();  // idle time before this op is not silence
@@ -69,13 +69,28 @@ std::shared_ptr<TransferOp> PendingOps::find(uint64_t token) {
   return s ? s->op : nullptr;
 }
 
+void PendingOps::finish(const std::shared_ptr<TransferOp>& op, const Status& st) {
+  if (op->future) {
+    op->future->complete(st);
+    return;
+  }
+  if (post_handler_) post_handler_(op, op->post_error.ok() ? st : op->post_error);
+}
+
 bool PendingOps::lane_done(uint64_t token, const Status& st) {
   std::shared_ptr<FutureState> future;  // fail_all() may drop the op meanwhile
   {
-    std::lock_guard<std::mutex> lk(mu_);
+    std::unique_lock<std::mutex> lk(mu_);
     Slot* s = slot_locked(token);
     if (!s) return false;
     s->last = Clock::now();  // a lane finished: the op's own progress
+    if (!s->op->future) {
+      // A post: one lane, so its first lane_done is its last.
+      std::shared_ptr<TransferOp> op = take_locked(token);
+      lk.unlock();
+      finish(op, st);
+      return true;
+    }
     future = s->op->future;
   }
   // Completion runs user callbacks, so no lock is held across it. The call that completes the
@@ -97,6 +112,10 @@ bool PendingOps::note_error(uint64_t token, const Status& st) {
     Slot* s = slot_locked(token);
     if (!s) return false;
     s->last = Clock::now();
+    if (!s->op->future) {
+      if (s->op->post_error.ok()) s->op->post_error = st;
+      return true;
+    }
     future = s->op->future;
   }
   future->note_error(st);
@@ -173,7 +192,7 @@ size_t PendingOps::expire(Clock::time_point now, std::chrono::milliseconds timeo
   };
   Status why{ErrorCode::kTimeout, ops.empty() ? describe("a send") : describe(std::string(to_string(ops.front()->kind)).c_str())};
   if (what) *what = std::to_string(n) + " operation(s) timed out: " + why.message;
-  for (auto& op : ops) op->future->complete({ErrorCode::kTimeout, describe(std::string(to_string(op->kind)).c_str())});
+  for (auto& op : ops) finish(op, {ErrorCode::kTimeout, describe(op->future ? std::string(to_string(op->kind)).c_str() : "post")});
   for (auto& op : sends) op->future->complete({ErrorCode::kTimeout, describe("send")});
   return n;
 }
@@ -202,7 +221,7 @@ void PendingOps::fail_all(const Status& why) {
     sends.swap(sends_);
     count_.store(0);
   }
-  for (auto& op : ops) op->future->complete(why);
+  for (auto& op : ops) finish(op, why);
   for (auto& [s, slot] : sends) slot.op->future->complete(why);
 }
 

@@ -30,6 +30,11 @@ class PendingOps {
   std::shared_ptr<MessageOp> take_send(uint64_t seq);
   // Fail everything now and everything added later.
   void fail_all(const Status& why);
+  // Ops of the thin post path (TransferOp::post set, no future) complete through `handler`
+  // (called without the table's lock, with the op's first error), for every way an op ends:
+  // its lane done, expire(), fail_all(). Set once, before the first post is added.
+  using PostHandler = std::function<void(const std::shared_ptr<TransferOp>&, const Status&)>;
+  void set_post_handler(PostHandler handler) { post_handler_ = std::move(handler); }
 
   size_t size() const { return count_.load(std::memory_order_relaxed); }
   // Endpoint-level stamp: the peer did something (kept for transports' own bookkeeping; it no
@@ -69,6 +74,8 @@ class PendingOps {
   };
   static uint64_t token_of(uint32_t index, uint32_t gen) { return uint64_t(gen) << 32 | index; }
   Slot* slot_locked(uint64_t token);
+  // Completes `op` (its future, or a post through post_handler_) with `st`.
+  void finish(const std::shared_ptr<TransferOp>& op, const Status& st);
   std::shared_ptr<TransferOp> take_locked(uint64_t token);
 
   mutable std::mutex mu_;
@@ -78,6 +85,7 @@ class PendingOps {
   std::atomic<size_t> count_{0};
   std::atomic<Clock::rep> last_{Clock::now().time_since_epoch().count()};
   Status failed_;
+  PostHandler post_handler_;
 };
 
 }  // namespace sluice::detail

@@ -1,0 +1,108 @@
+#include "transport/common/post_tracker.hpp"
+
+#include "core/params.hpp"
+
+namespace sluice::detail {
+namespace {
+
+const Param<uint64_t> kPostDepth{"post.depth", "SLUICE_POST_DEPTH", 1024, size_in(1, 1 << 20),
+                                 "thin post path: posts outstanding per endpoint before post_write waits"};
+
+}  // namespace
+
+size_t post_depth(const EngineConfig& config) { return static_cast<size_t>(kPostDepth.get(config)); }
+
+Status PostTracker::admit(std::chrono::milliseconds timeout) {
+  std::unique_lock<std::mutex> lk(mu_);
+  if (outstanding_ >= depth_ && failed_.ok())
+    cv_.wait_for(lk, timeout, [&] { return outstanding_ < depth_ || !failed_.ok(); });
+  if (!failed_.ok()) return failed_;
+  if (outstanding_ >= depth_)
+    return {ErrorCode::kTimeout, "post: " + std::to_string(outstanding_) + " posts (post.depth) still outstanding after " +
+                                     std::to_string(timeout.count()) + " ms"};
+  ++outstanding_;
+  return Status::Ok();
+}
+
+void PostTracker::cancel() { done(Status::Ok()); }
+
+void PostTracker::done(const Status& st) {
+  std::lock_guard<std::mutex> lk(mu_);
+  if (outstanding_ > 0) --outstanding_;
+  if (!st.ok() && first_error_.ok()) first_error_ = st;
+  // Waiters are a poster held by the depth limit and flush(); both re-check their condition.
+  if (outstanding_ + 1 == depth_ || outstanding_ == 0 || !st.ok()) cv_.notify_all();
+}
+
+Status PostTracker::flush(std::chrono::milliseconds timeout) {
+  std::unique_lock<std::mutex> lk(mu_);
+  cv_.wait_for(lk, timeout, [&] { return outstanding_ == 0 || !failed_.ok(); });
+  if (!failed_.ok()) return failed_;
+  if (outstanding_ != 0)
+    return {ErrorCode::kTimeout, "flush: " + std::to_string(outstanding_) + " posts still outstanding after " +
+                                     std::to_string(timeout.count()) + " ms"};
+  Status st = first_error_;
+  first_error_ = Status::Ok();
+  return st;
+}
+
+void PostTracker::fail(const Status& why) {
+  std::lock_guard<std::mutex> lk(mu_);
+  if (failed_.ok()) failed_ = why.ok() ? Status{ErrorCode::kPeerLost, "endpoint failed"} : why;
+  cv_.notify_all();
+}
+
+bool PostTracker::failed() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return !failed_.ok();
+}
+
+size_t PostTracker::outstanding() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return outstanding_;
+}
+
+uint64_t SignalSequencer::write_posted() {
+  std::lock_guard<std::mutex> lk(mu_);
+  epochs_.back().writes++;
+  return first_ + epochs_.size() - 1;
+}
+
+bool SignalSequencer::signal(const PostSignal& s) {
+  std::lock_guard<std::mutex> lk(mu_);
+  // Nothing outstanding anywhere: the signal is due now and opens no epoch.
+  if (epochs_.size() == 1 && epochs_.front().writes == 0) return true;
+  Epoch& cur = epochs_.back();
+  cur.closed = true;
+  cur.signal = s;
+  epochs_.push_back(Epoch{});
+  return false;
+}
+
+void SignalSequencer::write_done(uint64_t epoch, std::vector<PostSignal>* ready) {
+  std::lock_guard<std::mutex> lk(mu_);
+  if (epoch < first_ || epoch >= first_ + epochs_.size()) return;  // cleared meanwhile
+  Epoch& e = epochs_[epoch - first_];
+  if (e.writes > 0) e.writes--;
+  drain_locked(ready);
+}
+
+void SignalSequencer::drain_locked(std::vector<PostSignal>* ready) {
+  while (epochs_.size() > 1 && epochs_.front().writes == 0) {
+    if (ready && epochs_.front().closed) ready->push_back(epochs_.front().signal);
+    epochs_.pop_front();
+    ++first_;
+  }
+}
+
+size_t SignalSequencer::clear() {
+  std::lock_guard<std::mutex> lk(mu_);
+  size_t n = 0;
+  for (const Epoch& e : epochs_) n += e.closed ? 1 : 0;
+  first_ += epochs_.size();
+  epochs_.clear();
+  epochs_.push_back(Epoch{});
+  return n;
+}
+
+}  // namespace sluice::detail
