@@ -32,7 +32,9 @@ constexpr const char* kInitiatorRegion = "bench-initiator";  // pingpong: where 
 
 uint64_t region_length(const Options& o) {
   uint64_t want = o.max_size * static_cast<uint64_t>(o.batch);
-  return std::max(o.max_size, std::min(want, kMaxRegion));
+  uint64_t n = std::max(o.max_size, std::min(want, kMaxRegion));
+  // post: a counter page after the data (measure_post).
+  return o.op == "post" ? std::max<uint64_t>(n + 4096, 8192) : n;
 }
 
 uint8_t pattern(uint64_t offset, uint64_t seed) {
@@ -318,6 +320,60 @@ Row measure_pingpong(sluice::Endpoint& ep, const Options& o, uint64_t size, Buff
   return r;
 }
 
+// The thin post path, the way a proxy drives it: each unit is `batch` post_writes and one
+// post_signal on a counter in the target's last 8 bytes; one flush at the end. The counter is
+// read back afterwards and must equal the number of signals (errors otherwise).
+Row measure_post(sluice::Endpoint& ep, const Options& o, uint64_t size, Buffer& local, Buffer& check,
+                 sluice::RemoteHandle remote, uint64_t region) {
+  const uint64_t counter = region - 8;
+  const uint64_t data = region - 4096;  // writes stay clear of the counter
+  const uint64_t per_unit = size * o.batch;
+  int iters = o.iterations;
+  if (iters <= 0) iters = static_cast<int>(std::clamp<uint64_t>((256ull << 20) / per_unit, 64, 20000));
+  uint64_t errors = 0;
+  uint64_t cursor = 0;
+  auto unit = [&] {
+    for (const auto& a : make_batch(o, size, data, local.handle, remote, cursor))
+      ep.post_write(a.local, a.local_offset, a.remote, a.remote_offset, a.length);
+    ep.post_signal(remote, counter, 1);
+    cursor += o.batch;
+  };
+  // Start the counter from zero (a plain write, completed).
+  std::memset(check.ptr, 0, 8);
+  if (!ep.write({{check.handle, 0, remote, counter, 8}}).wait().ok()) ++errors;
+  const int warm = std::min(iters / 10 + 1, 100);
+  try {
+    for (int i = 0; i < warm; ++i) unit();
+    ep.flush();
+  } catch (const sluice::Error& e) {
+    std::fprintf(stderr, "post failed: %s\n", e.what());
+    ++errors;
+  }
+  auto t0 = std::chrono::steady_clock::now();
+  try {
+    for (int i = 0; i < iters; ++i) unit();
+    ep.flush();
+  } catch (const sluice::Error& e) {
+    std::fprintf(stderr, "post failed: %s\n", e.what());
+    ++errors;
+  }
+  double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  if (ep.read({{check.handle, 0, remote, counter, 8}}).wait().ok()) {
+    uint64_t v = 0;
+    std::memcpy(&v, check.ptr, 8);
+    if (v != static_cast<uint64_t>(warm + iters)) {
+      std::fprintf(stderr, "post: the counter reads %llu after %d signals\n", (unsigned long long)v, warm + iters);
+      ++errors;
+    }
+  } else {
+    ++errors;
+  }
+  Row r{ep.transport(), ep.channels(), size, o.batch, 1, secs * 1e3 / iters,
+        static_cast<double>(per_unit) * iters / secs / 1e6};
+  r.errors = errors;
+  return r;
+}
+
 Row measure(sluice::Endpoint& ep, const Options& o, uint64_t size, Buffer& local, sluice::RemoteHandle remote,
             uint64_t region) {
   if (o.op == "pingpong") return measure_pingpong(ep, o, size, local, remote);
@@ -460,7 +516,8 @@ int run_initiator(const Options& o, const std::string& address) {
   bool failed = false;
   for (size_t i = 0; i < sizes.size(); ++i) {
     if (!o.quiet) std::fprintf(stderr, "[%zu/%zu] %s ...\r", i + 1, sizes.size(), bench::size_text(sizes[i]).c_str());
-    Row r = measure(ep, o, sizes[i], local, *remote, region);
+    Row r = o.op == "post" ? measure_post(ep, o, sizes[i], local, check, *remote, region)
+                           : measure(ep, o, sizes[i], local, *remote, region);
     if (o.check) r.checked = verify(ep, o, sizes[i], local, check, *remote, region);
     if (o.baseline) baseline(r, o, static_cast<uint64_t>(r.mbps * 1e6 * 0.3), region);
     failed |= r.errors > 0 || (o.check && !r.checked);

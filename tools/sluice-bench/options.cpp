@@ -48,7 +48,8 @@ static void usage() {
       "  sluice-bench --role initiator --connect H:P on host B\n"
       "\n"
       "  --transport tcp|shm|...   force a transport (default: the fastest both sides have)\n"
-      "  --op read|write|write_imm|send|pingpong   (default write)\n"
+      "  --op read|write|write_imm|send|pingpong|post   (default write; post: the thin post path,\n"
+      "       batch post_writes + one post_signal per unit, flushed at the end)\n"
       "                            pingpong: a write to the target, which writes the same size\n"
       "                            back; latency = half the round trip (what ib_write_lat\n"
       "                            reports); batch/concurrency ignored\n"
@@ -101,8 +102,9 @@ Options parse(int argc, char** argv) {
     else if (a == "--quiet") o.quiet = true;
     else throw std::invalid_argument("unknown option '" + a + "' (see --help)");
   }
-  if (o.op != "read" && o.op != "write" && o.op != "write_imm" && o.op != "send" && o.op != "pingpong")
-    throw std::invalid_argument("--op must be read, write, write_imm, send or pingpong");
+  if (o.op != "read" && o.op != "write" && o.op != "write_imm" && o.op != "send" && o.op != "pingpong" &&
+      o.op != "post")
+    throw std::invalid_argument("--op must be read, write, write_imm, send, pingpong or post");
   if (o.notify != "flag" && o.notify != "imm") throw std::invalid_argument("--notify must be flag or imm");
   if (o.op == "pingpong") {
     o.batch = 1;
