@@ -45,13 +45,16 @@ class NvlinkTransport final : public Transport, public NvlinkHost {
   int priority() const override { return 30; }
   bool supports(const Location& loc) const override { return loc.is_host() || loc.kind == Location::Kind::kCuda; }
   // One-sided copies are enqueued on the op's cuda_stream when it has one (enqueue()); messages
-  // go over the control socket and are not stream-ordered.
+  // go over the control socket and are not stream-ordered. The thin post path and its
+  // signals: post_path.cpp.
   Capabilities capabilities() const override {
     Capabilities c;
     c.host_memory = true;
     c.cuda_memory = true;
     c.stream_ordered = true;
     c.imm = true;
+    c.signal = true;
+    c.rma_post = true;
     return c;
   }
   // No pid, no handles, no addresses: a peer learns about our memory only after proving itself.
