@@ -31,6 +31,28 @@ std::string string_field(const nlohmann::json& j, const char* key) {
   return it != j.end() && it->is_string() ? it->get<std::string>() : std::string();
 }
 
+namespace {
+
+// Peer access from every device that can reach `owner`'s memory. A region is described
+// before any op says which device copies into it, and a signal kernel dereferences the
+// mapping from the device of the post stream: without peer access that is an illegal
+// address, not a slow copy. Idempotent (an already enabled pair is not an error here).
+void enable_peer_access_to(int owner) {
+  const int n = cu::device_count();
+  if (owner < 0 || owner >= n) return;
+  int prev = 0;
+  if (cudaGetDevice(&prev) != cudaSuccess) prev = 0;
+  for (int d = 0; d < n; ++d) {
+    int can = 0;
+    if (d == owner || cudaDeviceCanAccessPeer(&can, d, owner) != cudaSuccess || !can) continue;
+    if (cudaSetDevice(d) != cudaSuccess || cudaDeviceEnablePeerAccess(owner, 0) != cudaSuccess) cudaGetLastError();
+  }
+  cudaSetDevice(prev);
+  cudaGetLastError();
+}
+
+}  // namespace
+
 // A region the owner withdrew: its description (and, unless another region still uses it,
 // its mapping) is dropped; ops that cannot wait for a new description get `why`.
 void NvlinkEndpoint::forget_region(uint64_t id, const Status& why) {
@@ -175,22 +197,7 @@ uint8_t* NvlinkEndpoint::map_cuda(uint64_t id, const nlohmann::json& r, int fd, 
     if (!same_process_.load())
       throw Error(ErrorCode::kProtocol, "nvlink: a peer in another process described " + what + " by address");
     auto dev = ex.find("device");
-    if (dev != ex.end() && dev->is_number_integer()) {
-      int owner = dev->get<int>();
-      if (owner >= 0 && owner < cu::device_count()) {
-        // Peer access is enabled per device that copies (or runs a signal kernel): the
-        // region may be described before any op says which one that is, so every device
-        // that can reach the owner's gets it.
-        int prev = 0;
-        cudaGetDevice(&prev);
-        for (int d = 0; d < cu::device_count(); ++d) {
-          int can = 0;
-          if (d == owner || cudaDeviceCanAccessPeer(&can, d, owner) != cudaSuccess || !can) continue;
-          if (cudaSetDevice(d) != cudaSuccess || cudaDeviceEnablePeerAccess(owner, 0) != cudaSuccess) cudaGetLastError();
-        }
-        cudaSetDevice(prev);
-      }
-    }
+    if (dev != ex.end() && dev->is_number_integer()) enable_peer_access_to(dev->get<int>());
     return reinterpret_cast<uint8_t*>(base + offset);
   }
   std::lock_guard<std::mutex> lk(map_mu_);
@@ -200,6 +207,10 @@ uint8_t* NvlinkEndpoint::map_cuda(uint64_t id, const nlohmann::json& r, int fd, 
   if (!rec.imp || !live) {
     rec = ImportRec{};
     rec.imp = cu::import_region(ex, fd, device);
+    // cuMem imports get their access from the import; cudaIpc ones need peer access to the
+    // device the memory is on (the owner's, as this process numbers devices).
+    auto dev = ex.find("device");
+    if (dev != ex.end() && dev->is_number_integer()) enable_peer_access_to(dev->get<int>());
   }
   if (rec.imp->size < base_size)
     throw Error(ErrorCode::kProtocol, "nvlink: " + what + " lies outside the peer's allocation as mapped");
