@@ -94,7 +94,7 @@ void NvlinkEndpoint::start(const std::shared_ptr<TransferOp>& op, uint64_t token
       return;
     }
   }
-  if (poll_waiters_) {
+  if (poll_waiters_ && !background) {  // on the poller the caller may be waiting already
     // ~300 GB/s over NVLink, plus the completion path; at most 2 ms.
     uint64_t us = std::min<uint64_t>(op->bytes / 300000 + 30, 2000);
     op->future->set_busy_wait(std::chrono::microseconds(us));
