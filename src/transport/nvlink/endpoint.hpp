@@ -117,8 +117,12 @@ struct RemoteView {
   uint64_t addr = 0;       // the owner's virtual address of byte 0
   uint64_t length = 0;     // every offset is checked against this
   uint32_t slot = kNoLease;
+  int owner_device = -1;   // cuda regions: the device the memory is on, as numbered here (-1: unknown)
   std::shared_ptr<void> keep;  // the import or mapping `ptr` points into
 };
+
+// Peer access from device `from` to device `to` where the hardware allows it (peer_view.cpp).
+void enable_peer_access(int from, int to);
 
 // A peer's engine-allocated (memfd) host region mapped here, as shm does.
 struct HostMapping {
@@ -244,6 +248,7 @@ class NvlinkEndpoint final : public EndpointBase, public StreamChannel::Handler,
   std::shared_ptr<PostOp> take_post();
   void post_finished(const std::shared_ptr<TransferOp>& op, const Status& st);
   PostStream* post_stream(int device);
+  void peer_access_locked(int from, int to);
   void mark_locked(PostStream& ps);
   void mark_all_locked();
   Status enqueue_post_locked(PostOp& op, uint64_t token, const uint8_t* src, uint8_t* dst, uint64_t n);
@@ -309,6 +314,7 @@ class NvlinkEndpoint final : public EndpointBase, public StreamChannel::Handler,
   bool posts_stopped_ = false;              // stop_posts() ran: nothing more is enqueued
   std::atomic<size_t> post_marks_{0};       // marks the poller has to watch
   std::atomic<int> flushing_{0};            // flushes waiting: every post is marked at once
+  uint64_t peer_enabled_[64] = {};          // bit `to` of [from]: enable_peer_access ran (post_mu_)
   // Writes the owner executes (PULL_WRITE) counted for signal kernels, which must not run
   // before the owner answered them (sequencer_, the base's, counts our stream copies for
   // signals sent as frames, which must not leave before those copies are done).

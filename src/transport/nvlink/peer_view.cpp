@@ -31,27 +31,23 @@ std::string string_field(const nlohmann::json& j, const char* key) {
   return it != j.end() && it->is_string() ? it->get<std::string>() : std::string();
 }
 
-namespace {
-
-// Peer access from every device that can reach `owner`'s memory. A region is described
-// before any op says which device copies into it, and a signal kernel dereferences the
-// mapping from the device of the post stream: without peer access that is an illegal
-// address, not a slow copy. Idempotent (an already enabled pair is not an error here).
-void enable_peer_access_to(int owner) {
+// Peer access from device `from` to memory on device `to` (both as this process numbers
+// them), where the hardware allows it; idempotent (an enabled pair is not an error here).
+// Only for devices the process uses already: enabling creates contexts.
+void enable_peer_access(int from, int to) {
   const int n = cu::device_count();
-  if (owner < 0 || owner >= n) return;
-  int prev = 0;
-  if (cudaGetDevice(&prev) != cudaSuccess) prev = 0;
-  for (int d = 0; d < n; ++d) {
-    int can = 0;
-    if (d == owner || cudaDeviceCanAccessPeer(&can, d, owner) != cudaSuccess || !can) continue;
-    if (cudaSetDevice(d) != cudaSuccess || cudaDeviceEnablePeerAccess(owner, 0) != cudaSuccess) cudaGetLastError();
+  if (from < 0 || to < 0 || from >= n || to >= n || from == to) return;
+  int can = 0;
+  if (cudaDeviceCanAccessPeer(&can, from, to) != cudaSuccess || !can) {
+    cudaGetLastError();
+    return;
   }
-  cudaSetDevice(prev);
+  int prev = 0;
+  if (cudaGetDevice(&prev) != cudaSuccess) prev = from;
+  if (cudaSetDevice(from) != cudaSuccess || cudaDeviceEnablePeerAccess(to, 0) != cudaSuccess) cudaGetLastError();
+  if (prev != from) cudaSetDevice(prev);
   cudaGetLastError();
 }
-
-}  // namespace
 
 // A region the owner withdrew: its description (and, unless another region still uses it,
 // its mapping) is dropped; ops that cannot wait for a new description get `why`.
@@ -118,7 +114,7 @@ void NvlinkEndpoint::peer_updated(const EngineInfo& peer) {
 
 // The peer's region `id`, as its owner describes it (asked over its same-host socket: a local
 // round trip bounded by the connect timeout), mapped for copies driven by `device` (-1: the
-// owner's device for cuda memory). Throws Error. Never called on a submitting thread (see
+// calling thread's current device). Throws Error. Never called on a submitting thread (see
 // the top of this file).
 RemoteView NvlinkEndpoint::view(uint64_t id, int device) {
   {
@@ -185,19 +181,23 @@ uint8_t* NvlinkEndpoint::map_cuda(uint64_t id, const nlohmann::json& r, int fd, 
                                           " bytes at offset " + std::to_string(offset) + " of a " +
                                           std::to_string(base_size) + "-byte allocation");
   const std::string kind = string_field(ex, "kind");
-  if (device < 0) {
-    // Described ahead of any op: map it from the owner's device (if this process sees it).
-    auto dev = ex.find("device");
-    device = dev != ex.end() && dev->is_number_integer() && dev->get<int>() >= 0 && dev->get<int>() < cu::device_count()
-                 ? dev->get<int>()
-                 : 0;
+  auto dev = ex.find("device");
+  const int owner = dev != ex.end() && dev->is_number_integer() ? dev->get<int>() : -1;
+  rv.owner_device = owner >= 0 && owner < cu::device_count() ? owner : -1;
+  // Copies into it are driven from `device`, or, described ahead of any op, from the
+  // describing thread's device (as a submit without a cuda piece would); posts enable their
+  // stream's device when they first use it (post_path.cpp).
+  int from = device;
+  if (from < 0 && cudaGetDevice(&from) != cudaSuccess) {
+    cudaGetLastError();
+    from = 0;
   }
+  device = from;  // the device imports are made on, as when an op described it
   if (kind == "local") {
     // Only another engine of this very process may describe memory by address.
     if (!same_process_.load())
       throw Error(ErrorCode::kProtocol, "nvlink: a peer in another process described " + what + " by address");
-    auto dev = ex.find("device");
-    if (dev != ex.end() && dev->is_number_integer()) enable_peer_access_to(dev->get<int>());
+    enable_peer_access(from, rv.owner_device);
     return reinterpret_cast<uint8_t*>(base + offset);
   }
   std::lock_guard<std::mutex> lk(map_mu_);
@@ -209,8 +209,7 @@ uint8_t* NvlinkEndpoint::map_cuda(uint64_t id, const nlohmann::json& r, int fd, 
     rec.imp = cu::import_region(ex, fd, device);
     // cuMem imports get their access from the import; cudaIpc ones need peer access to the
     // device the memory is on (the owner's, as this process numbers devices).
-    auto dev = ex.find("device");
-    if (dev != ex.end() && dev->is_number_integer()) enable_peer_access_to(dev->get<int>());
+    enable_peer_access(from, rv.owner_device);
   }
   if (rec.imp->size < base_size)
     throw Error(ErrorCode::kProtocol, "nvlink: " + what + " lies outside the peer's allocation as mapped");

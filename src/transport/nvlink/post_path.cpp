@@ -126,6 +126,15 @@ PostStream* NvlinkEndpoint::post_stream(int device) {
   return post_streams_.back().get();
 }
 
+// A copy or signal kernel on `from`'s post stream reaches memory on `to` (the kernel needs
+// peer access: without it the address is illegal). Once per pair.
+void NvlinkEndpoint::peer_access_locked(int from, int to) {
+  if (from < 0 || to < 0 || from >= 64 || to >= 64 || from == to) return;
+  if (peer_enabled_[from] >> to & 1) return;
+  enable_peer_access(from, to);
+  peer_enabled_[from] |= uint64_t(1) << to;
+}
+
 // An event behind the stream's unmarked posts, for the poller.
 void NvlinkEndpoint::mark_locked(PostStream& ps) {
   if (ps.unmarked == 0) return;
@@ -307,6 +316,7 @@ Status NvlinkEndpoint::post_write(PostWrite&& w, std::chrono::milliseconds timeo
     }
   }
   if (st.ok()) {
+    if (!rv.host) peer_access_locked(op->stream->device, rv.owner_device);
     op->post_epoch = sequencer_.write_posted();
     st = enqueue_post_locked(*op, token, w.src, rv.ptr + off, n);
     if (!st.ok()) sequencer_.write_dropped(op->post_epoch);  // the newest write: releases no signal
@@ -372,6 +382,7 @@ Status NvlinkEndpoint::post_signal(const PostSignal& s, std::chrono::millisecond
       int device = 0;
       if (!last_post_stream_ && cudaGetDevice(&device) != cudaSuccess) cudaGetLastError();
       op->stream = last_post_stream_ ? last_post_stream_ : post_stream(device);
+      peer_access_locked(op->stream->device, rv.owner_device);
     } catch (const Error& e) {
       st = e.status();
     }
