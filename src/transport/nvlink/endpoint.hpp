@@ -310,6 +310,7 @@ class NvlinkEndpoint final : public EndpointBase, public StreamChannel::Handler,
   std::mutex post_mu_;
   std::vector<std::unique_ptr<PostStream>> post_streams_;
   size_t mark_every_ = 16;
+  size_t unmarked_total_ = 0;  // posts on every post stream that no mark covers yet
   PostStream* last_post_stream_ = nullptr;  // where the last stream copy went: a signal kernel follows it
   bool posts_stopped_ = false;              // stop_posts() ran: nothing more is enqueued
   std::atomic<size_t> post_marks_{0};       // marks the poller has to watch

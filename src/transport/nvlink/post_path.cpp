@@ -157,6 +157,7 @@ void NvlinkEndpoint::mark_locked(PostStream& ps) {
     if (!m.event) m.error = cudaStreamSynchronize(ps.stream);
   }
   ps.marks.push(m);
+  unmarked_total_ -= ps.unmarked;
   ps.unmarked = 0;
   post_marks_.fetch_add(1, std::memory_order_release);
   {
@@ -180,8 +181,10 @@ Status NvlinkEndpoint::enqueue_post_locked(PostOp& op, uint64_t token, const uin
   }
   ps.entries.push({token, op.post_epoch, true});
   ++ps.unmarked;
+  ++unmarked_total_;
   last_post_stream_ = &ps;
-  if (ps.unmarked >= mark_every_ || flushing_.load(std::memory_order_acquire) > 0) mark_locked(ps);
+  // Counted over every post stream: posts unmarked on several devices must not fill the depth.
+  if (unmarked_total_ >= mark_every_ || flushing_.load(std::memory_order_acquire) > 0) mark_all_locked();
   return Status::Ok();
 }
 
@@ -209,7 +212,8 @@ Status NvlinkEndpoint::launch_signal_locked(PostOp& op, uint64_t token, bool mar
   }
   ps.entries.push({token, 0, false});
   ++ps.unmarked;
-  if (mark_now || ps.unmarked >= mark_every_ || flushing_.load(std::memory_order_acquire) > 0) mark_locked(ps);
+  ++unmarked_total_;
+  if (mark_now || unmarked_total_ >= mark_every_ || flushing_.load(std::memory_order_acquire) > 0) mark_all_locked();
   return Status::Ok();
 }
 
@@ -476,6 +480,7 @@ void NvlinkEndpoint::stop_posts() {
     ps->entries.clear();
     ps->unmarked = 0;
   }
+  unmarked_total_ = 0;
   post_marks_.store(0, std::memory_order_release);
   owner_seq_.clear();
 }
