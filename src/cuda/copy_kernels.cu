@@ -13,7 +13,19 @@ __global__ void copy1(uint8_t* __restrict__ dst, const uint8_t* __restrict__ src
     dst[i] = src[i];
 }
 
+__global__ void add_u64(unsigned long long* counter, unsigned long long add) {
+  // Orders this thread's view of what ran before it on the stream (the copies ahead of the
+  // signal are complete when the kernel starts) before the add, for any observer.
+  __threadfence_system();
+  atomicAdd_system(counter, add);
+}
+
 }  // namespace
+
+cudaError_t signal_add(uint64_t* counter, uint64_t add, cudaStream_t stream) {
+  add_u64<<<1, 1, 0, stream>>>(reinterpret_cast<unsigned long long*>(counter), static_cast<unsigned long long>(add));
+  return cudaGetLastError();
+}
 
 cudaError_t sm_copy(void* dst, const void* src, uint64_t n, cudaStream_t stream) {
   if (n == 0) return cudaSuccess;

@@ -541,6 +541,72 @@ TEST(Nvlink, CrossProcessOffsetsImmAndStreams) {
   ep.close();
 }
 
+// The thin post path to another process, every way a post goes: GPU to its cuMem and cudaIpc
+// memory (copies on the post stream), a counter in its GPU memory (our kernel through the
+// import), host to its memfd memory (mapped: a memcpy here), host to its plain host memory
+// (PULL_WRITE), counters in its host memory (kSignal frames it applies). Checked by reading
+// back over the same endpoint.
+TEST(Nvlink, CrossProcessPosts) {
+  NEED_GPUS(1);
+  auto child = spawn_child(second_device());
+  ASSERT_TRUE(child && !child->info.empty()) << "child did not start";
+  Engine e(quiet());
+  auto ep = e.connect(child->info);
+  ASSERT_EQ(ep.transport(), "nvlink");
+  ASSERT_TRUE(ep.capabilities().rma_post && ep.capabilities().signal);
+  auto tensor = ep.remote_region("tensor"), alloc = ep.remote_region("alloc");
+  auto hostalloc = ep.remote_region("hostalloc"), plain = ep.remote_region("plain");
+  ASSERT_TRUE(tensor && alloc && hostalloc && plain);
+  const size_t n = 1 << 20;
+  auto src = e.allocate(2 * n, Location::cuda(0));
+  auto data = pattern(n, 41);
+  CK(cudaMemcpy(src.ptr, data.data(), n, cudaMemcpyHostToDevice));
+  std::vector<uint8_t> hsrc(1 << 16);
+  for (size_t i = 0; i < hsrc.size(); ++i) hsrc[i] = uint8_t(i * 7 + 3);
+  auto hh = e.register_memory(hsrc.data(), hsrc.size());
+  // Counters: 8 bytes at the end of each region written below (zeroed by a post first).
+  std::vector<uint8_t> zero(64, 0);
+  auto hz = e.register_memory(zero.data(), zero.size());
+  const uint64_t gpu_sem = (4 << 20) - 64, host_sem = (1 << 16) - 64;
+  ep.post_write(hz, 0, *alloc, gpu_sem, 8);
+  ep.post_write(hz, 0, *hostalloc, host_sem, 8);
+  ep.post_write(hz, 0, *plain, host_sem, 8);
+  ep.flush();
+  for (int round = 0; round < 8; ++round) {
+    ep.post_write(src.handle, 0, *alloc, 0, n);
+    ep.post_write(src.handle, 4096, *tensor, 100, n - 4096);
+    ep.post_signal(*alloc, gpu_sem, 1);
+    ep.post_write(hh, 0, *hostalloc, 0, 4096);
+    ep.post_signal(*hostalloc, host_sem, 1);
+    ep.post_write(hh, 0, *plain, 0, 8192);
+    ep.post_signal(*plain, host_sem, 2);
+  }
+  ep.flush();
+  auto back = e.allocate(2 * n, Location::cuda(0));
+  std::vector<uint8_t> got(n);
+  { auto st_ = ep.read({{back.handle, 0, *alloc, 0, n}}).wait(); ASSERT_TRUE(st_.ok()) << st_.to_string(); }
+  CK(cudaMemcpy(got.data(), back.ptr, n, cudaMemcpyDeviceToHost));
+  EXPECT_TRUE(got == data) << "GPU -> the peer's cuMem memory";
+  { auto st_ = ep.read({{back.handle, 0, *tensor, 100, n - 4096}}).wait(); ASSERT_TRUE(st_.ok()) << st_.to_string(); }
+  CK(cudaMemcpy(got.data(), back.ptr, n - 4096, cudaMemcpyDeviceToHost));
+  EXPECT_EQ(0, std::memcmp(got.data(), data.data() + 4096, n - 4096)) << "GPU -> the peer's cudaIpc memory";
+  std::vector<uint8_t> hback(1 << 16, 0);
+  auto hb = e.register_memory(hback.data(), hback.size());
+  uint64_t v = 0;
+  { auto st_ = ep.read({{hb, 0, *alloc, gpu_sem, 8}}).wait(); ASSERT_TRUE(st_.ok()) << st_.to_string(); }
+  std::memcpy(&v, hback.data(), 8);
+  EXPECT_EQ(8u, v) << "the counter in the peer's GPU memory";
+  { auto st_ = ep.read({{hb, 0, *hostalloc, 0, hback.size()}}).wait(); ASSERT_TRUE(st_.ok()) << st_.to_string(); }
+  EXPECT_EQ(0, std::memcmp(hback.data(), hsrc.data(), 4096)) << "host -> the peer's memfd memory";
+  std::memcpy(&v, hback.data() + host_sem, 8);
+  EXPECT_EQ(8u, v) << "the counter in the peer's memfd memory";
+  { auto st_ = ep.read({{hb, 0, *plain, 0, hback.size()}}).wait(); ASSERT_TRUE(st_.ok()) << st_.to_string(); }
+  EXPECT_EQ(0, std::memcmp(hback.data(), hsrc.data(), 8192)) << "host -> the peer's plain host memory";
+  std::memcpy(&v, hback.data() + host_sem, 8);
+  EXPECT_EQ(16u, v) << "the counter in the peer's plain host memory";
+  ep.close();
+}
+
 // AllGather with both ranks in this process (one thread each).
 // A handle is bytes from a rendezvous socket: one that claims this process must name one of
 // its AllGather buffers (else a forged one would aim our kernels at any other memory).

@@ -1,6 +1,8 @@
 // nvlink completion: an op's CUDA events (polled on the submitting thread for small ops, else
 // by the endpoint's poller thread), the owner's answers to its PULL_WRITEs, and its lanes
-// finishing (the imm of a write_with_imm after the last one) (see endpoint.hpp).
+// finishing (the imm of a write_with_imm after the last one, through EndpointBase). The
+// poller also completes posts (post_path.cpp) and does what must not block a submitting
+// thread (peer_view.cpp) (see endpoint.hpp).
 #include <algorithm>
 
 #include "transport/nvlink/endpoint.hpp"
@@ -28,7 +30,7 @@ void NvlinkEndpoint::settle(Inflight& f, Status st) {
   finish_all(f, st);
 }
 
-// The owner answered a PULL_WRITE frame.
+// The owner answered a PULL_WRITE frame of an op, or a post's PULL_WRITE or kSignal.
 Status NvlinkEndpoint::take_pull_ack(const FrameHeader& h, PayloadReader& payload) {
   Status st = frame_status(h, payload);
   if (h.type == static_cast<uint8_t>(FrameType::kNack) && st.ok()) st = {ErrorCode::kRemoteError, "peer refused the write"};
@@ -38,7 +40,7 @@ Status NvlinkEndpoint::take_pull_ack(const FrameHeader& h, PayloadReader& payloa
     auto it = pulls_.find(h.op_id);
     if (it != pulls_.end()) p = it->second;
   }
-  if (!p) return {ErrorCode::kProtocol, "ack for an unknown operation"};
+  if (!p) return owner_post_done(h.op_id, st);
   std::optional<Inflight> done;
   {
     std::lock_guard<std::mutex> lk(p->mu);
@@ -78,28 +80,50 @@ void NvlinkEndpoint::complete(Inflight& f, cudaError_t e) {
   settle(f, st);
 }
 
+// Every lane of the op finished with `st` (the base sends a write_with_imm's imm after the
+// last one, through send_imm).
 void NvlinkEndpoint::finish_all(Inflight& f, const Status& st) {
-  for (int i = 0; i < std::max(f.lanes, 1); ++i) finish(f, st);
-}
-
-// A lane finished (or failed): imm after the last lane of a write_with_imm, then complete.
-void NvlinkEndpoint::finish(Inflight& f, const Status& st) {
   pending_.touch();
   moved();
-  if (!st.ok()) f.track->failed = true;
-  if (f.track->lanes_left.fetch_sub(1) == 1 && f.op->kind == OpKind::kWriteImm && !f.track->failed && control_) {
+  if (f.lanes == 0) {
+    pending_.lane_done(f.token, st);
+    return;
+  }
+  for (int i = 0; i < f.lanes; ++i) lane_finished(f.token, st);
+}
+
+// The imm goes on the control channel, behind nothing of ours that could overtake it: the
+// copies are done (their events fired) and the owner answered every PULL_WRITE of the op.
+void NvlinkEndpoint::send_imm(uint64_t token, const std::shared_ptr<TransferOp>& op) {
+  if (control_) {
     OutFrame fr;
-    fr.hdr = make_frame(FrameType::kImm, f.token, 0, 0, 0, 0, f.op->imm);
+    fr.hdr = make_frame(FrameType::kImm, token, 0, 0, 0, 0, op->imm);
     control_->post(std::move(fr));
   }
-  pending_.lane_done(f.token, st);
+  pending_.lane_done(token, Status::Ok());
+}
+
+// What the poller does for the submitting threads, off them: describing the peer's regions
+// after accept, and starting the ops that waited for a description (peer_view.cpp).
+void NvlinkEndpoint::run_background() {
+  bool resolve = false;
+  std::deque<std::pair<std::shared_ptr<TransferOp>, uint64_t>> ops;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    resolve = resolve_wanted_;
+    resolve_wanted_ = false;
+    ops.swap(deferred_);
+  }
+  if (resolve) resolve_known();
+  for (auto& [op, token] : ops) start(op, token, true);
 }
 
 void NvlinkEndpoint::poll() {
   std::deque<Inflight> mine;
   auto idle_since = std::chrono::steady_clock::now();
   for (;;) {
-    if (mine.empty() && !has_work_.load(std::memory_order_acquire)) {
+    const bool posts = post_marks_.load(std::memory_order_acquire) > 0;
+    if (mine.empty() && !posts && !has_work_.load(std::memory_order_acquire)) {
       // Spin a little before sleeping: a new op is often right behind the last one.
       if (std::chrono::steady_clock::now() - idle_since < std::chrono::microseconds(200)) {
         if (stop_flag_.load(std::memory_order_acquire)) break;
@@ -107,17 +131,24 @@ void NvlinkEndpoint::poll() {
         continue;
       }
     }
+    bool background = false;
     {
       std::unique_lock<std::mutex> lk(mu_);
-      if (mine.empty()) cv_.wait(lk, [&] { return stop_ || !inflight_.empty(); });
+      if (mine.empty())
+        cv_.wait(lk, [&] {
+          return stop_ || !inflight_.empty() || !deferred_.empty() || resolve_wanted_ ||
+                 post_marks_.load(std::memory_order_acquire) > 0;
+        });
       if (stop_) break;
       while (!inflight_.empty()) {
         mine.push_back(std::move(inflight_.front()));
         inflight_.pop_front();
       }
+      background = resolve_wanted_ || !deferred_.empty();
       has_work_.store(false, std::memory_order_release);
     }
-    bool progressed = false;
+    if (background) run_background();
+    bool progressed = poll_posts();
     for (auto it = mine.begin(); it != mine.end();) {
       cudaError_t e = events_done(*it);
       if (e == cudaErrorNotReady) {
@@ -128,8 +159,9 @@ void NvlinkEndpoint::poll() {
       it = mine.erase(it);
       progressed = true;
     }
-    if (mine.empty()) idle_since = std::chrono::steady_clock::now();
-    if (!progressed && !mine.empty()) std::this_thread::yield();
+    const bool busy = !mine.empty() || post_marks_.load(std::memory_order_acquire) > 0;
+    if (!busy) idle_since = std::chrono::steady_clock::now();
+    if (!progressed && busy) std::this_thread::yield();
   }
   // Closing: wait for the copies so that no engine thread touches memory after close().
   for (auto& f : mine)

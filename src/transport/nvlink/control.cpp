@@ -1,9 +1,10 @@
 // nvlink control channel (the authenticated same-host socket): the frames the peer sends (imm,
-// SEND rendezvous, PULL_WRITE and their answers), our SEND_RTS, and serving the peer's
-// SEND_RTS and PULL_WRITEs (see endpoint.hpp).
+// SEND rendezvous, PULL_WRITE, signals and their answers), our SEND_RTS, and serving the
+// peer's SEND_RTS, PULL_WRITEs and signals (see endpoint.hpp).
 #include <algorithm>
 
 #include "transport/common/cma.hpp"
+#include "transport/common/signal_target.hpp"
 #include "transport/nvlink/endpoint.hpp"
 
 namespace sluice::detail::nvlink {
@@ -24,6 +25,7 @@ Status NvlinkEndpoint::on_frame(StreamChannel& ch, const FrameHeader& h, Payload
       return Status::Ok();
     case FrameType::kSendRts: return serve_rts(ch, h);
     case FrameType::kPullWrite: return serve_pull(ch, h, payload);
+    case FrameType::kSignal: return serve_signal(ch, h);
     case FrameType::kAck:
     case FrameType::kNack:
       moved();
@@ -76,6 +78,16 @@ Status NvlinkEndpoint::serve_pull(StreamChannel& ch, const FrameHeader& h, Paylo
   return Status::Ok();
 }
 
+// The peer's post_signal into a counter of ours (host memory; counters in our GPU memory it
+// raises with a kernel of its own): checked and applied like any target access, answered
+// like a write lane end. The channel is in order, so the peer's PULL_WRITEs before it are done.
+Status NvlinkEndpoint::serve_signal(StreamChannel& ch, const FrameHeader& h) {
+  const uint64_t add = uint64_t(h.aux) << 32 | h.imm;
+  Status st = apply_signal(events_->registry(), h.region, h.offset, add);
+  post_status(ch, st.ok() ? FrameType::kAck : FrameType::kNack, h.op_id, kLaneEnd, st);
+  return Status::Ok();
+}
+
 // The peer sends us a message: copy it out of its region (h.offset: the region's id,
 // h.region: the message's address in the peer), which must lie inside that region as the
 // peer described it, under its lease.
@@ -99,8 +111,9 @@ Status NvlinkEndpoint::serve_rts(StreamChannel& ch, const FrameHeader& h) {
         LeaseHold held;
         held.leases = &leases_;
         if (rv.slot == kNoLease || !leases_.enter(rv.slot, h.offset)) {
-          forget_region(h.offset);
-          throw Error(ErrorCode::kUnknownHandle, "the sender's region " + std::to_string(h.offset) + " is no longer registered");
+          Status gone{ErrorCode::kUnknownHandle, "the sender's region " + std::to_string(h.offset) + " is no longer registered"};
+          forget_region(h.offset, gone);
+          throw Error(gone.code, gone.message);
         }
         held.slots.push_back(rv.slot);
         held.ids.push_back(h.offset);

@@ -24,19 +24,50 @@ const RegionEntry* pin_of(const TransferOp& op, const uint8_t* p) {
 void NvlinkEndpoint::submit(std::shared_ptr<TransferOp> op) {
   uint64_t token = pending_.add(op);
   if (!token) return;
+  // An op of no lanes completes in one step (finish_all), not through the lane count.
+  for (const Lane& l : op->lanes)
+    if (!l.pieces.empty()) {
+      track_lanes(token, *op);
+      break;
+    }
+  start(op, token, false);
+}
+
+// Resolves, leases and enqueues the op's copies. On the submitting thread (background false)
+// only peer regions already described are used: an op that needs another is handed to the
+// poller, which describes it and calls this again (background true); see peer_view.cpp.
+void NvlinkEndpoint::start(const std::shared_ptr<TransferOp>& op, uint64_t token, bool background) {
   Inflight f;
   f.op = op;
   f.token = token;
-  f.track = std::make_shared<OpTrack>();
   for (auto& l : op->lanes) f.lanes += l.pieces.empty() ? 0 : 1;
-  f.track->lanes_left = f.lanes;
   f.leases = std::make_shared<LeaseHold>();
   f.leases->leases = &leases_;
   // The caller's stream travels with the op (the core admitted it: stream_ordered).
   auto* user = static_cast<cudaStream_t>(op->options.cuda_stream);
-  Status st = failed_.load() ? Status{ErrorCode::kCancelled, "endpoint closed"} : Status::Ok();
+  Status st = failed() ? Status{ErrorCode::kCancelled, "endpoint closed"} : Status::Ok();
   std::unordered_map<uint64_t, RemoteView> views;
-  if (st.ok()) st = resolve(*op, &f.device, &views);
+  bool missing = false;
+  if (st.ok()) st = resolve(*op, &f.device, &views, background, &missing);
+  if (st.ok() && missing) {
+    if (!user) {
+      std::unique_lock<std::mutex> lk(mu_);
+      if (!stop_) {
+        deferred_.emplace_back(op, token);
+        has_work_.store(true, std::memory_order_release);
+        lk.unlock();
+        cv_.notify_one();
+        return;
+      }
+      lk.unlock();
+      st = {ErrorCode::kCancelled, "endpoint closed"};
+    } else {
+      // Its copies must be enqueued on the caller's stream now, in the caller's order.
+      st = {ErrorCode::kUnknownHandle,
+            "nvlink: a peer region of this stream-ordered op is not mapped here yet (the peer's regions are "
+            "described after connect/accept in the background); call refresh_remote_regions() first"};
+    }
+  }
   if (st.ok()) st = hold_leases(views, *f.leases);
   if (st.ok()) st = enqueue(*op, user, &f, views);
   if (!st.ok() || f.events.empty()) {
@@ -51,8 +82,8 @@ void NvlinkEndpoint::submit(std::shared_ptr<TransferOp> op) {
   }
   // Small ops: wait here a moment, so that the caller's Future is already complete (no
   // thread hand-off on the latency path). Never with a user stream: its earlier work may
-  // take any time.
-  if (!user && op->bytes <= inline_max_) {
+  // take any time; never on the poller.
+  if (!user && !background && op->bytes <= inline_max_) {
     auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(30);
     while (std::chrono::steady_clock::now() < until) {
       if (events_done(f) != cudaErrorNotReady) break;
@@ -63,7 +94,7 @@ void NvlinkEndpoint::submit(std::shared_ptr<TransferOp> op) {
       return;
     }
   }
-  if (poll_waiters_) {
+  if (poll_waiters_ && !background) {  // on the poller the caller may be waiting already
     // ~300 GB/s over NVLink, plus the completion path; at most 2 ms.
     uint64_t us = std::min<uint64_t>(op->bytes / 300000 + 30, 2000);
     op->future->set_busy_wait(std::chrono::microseconds(us));
@@ -89,14 +120,26 @@ int NvlinkEndpoint::op_device(const TransferOp& op) {
 }
 
 // Every peer region the op touches, as its owner described it, with each piece checked
-// against it.
-Status NvlinkEndpoint::resolve(const TransferOp& op, int* device, std::unordered_map<uint64_t, RemoteView>* out) {
+// against it. Without may_block only regions already described are used: *missing says
+// that one is not (describing it waits for the peer).
+Status NvlinkEndpoint::resolve(const TransferOp& op, int* device, std::unordered_map<uint64_t, RemoteView>* out,
+                               bool may_block, bool* missing) {
   try {
     *device = op_device(op);
     for (const Lane& lane : op.lanes)
       for (const Piece& p : lane.pieces) {
         auto it = out->find(p.remote_id);
-        if (it == out->end()) it = out->emplace(p.remote_id, view(p.remote_id, *device)).first;
+        if (it == out->end()) {
+          RemoteView rv;
+          if (!cached_view(p.remote_id, &rv, nullptr)) {
+            if (!may_block) {
+              *missing = true;
+              return Status::Ok();
+            }
+            rv = view(p.remote_id, *device);
+          }
+          it = out->emplace(p.remote_id, std::move(rv)).first;
+        }
         if (!in_bounds(p.remote_offset, p.length, it->second.length))
           return {ErrorCode::kOutOfRange, "peer region " + std::to_string(p.remote_id) + " is " +
                                               std::to_string(it->second.length) + " bytes (as its owner describes it); " +
@@ -112,8 +155,9 @@ Status NvlinkEndpoint::resolve(const TransferOp& op, int* device, std::unordered
 Status NvlinkEndpoint::hold_leases(const std::unordered_map<uint64_t, RemoteView>& views, LeaseHold& h) {
   for (const auto& [id, v] : views) {
     if (v.slot == kNoLease || !leases_.enter(v.slot, id)) {
-      forget_region(id);
-      return {ErrorCode::kUnknownHandle, "peer region " + std::to_string(id) + " is no longer registered"};
+      Status st{ErrorCode::kUnknownHandle, "peer region " + std::to_string(id) + " is no longer registered"};
+      forget_region(id, st);
+      return st;
     }
     h.slots.push_back(v.slot);
     h.ids.push_back(id);

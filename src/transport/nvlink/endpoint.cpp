@@ -21,7 +21,7 @@ const Param<uint64_t> kInlineMax{"nvlink.inline_max", "SLUICE_NVLINK_INLINE_MAX"
 }  // namespace
 
 NvlinkEndpoint::NvlinkEndpoint(const EndpointSetup& s, NvlinkHost& host, std::string peer_socket)
-    : host_(host), events_(s.events), active_(s.active), token_(s.token), peer_socket_(std::move(peer_socket)),
+    : EndpointBase(s), host_(host), active_(s.active), token_(s.token), peer_socket_(std::move(peer_socket)),
       peer_engine_(s.peer.engine_id), timeout_(s.config.connect_timeout) {
   sm_copy_max_ = kSmCopyMax.get(s.config);
   nstreams_ = kStreams.get(s.config);
@@ -32,6 +32,11 @@ NvlinkEndpoint::NvlinkEndpoint(const EndpointSetup& s, NvlinkHost& host, std::st
   int us = s.config.busy_wait_us;
   if (us < 0) us = std::thread::hardware_concurrency() > 2 ? 20 : 0;
   poll_waiters_ = us > 0;
+  // A mark every few posts, never more than the depth: a poster held back by post.depth
+  // waits for a post that a mark will complete.
+  mark_every_ = std::min<size_t>(16, post_depth(s.config));
+  pending_.set_post_handler([this](const std::shared_ptr<TransferOp>& op, const Status& st) { post_finished(op, st); });
+  for (const auto& r : s.peer.regions) known_.push_back(r.info.id);
   poller_ = std::thread([this] { poll(); });
 }
 
@@ -48,6 +53,9 @@ void NvlinkEndpoint::connect(const ChannelOpener& open) {
   }
   proven(proof.cred.pid);
   install(std::move(proof.sock));
+  // Describe the peer's regions now, on the connecting thread (connect is allowed to wait for
+  // the peer), so that no submit has to (peer_view.cpp).
+  resolve_known();
   open(0, nlohmann::json::object());
 }
 
@@ -59,6 +67,19 @@ nlohmann::json NvlinkEndpoint::attach(int index, const nlohmann::json&) {
     throw Error(ErrorCode::kProtocol, "nvlink: the peer has not proven that it is a process on this host "
                                       "(no authenticated same-host socket for this endpoint)");
   return nlohmann::json::object();
+}
+
+bool NvlinkEndpoint::adopt(int, net::Socket) {
+  // The active side proved itself before it opened this channel: its socket service answers
+  // our describes now. The poller describes its regions; ops that come first wait for that
+  // on the poller (data_path.cpp), never on the caller.
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    resolve_wanted_ = true;
+    has_work_.store(true, std::memory_order_release);
+  }
+  cv_.notify_one();
+  return true;
 }
 
 // Passive side: the process `cred` proved itself with this endpoint's token; its socket
@@ -135,6 +156,13 @@ void NvlinkEndpoint::close(const Status& why) {
   closed_ = true;
   if (control_) control_->join();
   if (poller_.joinable() && poller_.get_id() != std::this_thread::get_id()) poller_.join();
+  stop_posts();
+  {
+    std::lock_guard<std::mutex> lk(post_mu_);
+    for (auto& ps : post_streams_) cudaStreamDestroy(ps->stream);
+    post_streams_.clear();
+    last_post_stream_ = nullptr;
+  }
   {
     std::lock_guard<std::mutex> lk(res_mu_);
     for (auto& [key, s] : streams_) cudaStreamSynchronize(s);
@@ -161,13 +189,13 @@ void NvlinkEndpoint::proven(pid_t pid) {
 void NvlinkEndpoint::install(net::Socket sock) {
   control_ = std::make_unique<StreamChannel>(std::move(sock), this, 0);
   control_->start();
-  if (failed_.load()) control_->shutdown();
+  if (failed()) control_->shutdown();
 }
 
-void NvlinkEndpoint::fail(const Status& why, bool notify) {
-  if (failed_.exchange(true)) return;
-  // The core learns first: whoever sees a failed future then sees a failed endpoint.
-  if (notify) events_->on_failure(why);
+// The failure latch is EndpointBase::fail(); this is nvlink's part of it: the control channel
+// shuts, the poller stops, and every copy of ours has finished before any op or post fails
+// (our copies may still write into the peer's memory until then, under its leases).
+void NvlinkEndpoint::stop_io() {
   if (control_) control_->shutdown();
   {
     std::lock_guard<std::mutex> lk(mu_);
@@ -184,10 +212,12 @@ void NvlinkEndpoint::fail(const Status& why, bool notify) {
         give_event(f.device, e);
       }
     inflight_.clear();
+    deferred_.clear();
   }
-  pending_.fail_all(why);
+  stop_posts();
   {
-    // Ops waiting for the owner's answers: failed above; their leases and copies go now.
+    // Ops waiting for the owner's answers (failed next, by the base): their leases and
+    // staged copies go now.
     std::lock_guard<std::mutex> lk(pull_mu_);
     pulls_.clear();
   }

@@ -4,7 +4,8 @@
 //   peer_view.cpp   the peer's regions as their owner describes them: cuda imports, host mappings
 //   data_path.cpp   submit: resolve and lease the peer's regions, streams and events, the copies
 //   completion.cpp  completion: CUDA events, the poller thread, PULL_WRITE answers, lanes
-//   control.cpp     control frames: imm, SEND rendezvous, serving the peer's PULL_WRITEs
+//   control.cpp     control frames: imm, SEND rendezvous, serving the peer's PULL_WRITEs and signals
+//   post_path.cpp   the thin post path: post_write, post_signal, flush (records in post_path.hpp)
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -30,21 +31,18 @@
 #include "core/lease_table.hpp"
 #include "cuda/cuda_util.hpp"
 #include "transport/common/control_frames.hpp"
+#include "transport/common/endpoint_base.hpp"
 #include "transport/common/pending_ops.hpp"
 #include "transport/common/same_host.hpp"
 #include "transport/common/same_host_endpoints.hpp"
 #include "transport/common/same_host_wire.hpp"
 #include "transport/common/stream_channel.hpp"
+#include "transport/nvlink/post_path.hpp"
 #include "transport/transport.hpp"
 
 namespace sluice::detail::nvlink {
 
 namespace cu = sluice::detail::cuda;
-
-struct OpTrack {
-  std::atomic<int> lanes_left{0};
-  std::atomic<bool> failed{false};
-};
 
 struct FdGuard {
   int fd;
@@ -81,7 +79,6 @@ struct PullState;
 struct Inflight {
   std::shared_ptr<TransferOp> op;
   uint64_t token = 0;
-  std::shared_ptr<OpTrack> track;
   std::vector<cudaEvent_t> events;
   int device = 0;
   int lanes = 0;
@@ -120,8 +117,12 @@ struct RemoteView {
   uint64_t addr = 0;       // the owner's virtual address of byte 0
   uint64_t length = 0;     // every offset is checked against this
   uint32_t slot = kNoLease;
+  int owner_device = -1;   // cuda regions: the device the memory is on, as numbered here (-1: unknown)
   std::shared_ptr<void> keep;  // the import or mapping `ptr` points into
 };
+
+// Peer access from device `from` to device `to` where the hardware allows it (peer_view.cpp).
+void enable_peer_access(int from, int to);
 
 // A peer's engine-allocated (memfd) host region mapped here, as shm does.
 struct HostMapping {
@@ -155,7 +156,7 @@ class NvlinkHost {
   virtual void forget(uint64_t token) = 0;
 };
 
-class NvlinkEndpoint final : public TransportEndpoint, public StreamChannel::Handler, public same_host::ProvenEndpoint {
+class NvlinkEndpoint final : public EndpointBase, public StreamChannel::Handler, public same_host::ProvenEndpoint {
  public:
   // endpoint.cpp
   NvlinkEndpoint(const EndpointSetup& s, NvlinkHost& host, std::string peer_socket);
@@ -164,7 +165,8 @@ class NvlinkEndpoint final : public TransportEndpoint, public StreamChannel::Han
   void connect(const ChannelOpener& open) override;
   nlohmann::json attach(int index, const nlohmann::json&) override;
   // The listener's socket carried only the handshake; the same-host socket is the channel.
-  bool adopt(int, net::Socket) override { return true; }
+  // The peer is proven by now: its regions are described in the background (peer_view.cpp).
+  bool adopt(int, net::Socket) override;
 
   // Called by the transport's socket service.
   bool active() const { return active_; }
@@ -172,15 +174,21 @@ class NvlinkEndpoint final : public TransportEndpoint, public StreamChannel::Han
   void authenticate(net::Socket& sock, const same_host::PeerCred& cred, int lease_fd, const std::string& engine) override;
   nlohmann::json describe_local(uint64_t id, const same_host::PeerCred& cred, int* fd_out) const override;
 
-  size_t pending() const override { return pending_.size(); }
-  std::chrono::steady_clock::time_point last_progress() const override { return pending_.last_progress(); }
   size_t expire_ops(std::chrono::steady_clock::time_point now, std::chrono::milliseconds timeout,
                     std::string* what) override;
 
   void close(const Status& why) override;
 
+  // peer_view.cpp
+  void peer_updated(const EngineInfo& peer) override;
+
   // data_path.cpp
   void submit(std::shared_ptr<TransferOp> op) override;
+
+  // post_path.cpp
+  Status post_write(PostWrite&& w, std::chrono::milliseconds timeout) override;
+  Status post_signal(const PostSignal& s, std::chrono::milliseconds timeout) override;
+  Status flush(std::chrono::milliseconds timeout) override;
 
   // control.cpp
   void send(std::shared_ptr<MessageOp> op) override;
@@ -191,16 +199,20 @@ class NvlinkEndpoint final : public TransportEndpoint, public StreamChannel::Han
   // endpoint.cpp
   void proven(pid_t pid);
   void install(net::Socket sock);
-  void fail(const Status& why, bool notify);
+  void stop_io() override;
 
   // peer_view.cpp
-  void forget_region(uint64_t id);
+  void forget_region(uint64_t id, const Status& why);
   RemoteView view(uint64_t id, int device);
+  bool cached_view(uint64_t id, RemoteView* out, Status* why);
+  void resolve_known();
   uint8_t* map_cuda(uint64_t id, const nlohmann::json& r, int fd, int device, RemoteView& rv);
 
   // data_path.cpp
+  void start(const std::shared_ptr<TransferOp>& op, uint64_t token, bool background);
   int op_device(const TransferOp& op);
-  Status resolve(const TransferOp& op, int* device, std::unordered_map<uint64_t, RemoteView>* out);
+  Status resolve(const TransferOp& op, int* device, std::unordered_map<uint64_t, RemoteView>* out, bool may_block,
+                 bool* missing);
   Status hold_leases(const std::unordered_map<uint64_t, RemoteView>& views, LeaseHold& h);
   cudaStream_t stream(int device, size_t lane);
   cudaEvent_t take_event(int device);
@@ -221,16 +233,34 @@ class NvlinkEndpoint final : public TransportEndpoint, public StreamChannel::Han
   static cudaError_t events_done(const Inflight& f);
   void complete(Inflight& f, cudaError_t e);
   void finish_all(Inflight& f, const Status& st);
-  void finish(Inflight& f, const Status& st);
+  void send_imm(uint64_t token, const std::shared_ptr<TransferOp>& op) override;
   void poll();
+  void run_background();
 
   // control.cpp
   Status serve_rts(StreamChannel& ch, const FrameHeader& h);
   Status serve_pull(StreamChannel& ch, const FrameHeader& h, PayloadReader& payload);
+  Status serve_signal(StreamChannel& ch, const FrameHeader& h);
+
+  // post_path.cpp
+  Status post_view(uint64_t id, RemoteView* rv);
+  Status post_failure();
+  std::shared_ptr<PostOp> take_post();
+  void post_finished(const std::shared_ptr<TransferOp>& op, const Status& st);
+  PostStream* post_stream(int device);
+  void peer_access_locked(int from, int to);
+  void mark_locked(PostStream& ps);
+  void mark_all_locked();
+  Status enqueue_post_locked(PostOp& op, uint64_t token, const uint8_t* src, uint8_t* dst, uint64_t n);
+  Status launch_signal_locked(PostOp& op, uint64_t token, bool mark_now);
+  void launch_deferred_signal(uint64_t token);
+  void send_signal_frame(uint64_t token, uint64_t region, uint64_t offset, uint64_t add);
+  Status owner_post_done(uint64_t token, const Status& st);
+  bool poll_posts();
+  void stop_posts();
 
 
   NvlinkHost& host_;
-  EndpointEvents* events_;
   const bool active_;
   const uint64_t token_;
   const std::string peer_socket_;
@@ -246,15 +276,17 @@ class NvlinkEndpoint final : public TransportEndpoint, public StreamChannel::Han
   uint64_t inline_max_ = 64ull << 10;
   bool poll_waiters_ = false;
   std::unique_ptr<StreamChannel> control_;
-  PendingOps pending_;
   std::atomic<std::chrono::steady_clock::rep> moving_{0};  // when work of ours last completed
   void moved() { moving_.store(std::chrono::steady_clock::now().time_since_epoch().count(), std::memory_order_relaxed); }
-  std::atomic<bool> failed_{false};
 
   std::mutex mu_;
   std::condition_variable cv_;
   PeerLeases leases_;  // declared before inflight_: destroyed after the ops holding leases
   std::deque<Inflight> inflight_;
+  // Work the poller does off the submitting threads (peer_view.cpp, data_path.cpp): ops whose
+  // peer regions are not described yet, and describing the peer's regions after accept.
+  std::deque<std::pair<std::shared_ptr<TransferOp>, uint64_t>> deferred_;
+  bool resolve_wanted_ = false;
   bool stop_ = false;
   std::atomic<bool> stop_flag_{false};
   std::atomic<bool> has_work_{false};
@@ -266,10 +298,33 @@ class NvlinkEndpoint final : public TransportEndpoint, public StreamChannel::Han
 
   std::mutex map_mu_;
   std::unordered_map<uint64_t, RemoteView> views_;   // peer region id -> its owner's description
+  std::unordered_map<uint64_t, Status> view_errors_;  // why describing a peer region failed last
+  std::vector<uint64_t> known_;                       // the peer's regions in its latest info
   std::unordered_map<uint64_t, ImportRec> imports_;  // peer allocation base -> its mapping here
 
   std::mutex pull_mu_;
   std::unordered_map<uint64_t, std::shared_ptr<PullState>> pulls_;  // op token -> its PULL_WRITEs
+
+  // The thin post path (post_path.cpp). post_mu_ guards the post streams; the poller and
+  // the thread that issues a deferred signal take it too. Lock order: post_mu_, mu_, res_mu_.
+  std::mutex post_mu_;
+  std::vector<std::unique_ptr<PostStream>> post_streams_;
+  size_t mark_every_ = 16;
+  size_t unmarked_total_ = 0;  // posts on every post stream that no mark covers yet
+  PostStream* last_post_stream_ = nullptr;  // where the last stream copy went: a signal kernel follows it
+  bool posts_stopped_ = false;              // stop_posts() ran: nothing more is enqueued
+  std::atomic<size_t> post_marks_{0};       // marks the poller has to watch
+  std::atomic<int> flushing_{0};            // flushes waiting: every post is marked at once
+  uint64_t peer_enabled_[64] = {};          // bit `to` of [from]: enable_peer_access ran (post_mu_)
+  // Writes the owner executes (PULL_WRITE) counted for signal kernels, which must not run
+  // before the owner answered them (sequencer_, the base's, counts our stream copies for
+  // signals sent as frames, which must not leave before those copies are done).
+  SignalSequencer owner_seq_;
+  std::vector<std::pair<PostStream::Entry, cudaError_t>> done_entries_;  // poller only
+  std::vector<PostSignal> ready_frames_;         // poller only: signals now due, as frames
+  std::vector<PostSignal> ready_kernels_;        // control channel only: signal kernels now due
+  std::mutex free_mu_;
+  std::vector<std::shared_ptr<PostOp>> free_posts_;
 
   std::mutex close_mu_;
   bool closed_ = false;

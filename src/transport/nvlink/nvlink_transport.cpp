@@ -2,7 +2,8 @@
 // (transport/common/same_host.hpp): each engine serves an abstract Unix socket, the kernel
 // names the process at the other end (SO_PEERCRED) and descriptors travel as SCM_RIGHTS.
 // Nothing the info blob says about the peer's memory is used: each peer region is described
-// by its owner over that socket on first use ("describe": its address, length, lease slot,
+// by its owner over that socket when the peer's info names it, off the submitting threads
+// (peer_view.cpp says when) ("describe": its address, length, lease slot,
 // and for cuda memory its cudaIpc handle or, for cuMem allocations, the POSIX-fd export as a
 // passed descriptor; for memfd host memory the memfd), then mapped once. Offsets are checked
 // against the described region at every use. Bytes move with cudaMemcpyAsync on dedicated
@@ -13,9 +14,10 @@
 // (memfd) or read with process_vm_readv from the proven pid; writes into it that are not
 // through a mapping are PULL_WRITEs its owner executes (as in shm); a local cuda side stages
 // through host memory. The authenticated socket is the control
-// channel (imm values and send rendezvous); the listener's TCP channel only completes the
-// endpoint. Two engines of one process are peers too (the kernel then names this process):
-// the answering engine describes its regions by address and they are used directly.
+// channel (imm values, send rendezvous, signals into host memory); the listener's TCP
+// channel only completes the endpoint. The thin post path is in post_path.cpp. Two engines
+// of one process are peers too (the kernel then names this process): the answering engine
+// describes its regions by address and they are used directly.
 //
 // This file holds the Transport (socket service, reachability, endpoint creation) and its
 // registration; the endpoint is in endpoint.hpp and the files it names.
@@ -45,13 +47,16 @@ class NvlinkTransport final : public Transport, public NvlinkHost {
   int priority() const override { return 30; }
   bool supports(const Location& loc) const override { return loc.is_host() || loc.kind == Location::Kind::kCuda; }
   // One-sided copies are enqueued on the op's cuda_stream when it has one (enqueue()); messages
-  // go over the control socket and are not stream-ordered.
+  // go over the control socket and are not stream-ordered. The thin post path and its
+  // signals: post_path.cpp.
   Capabilities capabilities() const override {
     Capabilities c;
     c.host_memory = true;
     c.cuda_memory = true;
     c.stream_ordered = true;
     c.imm = true;
+    c.signal = true;
+    c.rma_post = true;
     return c;
   }
   // No pid, no handles, no addresses: a peer learns about our memory only after proving itself.

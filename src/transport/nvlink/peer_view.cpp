@@ -1,6 +1,20 @@
 // The peer's regions as seen from an nvlink endpoint: each described by its owner over the
-// authenticated same-host socket on first use, then mapped once (a cuda import shared by the
-// regions of one allocation, or a mapped memfd for host memory) and kept until withdrawn.
+// authenticated same-host socket, then mapped once (a cuda import shared by the regions of one
+// allocation, or a mapped memfd for host memory) and kept until withdrawn.
+//
+// When: describing is a round trip to the peer, so it never happens on a thread that submits
+// or posts (issue 11: no network on submit). The regions of the peer's info are described
+// when that info arrives: at connect on the connecting thread, at refresh_remote_regions() on
+// the refreshing thread (both already wait for the peer), and after accept on the poller. A
+// region an op needs that is not described yet (the passive side right after accept, or a
+// region withdrawn and described again) is described on the poller: the op is handed to it
+// and started there (data_path.cpp). Ops that must be issued in their caller's order (posts,
+// stream-ordered ops) cannot be handed over without holding every later one back too, so
+// they fail at once with a clear error instead; that is a window of milliseconds after
+// accept, closed by refresh_remote_regions(). Simpler than a queue that would have to hold
+// back every later post of the endpoint, and it keeps the submit path free of I/O.
+#include <algorithm>
+
 #include "transport/nvlink/endpoint.hpp"
 
 namespace sluice::detail::nvlink {
@@ -17,16 +31,91 @@ std::string string_field(const nlohmann::json& j, const char* key) {
   return it != j.end() && it->is_string() ? it->get<std::string>() : std::string();
 }
 
-// A region the owner withdrew: its description (and, unless another region still uses it,
-// its mapping) is dropped.
-void NvlinkEndpoint::forget_region(uint64_t id) {
-  std::lock_guard<std::mutex> lk(map_mu_);
-  views_.erase(id);
+// Peer access from device `from` to memory on device `to` (both as this process numbers
+// them), where the hardware allows it; idempotent (an enabled pair is not an error here).
+// Only for devices the process uses already: enabling creates contexts.
+void enable_peer_access(int from, int to) {
+  const int n = cu::device_count();
+  if (from < 0 || to < 0 || from >= n || to >= n || from == to) return;
+  int can = 0;
+  if (cudaDeviceCanAccessPeer(&can, from, to) != cudaSuccess || !can) {
+    cudaGetLastError();
+    return;
+  }
+  int prev = 0;
+  if (cudaGetDevice(&prev) != cudaSuccess) prev = from;
+  if (cudaSetDevice(from) != cudaSuccess || cudaDeviceEnablePeerAccess(to, 0) != cudaSuccess) cudaGetLastError();
+  if (prev != from) cudaSetDevice(prev);
+  cudaGetLastError();
 }
 
-// The peer's region `id` for copies driven by `device`, as its owner describes it (asked
-// over its same-host socket the first time: a local round trip bounded by the connect
-// timeout). Throws Error.
+// A region the owner withdrew: its description (and, unless another region still uses it,
+// its mapping) is dropped; ops that cannot wait for a new description get `why`.
+void NvlinkEndpoint::forget_region(uint64_t id, const Status& why) {
+  std::lock_guard<std::mutex> lk(map_mu_);
+  views_.erase(id);
+  view_errors_[id] = why;
+}
+
+// The description of `id` if we have one (never asks the peer). Else false, with *why set
+// when describing it failed last time (else it is not described yet).
+bool NvlinkEndpoint::cached_view(uint64_t id, RemoteView* out, Status* why) {
+  std::lock_guard<std::mutex> lk(map_mu_);
+  auto v = views_.find(id);
+  if (v != views_.end()) {
+    *out = v->second;
+    return true;
+  }
+  auto e = view_errors_.find(id);
+  if (why && e != view_errors_.end()) *why = e->second;
+  return false;
+}
+
+// Describes every region of the peer's latest info that is not described yet (a failure is
+// kept for the ops that name the region). Blocks on the peer, about the connect timeout at
+// most (what is left then is described when an op needs it): never on a submitting thread.
+void NvlinkEndpoint::resolve_known() {
+  std::vector<uint64_t> ids;
+  {
+    std::lock_guard<std::mutex> lk(map_mu_);
+    for (uint64_t id : known_)
+      if (!views_.count(id)) ids.push_back(id);
+  }
+  const auto until = std::chrono::steady_clock::now() + timeout_;
+  for (uint64_t id : ids) {
+    if (failed() || std::chrono::steady_clock::now() > until) return;
+    try {
+      view(id, -1);
+    } catch (const Error& e) {
+      std::lock_guard<std::mutex> lk(map_mu_);
+      view_errors_[id] = e.status();
+    } catch (const std::exception& e) {
+      std::lock_guard<std::mutex> lk(map_mu_);
+      view_errors_[id] = {ErrorCode::kProtocol, std::string("nvlink: describing peer region ") + std::to_string(id) + ": " + e.what()};
+    }
+  }
+}
+
+// The peer's info changed (connect's hello reply, refresh_remote_regions()): regions it no
+// longer lists are forgotten, new ones described now if the peer has proven itself (this is
+// the refreshing thread, which waits for the peer anyway), else once it has (connect, adopt).
+void NvlinkEndpoint::peer_updated(const EngineInfo& peer) {
+  {
+    std::lock_guard<std::mutex> lk(map_mu_);
+    known_.clear();
+    for (const auto& r : peer.regions) known_.push_back(r.info.id);
+    std::sort(known_.begin(), known_.end());
+    for (auto it = views_.begin(); it != views_.end();)
+      it = std::binary_search(known_.begin(), known_.end(), it->first) ? std::next(it) : views_.erase(it);
+    view_errors_.clear();  // a refresh is a fresh start for regions that failed
+  }
+  if (authenticated_.load() && !failed()) resolve_known();
+}
+
+// The peer's region `id`, as its owner describes it (asked over its same-host socket: a local
+// round trip bounded by the connect timeout), mapped for copies driven by `device` (-1: the
+// calling thread's current device). Throws Error. Never called on a submitting thread (see
+// the top of this file).
 RemoteView NvlinkEndpoint::view(uint64_t id, int device) {
   {
     std::lock_guard<std::mutex> lk(map_mu_);
@@ -73,6 +162,7 @@ RemoteView NvlinkEndpoint::view(uint64_t id, int device) {
     rv.ptr = map_cuda(id, r, fd, device, rv);
   }
   std::lock_guard<std::mutex> lk(map_mu_);
+  view_errors_.erase(id);
   return views_.emplace(id, std::move(rv)).first->second;
 }
 
@@ -91,21 +181,23 @@ uint8_t* NvlinkEndpoint::map_cuda(uint64_t id, const nlohmann::json& r, int fd, 
                                           " bytes at offset " + std::to_string(offset) + " of a " +
                                           std::to_string(base_size) + "-byte allocation");
   const std::string kind = string_field(ex, "kind");
+  auto dev = ex.find("device");
+  const int owner = dev != ex.end() && dev->is_number_integer() ? dev->get<int>() : -1;
+  rv.owner_device = owner >= 0 && owner < cu::device_count() ? owner : -1;
+  // Copies into it are driven from `device`, or, described ahead of any op, from the
+  // describing thread's device (as a submit without a cuda piece would); posts enable their
+  // stream's device when they first use it (post_path.cpp).
+  int from = device;
+  if (from < 0 && cudaGetDevice(&from) != cudaSuccess) {
+    cudaGetLastError();
+    from = 0;
+  }
+  device = from;  // the device imports are made on, as when an op described it
   if (kind == "local") {
     // Only another engine of this very process may describe memory by address.
     if (!same_process_.load())
       throw Error(ErrorCode::kProtocol, "nvlink: a peer in another process described " + what + " by address");
-    auto dev = ex.find("device");
-    if (dev != ex.end() && dev->is_number_integer()) {
-      int owner = dev->get<int>();
-      if (owner != device && owner >= 0 && owner < cu::device_count()) {
-        // Peer access is enabled from the current device: make it the one that copies.
-        int can = 0;
-        cudaDeviceCanAccessPeer(&can, device, owner);
-        if (can && (cudaSetDevice(device) != cudaSuccess || cudaDeviceEnablePeerAccess(owner, 0) != cudaSuccess))
-          cudaGetLastError();
-      }
-    }
+    enable_peer_access(from, rv.owner_device);
     return reinterpret_cast<uint8_t*>(base + offset);
   }
   std::lock_guard<std::mutex> lk(map_mu_);
@@ -115,6 +207,9 @@ uint8_t* NvlinkEndpoint::map_cuda(uint64_t id, const nlohmann::json& r, int fd, 
   if (!rec.imp || !live) {
     rec = ImportRec{};
     rec.imp = cu::import_region(ex, fd, device);
+    // cuMem imports get their access from the import; cudaIpc ones need peer access to the
+    // device the memory is on (the owner's, as this process numbers devices).
+    enable_peer_access(from, rv.owner_device);
   }
   if (rec.imp->size < base_size)
     throw Error(ErrorCode::kProtocol, "nvlink: " + what + " lies outside the peer's allocation as mapped");

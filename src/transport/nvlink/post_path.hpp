@@ -1,0 +1,84 @@
+// The records of nvlink's thin post path (post_path.cpp): a post, and the per-device stream
+// its copies and signal kernels go on. Everything here is reused: no allocation per post in
+// the steady state (the rings grow to the post depth once, posts come from a free list).
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <utility>
+#include <vector>
+
+#include "core/lease_table.hpp"
+#include "transport/common/same_host_wire.hpp"
+#include "transport/transport.hpp"
+
+namespace sluice::detail::nvlink {
+
+// A FIFO on a vector that only grows (std::deque allocates and frees blocks as it moves).
+template <class T>
+class Ring {
+ public:
+  bool empty() const { return n_ == 0; }
+  size_t size() const { return n_; }
+  T& front() { return buf_[head_]; }
+  T& back() { return buf_[(head_ + n_ - 1) % buf_.size()]; }
+  void push(T v) {
+    if (n_ == buf_.size()) grow();
+    buf_[(head_ + n_) % buf_.size()] = std::move(v);
+    ++n_;
+  }
+  void pop() {
+    head_ = (head_ + 1) % buf_.size();
+    --n_;
+  }
+  void clear() { head_ = n_ = 0; }
+
+ private:
+  void grow() {
+    std::vector<T> b(buf_.empty() ? 64 : buf_.size() * 2);
+    for (size_t i = 0; i < n_; ++i) b[i] = std::move(buf_[(head_ + i) % buf_.size()]);
+    buf_.swap(b);
+    head_ = 0;
+  }
+  std::vector<T> buf_;
+  size_t head_ = 0, n_ = 0;
+};
+
+// One post. A TransferOp so that PendingOps gives it a token (the owner's ACK names it),
+// fails it with the endpoint and completes it through the post handler.
+struct PostOp : TransferOp {
+  // How it completes: an event recorded behind it on its post stream (copies, signal
+  // kernels), or the owner's ACK (PULL_WRITE into its unmapped host memory, kSignal frames).
+  enum class Via : uint8_t { kStream, kOwner };
+  Via via = Via::kStream;
+  same_host::PullPiece piece{};  // kOwner write: the PULL_WRITE's payload (lives as long as the frame)
+  uint32_t lease_slot = kNoLease;  // kStream: the peer region our copy reaches stays registered
+  uint64_t lease_id = 0;
+  uint8_t* counter = nullptr;      // kStream signal: the peer's counter as mapped here
+  struct PostStream* stream = nullptr;
+};
+
+// The dedicated post stream of one device. Posts are enqueued in order; an event ("mark") is
+// recorded behind every few of them (and at flush, and when a signal waits for them) and the
+// poller completes the posts before a mark once its event fired.
+struct PostStream {
+  struct Entry {
+    uint64_t token = 0;
+    uint64_t epoch = 0;  // a write's SignalSequencer epoch
+    bool write = false;  // a write (counted in the sequencer) or a signal kernel
+  };
+  struct Mark {
+    cudaEvent_t event = nullptr;  // null: recording failed, the stream was synchronised instead
+    size_t count = 0;             // the oldest `count` entries complete with it
+    cudaError_t error = cudaSuccess;  // with a null event: how the synchronisation ended
+  };
+  int device = 0;
+  cudaStream_t stream = nullptr;
+  Ring<Entry> entries;  // enqueued, not completed, in stream order
+  Ring<Mark> marks;
+  size_t unmarked = 0;  // entries at the back that no mark covers yet
+};
+
+}  // namespace sluice::detail::nvlink
