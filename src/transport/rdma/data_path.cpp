@@ -216,7 +216,11 @@ void RdmaEndpoint::submit(std::shared_ptr<TransferOp> op) {
         off += n;
       }
     }
-    if (!is_read)
+    // Inline data is copied by the CPU inside ibv_post_send: host memory only (a device
+    // pointer of cuda memory is not readable there).
+    bool host_src = true;
+    for (auto& pin : keep->pins) host_src = host_src && pin.get()->location.is_host();
+    if (!is_read && host_src)
       for (Wr& w : wrs) {
         uint64_t bytes = 0;
         for (int i = 0; i < w.nsge; ++i) bytes += w.sges[i].length;

@@ -117,6 +117,7 @@ Status RdmaEndpoint::post_write(PostWrite&& w, std::chrono::milliseconds timeout
     rkey ^= fault_rkey_xor_;
   const uint32_t lkey = keys->mrs[ch.rail]->lkey;
   // One WR per max_wr_bytes_ (the devices' message size): one WR in all but giant posts.
+  const bool host_src = w.pin.get()->location.is_host();
   InlineVec<Wr, 1> wrs((w.dst.length + max_wr_bytes_ - 1) / max_wr_bytes_);
   size_t i = 0;
   for (uint64_t off = 0; off < w.dst.length; ++i) {
@@ -127,7 +128,8 @@ Status RdmaEndpoint::post_write(PostWrite&& w, std::chrono::milliseconds timeout
     x.wr.opcode = IBV_WR_RDMA_WRITE;
     x.wr.wr.rdma.remote_addr = w.dst.remote_addr + off;
     x.wr.wr.rdma.rkey = rkey;
-    if (len <= max_inline_) x.wr.send_flags |= IBV_SEND_INLINE;
+    // Inline: the CPU copies the bytes inside ibv_post_send, so host memory only.
+    if (len <= max_inline_ && host_src) x.wr.send_flags |= IBV_SEND_INLINE;
     off += len;
   }
   return post_admitted(wrs.data(), wrs.size(), std::move(w.pin), deadline);
