@@ -21,7 +21,8 @@ Status post_range(Chan& ch, int c, It first, size_t n) {
     ch.free--;
     const bool sig = w.signal || ch.unsig + 1 >= kSignalEvery || ch.free == 0;
     if (sig) {
-      ch.ring[ch.tail % ch.ring.size()] = {w.kind, ch.unsig + 1, w.token, w.aux};
+      ch.ring[ch.tail % ch.ring.size()] = {w.kind, ch.unsig + 1, w.token, w.aux, w.post_mark};
+      ch.posts_signalled = std::max(ch.posts_signalled, w.post_mark);
       w.wr.wr_id = kTagCtx | (uint64_t(c) << 40) | (ch.tail & kSeqMask);
       ch.tail++;
       ch.unsig = 0;
@@ -48,7 +49,7 @@ Status post_range(Chan& ch, int c, It first, size_t n) {
 }  // namespace
 
 Status RdmaEndpoint::drain(Chan& ch, int c) {
-  if (failed_.load()) {
+  if (failed()) {
     ch.backlog.clear();
     return Status::Ok();
   }
@@ -69,7 +70,18 @@ Status RdmaEndpoint::drain(Chan& ch, int c) {
 Status RdmaEndpoint::post(int c, Wr* wrs, size_t n) {
   Chan& ch = *chans_[c];
   std::lock_guard<std::mutex> lk(ch.mu);
-  if (failed_.load()) return Status::Ok();  // fail() completed (or will complete) the op
+  return post_locked(ch, c, wrs, n);
+}
+
+Status RdmaEndpoint::post_locked(Chan& ch, int c, Wr* wrs, size_t n) {
+  if (failed()) return Status::Ok();  // fail() completed (or will complete) the op
+  // Number the thin path's posts in queue order (the backlog keeps it): a WR's completion
+  // retires every post queued up to it (post_path.cpp).
+  for (size_t i = 0; i < n; ++i) {
+    if (wrs[i].post) ++ch.posts_queued;
+    wrs[i].post_mark = ch.posts_queued;
+    if (wrs[i].signal) ch.posts_signalled = ch.posts_queued;
+  }
   if (ch.backlog.empty() && ch.free >= static_cast<int>(n)) return post_range(ch, c, wrs, n);
   for (size_t i = 0; i < n; ++i) ch.backlog.push_back(std::move(wrs[i]));
   return drain(ch, c);
@@ -204,7 +216,11 @@ void RdmaEndpoint::submit(std::shared_ptr<TransferOp> op) {
         off += n;
       }
     }
-    if (!is_read)
+    // Inline data is copied by the CPU inside ibv_post_send: host memory only (a device
+    // pointer of cuda memory is not readable there).
+    bool host_src = true;
+    for (auto& pin : keep->pins) host_src = host_src && pin.get()->location.is_host();
+    if (!is_read && host_src)
       for (Wr& w : wrs) {
         uint64_t bytes = 0;
         for (int i = 0; i < w.nsge; ++i) bytes += w.sges[i].length;
@@ -297,6 +313,9 @@ void RdmaEndpoint::handle_send_completion(const ibv_wc& wc) {
       ctx = ch.ring[ch.head % ch.ring.size()];
       ch.head++;
       ch.free += ctx.slots;
+      // Every WR up to this one completed, the thin path's posts among them.
+      if (ctx.post_mark > ch.posts_retired)
+        retire_posts(ch, ctx.post_mark, wc.status == IBV_WC_SUCCESS ? Status::Ok() : wc_status(v_, wc, "post"));
       st = drain(ch, c);
     }
   }

@@ -200,7 +200,10 @@ ibv_mr* Device::register_range(uint8_t* base, uint64_t len, const Location& loc,
       int rc = get(&fd, page, span, 1 /*CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD*/, 0);
       if (rc == 0 && fd >= 0) {
         mr = v_->reg_dmabuf_mr(pd(), reinterpret_cast<uintptr_t>(base) - page, len, reinterpret_cast<uintptr_t>(base), fd,
-                               kAccess);
+                               access());
+        if (!mr && access() != kAccess)  // a driver that refuses remote atomics on device memory
+          mr = v_->reg_dmabuf_mr(pd(), reinterpret_cast<uintptr_t>(base) - page, len, reinterpret_cast<uintptr_t>(base),
+                                 fd, kAccess);
         int err = errno;
         ::close(fd);
         if (!mr) dmabuf_why = "ibv_reg_dmabuf_mr: " + std::string(std::strerror(err)) + "; ";
@@ -211,7 +214,10 @@ ibv_mr* Device::register_range(uint8_t* base, uint64_t len, const Location& loc,
       dmabuf_why = std::string(cuda ? "" : "libcuda not found; ") + (v_->reg_dmabuf_mr ? "" : "no ibv_reg_dmabuf_mr; ");
     }
   }
-  if (!mr) mr = v_->reg_mr(pd(), base, len, kAccess);
+  if (!mr) mr = v_->reg_mr(pd(), base, len, access());
+  // Remote atomics are only for post_signal's counters: a region the device will not register
+  // with them is still a region (a signal to it then fails the QP with a remote access error).
+  if (!mr && access() != kAccess) mr = v_->reg_mr(pd(), base, len, kAccess);
   if (!mr) {
     int err = errno;
     *st = {loc.is_host() ? ErrorCode::kSystem : ErrorCode::kUnsupported,

@@ -16,6 +16,9 @@
 namespace sluice::detail::rdma {
 
 constexpr int kAccess = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ;
+// Regions and queue pairs also take remote atomics (post_signal's fetch-and-add on a counter
+// in a registered region) on devices that have them.
+constexpr int kAccessAtomic = kAccess | IBV_ACCESS_REMOTE_ATOMIC;
 
 // What the peer needs to reach one of our queue pairs.
 struct QpAddress {
@@ -52,6 +55,8 @@ class Device {
   int active_mtu() const { return mtu_; }
   uint64_t max_msg_sz() const { return max_msg_sz_; }
   const ibv_device_attr& attr() const { return ctx_->attr; }
+  // Access flags for regions and queue pairs: kAccessAtomic unless the device has no atomics.
+  int access() const { return attr().atomic_cap == IBV_ATOMIC_NONE ? kAccess : kAccessAtomic; }
   const Locality& locality() const { return locality_; }
   nlohmann::json address() const;
 

@@ -62,7 +62,7 @@ Status wc_status(const Verbs& v, const ibv_wc& wc, const std::string& what) {
 }
 
 RdmaEndpoint::RdmaEndpoint(std::shared_ptr<Rails> rails, const Registry* reg, const EndpointSetup& s)
-    : rails_(std::move(rails)), v_(rails_->v()), reg_(reg), events_(s.events), setup_(s), nchan_(s.channels), remote_(s.channels) {
+    : EndpointBase(s), rails_(std::move(rails)), v_(rails_->v()), reg_(reg), setup_(s), nchan_(s.channels), remote_(s.channels) {
   spin_ = std::chrono::microseconds(kSpinUs.get(s.config));
   busy_ = std::chrono::milliseconds(kBusyMs.get(s.config));
   poll_budget_ = std::chrono::microseconds(kPollUs.get(s.config));
@@ -82,10 +82,20 @@ RdmaEndpoint::RdmaEndpoint(std::shared_ptr<Rails> rails, const Registry* reg, co
     chans_.push_back(std::make_unique<Chan>());
     all_chans_.push_back(i);
   }
+  // Thin post path on QP 0: half its send queue for posts (the rest stays for control
+  // messages and transfers), a completion asked for at least every kSignalEvery posts and
+  // within post.depth (else a poster held by the depth limit would wait for a completion
+  // nobody asked for).
+  post_bound_ = std::max(1, sq_depth_ / 2);
+  post_signal_every_ = std::max<uint64_t>(1, std::min<uint64_t>({kSignalEvery, post_depth(s.config), post_bound_}));
+  chans_[0]->post_pins.resize(post_bound_);
+  for (int r = 0; r < rails_->size(); ++r)
+    if (rails_->at(r).attr().atomic_cap == IBV_ATOMIC_NONE) post_atomics_ = false;
   try {
     wake_fd_ = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
     if (wake_fd_ < 0) throw Error(ErrorCode::kSystem, std::string("rdma: eventfd: ") + std::strerror(errno));
-    ctrl_mem_.assign(size_t(kRecvSlots + kCtrlSendSlots) * kSlotBytes, 0);
+    // + 1 slot: where post_signal's atomics return the old value (post_path.cpp)
+    ctrl_mem_.assign(size_t(kRecvSlots + kCtrlSendSlots + 1) * kSlotBytes, 0);
     ctrl_mr_ = v_.reg_mr(rails_->at(0).pd(), ctrl_mem_.data(), ctrl_mem_.size(), kAccess);
     if (!ctrl_mr_) throw Error(ErrorCode::kSystem, std::string("rdma: cannot register control slots: ") + std::strerror(errno));
     for (uint32_t i = 0; i < kCtrlSendSlots; ++i) ctrl_free_.push_back(kRecvSlots + i);
@@ -157,7 +167,7 @@ void RdmaEndpoint::create_qp(int index, int rail, int peer_rail) {
   at.qp_state = IBV_QPS_INIT;
   at.pkey_index = 0;
   at.port_num = static_cast<uint8_t>(d.port());
-  at.qp_access_flags = kAccess;
+  at.qp_access_flags = d.access();  // remote atomics too where the device has them (post_signal)
   if (int rc = v_.modify_qp(qp, &at, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS))
     throw Error(ErrorCode::kSystem, std::string("rdma: QP to INIT: ") + std::strerror(rc));
   if (index == 0) {
@@ -340,7 +350,7 @@ void RdmaEndpoint::start_thread() {
 }
 
 void RdmaEndpoint::flush_control(std::chrono::milliseconds limit) {
-  if (failed_.load() || !ready_.load() || poll_owner_.load() == std::this_thread::get_id()) return;
+  if (failed() || !ready_.load() || poll_owner_.load() == std::this_thread::get_id()) return;
   const auto end = std::chrono::steady_clock::now() + limit;
   while (std::chrono::steady_clock::now() < end) {
     {

@@ -6,6 +6,7 @@
 //                  completions, imm ordering
 //   messages.cpp   control messages on QP 0: SEND/RECV rendezvous, region-gone notices
 //   progress.cpp   completion polling (progress thread and polling waiters), failure
+//   post_path.cpp  the thin post path: post_write / post_signal / flush on QP 0
 #pragma once
 
 #include <infiniband/verbs.h>
@@ -23,7 +24,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "transport/common/pending_ops.hpp"
+#include "transport/common/endpoint_base.hpp"
 #include "transport/rdma/rails.hpp"
 #include "transport/transport.hpp"
 
@@ -59,6 +60,7 @@ struct WrCtx {
   int slots = 0;       // send-queue slots it returns (itself and the unsignalled WRs before it)
   uint64_t token = 0;  // op token / rendezvous id
   uint32_t aux = 0;    // ctrl send slot / lane count
+  uint64_t post_mark = 0;  // thin post path: posts queued on the QP up to and including this WR
 };
 
 struct Wr {
@@ -69,6 +71,8 @@ struct Wr {
   CtxKind kind = CtxKind::kSlots;
   uint64_t token = 0;
   uint32_t aux = 0;
+  uint64_t post_mark = 0;  // set by post(): Chan::posts_queued once this WR is queued
+  bool post = false;       // the last WR of a thin-path post (post_write / post_signal)
 };
 
 enum CtrlType : uint32_t { kRts = 1, kFin = 2, kGone = 3, kGoneAck = 4, kCredit = 5 };
@@ -99,6 +103,15 @@ struct Chan {
   uint64_t head = 0, tail = 0;
   net::Socket sock;
   bool sock_live = false;
+  // Thin post path (QP 0 only; see post_path.cpp). Posts are numbered as they are queued; a
+  // signalled WR's completion retires every post up to its mark (an RC send queue completes
+  // in order), so most posts need no completion of their own.
+  uint64_t posts_queued = 0;    // posts handed to post() (posted or in the backlog)
+  uint64_t posts_signalled = 0; // the highest mark a signalled WR carries (posted or queued)
+  uint64_t posts_retired = 0;   // posts whose completion arrived
+  std::vector<RegionPin> post_pins;  // by post number % size: the source region, until retired
+  std::condition_variable post_room;  // a poster waits here for room (posts in flight < bound)
+  bool post_waiting = false;
 };
 
 // A completion queue (and its channel) per rail this endpoint has queue pairs on.
@@ -123,7 +136,7 @@ struct ImmBatch {
 
 Status wc_status(const Verbs& v, const ibv_wc& wc, const std::string& what);
 
-class RdmaEndpoint final : public TransportEndpoint,
+class RdmaEndpoint final : public EndpointBase,
                            public GoneListener,
                            public ProgressSource,
                            public std::enable_shared_from_this<RdmaEndpoint> {
@@ -139,8 +152,10 @@ class RdmaEndpoint final : public TransportEndpoint,
   void submit(std::shared_ptr<TransferOp> op) override;
   void send(std::shared_ptr<MessageOp> op) override;
   std::shared_ptr<ProgressSource> progress_source() override { return shared_from_this(); }
-  size_t pending() const override { return pending_.size(); }
-  std::chrono::steady_clock::time_point last_progress() const override { return pending_.last_progress(); }
+  // The thin post path (post_path.cpp): every post goes to QP 0, so RC keeps them in order.
+  Status post_write(PostWrite&& w, std::chrono::milliseconds timeout) override;
+  Status post_signal(const PostSignal& s, std::chrono::milliseconds timeout) override;
+  Status flush(std::chrono::milliseconds timeout) override;
   // Per-operation deadlines (lane completions stamp their op): see PendingOps::expire. Only
   // counted: the core then closes the endpoint, which stops the queue pairs before failing
   // ops (the adapter may still be writing into an overdue read's buffer).
@@ -173,9 +188,13 @@ class RdmaEndpoint final : public TransportEndpoint,
   void start_thread();
   void release();
   void flush_control(std::chrono::milliseconds limit);  // wait for control sends in flight
+  // post_path.cpp
+  Status post_admitted(Wr* wrs, size_t n, RegionPin&& pin, std::chrono::steady_clock::time_point deadline);
+  void retire_posts(Chan& ch, uint64_t mark, const Status& st);  // ch.mu held
   // data_path.cpp
   [[nodiscard]] Status post(int c, Wr* wrs, size_t n);
   [[nodiscard]] Status post(int c, std::vector<Wr>& wrs) { return post(c, wrs.data(), wrs.size()); }
+  [[nodiscard]] Status post_locked(Chan& ch, int c, Wr* wrs, size_t n);  // ch.mu held
   Status drain(Chan& ch, int c);                            // ch.mu held
   void handle_send_completion(const ibv_wc& wc);
   bool rkey_for(uint64_t remote_id, int peer_rail, uint32_t* rkey);
@@ -197,14 +216,13 @@ class RdmaEndpoint final : public TransportEndpoint,
   void handle(const ibv_wc& wc);
   bool arm_all();
   void sleep_on_events(int timeout_ms);
-  void fail(const Status& why, bool notify);
+  void stop_io() override;  // EndpointBase::fail(): the queue pairs to the error state
   void wake();
   void wake_for_submit();  // a submit: records it and wakes the thread if it must watch the CQs
 
   std::shared_ptr<Rails> rails_;
   const Verbs& v_;
   const Registry* reg_;
-  EndpointEvents* events_;
   EndpointSetup setup_;
   const int nchan_;
   std::vector<std::unique_ptr<Chan>> chans_;
@@ -223,8 +241,14 @@ class RdmaEndpoint final : public TransportEndpoint,
   uint32_t peer_scratch_rkey_ = 0;
   std::mutex ctrl_mu_;
   std::vector<uint32_t> ctrl_free_;
-
-  PendingOps pending_;
+  // Thin post path: posts in flight on QP 0 at most post_bound_ (a share of its send queue,
+  // so that posts alone never spill into the backlog); a post is signalled at least every
+  // post_signal_every_ posts, so that the depth limit never waits for a completion that was
+  // not asked for. post_atomics_: every rail can do IBV_WR_ATOMIC_FETCH_AND_ADD.
+  uint64_t post_bound_ = 1;
+  uint64_t post_signal_every_ = 1;
+  bool post_atomics_ = true;
+  std::atomic<uint64_t> posts_inflight_{0};  // for the progress thread's busy-poll rule
 
   // Channels by preferred-rail mask (every channel when L == 1).
   std::mutex near_mu_;
@@ -264,12 +288,9 @@ class RdmaEndpoint final : public TransportEndpoint,
   std::thread thread_;
   int wake_fd_ = -1;
   std::atomic<bool> stop_{false};
-  std::atomic<bool> failed_{false};
   std::atomic<bool> closed_{false};
-  std::atomic<bool> failing_{false};
   std::atomic<bool> sleeping_{false};  // in poll() with the CQs armed
   std::atomic<bool> ready_{false};     // every QP is in RTS and the progress thread runs
-  std::atomic<bool> notified_{false};
   uint32_t fault_rkey_xor_ = 0;        // test-only fault injection (SLUICE_RDMA_FAULT_RKEY_XOR)
   std::atomic<std::chrono::steady_clock::rep> last_submit_{0};
   std::chrono::microseconds spin_{50};

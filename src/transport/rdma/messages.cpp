@@ -256,7 +256,7 @@ void RdmaEndpoint::handle_recv(const ibv_wc& wc) {
 // A local region is being unregistered: tell the peer and wait (bounded) for its ack, so that
 // it refuses the region from now on instead of hitting the deregistered MR.
 void RdmaEndpoint::region_gone(uint64_t id) {
-  if (failed_.load() || !ready_.load()) return;
+  if (failed() || !ready_.load()) return;
   uint64_t nonce;
   {
     std::lock_guard<std::mutex> lk(gone_mu_);
@@ -268,7 +268,7 @@ void RdmaEndpoint::region_gone(uint64_t id) {
   m.addr = nonce;
   post_ctrl(m);
   std::unique_lock<std::mutex> lk(gone_mu_);
-  gone_cv_.wait_for(lk, std::chrono::milliseconds(1000), [&] { return gone_acked_ >= nonce || failed_.load(); });
+  gone_cv_.wait_for(lk, std::chrono::milliseconds(1000), [&] { return gone_acked_ >= nonce || failed(); });
 }
 
 }  // namespace sluice::detail::rdma

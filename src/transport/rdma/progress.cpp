@@ -35,7 +35,8 @@ void RdmaEndpoint::end_polling(bool satisfied) {
   last_caller_end_.store(Clock::now().time_since_epoch().count(), std::memory_order_relaxed);
   // The waiter gave up (it now sleeps until someone else completes its future), or operations
   // are still outstanding: hand the CQs back now.
-  if (callers_polling_.fetch_sub(1, std::memory_order_acq_rel) == 1 && (!satisfied || pending_.size() > 0)) {
+  if (callers_polling_.fetch_sub(1, std::memory_order_acq_rel) == 1 &&
+      (!satisfied || pending_.size() > 0 || posts_inflight_.load(std::memory_order_relaxed) > 0)) {
     handoff_.store(true, std::memory_order_relaxed);
     wake();
   }
@@ -120,7 +121,8 @@ void RdmaEndpoint::run() {
     // Busy-poll while operations are outstanding (their completions are a round trip
     // away) and for spin_ after the last completion; sleep on the channels only when idle.
     auto last = std::max(idle_since, Clock::time_point(Clock::duration(last_submit_.load(std::memory_order_relaxed))));
-    if (now - last < spin_ || (pending_.size() > 0 && now - last < busy_)) continue;
+    const bool outstanding = pending_.size() > 0 || posts_inflight_.load(std::memory_order_relaxed) > 0;
+    if (now - last < spin_ || (outstanding && now - last < busy_)) continue;
     if (!armed) {
       if (!arm_all()) break;
       armed = true;
@@ -144,7 +146,7 @@ void RdmaEndpoint::sleep_on_events(int timeout_ms) {
   fds.push_back({wake_fd_, POLLIN, 0});
   std::vector<int> which;
   for (int c = 0; c < nchan_; ++c)
-    if (chans_[c]->sock_live && !failed_.load()) {
+    if (chans_[c]->sock_live && !failed()) {
       fds.push_back({chans_[c]->sock.fd(), POLLIN, 0});
       which.push_back(c);
     }
@@ -201,27 +203,28 @@ void RdmaEndpoint::wake() {
   }
 }
 
-void RdmaEndpoint::fail(const Status& why, bool notify) {
-  failed_.store(true);
-  // The core learns first: whoever sees a failed future then sees a failed endpoint.
-  if (notify && events_ && !notified_.exchange(true)) events_->on_failure(why);
-  if (!failing_.exchange(true)) {
-    SLUICE_LOG(kDebug, "rdma: endpoint failed: " << why.message);
-    // Flush the queues: every outstanding WR completes with IBV_WC_WR_FLUSH_ERR.
-    for (auto& ch : chans_) {
-      std::lock_guard<std::mutex> lk(ch->mu);
-      ch->backlog.clear();
-      if (!ch->qp) continue;
+// EndpointBase::fail(), first call: the core already heard; stop the queue pairs before the
+// base fails pending ops and posts (the adapter may still be writing into a read's buffer).
+void RdmaEndpoint::stop_io() {
+  SLUICE_LOG(kDebug, "rdma: endpoint to " << setup_.peer.engine_id << " failed");
+  // Flush the queues: every outstanding WR completes with IBV_WC_WR_FLUSH_ERR.
+  for (auto& ch : chans_) {
+    std::lock_guard<std::mutex> lk(ch->mu);
+    ch->backlog.clear();
+    if (ch->qp) {
       ibv_qp_attr at{};
       at.qp_state = IBV_QPS_ERR;
       v_.modify_qp(ch->qp, &at, IBV_QP_STATE);
     }
-    pending_.fail_all(why);  // includes the sends still queued in send_wait_
+    // Posts in flight are forgotten with the endpoint (the tracker reports the failure from
+    // now on); their source regions are free once the QP stopped.
+    for (auto& pin : ch->post_pins) pin.release();
+    posts_inflight_.fetch_sub(ch->posts_queued - ch->posts_retired, std::memory_order_relaxed);
+    ch->posts_retired = ch->posts_queued;
+    ch->post_room.notify_all();
   }
-  {
-    std::lock_guard<std::mutex> lk(gone_mu_);
-    gone_cv_.notify_all();
-  }
+  std::lock_guard<std::mutex> lk(gone_mu_);
+  gone_cv_.notify_all();
 }
 
 }  // namespace sluice::detail::rdma

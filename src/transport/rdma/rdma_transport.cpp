@@ -29,7 +29,10 @@ const Param<int> kGidIndex{"rdma.gid_index", "SLUICE_IB_GID_INDEX", -1, int_in(-
 
 class RdmaTransport final : public Transport {
  public:
-  RdmaTransport(std::shared_ptr<Rails> rails, const Registry* reg) : rails_(std::move(rails)), reg_(reg) {}
+  RdmaTransport(std::shared_ptr<Rails> rails, const Registry* reg) : rails_(std::move(rails)), reg_(reg) {
+    for (int r = 0; r < rails_->size(); ++r)
+      if (rails_->at(r).attr().atomic_cap == IBV_ATOMIC_NONE) atomics_ = false;
+  }
   std::string name() const override { return "rdma"; }
   // Above tcp, below shm: on one host shared memory is faster than the NIC loopback.
   int priority() const override { return 15; }
@@ -41,6 +44,10 @@ class RdmaTransport final : public Transport {
     c.host_memory = true;
     c.cuda_memory = true;
     c.imm = true;
+    // The thin post path (post_path.cpp): writes and signals on QP 0; a signal is a remote
+    // fetch-and-add, so only where every rail has atomics.
+    c.rma_post = true;
+    c.signal = atomics_;
     return c;
   }
   json local_address() const override { return rails_->address(); }
@@ -82,6 +89,7 @@ class RdmaTransport final : public Transport {
  private:
   std::shared_ptr<Rails> rails_;
   const Registry* reg_;
+  bool atomics_ = true;
 };
 
 }  // namespace
