@@ -11,7 +11,7 @@
 #include "core/log.hpp"
 #include "cuda/staging.hpp"
 #include "transport/common/control_frames.hpp"
-#include "transport/common/pending_ops.hpp"
+#include "transport/common/endpoint_base.hpp"
 #include "transport/common/stream_channel.hpp"
 #include "transport/transport.hpp"
 
@@ -47,10 +47,10 @@ constexpr uint64_t kStashChunk = 1 << 20;
 // (smaller ones complete or stamp right after it).
 constexpr uint64_t kStampBytes = 64 << 10;
 
-class TcpEndpoint final : public TransportEndpoint, public StreamChannel::Handler {
+class TcpEndpoint final : public EndpointBase, public StreamChannel::Handler {
  public:
   explicit TcpEndpoint(const EndpointSetup& s)
-      : events_(s.events),
+      : EndpointBase(s),
         nchan_(s.channels),
         max_queued_(static_cast<size_t>(std::max(1, s.config.max_queued_responses))),
         answered_(new std::atomic<Clock::rep>[s.channels]),
@@ -165,7 +165,6 @@ class TcpEndpoint final : public TransportEndpoint, public StreamChannel::Handle
     channels_[0]->post(std::move(f));  // one channel keeps messages in order
   }
 
-  size_t pending() const override { return pending_.size(); }
   std::chrono::steady_clock::time_point last_progress() const override {
     auto t = pending_.last_progress();
     std::lock_guard<std::mutex> lk(attach_mu_);
@@ -210,8 +209,11 @@ class TcpEndpoint final : public TransportEndpoint, public StreamChannel::Handle
   // Safe from any thread and concurrently (StreamChannel::join serialises joiners and skips
   // the caller's own thread). Operations fail only after the channel threads stopped, so no
   // read response lands in an op's memory after its future completed.
+  // closing_ (not the base's failure latch) is set first: the latch would fail the ops at
+  // once, and they may fail only after the join. A channel that goes down meanwhile leaves
+  // the failing to us (on_channel_down).
   void close(const Status& why) override {
-    const bool first = !failed_.exchange(true);
+    const bool first = !closing_.exchange(true);
     std::vector<StreamChannel*> chans;  // channels_ slots are filled under attach_mu_
     {
       std::lock_guard<std::mutex> lk(attach_mu_);
@@ -222,7 +224,7 @@ class TcpEndpoint final : public TransportEndpoint, public StreamChannel::Handle
         }
     }
     for (auto* ch : chans) ch->join();
-    if (first) pending_.fail_all(why);
+    if (first) fail(why, /*notify=*/false);
   }
 
   // StreamChannel::Handler
@@ -251,7 +253,9 @@ class TcpEndpoint final : public TransportEndpoint, public StreamChannel::Handle
     }
   }
 
-  void on_channel_down(StreamChannel&, const Status& why) override { fail(why, /*notify=*/true); }
+  void on_channel_down(StreamChannel&, const Status& why) override {
+    if (!closing_.load()) fail(why, /*notify=*/true);
+  }
 
   // Bytes of our own request frames left: progress of their op (not of the peer's ops that
   // our responses answer: those tokens are the peer's).
@@ -276,19 +280,16 @@ class TcpEndpoint final : public TransportEndpoint, public StreamChannel::Handle
   void install(int index, net::Socket sock) {
     channels_[index] = std::make_unique<StreamChannel>(std::move(sock), this, index);
     channels_[index]->start();
-    if (failed_.load()) channels_[index]->shutdown();  // fail() ran before this channel existed
+    // fail() or close() ran before this channel existed
+    if (failed() || closing_.load()) channels_[index]->shutdown();
   }
 
-  void fail(const Status& why, bool notify) {
-    if (failed_.exchange(true)) return;
-    // The core learns first: whoever sees a failed future then sees a failed endpoint.
-    if (notify) events_->on_failure(why);
-    {
-      std::lock_guard<std::mutex> lk(attach_mu_);
-      for (auto& ch : channels_)
-        if (ch) ch->shutdown();
-    }
-    pending_.fail_all(why);
+  // EndpointBase::fail: shut the channels down (never join: fail() may run on a channel's
+  // own fiber); the base then fails every op and post.
+  void stop_io() override {
+    std::lock_guard<std::mutex> lk(attach_mu_);
+    for (auto& ch : channels_)
+      if (ch) ch->shutdown();
   }
 
   // A peer that sends requests and never reads the responses: bounded per channel.
@@ -486,18 +487,16 @@ class TcpEndpoint final : public TransportEndpoint, public StreamChannel::Handle
     return Status::Ok();
   }
 
-  EndpointEvents* events_;
   const int nchan_;
   const size_t max_queued_;
   std::unique_ptr<std::atomic<Clock::rep>[]> answered_;  // per channel, see answered()
   std::vector<std::unique_ptr<StreamChannel>> channels_;
   std::vector<std::deque<ReadPiece>> reads_;
   std::vector<std::mutex> read_mu_;
-  PendingOps pending_;
   mutable std::mutex attach_mu_;
   std::vector<bool> claimed_ = std::vector<bool>(static_cast<size_t>(nchan_));  // attach() said yes
   int attached_ = 0;
-  std::atomic<bool> failed_{false};
+  std::atomic<bool> closing_{false};  // close() began: it fails the ops after the join
   std::mutex imm_mu_;
   std::unordered_map<uint64_t, ImmProgress> imm_;
 };
