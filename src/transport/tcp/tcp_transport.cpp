@@ -12,6 +12,7 @@
 #include "cuda/staging.hpp"
 #include "transport/common/control_frames.hpp"
 #include "transport/common/endpoint_base.hpp"
+#include "transport/common/signal_target.hpp"
 #include "transport/common/stream_channel.hpp"
 #include "transport/transport.hpp"
 
@@ -43,6 +44,16 @@ struct ImmProgress {
 constexpr size_t kMaxImmInProgress = 1 << 16;
 // An unexpected message's buffer grows by at most this much ahead of the bytes that arrived.
 constexpr uint64_t kStashChunk = 1 << 20;
+// Ops of the thin post path kept for reuse per endpoint (a post in flight holds one; more
+// than this many in flight at once allocate, and those are dropped when done).
+constexpr size_t kPostOpPool = 4096;
+
+// A TransferOp of the thin post path. `busy` is cleared (release) by the completion handler
+// once it no longer touches the op, so a poster that sees it clear (acquire) may refill it.
+struct PostOp : TransferOp {
+  std::atomic<bool> busy{false};
+};
+
 // Read responses at least this large stamp their op's progress before their payload lands
 // (smaller ones complete or stamp right after it).
 constexpr uint64_t kStampBytes = 64 << 10;
@@ -56,7 +67,9 @@ class TcpEndpoint final : public EndpointBase, public StreamChannel::Handler {
         answered_(new std::atomic<Clock::rep>[s.channels]),
         channels_(s.channels),
         reads_(s.channels),
-        read_mu_(s.channels) {}
+        read_mu_(s.channels) {
+    pending_.set_post_handler([this](const std::shared_ptr<TransferOp>& op, const Status& st) { post_finished(op, st); });
+  }
   ~TcpEndpoint() override { close({ErrorCode::kCancelled, "endpoint destroyed"}); }
 
   void connect(const ChannelOpener& open) override {
@@ -165,6 +178,31 @@ class TcpEndpoint final : public EndpointBase, public StreamChannel::Handler {
     channels_[0]->post(std::move(f));  // one channel keeps messages in order
   }
 
+  // The thin post path (contract above TransportEndpoint::post_write). Every post goes on
+  // channel 0 as one lane; a signal is sent once the writes posted before it were acked
+  // (SignalSequencer), so a waiter that sees the counter sees their bytes. The core
+  // serialises posters; completions arrive on channel 0's fiber (or fail_all / expire).
+  Status post_write(PostWrite&& w, std::chrono::milliseconds timeout) override {
+    Status st = posts_.admit(timeout);
+    if (!st.ok()) return st;
+    auto op = take_post_op();
+    op->signal = false;
+    op->bytes = w.dst.length;
+    op->pins.push_back(std::move(w.pin));
+    op->lanes[0].pieces.push_back(w.dst);
+    op->lanes[0].bytes = w.dst.length;
+    op->post_epoch = sequencer_.write_posted();
+    issue_post(std::move(op));
+    return Status::Ok();
+  }
+
+  Status post_signal(const PostSignal& s, std::chrono::milliseconds timeout) override {
+    Status st = posts_.admit(timeout);
+    if (!st.ok()) return st;
+    if (sequencer_.signal(s)) issue_signal(s);  // else a write_done() hands it out later
+    return Status::Ok();
+  }
+
   std::chrono::steady_clock::time_point last_progress() const override {
     auto t = pending_.last_progress();
     std::lock_guard<std::mutex> lk(attach_mu_);
@@ -246,6 +284,7 @@ class TcpEndpoint final : public EndpointBase, public StreamChannel::Handler {
           return {ErrorCode::kProtocol, "ack for an unknown operation"};
         return Status::Ok();
       case FrameType::kNack: return take_nack(ch, h, payload);
+      case FrameType::kSignal: return serve_signal(ch, h);
       case FrameType::kSend: return serve_send(ch, h, payload);
       case FrameType::kSendAck: return complete_send_ack(pending_, h, payload);
       case FrameType::kError: return peer_error(payload);
@@ -262,6 +301,7 @@ class TcpEndpoint final : public EndpointBase, public StreamChannel::Handler {
   void on_frame_sent(StreamChannel& ch, const FrameHeader& h) override {
     switch (static_cast<FrameType>(h.type)) {
       case FrameType::kWrite:
+      case FrameType::kSignal:
       case FrameType::kReadReq: pending_.progress(h.op_id); break;
       case FrameType::kSend: pending_.progress_send(h.op_id); break;
       default: return;
@@ -290,6 +330,104 @@ class TcpEndpoint final : public EndpointBase, public StreamChannel::Handler {
     std::lock_guard<std::mutex> lk(attach_mu_);
     for (auto& ch : channels_)
       if (ch) ch->shutdown();
+  }
+
+  // A free post op (see PostOp), its lane and pins empty, `busy` set.
+  std::shared_ptr<PostOp> take_post_op() {
+    {
+      std::lock_guard<std::mutex> lk(pool_mu_);
+      // Posts finish in order on channel 0: the op after the last one taken is the likeliest free.
+      for (size_t n = 0; n < pool_.size(); ++n) {
+        auto& op = pool_[pool_next_];
+        pool_next_ = (pool_next_ + 1) % pool_.size();
+        if (!op->busy.load(std::memory_order_acquire) && op.use_count() == 1) {
+          op->busy.store(true, std::memory_order_relaxed);
+          op->post_error = Status::Ok();
+          return op;
+        }
+      }
+    }
+    auto op = std::make_shared<PostOp>();
+    op->kind = OpKind::kWrite;  // a nack then completes it like a write lane (take_nack)
+    op->post = &posts_;
+    op->lanes.resize(1);
+    op->busy.store(true, std::memory_order_relaxed);
+    std::lock_guard<std::mutex> lk(pool_mu_);
+    if (pool_.size() < kPostOpPool) pool_.push_back(op);
+    return op;
+  }
+
+  void issue_signal(const PostSignal& s) {
+    auto op = take_post_op();
+    op->signal = true;
+    op->signal_add = s.add;
+    op->bytes = 0;
+    op->lanes[0].pieces.push_back(Piece{nullptr, s.remote_id, s.remote_offset, s.remote_addr, 8});
+    op->lanes[0].bytes = 0;
+    issue_post(std::move(op));
+  }
+
+  // One lane on channel 0: a write (cut at the frame limit; only its last frame asks for an
+  // ack) or a signal (the value to add in imm, low half, and aux, high half).
+  void issue_post(std::shared_ptr<PostOp> op) {
+    // Copied first: once added, the op may complete (and be cleared for reuse) at any time.
+    const Piece p = op->lanes[0].pieces[0];
+    const bool signal = op->signal;
+    const uint64_t add = op->signal_add;
+    uint64_t token = pending_.add(std::move(op));
+    if (!token) return;  // the endpoint failed: add() completed the post through post_finished
+    StreamChannel* ch = channels_[0].get();
+    if (signal) {
+      OutFrame f;
+      f.hdr = make_frame(FrameType::kSignal, token, p.remote_id, p.remote_offset, 0, kLaneEnd,
+                         static_cast<uint32_t>(add), static_cast<uint32_t>(add >> 32));
+      ch->post(std::move(f));
+      return;
+    }
+    for (uint64_t off = 0; off < p.length;) {
+      uint64_t n = std::min(p.length - off, kMaxFramePayload);
+      OutFrame f;
+      f.hdr = make_frame(FrameType::kWrite, token, p.remote_id, p.remote_offset + off, n,
+                         off + n == p.length ? kLaneEnd : 0);
+      f.data = p.local + off;
+      ch->post(std::move(f));
+      off += n;
+    }
+  }
+
+  // PendingOps' post handler: a post ended (acked, refused, timed out or failed with the
+  // endpoint). A write may release signals queued behind it; they go out from here.
+  void post_finished(const std::shared_ptr<TransferOp>& op, const Status& st) {
+    const bool write = !op->signal;
+    const uint64_t epoch = op->post_epoch;
+    op->pins.clear();  // the local region is not held by an idle pooled op
+    op->lanes[0].pieces.clear();
+    static_cast<PostOp*>(op.get())->busy.store(false, std::memory_order_release);
+    posts_.done(st);
+    if (!write) return;
+    // A scratch vector per thread keeps its capacity: no allocation per completion. Swapped
+    // out while in use, so a nested completion (issue_signal on a failed endpoint) is safe.
+    thread_local std::vector<PostSignal> scratch;
+    std::vector<PostSignal> ready;
+    ready.swap(scratch);
+    ready.clear();
+    sequencer_.write_done(epoch, &ready);
+    for (const auto& s : ready) issue_signal(s);
+    ready.clear();
+    scratch.swap(ready);
+  }
+
+  // A peer's post_signal: checked like any target access (apply_signal); refused with a NACK
+  // that changes nothing. A signal frame carries no payload.
+  Status serve_signal(StreamChannel& ch, const FrameHeader& h) {
+    if (h.length != 0 || !(h.flags & kLaneEnd) || (h.flags & kImmPart))
+      return {ErrorCode::kProtocol, "malformed signal frame"};
+    Status room = response_room(ch);
+    if (!room.ok()) return room;
+    Status st = apply_signal(events_->registry(), h.region, h.offset, uint64_t(h.aux) << 32 | h.imm);
+    if (!st.ok()) SLUICE_LOG(kDebug, "tcp: refused a signal: " << st.message);
+    post_status(ch, st.ok() ? FrameType::kAck : FrameType::kNack, h.op_id, kLaneEnd, st);
+    return Status::Ok();
   }
 
   // A peer that sends requests and never reads the responses: bounded per channel.
@@ -496,6 +634,9 @@ class TcpEndpoint final : public EndpointBase, public StreamChannel::Handler {
   mutable std::mutex attach_mu_;
   std::vector<bool> claimed_ = std::vector<bool>(static_cast<size_t>(nchan_));  // attach() said yes
   int attached_ = 0;
+  std::mutex pool_mu_;
+  std::vector<std::shared_ptr<PostOp>> pool_;  // see take_post_op()
+  size_t pool_next_ = 0;
   std::atomic<bool> closing_{false};  // close() began: it fails the ops after the join
   std::mutex imm_mu_;
   std::unordered_map<uint64_t, ImmProgress> imm_;
@@ -513,6 +654,8 @@ class TcpTransport final : public Transport {
     c.host_memory = true;
     c.cuda_memory = staging::available();
     c.imm = true;
+    c.signal = true;
+    c.rma_post = true;
     return c;
   }
   nlohmann::json local_address() const override { return nlohmann::json::object(); }  // the listener itself
