@@ -13,6 +13,7 @@
 #include "transport/common/control_frames.hpp"
 #include "transport/common/endpoint_base.hpp"
 #include "transport/common/signal_target.hpp"
+#include "transport/common/staging_endpoint.hpp"
 #include "transport/common/stream_channel.hpp"
 #include "transport/transport.hpp"
 
@@ -24,17 +25,7 @@ struct ReadPiece {
   uint8_t* dest;
   uint64_t length;
   bool lane_end;
-  bool device = false;  // dest is cuda memory: staged through pinned host buffers
 };
-
-// Whether local address p lies in one of the op's cuda regions.
-bool on_device(const TransferOp& op, const uint8_t* p) {
-  for (const auto& pin : op.pins) {
-    const RegionEntry* e = pin.get();
-    if (p >= e->base && p < e->base + e->length) return staging::is_device(e->location);
-  }
-  return false;
-}
 
 struct ImmProgress {
   uint32_t lanes_seen = 0;
@@ -98,30 +89,13 @@ class TcpEndpoint final : public EndpointBase, public StreamChannel::Handler {
     uint64_t token = pending_.add(std::move(op));
     if (!token) return;
     const bool is_read = keep->kind == OpKind::kRead;
-    // cuda memory here: writes send pinned host copies of the pieces (each lane staged just
-    // before it is posted, so a CUDA error fails the lanes not yet posted); reads land in
-    // pinned chunks that are uploaded as they arrive.
-    bool any_device = false;
-    for (const auto& pin : keep->pins) any_device |= staging::is_device(pin.get()->location);
-    std::unordered_map<const uint8_t*, std::shared_ptr<uint8_t>> staged;
+    // Host memory only: our own cuda pieces were staged by StagingEndpoint.
     uint32_t nlanes = 0;
     for (auto& lane : keep->lanes) nlanes += lane.pieces.empty() ? 0 : 1;
     for (size_t c = 0; c < keep->lanes.size(); ++c) {
       auto& pieces = keep->lanes[c].pieces;
       if (pieces.empty()) continue;
       StreamChannel* ch = channels_[c].get();
-      if (any_device && !is_read) {
-        // Stage this lane, then post it: the channel sends it while the next lane stages.
-        try {
-          staged.clear();
-          for (auto& p : pieces)
-            if (on_device(*keep, p.local)) staged[p.local] = staging::download_copy(p.local, p.length);
-        } catch (const Error& e) {
-          for (size_t d = c; d < keep->lanes.size(); ++d)
-            if (!keep->lanes[d].pieces.empty()) pending_.lane_done(token, e.status());
-          return;
-        }
-      }
       std::unique_lock<std::mutex> read_lk;
       if (is_read) {
         // Responses come back in request order per channel; remember where each one goes
@@ -129,8 +103,7 @@ class TcpEndpoint final : public EndpointBase, public StreamChannel::Handler {
         // posted, so that concurrent submitters cannot reorder requests against the queue.
         read_lk = std::unique_lock<std::mutex>(read_mu_[c]);
         for (size_t i = 0; i < pieces.size(); ++i)
-          reads_[c].push_back({token, pieces[i].local, pieces[i].length, i + 1 == pieces.size(),
-                               any_device && on_device(*keep, pieces[i].local)});
+          reads_[c].push_back({token, pieces[i].local, pieces[i].length, i + 1 == pieces.size()});
       }
       for (size_t i = 0; i < pieces.size(); ++i) {
         const Piece& p = pieces[i];
@@ -147,13 +120,6 @@ class TcpEndpoint final : public EndpointBase, public StreamChannel::Handler {
           f.hdr = make_frame(FrameType::kWrite, token, p.remote_id, p.remote_offset, p.length, flags,
                              imm ? keep->imm : 0, imm ? nlanes : 0);
           f.data = p.local;
-          if (any_device) {
-            auto st = staged.find(p.local);
-            if (st != staged.end()) {
-              f.data = st->second.get();
-              f.keep = st->second;
-            }
-          }
         }
         ch->post(std::move(f));
       }
@@ -164,17 +130,7 @@ class TcpEndpoint final : public EndpointBase, public StreamChannel::Handler {
     if (!pending_.add_send(op)) return;
     OutFrame f;
     f.hdr = make_frame(FrameType::kSend, op->seq, 0, 0, op->length);
-    f.data = op->ptr;
-    if (staging::is_device(op->pin.get()->location)) {
-      try {
-        auto b = staging::download_copy(op->ptr, op->length);
-        f.data = b.get();
-        f.keep = b;
-      } catch (const Error& e) {
-        if (auto o = pending_.take_send(op->seq)) o->future->complete(e.status());
-        return;
-      }
-    }
+    f.data = op->ptr;  // host memory (StagingEndpoint staged a cuda message)
     channels_[0]->post(std::move(f));  // one channel keeps messages in order
   }
 
@@ -542,21 +498,7 @@ class TcpEndpoint final : public EndpointBase, public StreamChannel::Handler {
     if (rp.length >= kStampBytes) pending_.progress(rp.token);  // a long response is arriving
     if (refused.ok()) {
       if (h.length != rp.length) return {ErrorCode::kProtocol, "read response of the wrong length"};
-      if (rp.device) {
-        bool got = false;
-        Status up;
-        try {
-          got = staging::receive(rp.dest, rp.length, [&](void* b, uint64_t k) { return payload.read(b, k); });
-        } catch (const Error& e) {
-          up = e.status();
-        }
-        if (up.ok() && !got) return {ErrorCode::kPeerLost, "connection lost mid-read"};
-        if (!up.ok()) {
-          if (rp.lane_end) pending_.lane_done(rp.token, up);
-          else pending_.note_error(rp.token, up);
-          return Status::Ok();
-        }
-      } else if (!payload.read(rp.dest, rp.length)) {
+      if (!payload.read(rp.dest, rp.length)) {
         return {ErrorCode::kPeerLost, "connection lost mid-read"};
       }
       if (!rp.lane_end) pending_.progress(rp.token);
@@ -660,8 +602,12 @@ class TcpTransport final : public Transport {
   }
   nlohmann::json local_address() const override { return nlohmann::json::object(); }  // the listener itself
   bool can_reach(const EngineInfo&, std::string*) override { return true; }
+  // Our own cuda pieces are staged by the adapter; without staging no cuda region reaches
+  // us (supports()), so the adapter's indirection is left out.
   std::shared_ptr<TransportEndpoint> create_endpoint(const EndpointSetup& setup) override {
-    return std::make_shared<TcpEndpoint>(setup);
+    auto ep = std::make_shared<TcpEndpoint>(setup);
+    if (!staging::available()) return ep;
+    return std::make_shared<StagingEndpoint>(std::move(ep), cuda_stager());
   }
 };
 
