@@ -144,3 +144,40 @@ TEST_F(TcpPostHostile, SignalWithAPayloadEndsTheConnection) {
 }
 
 }  // namespace
+
+namespace {
+
+// The initiator's side of a refusal: posts to a region the peer has since unregistered are
+// NACKed (a write and a signal behind it); flush reports it once, and the endpoint stays up.
+TEST(TcpPostRefused, RefusedPostsReachFlushAndTheEndpointStaysUp) {
+  Engine a(engine_config("tcp", 2, 5000ms)), b(engine_config("tcp", 2, 5000ms));
+  std::vector<uint64_t> la(512, 7), lb(512, 0), gone(512, 0);
+  auto ha = a.register_memory(la.data(), 4096, Location::host(), "a");
+  b.register_memory(lb.data(), 4096, Location::host(), "b");
+  auto hg = b.register_memory(gone.data(), 4096, Location::host(), "gone");
+  Endpoint ep = a.connect(b.local_info());
+  ASSERT_EQ("tcp", ep.transport());
+  auto rb = *ep.remote_region("b");
+  auto rg = *ep.remote_region("gone");
+  b.unregister_memory(hg);  // our copy of the peer's regions still names it
+  ep.post_write(ha, 0, rg, 0, 64);
+  ep.post_signal(rg, 8, 1);
+  ErrorCode c = ErrorCode::kOk;
+  try {
+    ep.flush();
+  } catch (const Error& e) {
+    c = e.code();
+  }
+  EXPECT_NE(ErrorCode::kOk, c) << "posts into an unregistered region all succeeded";
+  EXPECT_EQ(0u, gone[0]);
+  EXPECT_EQ(0u, gone[1]);
+  // The error was reported once; the endpoint still works.
+  EXPECT_TRUE(ep.connected());
+  ep.post_write(ha, 0, rb, 0, 64);
+  ep.post_signal(rb, 4088, 9);
+  ep.flush();
+  EXPECT_EQ(7u, lb[0]);
+  EXPECT_EQ(9u, __atomic_load_n(&lb[511], __ATOMIC_ACQUIRE));
+}
+
+}  // namespace
