@@ -11,7 +11,9 @@
 #include "core/log.hpp"
 #include "cuda/staging.hpp"
 #include "transport/common/control_frames.hpp"
-#include "transport/common/pending_ops.hpp"
+#include "transport/common/endpoint_base.hpp"
+#include "transport/common/signal_target.hpp"
+#include "transport/common/staging_endpoint.hpp"
 #include "transport/common/stream_channel.hpp"
 #include "transport/transport.hpp"
 
@@ -23,17 +25,7 @@ struct ReadPiece {
   uint8_t* dest;
   uint64_t length;
   bool lane_end;
-  bool device = false;  // dest is cuda memory: staged through pinned host buffers
 };
-
-// Whether local address p lies in one of the op's cuda regions.
-bool on_device(const TransferOp& op, const uint8_t* p) {
-  for (const auto& pin : op.pins) {
-    const RegionEntry* e = pin.get();
-    if (p >= e->base && p < e->base + e->length) return staging::is_device(e->location);
-  }
-  return false;
-}
 
 struct ImmProgress {
   uint32_t lanes_seen = 0;
@@ -43,20 +35,32 @@ struct ImmProgress {
 constexpr size_t kMaxImmInProgress = 1 << 16;
 // An unexpected message's buffer grows by at most this much ahead of the bytes that arrived.
 constexpr uint64_t kStashChunk = 1 << 20;
+// Ops of the thin post path kept for reuse per endpoint (a post in flight holds one; more
+// than this many in flight at once allocate, and those are dropped when done).
+constexpr size_t kPostOpPool = 4096;
+
+// A TransferOp of the thin post path. `busy` is cleared (release) by the completion handler
+// once it no longer touches the op, so a poster that sees it clear (acquire) may refill it.
+struct PostOp : TransferOp {
+  std::atomic<bool> busy{false};
+};
+
 // Read responses at least this large stamp their op's progress before their payload lands
 // (smaller ones complete or stamp right after it).
 constexpr uint64_t kStampBytes = 64 << 10;
 
-class TcpEndpoint final : public TransportEndpoint, public StreamChannel::Handler {
+class TcpEndpoint final : public EndpointBase, public StreamChannel::Handler {
  public:
   explicit TcpEndpoint(const EndpointSetup& s)
-      : events_(s.events),
+      : EndpointBase(s),
         nchan_(s.channels),
         max_queued_(static_cast<size_t>(std::max(1, s.config.max_queued_responses))),
         answered_(new std::atomic<Clock::rep>[s.channels]),
         channels_(s.channels),
         reads_(s.channels),
-        read_mu_(s.channels) {}
+        read_mu_(s.channels) {
+    pending_.set_post_handler([this](const std::shared_ptr<TransferOp>& op, const Status& st) { post_finished(op, st); });
+  }
   ~TcpEndpoint() override { close({ErrorCode::kCancelled, "endpoint destroyed"}); }
 
   void connect(const ChannelOpener& open) override {
@@ -85,30 +89,13 @@ class TcpEndpoint final : public TransportEndpoint, public StreamChannel::Handle
     uint64_t token = pending_.add(std::move(op));
     if (!token) return;
     const bool is_read = keep->kind == OpKind::kRead;
-    // cuda memory here: writes send pinned host copies of the pieces (each lane staged just
-    // before it is posted, so a CUDA error fails the lanes not yet posted); reads land in
-    // pinned chunks that are uploaded as they arrive.
-    bool any_device = false;
-    for (const auto& pin : keep->pins) any_device |= staging::is_device(pin.get()->location);
-    std::unordered_map<const uint8_t*, std::shared_ptr<uint8_t>> staged;
+    // Host memory only: our own cuda pieces were staged by StagingEndpoint.
     uint32_t nlanes = 0;
     for (auto& lane : keep->lanes) nlanes += lane.pieces.empty() ? 0 : 1;
     for (size_t c = 0; c < keep->lanes.size(); ++c) {
       auto& pieces = keep->lanes[c].pieces;
       if (pieces.empty()) continue;
       StreamChannel* ch = channels_[c].get();
-      if (any_device && !is_read) {
-        // Stage this lane, then post it: the channel sends it while the next lane stages.
-        try {
-          staged.clear();
-          for (auto& p : pieces)
-            if (on_device(*keep, p.local)) staged[p.local] = staging::download_copy(p.local, p.length);
-        } catch (const Error& e) {
-          for (size_t d = c; d < keep->lanes.size(); ++d)
-            if (!keep->lanes[d].pieces.empty()) pending_.lane_done(token, e.status());
-          return;
-        }
-      }
       std::unique_lock<std::mutex> read_lk;
       if (is_read) {
         // Responses come back in request order per channel; remember where each one goes
@@ -116,8 +103,7 @@ class TcpEndpoint final : public TransportEndpoint, public StreamChannel::Handle
         // posted, so that concurrent submitters cannot reorder requests against the queue.
         read_lk = std::unique_lock<std::mutex>(read_mu_[c]);
         for (size_t i = 0; i < pieces.size(); ++i)
-          reads_[c].push_back({token, pieces[i].local, pieces[i].length, i + 1 == pieces.size(),
-                               any_device && on_device(*keep, pieces[i].local)});
+          reads_[c].push_back({token, pieces[i].local, pieces[i].length, i + 1 == pieces.size()});
       }
       for (size_t i = 0; i < pieces.size(); ++i) {
         const Piece& p = pieces[i];
@@ -134,13 +120,6 @@ class TcpEndpoint final : public TransportEndpoint, public StreamChannel::Handle
           f.hdr = make_frame(FrameType::kWrite, token, p.remote_id, p.remote_offset, p.length, flags,
                              imm ? keep->imm : 0, imm ? nlanes : 0);
           f.data = p.local;
-          if (any_device) {
-            auto st = staged.find(p.local);
-            if (st != staged.end()) {
-              f.data = st->second.get();
-              f.keep = st->second;
-            }
-          }
         }
         ch->post(std::move(f));
       }
@@ -151,21 +130,35 @@ class TcpEndpoint final : public TransportEndpoint, public StreamChannel::Handle
     if (!pending_.add_send(op)) return;
     OutFrame f;
     f.hdr = make_frame(FrameType::kSend, op->seq, 0, 0, op->length);
-    f.data = op->ptr;
-    if (staging::is_device(op->pin.get()->location)) {
-      try {
-        auto b = staging::download_copy(op->ptr, op->length);
-        f.data = b.get();
-        f.keep = b;
-      } catch (const Error& e) {
-        if (auto o = pending_.take_send(op->seq)) o->future->complete(e.status());
-        return;
-      }
-    }
+    f.data = op->ptr;  // host memory (StagingEndpoint staged a cuda message)
     channels_[0]->post(std::move(f));  // one channel keeps messages in order
   }
 
-  size_t pending() const override { return pending_.size(); }
+  // The thin post path (contract above TransportEndpoint::post_write). Every post goes on
+  // channel 0 as one lane; a signal is sent once the writes posted before it were acked
+  // (SignalSequencer), so a waiter that sees the counter sees their bytes. The core
+  // serialises posters; completions arrive on channel 0's fiber (or fail_all / expire).
+  Status post_write(PostWrite&& w, std::chrono::milliseconds timeout) override {
+    Status st = posts_.admit(timeout);
+    if (!st.ok()) return st;
+    auto op = take_post_op();
+    op->signal = false;
+    op->bytes = w.dst.length;
+    op->pins.push_back(std::move(w.pin));
+    op->lanes[0].pieces.push_back(w.dst);
+    op->lanes[0].bytes = w.dst.length;
+    op->post_epoch = sequencer_.write_posted();
+    issue_post(std::move(op));
+    return Status::Ok();
+  }
+
+  Status post_signal(const PostSignal& s, std::chrono::milliseconds timeout) override {
+    Status st = posts_.admit(timeout);
+    if (!st.ok()) return st;
+    if (sequencer_.signal(s)) issue_signal(s);  // else a write_done() hands it out later
+    return Status::Ok();
+  }
+
   std::chrono::steady_clock::time_point last_progress() const override {
     auto t = pending_.last_progress();
     std::lock_guard<std::mutex> lk(attach_mu_);
@@ -210,8 +203,11 @@ class TcpEndpoint final : public TransportEndpoint, public StreamChannel::Handle
   // Safe from any thread and concurrently (StreamChannel::join serialises joiners and skips
   // the caller's own thread). Operations fail only after the channel threads stopped, so no
   // read response lands in an op's memory after its future completed.
+  // closing_ (not the base's failure latch) is set first: the latch would fail the ops at
+  // once, and they may fail only after the join. A channel that goes down meanwhile leaves
+  // the failing to us (on_channel_down).
   void close(const Status& why) override {
-    const bool first = !failed_.exchange(true);
+    const bool first = !closing_.exchange(true);
     std::vector<StreamChannel*> chans;  // channels_ slots are filled under attach_mu_
     {
       std::lock_guard<std::mutex> lk(attach_mu_);
@@ -222,7 +218,7 @@ class TcpEndpoint final : public TransportEndpoint, public StreamChannel::Handle
         }
     }
     for (auto* ch : chans) ch->join();
-    if (first) pending_.fail_all(why);
+    if (first) fail(why, /*notify=*/false);
   }
 
   // StreamChannel::Handler
@@ -244,6 +240,7 @@ class TcpEndpoint final : public TransportEndpoint, public StreamChannel::Handle
           return {ErrorCode::kProtocol, "ack for an unknown operation"};
         return Status::Ok();
       case FrameType::kNack: return take_nack(ch, h, payload);
+      case FrameType::kSignal: return serve_signal(ch, h);
       case FrameType::kSend: return serve_send(ch, h, payload);
       case FrameType::kSendAck: return complete_send_ack(pending_, h, payload);
       case FrameType::kError: return peer_error(payload);
@@ -251,13 +248,16 @@ class TcpEndpoint final : public TransportEndpoint, public StreamChannel::Handle
     }
   }
 
-  void on_channel_down(StreamChannel&, const Status& why) override { fail(why, /*notify=*/true); }
+  void on_channel_down(StreamChannel&, const Status& why) override {
+    if (!closing_.load()) fail(why, /*notify=*/true);
+  }
 
   // Bytes of our own request frames left: progress of their op (not of the peer's ops that
   // our responses answer: those tokens are the peer's).
   void on_frame_sent(StreamChannel& ch, const FrameHeader& h) override {
     switch (static_cast<FrameType>(h.type)) {
       case FrameType::kWrite:
+      case FrameType::kSignal:
       case FrameType::kReadReq: pending_.progress(h.op_id); break;
       case FrameType::kSend: pending_.progress_send(h.op_id); break;
       default: return;
@@ -276,19 +276,114 @@ class TcpEndpoint final : public TransportEndpoint, public StreamChannel::Handle
   void install(int index, net::Socket sock) {
     channels_[index] = std::make_unique<StreamChannel>(std::move(sock), this, index);
     channels_[index]->start();
-    if (failed_.load()) channels_[index]->shutdown();  // fail() ran before this channel existed
+    // fail() or close() ran before this channel existed
+    if (failed() || closing_.load()) channels_[index]->shutdown();
   }
 
-  void fail(const Status& why, bool notify) {
-    if (failed_.exchange(true)) return;
-    // The core learns first: whoever sees a failed future then sees a failed endpoint.
-    if (notify) events_->on_failure(why);
+  // EndpointBase::fail: shut the channels down (never join: fail() may run on a channel's
+  // own fiber); the base then fails every op and post.
+  void stop_io() override {
+    std::lock_guard<std::mutex> lk(attach_mu_);
+    for (auto& ch : channels_)
+      if (ch) ch->shutdown();
+  }
+
+  // A free post op (see PostOp), its lane and pins empty, `busy` set.
+  std::shared_ptr<PostOp> take_post_op() {
     {
-      std::lock_guard<std::mutex> lk(attach_mu_);
-      for (auto& ch : channels_)
-        if (ch) ch->shutdown();
+      std::lock_guard<std::mutex> lk(pool_mu_);
+      // Posts finish in order on channel 0: the op after the last one taken is the likeliest free.
+      for (size_t n = 0; n < pool_.size(); ++n) {
+        auto& op = pool_[pool_next_];
+        pool_next_ = (pool_next_ + 1) % pool_.size();
+        if (!op->busy.load(std::memory_order_acquire) && op.use_count() == 1) {
+          op->busy.store(true, std::memory_order_relaxed);
+          op->post_error = Status::Ok();
+          return op;
+        }
+      }
     }
-    pending_.fail_all(why);
+    auto op = std::make_shared<PostOp>();
+    op->kind = OpKind::kWrite;  // a nack then completes it like a write lane (take_nack)
+    op->post = &posts_;
+    op->lanes.resize(1);
+    op->busy.store(true, std::memory_order_relaxed);
+    std::lock_guard<std::mutex> lk(pool_mu_);
+    if (pool_.size() < kPostOpPool) pool_.push_back(op);
+    return op;
+  }
+
+  void issue_signal(const PostSignal& s) {
+    auto op = take_post_op();
+    op->signal = true;
+    op->signal_add = s.add;
+    op->bytes = 0;
+    op->lanes[0].pieces.push_back(Piece{nullptr, s.remote_id, s.remote_offset, s.remote_addr, 8});
+    op->lanes[0].bytes = 0;
+    issue_post(std::move(op));
+  }
+
+  // One lane on channel 0: a write (cut at the frame limit; only its last frame asks for an
+  // ack) or a signal (the value to add in imm, low half, and aux, high half).
+  void issue_post(std::shared_ptr<PostOp> op) {
+    // Copied first: once added, the op may complete (and be cleared for reuse) at any time.
+    const Piece p = op->lanes[0].pieces[0];
+    const bool signal = op->signal;
+    const uint64_t add = op->signal_add;
+    uint64_t token = pending_.add(std::move(op));
+    if (!token) return;  // the endpoint failed: add() completed the post through post_finished
+    StreamChannel* ch = channels_[0].get();
+    if (signal) {
+      OutFrame f;
+      f.hdr = make_frame(FrameType::kSignal, token, p.remote_id, p.remote_offset, 0, kLaneEnd,
+                         static_cast<uint32_t>(add), static_cast<uint32_t>(add >> 32));
+      ch->post(std::move(f));
+      return;
+    }
+    for (uint64_t off = 0; off < p.length;) {
+      uint64_t n = std::min(p.length - off, kMaxFramePayload);
+      OutFrame f;
+      f.hdr = make_frame(FrameType::kWrite, token, p.remote_id, p.remote_offset + off, n,
+                         off + n == p.length ? kLaneEnd : 0);
+      f.data = p.local + off;
+      ch->post(std::move(f));
+      off += n;
+    }
+  }
+
+  // PendingOps' post handler: a post ended (acked, refused, timed out or failed with the
+  // endpoint). A write may release signals queued behind it; they go out from here.
+  void post_finished(const std::shared_ptr<TransferOp>& op, const Status& st) {
+    const bool write = !op->signal;
+    const uint64_t epoch = op->post_epoch;
+    op->pins.clear();  // the local region is not held by an idle pooled op
+    op->lanes[0].pieces.clear();
+    static_cast<PostOp*>(op.get())->busy.store(false, std::memory_order_release);
+    posts_.done(st);
+    if (!write) return;
+    // A scratch vector per thread keeps its capacity: no allocation per completion. Swapped
+    // out while in use, so a nested completion (issue_signal on a failed endpoint) is safe.
+    thread_local std::vector<PostSignal> scratch;
+    std::vector<PostSignal> ready;
+    ready.swap(scratch);
+    ready.clear();
+    sequencer_.write_done(epoch, &ready);
+    for (const auto& s : ready) issue_signal(s);
+    ready.clear();
+    scratch.swap(ready);
+  }
+
+  // A peer's post_signal: checked like any target access (apply_signal); refused with a NACK
+  // that changes nothing. A signal frame carries no payload.
+  Status serve_signal(StreamChannel& ch, const FrameHeader& h) {
+    if (h.length != 0 || !(h.flags & kLaneEnd) || (h.flags & kImmPart))
+      return {ErrorCode::kProtocol, "malformed signal frame"};
+    Status room = response_room(ch);
+    if (!room.ok()) return room;
+    Status st = apply_signal(events_->registry(), h.region, h.offset, uint64_t(h.aux) << 32 | h.imm);
+    if (!st.ok()) SLUICE_LOG(kDebug, "tcp: refused a signal: " << st.message);
+    post_status(ch, st.ok() ? FrameType::kAck : FrameType::kNack, h.op_id, kLaneEnd, st);
+    return Status::Ok();
   }
 
   // A peer that sends requests and never reads the responses: bounded per channel.
@@ -403,21 +498,7 @@ class TcpEndpoint final : public TransportEndpoint, public StreamChannel::Handle
     if (rp.length >= kStampBytes) pending_.progress(rp.token);  // a long response is arriving
     if (refused.ok()) {
       if (h.length != rp.length) return {ErrorCode::kProtocol, "read response of the wrong length"};
-      if (rp.device) {
-        bool got = false;
-        Status up;
-        try {
-          got = staging::receive(rp.dest, rp.length, [&](void* b, uint64_t k) { return payload.read(b, k); });
-        } catch (const Error& e) {
-          up = e.status();
-        }
-        if (up.ok() && !got) return {ErrorCode::kPeerLost, "connection lost mid-read"};
-        if (!up.ok()) {
-          if (rp.lane_end) pending_.lane_done(rp.token, up);
-          else pending_.note_error(rp.token, up);
-          return Status::Ok();
-        }
-      } else if (!payload.read(rp.dest, rp.length)) {
+      if (!payload.read(rp.dest, rp.length)) {
         return {ErrorCode::kPeerLost, "connection lost mid-read"};
       }
       if (!rp.lane_end) pending_.progress(rp.token);
@@ -486,18 +567,19 @@ class TcpEndpoint final : public TransportEndpoint, public StreamChannel::Handle
     return Status::Ok();
   }
 
-  EndpointEvents* events_;
   const int nchan_;
   const size_t max_queued_;
   std::unique_ptr<std::atomic<Clock::rep>[]> answered_;  // per channel, see answered()
   std::vector<std::unique_ptr<StreamChannel>> channels_;
   std::vector<std::deque<ReadPiece>> reads_;
   std::vector<std::mutex> read_mu_;
-  PendingOps pending_;
   mutable std::mutex attach_mu_;
   std::vector<bool> claimed_ = std::vector<bool>(static_cast<size_t>(nchan_));  // attach() said yes
   int attached_ = 0;
-  std::atomic<bool> failed_{false};
+  std::mutex pool_mu_;
+  std::vector<std::shared_ptr<PostOp>> pool_;  // see take_post_op()
+  size_t pool_next_ = 0;
+  std::atomic<bool> closing_{false};  // close() began: it fails the ops after the join
   std::mutex imm_mu_;
   std::unordered_map<uint64_t, ImmProgress> imm_;
 };
@@ -514,12 +596,18 @@ class TcpTransport final : public Transport {
     c.host_memory = true;
     c.cuda_memory = staging::available();
     c.imm = true;
+    c.signal = true;
+    c.rma_post = true;
     return c;
   }
   nlohmann::json local_address() const override { return nlohmann::json::object(); }  // the listener itself
   bool can_reach(const EngineInfo&, std::string*) override { return true; }
+  // Our own cuda pieces are staged by the adapter; without staging no cuda region reaches
+  // us (supports()), so the adapter's indirection is left out.
   std::shared_ptr<TransportEndpoint> create_endpoint(const EndpointSetup& setup) override {
-    return std::make_shared<TcpEndpoint>(setup);
+    auto ep = std::make_shared<TcpEndpoint>(setup);
+    if (!staging::available()) return ep;
+    return std::make_shared<StagingEndpoint>(std::move(ep), cuda_stager());
   }
 };
 
