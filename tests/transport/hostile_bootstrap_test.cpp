@@ -35,7 +35,6 @@ json fake_info(uint16_t listen_port = 1, const std::string& id = "evil0000000000
   e.wire_version = kWireVersion;
   e.engine_id = id;
   e.host_id = "evil-host";
-  e.pid = 1;
   e.listen_host = "127.0.0.1";
   e.listen_port = listen_port;
   e.transports["tcp"] = json::object();

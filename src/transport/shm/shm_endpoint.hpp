@@ -22,7 +22,7 @@
 #include <unordered_set>
 #include <vector>
 
-#include "core/lease_table.hpp"
+#include "transport/common/lease_table.hpp"
 #include "transport/common/endpoint_base.hpp"
 #include "transport/common/same_host.hpp"
 #include "transport/common/same_host_endpoints.hpp"
