@@ -244,19 +244,17 @@ void ShmEndpoint::submit(std::shared_ptr<TransferOp> op) {
       return;
     }
   }
-  auto track = std::make_shared<OpTrack>();
-  std::vector<Job> jobs;
+  // The lanes run on the copy workers; a write_with_imm's imm goes after its last lane
+  // (EndpointBase::lane_finished, send_imm).
+  track_lanes(token, *op);
   for (size_t l = 0; l < op->lanes.size(); ++l)
     if (!op->lanes[l].pieces.empty()) {
       Job j;
       j.op = op;
       j.token = token;
       j.lane = l;
-      j.track = track;
-      jobs.push_back(std::move(j));
+      enqueue(std::move(j));
     }
-  track->lanes_left = static_cast<int>(jobs.size());
-  for (auto& j : jobs) enqueue(std::move(j));
 }
 
 void ShmEndpoint::post_pull(const std::shared_ptr<TransferOp>& op, uint64_t token) {
@@ -480,19 +478,20 @@ void ShmEndpoint::work() {
     Status st = failed() ? Status{ErrorCode::kCancelled, "endpoint closed"} : run_lane(*job.op, job.op->lanes[job.lane]);
     pending_.touch();
     moved();
-    if (!st.ok()) job.track->failed = true;
     if (st.code == ErrorCode::kPeerLost) {
       fail(st, true);
       continue;
     }
-    if (job.track->lanes_left.fetch_sub(1) == 1 && job.op->kind == OpKind::kWriteImm && !job.track->failed) {
-      // Every byte is in the peer's memory (the copies above returned); now the imm.
-      OutFrame f;
-      f.hdr = make_frame(FrameType::kImm, job.token, 0, 0, 0, 0, job.op->imm);
-      control_->post(std::move(f));
-    }
-    pending_.lane_done(job.token, st);
+    lane_finished(job.token, st);
   }
+}
+
+void ShmEndpoint::send_imm(uint64_t token, const std::shared_ptr<TransferOp>& op) {
+  // Every byte is in the peer's memory (the copies of every lane returned); now the imm.
+  OutFrame f;
+  f.hdr = make_frame(FrameType::kImm, token, 0, 0, 0, 0, op->imm);
+  control_->post(std::move(f));
+  pending_.lane_done(token, Status::Ok());
 }
 
 Status ShmEndpoint::run_lane(const TransferOp& op, const Lane& lane) {

@@ -61,12 +61,6 @@ struct RemoteRegion {
   std::shared_ptr<Mapping> map;  // null: moved with process_vm_readv
 };
 
-// Lanes of one op this side executes itself (reads, writes into mapped regions).
-struct OpTrack {
-  std::atomic<int> lanes_left{0};
-  std::atomic<bool> failed{false};
-};
-
 // One post of the thin post path (a write, or a signal that goes as a frame). Reused from the
 // endpoint's free list, so a post allocates nothing in the steady state.
 struct PostOp : TransferOp {
@@ -116,7 +110,6 @@ class ShmEndpoint final : public EndpointBase, public StreamChannel::Handler, pu
     std::shared_ptr<TransferOp> op;
     uint64_t token = 0;
     size_t lane = 0;
-    std::shared_ptr<OpTrack> track;
     // kServe: a peer's PULL_WRITE
     FrameHeader hdr{};
     std::vector<PullPiece> pull;
@@ -140,6 +133,7 @@ class ShmEndpoint final : public EndpointBase, public StreamChannel::Handler, pu
   // EndpointBase: shuts the control channel and the job queue, then waits until no copy
   // into an op's memory is running (see begin_copy).
   void stop_io() override;
+  void send_imm(uint64_t token, const std::shared_ptr<TransferOp>& op) override;
   // A copy into memory an op owns (a read's destination, a recv buffer) runs between these:
   // begin_copy() refuses once the endpoint stopped, and stop_io() waits for the copies that
   // began, so no op completes with a failure while a copy may still write into its memory.

@@ -151,8 +151,9 @@ void ShmEndpoint::issue_signal(const PostSignal& s) {
     // Mapped here: the add is ours to do. Release order: a waiter that sees the new value
     // sees the writes before it (they finished before the sequencer let this signal go).
     Status st;
-    uint8_t* p = where.map->base + s.remote_offset;
-    if (!in_bounds(s.remote_offset, 8, where.length))
+    const bool inside = in_bounds(s.remote_offset, 8, where.length);
+    uint8_t* p = inside ? where.map->base + s.remote_offset : nullptr;
+    if (!inside)
       st = {ErrorCode::kOutOfRange, "signal: offset " + std::to_string(s.remote_offset) + " is outside peer region " +
                                         std::to_string(s.remote_id)};
     else if (reinterpret_cast<uintptr_t>(p) % 8 != 0)
