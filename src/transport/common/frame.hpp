@@ -21,8 +21,8 @@ enum class FrameType : uint8_t {
                   // length (imm low, aux high); shm: payload = RtsSource (the sender's region)
   kError = 10,    // fatal: the sender is closing the channel; payload = message
   kPullWrite = 11,  // shm: "copy these bytes of mine into your region": payload = PullPiece[]
-  kSignal = 12,     // post_signal: add (imm low 32 bits, aux high 32) to the 64-bit counter at
-                    // (region, offset); op_id = token; answered ACK/NACK with kLaneEnd
+  kSignal = 12,     // post_signal: add (imm low, aux high) to the u64 at (region, offset); no
+                    // payload; kLaneEnd; answered with ACK/NACK like a write lane end
   kMax = 12,
 };
 

@@ -208,6 +208,7 @@ void ShmEndpoint::on_post_done(const std::shared_ptr<TransferOp>& op, const Stat
 
 Status ShmEndpoint::serve_signal(StreamChannel& ch, const FrameHeader& h) {
   if (h.length != 0) return {ErrorCode::kProtocol, "SIGNAL with a payload"};
+  if (!(h.flags & kLaneEnd) || (h.flags & kImmPart)) return {ErrorCode::kProtocol, "SIGNAL without LANE_END or with IMM_PART"};
   // Checked like any access to our memory (registered region, in range, aligned); a refused
   // signal changes nothing and is answered with a NACK.
   const uint64_t add = uint64_t(h.aux) << 32 | h.imm;
