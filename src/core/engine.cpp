@@ -189,19 +189,14 @@ EngineInfo EngineImpl::info() const {
   e.wire_version = kWireVersion;
   e.engine_id = engine_id_;
   e.host_id = host_id_;
-  e.pid = static_cast<int>(::getpid());
   e.listen_host = config_.listen_host.empty() || config_.listen_host == "0.0.0.0" ? "127.0.0.1" : config_.listen_host;
   e.listen_port = listener_.port();
   for (const auto& t : transports_) e.transports[t->name()] = t->local_address();
-  if (registry_.leases().ok()) {
-    e.lease_memfd = registry_.leases().memfd();
-    e.lease_slots = registry_.leases().slots();
-  }
   {
     std::lock_guard<std::mutex> lk(regions_mu_);
     for (const auto& r : registry_.entries()) {
       auto d = region_data_.find(r->id);
-      if (d != region_data_.end()) e.regions.push_back({r->info(), r->memfd, r->lease_slot, d->second});
+      if (d != region_data_.end()) e.regions.push_back({r->info(), d->second});
     }
   }
   std::sort(e.regions.begin(), e.regions.end(), [](auto& a, auto& b) { return a.info.id < b.info.id; });

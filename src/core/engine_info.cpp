@@ -19,8 +19,7 @@ json EngineInfo::to_json() const {
                {"length", r.info.length},
                {"location", r.info.location.to_string()},
                {"name", r.info.name}};
-    if (r.info.shareable) jr["memfd"] = r.memfd;
-    if (r.lease_slot != 0xffffffffu) jr["lease"] = r.lease_slot;
+    if (r.info.shareable) jr["shareable"] = true;
     if (!r.transport_data.empty()) {
       json td = json::object();
       for (const auto& [k, v] : r.transport_data) td[k] = v;
@@ -33,10 +32,8 @@ json EngineInfo::to_json() const {
   return {{"sluice", wire_version},
           {"engine_id", engine_id},
           {"host_id", host_id},
-          {"pid", pid},
           {"listen", listen_address()},
           {"transports", tr},
-          {"leases", {{"memfd", lease_memfd}, {"slots", lease_slots}}},
           {"regions", regs}};
 }
 
@@ -76,10 +73,9 @@ PeerRegion region_from_json(const json& jr) {
   r.info.length = require_u64(jr, "length", "region", UINT64_MAX - r.info.addr);  // addr + length must not wrap
   r.info.location = parse_location(jr);
   r.info.name = require_string(jr, "name", "region");
-  if (jr.contains("lease")) r.lease_slot = static_cast<uint32_t>(require_u64(jr, "lease", "region", UINT32_MAX));
-  if (jr.contains("memfd")) {
-    r.memfd = static_cast<int>(require_int(jr, "memfd", "region", 0, INT32_MAX));
-    r.info.shareable = true;
+  if (jr.contains("shareable")) {
+    if (!jr["shareable"].is_boolean()) throw Error(ErrorCode::kProtocol, "region: field 'shareable' must be a boolean");
+    r.info.shareable = jr["shareable"].get<bool>();
   }
   if (jr.contains("transports")) {
     const json& td = require_object(jr, "transports", "region");
@@ -106,7 +102,6 @@ EngineInfo EngineInfo::from_json(const json& j) {
                                           ", this build speaks " + std::to_string(kWireVersion));
   e.engine_id = require_string(j, "engine_id", where, 256);
   e.host_id = require_string(j, "host_id", where);
-  e.pid = static_cast<int>(require_int(j, "pid", where, 0, INT32_MAX));
   std::string listen = require_string(j, "listen", where, 512);
   try {
     auto [h, p] = split_host_port(listen);
@@ -122,11 +117,6 @@ EngineInfo EngineInfo::from_json(const json& j) {
   for (auto it = tr.begin(); it != tr.end(); ++it) {
     if (it.key().size() > 64) throw Error(ErrorCode::kProtocol, "engine info: a transport name is longer than 64 bytes");
     e.transports[it.key()] = it.value();
-  }
-  if (j.contains("leases")) {
-    const json& l = require_object(j, "leases", where);
-    e.lease_memfd = static_cast<int>(require_int(l, "memfd", "leases", -1, INT32_MAX));
-    e.lease_slots = static_cast<uint32_t>(require_u64(l, "slots", "leases", UINT32_MAX));
   }
   for (const auto& jr : require_array(j, "regions", where)) e.regions.push_back(region_from_json(jr));
   return e;

@@ -12,10 +12,10 @@
 
 namespace sluice::detail {
 
+// Same-host details (a region's memfd, its lease slot, the owner's pid and lease table) are
+// not here: same-host transports get them from the owner over its proven socket.
 struct PeerRegion {
   RegionInfo info;
-  int memfd = -1;  // the owner's descriptor number for shareable memory
-  uint32_t lease_slot = 0xffffffffu;  // its slot in the owner's lease table
   // Per transport, what Transport::region_added() returned for it (rdma: rkeys by rail).
   std::map<std::string, nlohmann::json> transport_data;
 };
@@ -24,12 +24,9 @@ struct EngineInfo {
   int wire_version = 0;
   std::string engine_id;
   std::string host_id;
-  int pid = 0;
   std::string listen_host;
   uint16_t listen_port = 0;
   std::map<std::string, nlohmann::json> transports;  // name -> transport-specific address
-  int lease_memfd = -1;  // the owner's lease table (see core/lease_table.hpp)
-  uint32_t lease_slots = 0;
   std::vector<PeerRegion> regions;
 
   std::string listen_address() const { return listen_host + ":" + std::to_string(listen_port); }

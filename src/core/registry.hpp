@@ -11,7 +11,7 @@
 #include <unordered_map>
 #include <vector>
 
-#include "core/lease_table.hpp"
+#include "transport/common/lease_table.hpp"
 #include "sluice/error.hpp"
 #include "sluice/types.hpp"
 

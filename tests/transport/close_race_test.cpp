@@ -31,7 +31,6 @@ std::vector<net::Socket> silent_peer(Engine& victim, uint64_t token) {
   e.wire_version = kWireVersion;
   e.engine_id = "silent0000000000";
   e.host_id = "silent-host";
-  e.pid = 1;
   e.listen_host = "127.0.0.1";
   e.listen_port = 1;
   e.transports["tcp"] = json::object();

@@ -288,7 +288,7 @@ TEST_P(LoopbackTest, ConcurrentReadersOnOneEndpoint) {
 }
 
 // tcp validates on the target; shm never asks the owner, so the owner's lease table
-// (core/lease_table.hpp) is what keeps a stale handle out.
+// (transport/common/lease_table.hpp) is what keeps a stale handle out.
 class PeerUnregister : public LoopbackTest {};
 
 TEST_P(PeerUnregister, PeerUnregisteredRegionIsRefused) {

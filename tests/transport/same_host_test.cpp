@@ -16,7 +16,7 @@
 #include "bootstrap/messages.hpp"
 #include "bootstrap/socket.hpp"
 #include "core/engine_info.hpp"
-#include "core/lease_table.hpp"
+#include "transport/common/lease_table.hpp"
 #include "loopback.hpp"
 #include "transport/common/frame.hpp"
 #include "transport/common/same_host.hpp"

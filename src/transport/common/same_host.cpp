@@ -14,7 +14,7 @@
 #include <random>
 #include <vector>
 
-#include "core/lease_table.hpp"
+#include "transport/common/lease_table.hpp"
 #include "core/log.hpp"
 #include "sluice/error.hpp"
 

@@ -28,7 +28,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "core/lease_table.hpp"
+#include "transport/common/lease_table.hpp"
 #include "cuda/cuda_util.hpp"
 #include "transport/common/control_frames.hpp"
 #include "transport/common/endpoint_base.hpp"
@@ -51,7 +51,7 @@ struct FdGuard {
   }
 };
 
-// Leases on the peer regions an op touches (see core/lease_table.hpp): the peer cannot finish
+// Leases on the peer regions an op touches (see transport/common/lease_table.hpp): the peer cannot finish
 // unregistering one while our copies may still reach it.
 struct LeaseHold {
   PeerLeases* leases = nullptr;

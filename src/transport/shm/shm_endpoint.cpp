@@ -7,6 +7,7 @@
 #include <cstring>
 
 #include "core/log.hpp"
+#include "core/params.hpp"
 #include "cuda/staging.hpp"
 #include "transport/common/control_frames.hpp"
 #include "transport/common/cma.hpp"
@@ -16,6 +17,12 @@ namespace {
 
 constexpr size_t kMaxImmInProgress = 1 << 16;
 constexpr uint64_t kInlinePull = 64 << 10;  // PULL_WRITEs up to this many bytes are served on the reader
+
+// Test only: every copy into an op's memory waits this long first, so a test can fail the
+// endpoint while a copy is in flight (read when an endpoint is created).
+const Param<int> kCopyDelayMs{"shm.test_copy_delay_ms", "SLUICE_SHM_TEST_COPY_DELAY_MS", 0, int_in(0, 60000),
+                              "test only: each shm copy into an op's memory sleeps this many ms first",
+                              ParamScope::kTest};
 
 struct FdGuard {
   int fd;
@@ -72,13 +79,15 @@ Mapping::~Mapping() {
 }
 
 ShmEndpoint::ShmEndpoint(const EndpointSetup& s, Host& host, std::string peer_socket)
-    : host_(host),
-      events_(s.events),
+    : EndpointBase(s),
+      host_(host),
       active_(s.active),
       token_(s.token),
       nworkers_(s.channels),
       peer_socket_(std::move(peer_socket)),
-      timeout_(s.config.connect_timeout) {
+      timeout_(s.config.connect_timeout),
+      copy_delay_ms_(kCopyDelayMs.read()) {
+  pending_.set_post_handler([this](const std::shared_ptr<TransferOp>& op, const Status& st) { on_post_done(op, st); });
   for (int i = 0; i < nworkers_; ++i) workers_.emplace_back([this] { work(); });
 }
 
@@ -197,7 +206,7 @@ void ShmEndpoint::install(net::Socket sock) {
   std::lock_guard<std::mutex> lk(ctl_mu_);  // fail() and close() may run on other threads
   control_ = std::make_unique<StreamChannel>(std::move(sock), this, 0);
   control_->start();
-  if (failed_.load()) control_->shutdown();
+  if (failed()) control_->shutdown();
 }
 
 void ShmEndpoint::enqueue(Job job) {
@@ -235,19 +244,17 @@ void ShmEndpoint::submit(std::shared_ptr<TransferOp> op) {
       return;
     }
   }
-  auto track = std::make_shared<OpTrack>();
-  std::vector<Job> jobs;
+  // The lanes run on the copy workers; a write_with_imm's imm goes after its last lane
+  // (EndpointBase::lane_finished, send_imm).
+  track_lanes(token, *op);
   for (size_t l = 0; l < op->lanes.size(); ++l)
     if (!op->lanes[l].pieces.empty()) {
       Job j;
       j.op = op;
       j.token = token;
       j.lane = l;
-      j.track = track;
-      jobs.push_back(std::move(j));
+      enqueue(std::move(j));
     }
-  track->lanes_left = static_cast<int>(jobs.size());
-  for (auto& j : jobs) enqueue(std::move(j));
 }
 
 void ShmEndpoint::post_pull(const std::shared_ptr<TransferOp>& op, uint64_t token) {
@@ -368,6 +375,7 @@ Status ShmEndpoint::on_frame(StreamChannel& ch, const FrameHeader& h, PayloadRea
     case FrameType::kAck:
     case FrameType::kNack: return take_ack(h, payload);
     case FrameType::kSendRts: return serve_rts(ch, h, payload);
+    case FrameType::kSignal: return serve_signal(ch, h);
     case FrameType::kSendAck:
       moved();
       return complete_send_ack(pending_, h, payload);
@@ -403,16 +411,25 @@ Status ShmEndpoint::take_ack(const FrameHeader& h, PayloadReader& payload) {
   {
     std::lock_guard<std::mutex> lk(track_mu_);
     auto it = pulls_.find(h.op_id);
-    if (it == pulls_.end() || h.region >= it->second.lanes.size() || it->second.lanes[h.region].first == 0)
-      return {ErrorCode::kProtocol, "ack for an unknown operation"};
-    auto& lane = it->second.lanes[h.region];
-    if (lane.second.ok() && !st.ok()) lane.second = st;
-    if (--lane.first == 0) {
+    if (it == pulls_.end()) {
+      // A post the peer executes (PULL_WRITE, SIGNAL): one frame, one answer. Posts this side
+      // copies itself are never completed by a frame, whatever the peer sends.
+      auto op = pending_.find(h.op_id);
+      if (!op || op->future || !op->post || !static_cast<const PostOp&>(*op).by_peer || h.region != 0)
+        return {ErrorCode::kProtocol, "ack for an unknown operation"};
       done = true;
-      st = lane.second;
-      gone = true;
-      for (auto& l : it->second.lanes) gone &= l.first == 0;
-      if (gone) pulls_.erase(it);  // staged copies released: every frame was answered
+    } else if (h.region >= it->second.lanes.size() || it->second.lanes[h.region].first == 0) {
+      return {ErrorCode::kProtocol, "ack for an unknown operation"};
+    } else {
+      auto& lane = it->second.lanes[h.region];
+      if (lane.second.ok() && !st.ok()) lane.second = st;
+      if (--lane.first == 0) {
+        done = true;
+        st = lane.second;
+        gone = true;
+        for (auto& l : it->second.lanes) gone &= l.first == 0;
+        if (gone) pulls_.erase(it);  // staged copies released: every frame was answered
+      }
     }
   }
   moved();
@@ -424,12 +441,27 @@ Status ShmEndpoint::take_ack(const FrameHeader& h, PayloadReader& payload) {
 void ShmEndpoint::work() {
   for (;;) {
     Job job;
+    std::shared_ptr<TransferOp> post;
     {
       std::unique_lock<std::mutex> lk(mu_);
-      cv_.wait(lk, [&] { return stop_ || !jobs_.empty(); });
+      cv_.wait(lk, [&] { return stop_ || !jobs_.empty() || post_count_ > 0; });
       if (stop_) return;
-      job = std::move(jobs_.front());
-      jobs_.pop_front();
+      if (post_count_ > 0) {
+        post = std::move(post_ring_[post_head_]);
+        post_head_ = (post_head_ + 1) % post_ring_.size();
+        --post_count_;
+      } else {
+        job = std::move(jobs_.front());
+        jobs_.pop_front();
+      }
+    }
+    if (post) {
+      const auto& p = static_cast<const PostOp&>(*post);
+      Status st = run_post_write(p);
+      pending_.touch();
+      moved();
+      pending_.lane_done(p.token, st);
+      continue;
     }
     if (job.kind == Job::kDescribe) {
       RemoteRegion r;
@@ -443,22 +475,23 @@ void ShmEndpoint::work() {
       pending_.touch();
       continue;
     }
-    Status st = failed_.load() ? Status{ErrorCode::kCancelled, "endpoint closed"} : run_lane(*job.op, job.op->lanes[job.lane]);
+    Status st = failed() ? Status{ErrorCode::kCancelled, "endpoint closed"} : run_lane(*job.op, job.op->lanes[job.lane]);
     pending_.touch();
     moved();
-    if (!st.ok()) job.track->failed = true;
     if (st.code == ErrorCode::kPeerLost) {
       fail(st, true);
       continue;
     }
-    if (job.track->lanes_left.fetch_sub(1) == 1 && job.op->kind == OpKind::kWriteImm && !job.track->failed) {
-      // Every byte is in the peer's memory (the copies above returned); now the imm.
-      OutFrame f;
-      f.hdr = make_frame(FrameType::kImm, job.token, 0, 0, 0, 0, job.op->imm);
-      control_->post(std::move(f));
-    }
-    pending_.lane_done(job.token, st);
+    lane_finished(job.token, st);
   }
+}
+
+void ShmEndpoint::send_imm(uint64_t token, const std::shared_ptr<TransferOp>& op) {
+  // Every byte is in the peer's memory (the copies of every lane returned); now the imm.
+  OutFrame f;
+  f.hdr = make_frame(FrameType::kImm, token, 0, 0, 0, 0, op->imm);
+  control_->post(std::move(f));
+  pending_.lane_done(token, Status::Ok());
 }
 
 Status ShmEndpoint::run_lane(const TransferOp& op, const Lane& lane) {
@@ -487,6 +520,12 @@ Status ShmEndpoint::run_read(const TransferOp& op, const Lane& lane) {
     }
   std::vector<cma::Span> spans;
   std::vector<std::pair<size_t, std::shared_ptr<uint8_t>>> device;  // cuda pieces land in pinned copies
+  // From here on the op's destination is written: a failure of the endpoint waits for this.
+  if (!begin_copy()) return {ErrorCode::kCancelled, "endpoint closed"};
+  struct CopyEnd {
+    ShmEndpoint* ep;
+    ~CopyEnd() { ep->end_copy(); }
+  } copy_end{this};
   for (size_t i = 0; i < lane.pieces.size(); ++i) {
     const Piece& p = lane.pieces[i];
     uint8_t* dst = p.local;
@@ -604,6 +643,9 @@ Status ShmEndpoint::serve_rts(StreamChannel& ch, const FrameHeader& h, PayloadRe
     uint64_t n = claim.stash ? length : std::min(length, claim.capacity);
     Held held(leases_);
     if (n) st = held.enter(src.slot, src.region, "the sender's");
+    // The copy writes into a recv's buffer: a failure of the endpoint waits for it.
+    const bool copying = n && st.ok() && begin_copy();
+    if (n && st.ok() && !copying) st = {ErrorCode::kCancelled, "endpoint closed"};
     // No recv posted: the buffer grows chunk by chunk as the copy succeeds, so an announced
     // size that the sender's memory does not back costs nothing.
     constexpr uint64_t kChunk = 1 << 20;
@@ -614,31 +656,50 @@ Status ShmEndpoint::serve_rts(StreamChannel& ch, const FrameHeader& h, PayloadRe
       off += k;
     }
     if (n && st.ok()) st = held.still("the sender's");
+    if (copying) end_copy();
   }
   st = events_->matcher().deliver(claim, st);
   post_status(ch, FrameType::kSendAck, h.op_id, 0, st);
   return Status::Ok();
 }
 
-void ShmEndpoint::fail(const Status& why, bool notify) {
-  if (failed_.exchange(true)) return;
-  // The core learns first: whoever sees a failed future then sees a failed endpoint.
-  if (notify) events_->on_failure(why);
+void ShmEndpoint::stop_io() {
   {
     std::lock_guard<std::mutex> lk(ctl_mu_);
     if (control_) control_->shutdown();
   }
   {
-    std::lock_guard<std::mutex> lk(mu_);
+    std::unique_lock<std::mutex> lk(mu_);
     stop_ = true;
     jobs_.clear();
+    for (; post_count_ > 0; --post_count_, post_head_ = (post_head_ + 1) % post_ring_.size())
+      post_ring_[post_head_].reset();
     cv_.notify_all();
+    // EndpointBase::fail() fails the ops next: no copy may still be writing into their memory
+    // then. The workers are not joined (this may run on one of them, which is never inside a
+    // copy here); copies that began are waited for, and no new one begins (begin_copy).
+    idle_cv_.wait(lk, [&] { return copies_ == 0; });
   }
-  pending_.fail_all(why);
-  {
-    std::lock_guard<std::mutex> lk(track_mu_);
-    pulls_.clear();
+  std::lock_guard<std::mutex> lk(track_mu_);
+  pulls_.clear();
+}
+
+bool ShmEndpoint::begin_copy() {
+  std::lock_guard<std::mutex> lk(mu_);
+  if (stop_) return false;
+  ++copies_;
+  if (copy_delay_ms_ > 0) {
+    // Test only: the copy is in flight (counted) but has not written yet.
+    mu_.unlock();
+    std::this_thread::sleep_for(std::chrono::milliseconds(copy_delay_ms_));
+    mu_.lock();
   }
+  return true;
+}
+
+void ShmEndpoint::end_copy() {
+  std::lock_guard<std::mutex> lk(mu_);
+  if (--copies_ == 0) idle_cv_.notify_all();
 }
 
 }  // namespace sluice::detail::shm

@@ -22,8 +22,8 @@
 #include <unordered_set>
 #include <vector>
 
-#include "core/lease_table.hpp"
-#include "transport/common/pending_ops.hpp"
+#include "transport/common/lease_table.hpp"
+#include "transport/common/endpoint_base.hpp"
 #include "transport/common/same_host.hpp"
 #include "transport/common/same_host_endpoints.hpp"
 #include "transport/common/stream_channel.hpp"
@@ -61,13 +61,18 @@ struct RemoteRegion {
   std::shared_ptr<Mapping> map;  // null: moved with process_vm_readv
 };
 
-// Lanes of one op this side executes itself (reads, writes into mapped regions).
-struct OpTrack {
-  std::atomic<int> lanes_left{0};
-  std::atomic<bool> failed{false};
+// One post of the thin post path (a write, or a signal that goes as a frame). Reused from the
+// endpoint's free list, so a post allocates nothing in the steady state.
+struct PostOp : TransferOp {
+  // Executed by the owner (a PULL_WRITE, a SIGNAL frame): only then may an ACK complete it.
+  // A post this side copies itself must never be completed by a frame (its source is read
+  // until the copy ends, and an early completion would release its pin).
+  bool by_peer = false;
+  uint64_t token = 0;  // in pending_
+  PullPiece pull{};  // the PULL_WRITE's payload
 };
 
-class ShmEndpoint final : public TransportEndpoint, public StreamChannel::Handler, public same_host::ProvenEndpoint {
+class ShmEndpoint final : public EndpointBase, public StreamChannel::Handler, public same_host::ProvenEndpoint {
  public:
   ShmEndpoint(const EndpointSetup& s, Host& host, std::string peer_socket);
   ~ShmEndpoint() override;
@@ -77,8 +82,10 @@ class ShmEndpoint final : public TransportEndpoint, public StreamChannel::Handle
   bool adopt(int index, net::Socket sock) override;
   void submit(std::shared_ptr<TransferOp> op) override;
   void send(std::shared_ptr<MessageOp> op) override;
-  size_t pending() const override { return pending_.size(); }
-  std::chrono::steady_clock::time_point last_progress() const override { return pending_.last_progress(); }
+  // The thin post path: writes go as mapped copies (on the copy workers) or PULL_WRITEs, so
+  // they finish out of order; sequencer_ holds each signal until the writes before it finished.
+  Status post_write(PostWrite&& w, std::chrono::milliseconds timeout) override;
+  Status post_signal(const PostSignal& s, std::chrono::milliseconds timeout) override;
   // Per-operation deadlines (PendingOps::expire). An op past its own deadline is spared while
   // this endpoint keeps completing work of ours (lanes, answers to our requests): it waits in
   // our own queue behind a moving backlog. Frames the peer sends of its own accord (requests,
@@ -103,7 +110,6 @@ class ShmEndpoint final : public TransportEndpoint, public StreamChannel::Handle
     std::shared_ptr<TransferOp> op;
     uint64_t token = 0;
     size_t lane = 0;
-    std::shared_ptr<OpTrack> track;
     // kServe: a peer's PULL_WRITE
     FrameHeader hdr{};
     std::vector<PullPiece> pull;
@@ -124,10 +130,25 @@ class ShmEndpoint final : public TransportEndpoint, public StreamChannel::Handle
   // The peer's region `id` as it described it (asks it over its socket the first time).
   Status remote(uint64_t id, RemoteRegion* out);
   bool mapped_locked(uint64_t id) const;
-  void fail(const Status& why, bool notify);
+  // EndpointBase: shuts the control channel and the job queue, then waits until no copy
+  // into an op's memory is running (see begin_copy).
+  void stop_io() override;
+  void send_imm(uint64_t token, const std::shared_ptr<TransferOp>& op) override;
+  // A copy into memory an op owns (a read's destination, a recv buffer) runs between these:
+  // begin_copy() refuses once the endpoint stopped, and stop_io() waits for the copies that
+  // began, so no op completes with a failure while a copy may still write into its memory.
+  bool begin_copy();
+  void end_copy();
+
+  // Thin post path.
+  std::shared_ptr<PostOp> take_post_op();
+  void on_post_done(const std::shared_ptr<TransferOp>& op, const Status& st);
+  void issue_signal(const PostSignal& s);
+  Status run_post_write(const PostOp& op);
+  Status serve_signal(StreamChannel& ch, const FrameHeader& h);
+  void push_post_job(std::shared_ptr<TransferOp> op);
 
   Host& host_;
-  EndpointEvents* events_;
   const bool active_;
   const uint64_t token_;
   const int nworkers_;
@@ -137,16 +158,26 @@ class ShmEndpoint final : public TransportEndpoint, public StreamChannel::Handle
   std::atomic<bool> authenticated_{false};
   std::mutex ctl_mu_;  // guards control_ being installed (a service thread) against fail()/close()
   std::unique_ptr<StreamChannel> control_;
-  PendingOps pending_;
   std::atomic<std::chrono::steady_clock::rep> moving_{0};  // when work of ours last completed
   void moved() { moving_.store(std::chrono::steady_clock::now().time_since_epoch().count(), std::memory_order_relaxed); }
-  std::atomic<bool> failed_{false};
+  const int copy_delay_ms_;  // test only (shm.test_copy_delay_ms): a copy waits this long first
 
   std::mutex mu_;
   std::condition_variable cv_;
+  std::condition_variable idle_cv_;  // copies_ fell
   std::deque<Job> jobs_;
+  // Mapped post writes waiting for a worker: a ring that only grows, so that queueing a post
+  // allocates nothing in the steady state (a Job in jobs_ would).
+  std::vector<std::shared_ptr<TransferOp>> post_ring_;
+  size_t post_head_ = 0, post_count_ = 0;
   bool stop_ = false;
+  int copies_ = 0;  // copies between begin_copy() and end_copy()
   std::vector<std::thread> workers_;
+
+  // Post ops for reuse; one is free again once only this list holds it.
+  std::mutex post_ops_mu_;
+  std::vector<std::shared_ptr<PostOp>> post_ops_;
+  size_t post_cursor_ = 0;
 
   mutable std::mutex map_mu_;
   PeerLeases leases_;

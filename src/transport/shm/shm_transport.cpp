@@ -51,6 +51,8 @@ class ShmTransport final : public Transport, public Host {
     c.host_memory = true;
     c.cuda_memory = staging::available();
     c.imm = true;
+    c.rma_post = true;  // shm_post.cpp
+    c.signal = true;
     return c;
   }
   nlohmann::json local_address() const override { return {{"socket", endpoints_.name()}}; }

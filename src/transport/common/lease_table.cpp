@@ -1,4 +1,4 @@
-#include "core/lease_table.hpp"
+#include "transport/common/lease_table.hpp"
 
 #include <fcntl.h>
 #include <sys/mman.h>
