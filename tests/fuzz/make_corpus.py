@@ -22,19 +22,17 @@ def bootstrap_check(magic, version, kind, length):
     return ((x * K) & M64) >> 32
 
 
-def msg(kind, body, *, magic=0x42434C53, version=1, length=None, check=None):
+def msg(kind, body, *, magic=0x42434C53, version=2, length=None, check=None):
     text = body if isinstance(body, bytes) else json.dumps(body, separators=(",", ":")).encode()
     n = len(text) if length is None else length
     c = bootstrap_check(magic, version, kind, n) if check is None else check
     return struct.pack("<IHHII", magic, version, kind, n, c) + text
 
 
-INFO = {"sluice": 1, "engine_id": "9f0c1d2e3f405162", "host_id": "fuzz/boot", "pid": 4242,
+INFO = {"sluice": 2, "engine_id": "9f0c1d2e3f405162", "host_id": "fuzz/boot",
         "listen": "127.0.0.1:40123", "transports": {"tcp": {}},
-        "leases": {"memfd": 5, "slots": 16},
-        "regions": [{"id": 1, "addr": 140000000000, "length": 4096, "location": "host", "name": "kv", "lease": 0},
-                    {"id": 2, "addr": 140000004096, "length": 64, "location": "host", "name": "", "memfd": 7,
-                     "lease": 1}]}
+        "regions": [{"id": 1, "addr": 140000000000, "length": 4096, "location": "host", "name": "kv"},
+                    {"id": 2, "addr": 140000004096, "length": 64, "location": "host", "name": "", "shareable": True}]}
 
 
 def with_info(**changes):
@@ -68,7 +66,7 @@ def bootstrap_seeds():
         "info_bad_listen": msg(4, {"info": with_info(listen="nohost")}),
         "info_port_range": msg(4, {"info": with_info(listen="h:70000")}),
         "info_leases_types": msg(4, {"info": with_info(leases=[1, 2])}),
-        "info_version": msg(4, {"info": with_info(sluice=2)}),
+        "info_version": msg(4, {"info": with_info(sluice=1)}),
         "info_missing": msg(4, {"info": with_info(engine_id=None)}),
         "info_not_object": msg(4, {"info": [1, 2, 3]}),
         "body_array": msg(4, b"[]"),
@@ -78,7 +76,7 @@ def bootstrap_seeds():
         "short_body": msg(2, b"{}", length=100),
         "bad_magic": msg(1, {}, magic=0x12345678),
         "bad_check": msg(1, {}, check=0),
-        "version_2": msg(1, {}, version=2),
+        "version_1": msg(1, {}, version=1),
         "kind_9": msg(9, {}),
         "kind_0": msg(0, {}),
         "too_long": msg(1, b"", length=(16 << 20) + 1),
@@ -91,6 +89,7 @@ def bootstrap_seeds():
 # ------------------------------------------------------------------ frames
 
 WRITE, READ_REQ, READ_RESP, ACK, NACK, SEND, SEND_ACK, IMM, SEND_RTS, ERROR = range(1, 11)
+PULL_WRITE, SIGNAL = 11, 12
 LANE_END, IMM_PART = 1, 2
 REGION = 1      # the id fuzz_frames' registry gives its one region
 REGION_LEN = 4096
@@ -129,6 +128,14 @@ def frame_seeds():
         "write_imm_refused": frame(WRITE, 8, 99, 0, 4, LANE_END | IMM_PART, imm=9, aux=1, payload=p16[:4]),
         "write_aux_no_imm": frame(WRITE, 9, 99, 0, 4, LANE_END, aux=3, payload=p16[:4]),
         "write_short_payload": frame(WRITE, 10, REGION, 0, 64, LANE_END, payload=p16),
+        "signal": frame(SIGNAL, 20, REGION, 8, 0, LANE_END, imm=1),
+        "signal_high_half": frame(SIGNAL, 21, REGION, 0, 0, LANE_END, imm=0xFFFFFFFF, aux=7),
+        "signal_misaligned": frame(SIGNAL, 22, REGION, 3, 0, LANE_END, imm=1),
+        "signal_past_end": frame(SIGNAL, 23, REGION, REGION_LEN - 4, 0, LANE_END, imm=1),
+        "signal_offset_wrap": frame(SIGNAL, 24, REGION, 2 ** 64 - 8, 0, LANE_END, imm=1),
+        "signal_unknown_region": frame(SIGNAL, 25, 99, 0, 0, LANE_END, imm=1),
+        "signal_with_payload": frame(SIGNAL, 26, REGION, 0, 8, LANE_END, imm=1, payload=p16[:8]),
+        "signal_no_lane_end": frame(SIGNAL, 27, REGION, 0, 0, 0, imm=1),
         "read_req": frame(READ_REQ, 11, REGION, 0, 0, LANE_END, imm=64),
         "read_req_two": frame(READ_REQ, 12, REGION, 0, 0, 0, imm=32) + frame(READ_REQ, 12, REGION, 32, 0, LANE_END, imm=32),
         "read_req_past_end": frame(READ_REQ, 13, REGION, 4000, 0, LANE_END, imm=200),

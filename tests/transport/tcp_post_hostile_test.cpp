@@ -69,7 +69,6 @@ class TcpPostHostile : public ::testing::Test {
     e.wire_version = kWireVersion;
     e.engine_id = "evil000000000000";
     e.host_id = "evil-host";
-    e.pid = 1;
     e.listen_host = "127.0.0.1";
     e.listen_port = 1;
     e.transports["tcp"] = json::object();

@@ -320,6 +320,78 @@ int main(int argc, char** argv) {
     }
   }
 
+  // The thin post path (post_write / post_signal / flush) over nvlink, GPU to GPU: what a
+  // port-channel proxy does per request. Counter: the last 8 bytes of the peer's "dst".
+  out("");
+  out("## Thin post path over nvlink (cuda:0 -> peer's cuda memory), one proxy thread");
+  out("| pattern | requests | sluice posts | per request | raw host-launched cudaMemcpyPeerAsync | counter check |");
+  out("|---|---|---|---|---|---|");
+  ::setenv("SLUICE_NVLINK_SM_COPY_MAX", "0", 1);
+  ::setenv("SLUICE_NVLINK_STREAMS", "1", 1);
+  try {
+    EngineConfig c;
+    Engine e(c);
+    auto src = e.allocate(max_bytes, Location::cuda(0));
+    auto scratch = e.allocate(8, Location::cuda(0));
+    auto ep = e.connect(info);
+    auto dst = *ep.remote_region("dst");
+    const uint64_t counter = max_bytes - 8;
+    uint64_t signals = 0;
+    // Zero the counter with a plain write.
+    CK(cudaMemset(scratch.ptr, 0, 8));
+    ep.write({{scratch.handle, 0, dst, counter, 8}}).get();
+    auto check = [&] {
+      ep.read({{scratch.handle, 0, dst, counter, 8}}).get();
+      uint64_t v = 0;
+      CK(cudaMemcpy(&v, scratch.ptr, 8, cudaMemcpyDeviceToHost));
+      return v == signals ? std::string("ok (") + std::to_string(v) + ")"
+                          : "FAILED: " + std::to_string(v) + " != " + std::to_string(signals);
+    };
+    struct Pattern {
+      const char* name;
+      uint64_t size;
+      int n;
+      bool signal;
+    };
+    for (const Pattern& pt : {Pattern{"8 B put + signal", 8, 100000, true}, Pattern{"8 B put", 8, 100000, false},
+                              Pattern{"1 KiB put + signal", 1024, 50000, true},
+                              Pattern{"1 MiB put + signal", 1 << 20, 2000, true},
+                              Pattern{"128 MiB put + signal", std::min<uint64_t>(128ull << 20, max_bytes - 4096), 20, true}}) {
+      auto once = [&](int n) {
+        for (int i = 0; i < n; ++i) {
+          uint64_t off = (uint64_t(i) * pt.size) % (max_bytes - 4096 - pt.size + 1);
+          ep.post_write(src.handle, off, dst, off, pt.size);
+          if (pt.signal) {
+            ep.post_signal(dst, counter, 1);
+            ++signals;
+          }
+        }
+        ep.flush();
+      };
+      once(std::max(1, pt.n / 10));
+      auto t0 = Clock::now();
+      once(pt.n);
+      double t = secs(Clock::now() - t0);
+      // The same copies launched from the host one by one on one stream, synchronised once.
+      auto r0 = Clock::now();
+      for (int i = 0; i < pt.n; ++i) {
+        uint64_t off = (uint64_t(i) * pt.size) % (max_bytes - 4096 - pt.size + 1);
+        CK(cudaMemcpyPeerAsync(static_cast<char*>(b1) + off, peer_dev, static_cast<char*>(b0) + off, 0, pt.size, s));
+      }
+      CK(cudaStreamSynchronize(s));
+      double tr = secs(Clock::now() - r0);
+      auto rate = [&](double secs_) {
+        return pt.size >= (1 << 20) ? fmt("%.1f GB/s", pt.size * double(pt.n) / secs_ / 1e9)
+                                    : fmt("%.2f M req/s", pt.n / secs_ / 1e6);
+      };
+      out(std::string("| ") + pt.name + " | " + std::to_string(pt.n) + " | " + rate(t) + " | " +
+          fmt("%.2f us", t / pt.n * 1e6) + " | " + rate(tr) + " | " + check() + " |");
+    }
+    ep.close();
+  } catch (const std::exception& ex) {
+    out(std::string("| post path failed: ") + ex.what() + " | | | | | |");
+  }
+
   if (!out_path.empty()) std::ofstream(out_path) << report.str();
   ::close(in[1]);
   int st = 0;

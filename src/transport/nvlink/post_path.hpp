@@ -10,7 +10,7 @@
 #include <utility>
 #include <vector>
 
-#include "core/lease_table.hpp"
+#include "transport/common/lease_table.hpp"
 #include "transport/common/same_host_wire.hpp"
 #include "transport/transport.hpp"
 
