@@ -292,13 +292,24 @@ Reactor::~Reactor() {
   ::close(wakefd_);
 }
 
+namespace {
+constexpr uint32_t kWatchInput = EPOLLIN | EPOLLPRI | EPOLLRDHUP | EPOLLET;
+}  // namespace
+
 void Reactor::add(int fd, ReactorSource* src) {
   epoll_event ev{};
-  ev.events = EPOLLIN | EPOLLOUT | EPOLLRDHUP | EPOLLET;
+  ev.events = kWatchInput;
   ev.data.ptr = src;
   if (::epoll_ctl(epfd_, EPOLL_CTL_ADD, fd, &ev) != 0)
     throw Error(ErrorCode::kSystem, "epoll_ctl: " + std::string(std::strerror(errno)));
   sources_.fetch_add(1, std::memory_order_relaxed);
+}
+
+void Reactor::watch_output(int fd, ReactorSource* src, bool on) {
+  epoll_event ev{};
+  ev.events = kWatchInput | (on ? EPOLLOUT : 0u);
+  ev.data.ptr = src;
+  (void)::epoll_ctl(epfd_, EPOLL_CTL_MOD, fd, &ev);
 }
 
 void Reactor::remove(int fd, ReactorSource* src, std::function<void()> done) {

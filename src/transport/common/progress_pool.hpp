@@ -83,8 +83,14 @@ class Reactor {
  public:
   Reactor();
   ~Reactor();
-  // fd is watched edge-triggered for input, output, hang-up and errors.
+  // fd is watched edge-triggered for input (urgent data included), hang-up and errors, not
+  // for output: a unix socket reports room on every read its peer makes, which would wake the
+  // reactor once per message sent. Ask for output with watch_output() while a write waits.
   void add(int fd, ReactorSource* src);
+  // Add (on) or drop output readiness for fd. Arming reports output at once if the socket has
+  // room already, so a write that found the socket full and then arms cannot miss the edge.
+  // Callable from any thread; an fd that is no longer watched is ignored.
+  void watch_output(int fd, ReactorSource* src, bool on);
   // Remove fd; `done` then runs on the reactor thread once no event for `src` can follow.
   // Callable from any thread.
   void remove(int fd, ReactorSource* src, std::function<void()> done);
