@@ -8,7 +8,9 @@
 #include <sys/socket.h>
 
 #include <algorithm>
+#include <cfenv>
 #include <cstring>
+#include <stdexcept>
 #include <atomic>
 #include <condition_variable>
 #include <memory>
@@ -347,6 +349,73 @@ void backlog_drains(std::pair<net::Socket, net::Socket> pair) {
 
 TEST(StreamChannel, BacklogDrainsWhenThePeerReadsTcp) { backlog_drains(tcp_pair()); }
 TEST(StreamChannel, BacklogDrainsWhenThePeerReadsUnix) { backlog_drains(unix_pair()); }
+
+// Fibers switch with a hand-written register switch on x86-64 (progress_pool.cpp): what the
+// ABI makes callee-saved (integer registers, the SSE / x87 control words) survives every
+// switch, on both sides, and the fiber's own stack holds deep frames and a thrown exception.
+namespace {
+long fiber_fib(long n) { return n < 2 ? n : fiber_fib(n - 1) + fiber_fib(n - 2); }
+// Exact in any rounding mode, so the fiber's mode does not change the result.
+double fiber_work(double x, int i) { return x + static_cast<double>(i) * 0.25; }
+int deep(int n) {
+  volatile char pad[1024];
+  pad[0] = static_cast<char>(n);
+  return n == 0 ? pad[0] : deep(n - 1) + 1;
+}
+}  // namespace
+
+TEST(Fiber, StateSurvivesSwitchesOnBothSides) {
+  double fx = 1.5, cx = 2.5;
+  long fy = 0;
+  bool caught = false, current_ok = true, rounding_kept = true;
+  int rounding_in_fiber = -1, depth = 0;
+  Fiber* self = nullptr;
+  Fiber f([&] {
+    current_ok = Fiber::current() == self;
+    std::fesetround(FE_TOWARDZERO);  // the fiber's own rounding mode, kept across switches
+    for (int i = 0; i < 1000; ++i) {
+      fx = fiber_work(fx, i);
+      fy += fiber_fib(i % 12);
+      self->yield();
+      current_ok = current_ok && Fiber::current() == self;
+      rounding_kept = rounding_kept && std::fegetround() == FE_TOWARDZERO;
+    }
+    rounding_in_fiber = std::fegetround();
+    depth = deep(200);  // ~200 KiB of the fiber's stack
+    try {
+      throw std::runtime_error("thrown and caught on the fiber's stack");
+    } catch (const std::runtime_error&) {
+      caught = true;
+    }
+  });
+  self = &f;
+  EXPECT_EQ(Fiber::current(), nullptr);
+  int turns = 0;
+  bool resumer_rounding_kept = true;
+  while (!f.finished()) {
+    f.resume();
+    ++turns;
+    resumer_rounding_kept = resumer_rounding_kept && std::fegetround() == FE_TONEAREST;
+    cx = fiber_work(cx, turns);
+  }
+  EXPECT_TRUE(resumer_rounding_kept) << "the fiber's rounding mode leaked into its resumer";
+  f.resume();  // a finished fiber is not entered again
+  double wx = 1.5, wc = 2.5;
+  long wy = 0;
+  for (int i = 0; i < 1000; ++i) wx = fiber_work(wx, i);
+  for (int i = 0; i < 1000; ++i) wy += fiber_fib(i % 12);
+  for (int t = 1; t <= turns; ++t) wc = fiber_work(wc, t);
+  EXPECT_EQ(turns, 1001);
+  EXPECT_EQ(fx, wx);
+  EXPECT_EQ(fy, wy);
+  EXPECT_EQ(cx, wc);
+  EXPECT_TRUE(current_ok);
+  EXPECT_TRUE(rounding_kept) << "the fiber lost its rounding mode across a switch";
+  EXPECT_EQ(rounding_in_fiber, FE_TOWARDZERO);
+  EXPECT_EQ(depth, 200);
+  EXPECT_TRUE(caught);
+  EXPECT_EQ(Fiber::current(), nullptr);
+}
 
 }  // namespace
 }  // namespace sluice::detail
