@@ -198,23 +198,29 @@ void Fiber::run_body() {
     SLUICE_LOG(kError, "progress fiber: uncaught exception: " << e.what());
   }
   finished_ = true;
-  // Back to the reactor for good (the caller switches); this stack is never resumed.
-#ifdef SLUICE_ASAN
-  __sanitizer_start_switch_fiber(nullptr, caller_stack_, caller_stack_size_);
-#endif
-#ifdef SLUICE_TSAN
-  __tsan_switch_to_fiber(san_caller_, 0);
-#endif
 }
+
+// Back to the reactor for good; this stack is never resumed. A macro, not a function: after
+// TSan's switch no instrumented function may return on this stack (its exit would pop the
+// resumer's shadow stack).
+#if defined(SLUICE_ASAN)
+#define SLUICE_FIBER_LEAVE(self) __sanitizer_start_switch_fiber(nullptr, (self)->caller_stack_, (self)->caller_stack_size_)
+#elif defined(SLUICE_TSAN)
+#define SLUICE_FIBER_LEAVE(self) __tsan_switch_to_fiber((self)->san_caller_, 0)
+#else
+#define SLUICE_FIBER_LEAVE(self) (void)(self)
+#endif
 
 void Fiber::trampoline(unsigned lo, unsigned hi) {
   auto* self = reinterpret_cast<Fiber*>(static_cast<uintptr_t>(lo) | (static_cast<uintptr_t>(hi) << 32));
   self->run_body();
+  SLUICE_FIBER_LEAVE(self);
   ::setcontext(&self->ctx_->caller);
 }
 
 void Fiber::asm_main(Fiber* self) {
   self->run_body();
+  SLUICE_FIBER_LEAVE(self);
 #ifdef SLUICE_FIBER_ASM
   void* dead = nullptr;
   sluice_fiber_switch(&dead, self->ctx_->caller_sp);
