@@ -60,7 +60,7 @@ void sluice_fiber_switch(void** from, void* to);
 void sluice_fiber_entry();
 }
 asm(R"(
-  .text
+  .pushsection .text
   .p2align 4
   .globl sluice_fiber_switch
   .hidden sluice_fiber_switch
@@ -101,6 +101,7 @@ sluice_fiber_entry:
   ud2
   .cfi_endproc
   .size sluice_fiber_entry,.-sluice_fiber_entry
+  .popsection
 )");
 #endif
 
