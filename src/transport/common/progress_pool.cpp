@@ -48,17 +48,93 @@ void __sanitizer_finish_switch_fiber(void* fake_stack_save, const void** bottom_
 }
 #endif
 
+// The x86-64 fiber switch: saves the callee-saved registers (and the SSE/x87 control words,
+// which the ABI also makes callee-saved) on the current stack, stores the stack pointer in
+// *from, loads `to` and pops the same frame from there. No signal mask (fibers never change
+// it), so no syscall. A fresh fiber's stack holds a frame whose return address is
+// sluice_fiber_entry, which calls r13(r12) = Fiber::asm_main(this).
+#if defined(__x86_64__) && defined(__linux__)
+#define SLUICE_FIBER_ASM 1
+extern "C" {
+void sluice_fiber_switch(void** from, void* to);
+void sluice_fiber_entry();
+}
+asm(R"(
+  .pushsection .text
+  .p2align 4
+  .globl sluice_fiber_switch
+  .hidden sluice_fiber_switch
+  .type sluice_fiber_switch,@function
+sluice_fiber_switch:
+  pushq %rbp
+  pushq %rbx
+  pushq %r12
+  pushq %r13
+  pushq %r14
+  pushq %r15
+  subq $8, %rsp
+  stmxcsr (%rsp)
+  fnstcw 4(%rsp)
+  movq %rsp, (%rdi)
+  movq %rsi, %rsp
+  ldmxcsr (%rsp)
+  fldcw 4(%rsp)
+  addq $8, %rsp
+  popq %r15
+  popq %r14
+  popq %r13
+  popq %r12
+  popq %rbx
+  popq %rbp
+  ret
+  .size sluice_fiber_switch,.-sluice_fiber_switch
+
+  .p2align 4
+  .globl sluice_fiber_entry
+  .hidden sluice_fiber_entry
+  .type sluice_fiber_entry,@function
+sluice_fiber_entry:
+  .cfi_startproc
+  .cfi_undefined rip
+  movq %r12, %rdi
+  callq *%r13
+  ud2
+  .cfi_endproc
+  .size sluice_fiber_entry,.-sluice_fiber_entry
+  .popsection
+)");
+#endif
+
 namespace sluice::detail {
 
 namespace {
 thread_local Fiber* tls_fiber = nullptr;
 thread_local bool tls_reactor = false;
 constexpr size_t kGuard = 4096;
+
+// Whether fibers switch with sluice_fiber_switch. Not where a shadow stack is enforced: its
+// `ret` onto another stack would not match the shadow stack (rdssp reads 0, a no-op on CPUs
+// without CET, when none is active).
+bool use_asm_switch() {
+#ifdef SLUICE_FIBER_ASM
+  static const bool on = [] {
+    unsigned long long ssp = 0;
+    asm volatile(".byte 0xf3, 0x48, 0x0f, 0x1e, 0xc8" : "+a"(ssp));  // rdsspq %rax
+    return ssp == 0;
+  }();
+  return on;
+#else
+  return false;
+#endif
+}
 }  // namespace
 
 struct Fiber::Context {
-  ucontext_t fiber;
+  ucontext_t fiber;   // ucontext switch only
   ucontext_t caller;
+  void* fiber_sp = nullptr;   // fiber_switch: the fiber's saved stack pointer
+  void* caller_sp = nullptr;  // fiber_switch: the resumer's
+  bool asm_switch = false;
 };
 
 Fiber::Fiber(std::function<void()> body, size_t stack_bytes)
@@ -71,13 +147,34 @@ Fiber::Fiber(std::function<void()> body, size_t stack_bytes)
     throw Error(ErrorCode::kSystem, "fiber stack: " + std::string(std::strerror(errno)));
   }
   ::mprotect(stack_, kGuard, PROT_NONE);  // overflow faults instead of corrupting memory
-  ::getcontext(&ctx_->fiber);
-  ctx_->fiber.uc_stack.ss_sp = static_cast<char*>(stack_) + kGuard;
-  ctx_->fiber.uc_stack.ss_size = stack_bytes_;
-  ctx_->fiber.uc_link = nullptr;
-  auto p = reinterpret_cast<uintptr_t>(this);
-  ::makecontext(&ctx_->fiber, reinterpret_cast<void (*)()>(&Fiber::trampoline), 2, static_cast<unsigned>(p),
-                static_cast<unsigned>(p >> 32));
+  ctx_->asm_switch = use_asm_switch();
+  if (ctx_->asm_switch) {
+#ifdef SLUICE_FIBER_ASM
+    // The frame sluice_fiber_switch pops: control words, r15, r14, r13, r12, rbx, rbp, and
+    // the return address. `ret` leaves rsp 16-byte aligned, as a call instruction expects.
+    auto top = (reinterpret_cast<uintptr_t>(stack_) + kGuard + stack_bytes_) & ~uintptr_t{15};
+    auto* frame = reinterpret_cast<uint64_t*>(top) - 8;
+    uint32_t ctl[2] = {0, 0};
+    asm volatile("stmxcsr %0\n\tfnstcw %1" : "=m"(ctl[0]), "=m"(ctl[1]));  // inherit the creator's
+    frame[0] = static_cast<uint64_t>(ctl[0]) | (static_cast<uint64_t>(ctl[1] & 0xffff) << 32);
+    frame[1] = 0;                                        // r15
+    frame[2] = 0;                                        // r14
+    frame[3] = reinterpret_cast<uint64_t>(&Fiber::asm_main);  // r13: what the entry calls
+    frame[4] = reinterpret_cast<uint64_t>(this);         // r12: its argument
+    frame[5] = 0;                                        // rbx
+    frame[6] = 0;                                        // rbp
+    frame[7] = reinterpret_cast<uint64_t>(&sluice_fiber_entry);
+    ctx_->fiber_sp = frame;
+#endif
+  } else {
+    ::getcontext(&ctx_->fiber);
+    ctx_->fiber.uc_stack.ss_sp = static_cast<char*>(stack_) + kGuard;
+    ctx_->fiber.uc_stack.ss_size = stack_bytes_;
+    ctx_->fiber.uc_link = nullptr;
+    auto p = reinterpret_cast<uintptr_t>(this);
+    ::makecontext(&ctx_->fiber, reinterpret_cast<void (*)()>(&Fiber::trampoline), 2, static_cast<unsigned>(p),
+                  static_cast<unsigned>(p >> 32));
+  }
 #ifdef SLUICE_TSAN
   san_fiber_ = __tsan_create_fiber(0);
 #endif
@@ -92,25 +189,44 @@ Fiber::~Fiber() {
 
 Fiber* Fiber::current() { return tls_fiber; }
 
-void Fiber::trampoline(unsigned lo, unsigned hi) {
-  auto* self = reinterpret_cast<Fiber*>(static_cast<uintptr_t>(lo) | (static_cast<uintptr_t>(hi) << 32));
+void Fiber::run_body() {
 #ifdef SLUICE_ASAN
-  __sanitizer_finish_switch_fiber(nullptr, &self->caller_stack_, &self->caller_stack_size_);
+  __sanitizer_finish_switch_fiber(nullptr, &caller_stack_, &caller_stack_size_);
 #endif
   try {
-    self->body_();
+    body_();
   } catch (const std::exception& e) {
     SLUICE_LOG(kError, "progress fiber: uncaught exception: " << e.what());
   }
-  self->finished_ = true;
-  // Back to the reactor for good; this stack is never resumed.
-#ifdef SLUICE_ASAN
-  __sanitizer_start_switch_fiber(nullptr, self->caller_stack_, self->caller_stack_size_);
+  finished_ = true;
+}
+
+// Back to the reactor for good; this stack is never resumed. A macro, not a function: after
+// TSan's switch no instrumented function may return on this stack (its exit would pop the
+// resumer's shadow stack).
+#if defined(SLUICE_ASAN)
+#define SLUICE_FIBER_LEAVE(self) __sanitizer_start_switch_fiber(nullptr, (self)->caller_stack_, (self)->caller_stack_size_)
+#elif defined(SLUICE_TSAN)
+#define SLUICE_FIBER_LEAVE(self) __tsan_switch_to_fiber((self)->san_caller_, 0)
+#else
+#define SLUICE_FIBER_LEAVE(self) (void)(self)
 #endif
-#ifdef SLUICE_TSAN
-  __tsan_switch_to_fiber(self->san_caller_, 0);
-#endif
+
+void Fiber::trampoline(unsigned lo, unsigned hi) {
+  auto* self = reinterpret_cast<Fiber*>(static_cast<uintptr_t>(lo) | (static_cast<uintptr_t>(hi) << 32));
+  self->run_body();
+  SLUICE_FIBER_LEAVE(self);
   ::setcontext(&self->ctx_->caller);
+}
+
+void Fiber::asm_main(Fiber* self) {
+  self->run_body();
+  SLUICE_FIBER_LEAVE(self);
+#ifdef SLUICE_FIBER_ASM
+  void* dead = nullptr;
+  sluice_fiber_switch(&dead, self->ctx_->caller_sp);
+#endif
+  std::abort();  // not reached
 }
 
 void Fiber::resume() {
@@ -125,7 +241,11 @@ void Fiber::resume() {
   void* fake = nullptr;
   __sanitizer_start_switch_fiber(&fake, static_cast<char*>(stack_) + kGuard, stack_bytes_);
 #endif
-  ::swapcontext(&ctx_->caller, &ctx_->fiber);
+#ifdef SLUICE_FIBER_ASM
+  if (ctx_->asm_switch) sluice_fiber_switch(&ctx_->caller_sp, ctx_->fiber_sp);
+  else
+#endif
+    ::swapcontext(&ctx_->caller, &ctx_->fiber);
 #ifdef SLUICE_ASAN
   __sanitizer_finish_switch_fiber(fake, nullptr, nullptr);
 #endif
@@ -139,7 +259,11 @@ void Fiber::yield() {
 #ifdef SLUICE_TSAN
   __tsan_switch_to_fiber(san_caller_, 0);
 #endif
-  ::swapcontext(&ctx_->fiber, &ctx_->caller);
+#ifdef SLUICE_FIBER_ASM
+  if (ctx_->asm_switch) sluice_fiber_switch(&ctx_->fiber_sp, ctx_->caller_sp);
+  else
+#endif
+    ::swapcontext(&ctx_->fiber, &ctx_->caller);
 #ifdef SLUICE_ASAN
   __sanitizer_finish_switch_fiber(asan_fake_, &caller_stack_, &caller_stack_size_);
 #endif
@@ -175,13 +299,24 @@ Reactor::~Reactor() {
   ::close(wakefd_);
 }
 
+namespace {
+constexpr uint32_t kWatchInput = EPOLLIN | EPOLLPRI | EPOLLRDHUP | EPOLLET;
+}  // namespace
+
 void Reactor::add(int fd, ReactorSource* src) {
   epoll_event ev{};
-  ev.events = EPOLLIN | EPOLLOUT | EPOLLRDHUP | EPOLLET;
+  ev.events = kWatchInput;
   ev.data.ptr = src;
   if (::epoll_ctl(epfd_, EPOLL_CTL_ADD, fd, &ev) != 0)
     throw Error(ErrorCode::kSystem, "epoll_ctl: " + std::string(std::strerror(errno)));
   sources_.fetch_add(1, std::memory_order_relaxed);
+}
+
+void Reactor::watch_output(int fd, ReactorSource* src, bool on) {
+  epoll_event ev{};
+  ev.events = kWatchInput | (on ? EPOLLOUT : 0u);
+  ev.data.ptr = src;
+  (void)::epoll_ctl(epfd_, EPOLL_CTL_MOD, fd, &ev);
 }
 
 void Reactor::remove(int fd, ReactorSource* src, std::function<void()> done) {

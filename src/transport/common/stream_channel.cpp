@@ -73,10 +73,15 @@ void StreamChannel::start() {
   pool_ = ProgressPool::shared();
   reactor_ = &pool_->pick();
   net::set_nonblocking(sock_.fd());
+  int domain = 0;
+  socklen_t dlen = sizeof(domain);
+  // Unknown: treat as unix (recvmsg works on any socket and reports MSG_CTRUNC if it applies).
+  unix_ = ::getsockopt(sock_.fd(), SOL_SOCKET, SO_DOMAIN, &domain, &dlen) != 0 || domain == AF_UNIX;
   fiber_ = std::make_unique<Fiber>([this] { reader_loop(); });
   std::lock_guard<std::mutex> lk(mu_);
   started_ = true;
   reactor_->add(sock_.fd(), this);
+  if (out_armed_) reactor_->watch_output(sock_.fd(), this, true);  // a write before start() filled it
   reactor_->post([this] {
     CurrentScope cur(this);
     fiber_->resume();
@@ -96,10 +101,11 @@ void StreamChannel::after_resume() {
   });
 }
 
-void StreamChannel::wake_fiber(bool input) {
+void StreamChannel::wake_fiber(uint32_t events) {
   // Any wake but a timer may mean new input (or a local shutdown): read before waiting again.
   if (!waiting_input_) return;
   waiting_input_ = false;
+  clean_wake_ = events != 0 && (events & ~uint32_t{EPOLLIN | EPOLLOUT}) == 0;
   reactor_->cancel_wake(this);
   CurrentScope cur(this);
   fiber_->resume();
@@ -108,15 +114,36 @@ void StreamChannel::wake_fiber(bool input) {
 
 void StreamChannel::on_events(uint32_t events) {
   if (events & (EPOLLOUT | EPOLLERR | EPOLLHUP)) drain();
-  if (events & (EPOLLIN | EPOLLRDHUP | EPOLLHUP | EPOLLERR)) wake_fiber();
+  if (events & (EPOLLIN | EPOLLPRI | EPOLLRDHUP | EPOLLHUP | EPOLLERR)) wake_fiber(events);
 }
 
-void StreamChannel::on_deadline() { wake_fiber(/*input=*/false); }
+void StreamChannel::on_deadline() { wake_fiber(); }
 
 void StreamChannel::wait_input(std::chrono::steady_clock::time_point until) {
   waiting_input_ = true;
   if (until != std::chrono::steady_clock::time_point{}) reactor_->wake_at(this, until);
   fiber_->yield();
+  drained_ = false;  // whatever woke us may have brought input
+}
+
+ssize_t StreamChannel::read_some(uint8_t* dest, size_t n) {
+  ssize_t r;
+  bool cut = false;  // the read stopped at a message that carried descriptors
+  if (unix_) {
+    iovec iov{dest, n};
+    msghdr msg{};
+    msg.msg_iov = &iov;
+    msg.msg_iovlen = 1;
+    r = ::recvmsg(sock_.fd(), &msg, 0);
+    cut = (msg.msg_flags & MSG_CTRUNC) != 0;
+  } else {
+    r = ::recv(sock_.fd(), dest, n, 0);
+  }
+  if (r > 0) {
+    touch_io();
+    drained_ = clean_wake_ && static_cast<size_t>(r) < n && !cut;
+  }
+  return r;
 }
 
 void StreamChannel::took(uint64_t bytes) {
@@ -136,6 +163,13 @@ void StreamChannel::kick() {
   // Callers hold mu_ and checked !finishing_: the task is queued before the reactor's
   // removal task, so it never runs on a destroyed channel.
   reactor_->post([this] { drain(); });
+}
+
+void StreamChannel::want_output(bool on) {
+  // Callers hold mu_; once finishing_ the reactor drops the descriptor, leave it be.
+  if (on == out_armed_ || finishing_) return;
+  out_armed_ = on;
+  if (started_) reactor_->watch_output(sock_.fd(), this, on);  // else start() arms it
 }
 
 bool StreamChannel::on_own_thread() const { return tls_current == this; }
@@ -232,11 +266,15 @@ void StreamChannel::post(OutFrame frame) {
     return;
   }
   if (done == 0) {
+    // The socket is full: the reactor writes the rest when it has room (arming reports room
+    // that came back meanwhile, so no edge is lost).
     if (one[0].response) responses_queued_.fetch_add(1, std::memory_order_relaxed);
     queue_.push_front(std::move(one[0]));
+    want_output(true);
+  } else if (!queue_.empty() && !finishing_) {
+    // Frames other threads queued while we held the send side.
+    kick();
   }
-  // The reactor may have seen the socket's room come back while we held the send side.
-  if (!queue_.empty() && !finishing_) kick();
 }
 
 void StreamChannel::drain() {
@@ -247,7 +285,11 @@ void StreamChannel::drain() {
     responses_queued_.store(0, std::memory_order_relaxed);
     return;
   }
-  if (writing_ || queue_.empty()) return;
+  if (writing_) return;
+  if (queue_.empty()) {
+    want_output(false);
+    return;
+  }
   writing_ = true;
   std::vector<OutFrame> batch;
   size_t written = 0;
@@ -277,7 +319,14 @@ void StreamChannel::drain() {
       queue_.push_front(std::move(batch[i]));
     }
     batch.clear();
-    if (full || queue_.empty()) break;  // full: the next EPOLLOUT edge brings us back
+    if (full) {
+      want_output(true);  // the next EPOLLOUT edge brings us back
+      break;
+    }
+    if (queue_.empty()) {
+      want_output(false);  // idle again: no wake-up per message the peer reads
+      break;
+    }
     if (written >= kDrainBytes) {
       // Let the other channels of this reactor have a turn, then carry on.
       if (!finishing_) kick();
@@ -349,12 +398,15 @@ bool StreamChannel::fill(size_t min_bytes, size_t max_read) {
     rpos_ = 0;
   }
   while (rend_ < min_bytes) {
+    if (drained_) {
+      wait_input();
+      continue;
+    }
     size_t room = std::min(kReadBuffer - rend_, std::max(max_read, min_bytes - rend_));
-    // Always read before waiting: a short read does not mean the socket is empty of events
+    // Read before waiting unless drained_ proves the socket empty: a short read alone does not
     // (data and the peer's FIN can arrive together, and edge-triggered epoll reports them once).
-    ssize_t r = ::recv(sock_.fd(), rbuf_.get() + rend_, room, 0);
+    ssize_t r = read_some(rbuf_.get() + rend_, room);
     if (r > 0) {
-      touch_io();
       rend_ += static_cast<size_t>(r);
       took(static_cast<uint64_t>(r));
     } else if (r == 0) {
@@ -387,6 +439,10 @@ bool StreamChannel::read_payload(uint8_t* dest, uint64_t n) {
     // Straight into the destination, as it arrives; waits yield to the reactor.
     exact_header_ = true;
     while (n > 0) {
+      if (drained_) {
+        wait_input();
+        continue;
+      }
       ssize_t r;
       {
         std::lock_guard<std::mutex> lk(dest_mu_);  // non-blocking recv: never held across a wait
@@ -394,10 +450,9 @@ bool StreamChannel::read_payload(uint8_t* dest, uint64_t n) {
           errno = ECONNRESET;
           return false;
         }
-        r = ::recv(sock_.fd(), dest, n, 0);
+        r = read_some(dest, n);
       }
       if (r > 0) {
-        touch_io();
         dest += r;
         n -= static_cast<uint64_t>(r);
         took(static_cast<uint64_t>(r));

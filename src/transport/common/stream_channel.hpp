@@ -97,7 +97,8 @@ class StreamChannel : private ReactorSource {
   void on_events(uint32_t events) override;
   void on_deadline() override;
   // Reactor thread: resume the fiber if it waits; after_resume() detaches a finished one.
-  void wake_fiber(bool input = true);
+  // `events`: the readiness that woke it, 0 for a timer or a posted wake-up.
+  void wake_fiber(uint32_t events = 0);
   void after_resume();
   // Callers hold mu_: a write failed, the peer is gone.
   void write_failed(int err);
@@ -105,6 +106,11 @@ class StreamChannel : private ReactorSource {
   void drain();
   // Ask the reactor to drain (a frame was queued while nobody writes).
   void kick();
+  // Callers hold mu_: watch the socket for room (a write found it full) or stop watching.
+  void want_output(bool on);
+  // Receive fiber: one non-blocking read of up to n bytes (recv's result); a short one on a
+  // clean wake sets drained_.
+  ssize_t read_some(uint8_t* dest, size_t n);
   // Receive fiber: wait for input (or a wake-up, or `until`).
   void wait_input(std::chrono::steady_clock::time_point until = {});
   // Receive fiber: count bytes read; yield to the reactor every so often (fairness).
@@ -125,6 +131,17 @@ class StreamChannel : private ReactorSource {
   std::unique_ptr<Fiber> fiber_;        // the receive side (reader_loop)
   bool started_ = false;
   bool waiting_input_ = false;          // reactor thread only: the fiber waits in wait_input()
+  // A small message would otherwise cost a second read that only says EAGAIN. A stream
+  // socket's read shorter than asked emptied the receive queue, but for urgent / out-of-band
+  // data (which epoll reports as EPOLLPRI for as long as it is pending) and, on a unix
+  // socket, a message carrying descriptors (which the kernel drops for us, flagging
+  // MSG_CTRUNC). Under edge-triggered epoll every arrival after the report that woke the fiber
+  // raises a new one, so after such a short read the fiber may wait without reading again;
+  // not when the report carried more than plain input (a FIN, an error, urgent data: states
+  // that raise no further edge) or the wake was no report at all (a timer, a posted wake-up).
+  bool unix_ = false;         // set by start(): reads use recvmsg to see MSG_CTRUNC
+  bool clean_wake_ = false;   // reactor thread: the fiber's last wake was a plain input report
+  bool drained_ = false;      // receive fiber: a read since that wake left the socket empty
   uint64_t read_since_yield_ = 0;       // receive fiber only
   bool finishing_ = false;              // under mu_: the fiber ended, the reactor's removal is queued
   bool detached_ = false;               // under mu_: the reactor dropped us (join() may return)
@@ -148,6 +165,7 @@ class StreamChannel : private ReactorSource {
   std::mutex mu_;
   std::deque<OutFrame> queue_;
   bool writing_ = false;  // a thread (caller or reactor) owns the socket's send side
+  bool out_armed_ = false;  // the reactor watches the socket for room (see want_output)
   bool stop_ = false;     // the channel is going down (any reason)
   bool closing_ = false;  // shutdown() was called: a local close, not a peer failure
   int write_errno_ = 0;   // why a write failed (the peer is gone), 0 if none did
