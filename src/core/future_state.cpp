@@ -43,6 +43,7 @@ void FutureState::note_error(const Status& status) {
 
 bool FutureState::finish(const Status& status) {
   std::vector<Callback> cbs;
+  bool wake = false;
   {
     std::lock_guard<std::mutex> lk(mu_);
     if (done_.load(std::memory_order_relaxed)) return false;
@@ -50,8 +51,13 @@ bool FutureState::finish(const Status& status) {
     end_ = Clock::now();
     done_.store(true, std::memory_order_release);
     cbs.swap(callbacks_);
-    if (waiters_.load(std::memory_order_relaxed) > 0) cv_.notify_all();
+    wake = waiters_.load(std::memory_order_relaxed) > 0;
   }
+  // Woken after the unlock, so the waiter does not wake into a held mutex (2-3 futex calls
+  // per small op). `this` outlives the call: every completer holds the state through a
+  // shared_ptr (the op's, or a copy taken for the call), and a waiter that returns drops only
+  // its own reference.
+  if (wake) cv_.notify_all();
   for (auto& cb : cbs) cb(status);
   return true;
 }
