@@ -5,20 +5,34 @@
 // allocated memory), write_with_imm, reads (process_vm_readv and mapped) and sends from that
 // region, and recvs into it, must move the right bytes end to end between two real engines.
 #include <gtest/gtest.h>
+#include <signal.h>
 #include <sys/mman.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <cstring>
 #include <mutex>
 #include <thread>
 
+#include "bootstrap/messages.hpp"
+#include "bootstrap/socket.hpp"
+#include "core/engine_info.hpp"
 #include "loopback.hpp"
+#include "transport/common/frame.hpp"
+#include "transport/common/same_host.hpp"
+#include "transport/common/same_host_wire.hpp"
 #include "transport/shm/shm_test_stager.hpp"
 
 using namespace sluice;
 using namespace sluice_test;
+using sluice::detail::FrameHeader;
+using sluice::detail::FrameType;
+using sluice::detail::make_frame;
 using sluice::detail::RegionEntry;
 using sluice::detail::Stager;
+using nlohmann::json;
+namespace boot = sluice::bootstrap;
+namespace sh = sluice::detail::same_host;
 
 namespace {
 
@@ -200,6 +214,101 @@ TEST_F(ShmStagingTest, PostsFromStagedMemoryAreRefused) {
   ep_.post_write(hp_, 0, rheap_, 0, 64);
   ep_.flush();
   EXPECT_EQ(bytes(heap_.data(), 64), bytes(plain_.data(), 64));
+}
+
+struct Fd {
+  int fd = -1;
+  ~Fd() {
+    if (fd >= 0) ::close(fd);
+  }
+};
+
+// A SEND_RTS that names no source region (what a staged send sends) is read by address from
+// the sender, and only ever into the recv buffer: a proven raw peer announcing more than the
+// recv holds, or an address it does not map, changes nothing outside that buffer.
+TEST(ShmStagingHostile, RtsWithoutARegionWritesOnlyTheRecvBuffer) {
+  ::signal(SIGPIPE, SIG_IGN);
+  EngineConfig c = engine_config("shm", 1, 10s);
+  c.transports = {"tcp", "shm"};
+  Engine victim(c);
+  constexpr uint64_t kPage = 4096;
+  alignas(64) static uint8_t mem[3 * kPage];
+  alignas(64) static uint8_t src[2 * kPage];  // the "sender's" bytes (this process is the peer)
+  fill_pattern(mem, sizeof(mem), 5);
+  fill_pattern(src, sizeof(src), 6);
+  std::vector<uint8_t> snap(mem, mem + sizeof(mem));
+  MemoryHandle hv = victim.register_memory(mem + kPage, kPage, Location::host(), "victim");
+  json info = json::parse(victim.local_info());
+  const std::string socket = info["transports"]["shm"]["socket"].get<std::string>();
+  auto [host, port] = detail::split_host_port(victim.listen_address());
+  auto dial = [&, h = host, p = port] {
+    net::Socket s = net::connect_tcp(h, p, 2s);
+    net::set_io_timeout(s.fd(), 5s);
+    return s;
+  };
+  {
+    net::Socket s = dial();
+    boot::send_msg(s.fd(), boot::MsgKind::kHello, {{"info", info}, {"token", 7272}, {"transport", "shm"}, {"channels", 1}});
+    boot::expect_reply(s.fd(), "hello");
+  }
+  Fd my_table{::memfd_create("test-leases", MFD_CLOEXEC)};
+  ASSERT_EQ(::ftruncate(my_table.fd, 16 * 16), 0);
+  net::Socket ctl = sh::connect(socket);
+  sh::send(ctl.fd(), {{"op", "auth"}, {"token", 7272}}, my_table.fd);
+  Fd their_table;
+  json r = sh::recv(ctl.fd(), sh::Clock::now() + 5s, &their_table.fd);
+  ASSERT_FALSE(r.contains("error")) << r.dump();
+  {
+    net::Socket s = dial();
+    boot::send_msg(s.fd(), boot::MsgKind::kChannel, {{"token", 7272}, {"index", 0}, {"transport", "shm"}});
+    boot::expect_reply(s.fd(), "channel");
+  }
+  auto acc = victim.accept(2s);
+  ASSERT_TRUE(acc.has_value());
+  Endpoint ep = *acc;
+
+  // Sends message `seq` of `length` bytes at `addr` (no region); returns the SEND_ACK's status.
+  auto rts = [&](uint64_t seq, uint64_t addr, uint64_t length) {
+    detail::same_host::RtsSource none{0, detail::kNoLease, 0};
+    FrameHeader h = make_frame(FrameType::kSendRts, seq, addr, 0, sizeof(none), 0, static_cast<uint32_t>(length),
+                               static_cast<uint32_t>(length >> 32));
+    EXPECT_TRUE(write_all(ctl.fd(), &h, sizeof(h)));
+    EXPECT_TRUE(write_all(ctl.fd(), &none, sizeof(none)));
+    FrameHeader a{};
+    EXPECT_TRUE(read_all(ctl.fd(), &a, sizeof(a), 5s));
+    std::string text(a.length, '\0');
+    if (a.length) {
+      EXPECT_TRUE(read_all(ctl.fd(), text.data(), a.length, 5s));
+    }
+    EXPECT_EQ(static_cast<FrameType>(a.type), FrameType::kSendAck);
+    EXPECT_EQ(a.op_id, seq);
+    return static_cast<ErrorCode>(a.status);
+  };
+
+  // An honest one: exactly its bytes, into the recv buffer.
+  auto r0 = ep.recv(hv, 100, 1000);
+  EXPECT_EQ(rts(0, reinterpret_cast<uint64_t>(src), 1000), ErrorCode::kOk);
+  ASSERT_TRUE(r0.wait_for(5s));
+  EXPECT_TRUE(r0.status().ok());
+  std::memcpy(snap.data() + kPage + 100, src, 1000);
+  EXPECT_EQ(0, std::memcmp(mem, snap.data(), sizeof(mem)));
+  // More than the recv holds: the recv's bytes only, both sides told kTruncated.
+  auto r1 = ep.recv(hv, 2000, 500);
+  EXPECT_EQ(rts(1, reinterpret_cast<uint64_t>(src), 2 * kPage), ErrorCode::kTruncated);
+  ASSERT_TRUE(r1.wait_for(5s));
+  EXPECT_EQ(r1.status().code, ErrorCode::kTruncated);
+  std::memcpy(snap.data() + kPage + 2000, src, 500);
+  EXPECT_EQ(0, std::memcmp(mem, snap.data(), sizeof(mem))) << "bytes landed outside the recv buffer";
+  // An address the sender does not map: the recv fails, the victim lives on.
+  auto r2 = ep.recv(hv, 0, 1000);
+  EXPECT_NE(rts(2, 8, 1000), ErrorCode::kOk);
+  ASSERT_TRUE(r2.wait_for(5s));
+  EXPECT_FALSE(r2.status().ok());
+  // Unexpected (no recv posted) and huge: the stash follows the bytes that really arrive.
+  EXPECT_NE(rts(3, 8, 1ull << 40), ErrorCode::kOk);
+  EXPECT_EQ(0, std::memcmp(mem, snap.data(), kPage));
+  EXPECT_EQ(0, std::memcmp(mem + 2 * kPage, snap.data() + 2 * kPage, kPage));
+  victim.close();
 }
 
 }  // namespace
