@@ -8,7 +8,6 @@
 
 #include "core/log.hpp"
 #include "core/params.hpp"
-#include "cuda/staging.hpp"
 #include "transport/common/control_frames.hpp"
 #include "transport/common/cma.hpp"
 
@@ -64,6 +63,10 @@ class Held {
 
 namespace {
 
+// The op's local region that holds p; null for memory the op does not pin. An op from a
+// StagingEndpoint pins nothing: its staged pieces are host copies that are no region (the
+// adapter keeps them alive until the op completed) and the caller's op, which the adapter
+// also keeps, holds the pins of the others.
 const RegionEntry* pin_of(const TransferOp& op, const uint8_t* p) {
   for (const auto& pin : op.pins) {
     const RegionEntry* e = pin.get();
@@ -258,8 +261,6 @@ void ShmEndpoint::submit(std::shared_ptr<TransferOp> op) {
 }
 
 void ShmEndpoint::post_pull(const std::shared_ptr<TransferOp>& op, uint64_t token) {
-  bool any_device = false;
-  for (const auto& pin : op->pins) any_device |= staging::is_device(pin.get()->location);
   // Frames per lane (a lane longer than kMaxPullPieces is cut), and in total: an imm is
   // delivered by the owner once every frame of the op has landed.
   std::vector<uint32_t> frames(op->lanes.size(), 0);
@@ -281,39 +282,17 @@ void ShmEndpoint::post_pull(const std::shared_ptr<TransferOp>& op, uint64_t toke
       size_t last = std::min(pieces.size(), first + kMaxPullPieces);
       auto buf = std::make_shared<std::vector<PullPiece>>();
       buf->reserve(last - first);
-      try {
-        for (size_t i = first; i < last; ++i) {
-          const Piece& p = pieces[i];
-          const RegionEntry* e = pin_of(*op, p.local);
-          PullPiece pp{p.remote_id, p.remote_offset, p.length, reinterpret_cast<uint64_t>(p.local), 0, kNoLease, 0};
-          if (e && !(any_device && staging::is_device(e->location))) {
-            pp.src_region = e->id;
-            pp.src_slot = e->lease_slot;
-          } else if (e) {
-            // cuda memory here: the owner pulls a pinned host copy, held until the op ends.
-            auto b = staging::download_copy(p.local, p.length);
-            pp.src_addr = reinterpret_cast<uint64_t>(b.get());
-            std::lock_guard<std::mutex> lk(track_mu_);
-            pulls_[token].staged.push_back(std::move(b));
-          }
-          buf->push_back(pp);
-        }
-      } catch (const Error& e) {
-        // Count this frame as answered with the error (its lane completes once its other
-        // frames do).
-        Status st = e.status();
-        bool done = false;
-        {
-          std::lock_guard<std::mutex> lk(track_mu_);
-          auto it = pulls_.find(token);
-          if (it != pulls_.end()) {
-            auto& lane = it->second.lanes[c];
-            if (lane.second.ok()) lane.second = st;
-            done = --lane.first == 0;
-          }
-        }
-        if (done) pending_.lane_done(token, st);
-        continue;
+      for (size_t i = first; i < last; ++i) {
+        const Piece& p = pieces[i];
+        // The owner reads our bytes at src_addr with process_vm_readv on our pid. A piece in
+        // a registered region names it (id + lease slot) so that the owner discards the copy
+        // if we unregister it meanwhile. A piece in no region (src_region 0: a staged host
+        // copy, kept alive by the StagingEndpoint until this op completed) is read by address
+        // alone. "No region" gives a peer nothing: it is our own memory that the owner reads,
+        // and the owner still writes only inside its registered, pinned region (serve_pull).
+        const RegionEntry* e = pin_of(*op, p.local);
+        buf->push_back(PullPiece{p.remote_id, p.remote_offset, p.length, reinterpret_cast<uint64_t>(p.local),
+                                 e ? e->id : 0, e ? e->lease_slot : kNoLease, 0});
       }
       OutFrame f;
       f.hdr = make_frame(FrameType::kPullWrite, token, c, 0, buf->size() * sizeof(PullPiece), imm ? kImmPart : 0,
@@ -327,13 +306,16 @@ void ShmEndpoint::post_pull(const std::shared_ptr<TransferOp>& op, uint64_t toke
 
 void ShmEndpoint::send(std::shared_ptr<MessageOp> op) {
   if (!pending_.add_send(op)) return;
+  // No pin: a StagingEndpoint's host copy of a CUDA message, alive until the send completed;
+  // the receiver reads it by address (region 0, see serve_rts). shm itself moves host memory
+  // only: CUDA memory reaches it only through that adapter.
   const RegionEntry* e = op->pin.get();
-  if (staging::is_device(e->location)) {
+  if (e && !e->location.is_host()) {
     if (auto o = pending_.take_send(op->seq))
       o->future->complete({ErrorCode::kUnsupported, "shm: send from " + e->location.to_string() + " memory"});
     return;
   }
-  auto src = std::make_shared<RtsSource>(RtsSource{e->id, e->lease_slot, 0});
+  auto src = std::make_shared<RtsSource>(RtsSource{e ? e->id : 0, e ? e->lease_slot : kNoLease, 0});
   OutFrame f;
   f.hdr = make_frame(FrameType::kSendRts, op->seq, reinterpret_cast<uint64_t>(op->ptr), 0, sizeof(RtsSource), 0,
                      static_cast<uint32_t>(op->length), static_cast<uint32_t>(op->length >> 32));
@@ -428,7 +410,7 @@ Status ShmEndpoint::take_ack(const FrameHeader& h, PayloadReader& payload) {
         st = lane.second;
         gone = true;
         for (auto& l : it->second.lanes) gone &= l.first == 0;
-        if (gone) pulls_.erase(it);  // staged copies released: every frame was answered
+        if (gone) pulls_.erase(it);  // every frame was answered
       }
     }
   }
@@ -519,7 +501,6 @@ Status ShmEndpoint::run_read(const TransferOp& op, const Lane& lane) {
       return st;
     }
   std::vector<cma::Span> spans;
-  std::vector<std::pair<size_t, std::shared_ptr<uint8_t>>> device;  // cuda pieces land in pinned copies
   // From here on the op's destination is written: a failure of the endpoint waits for this.
   if (!begin_copy()) return {ErrorCode::kCancelled, "endpoint closed"};
   struct CopyEnd {
@@ -527,21 +508,14 @@ Status ShmEndpoint::run_read(const TransferOp& op, const Lane& lane) {
     ~CopyEnd() { ep->end_copy(); }
   } copy_end{this};
   for (size_t i = 0; i < lane.pieces.size(); ++i) {
+    // Host memory: ours, or a StagingEndpoint's copy that it uploads once the op completed.
     const Piece& p = lane.pieces[i];
-    uint8_t* dst = p.local;
-    const RegionEntry* e = pin_of(op, p.local);
-    if (e && staging::is_device(e->location)) {
-      device.emplace_back(i, staging::pinned(p.length));
-      dst = device.back().second.get();
-    }
-    if (where[i].map) std::memcpy(dst, where[i].map->base + p.remote_offset, p.length);
-    else spans.push_back({dst, where[i].addr + p.remote_offset, p.length});
+    if (where[i].map) std::memcpy(p.local, where[i].map->base + p.remote_offset, p.length);
+    else spans.push_back({p.local, where[i].addr + p.remote_offset, p.length});
   }
   if (!spans.empty())
     if (Status st = cma::read(pid_.load(), spans); !st.ok()) return st;
-  if (Status st = held.still("peer"); !st.ok()) return st;
-  for (auto& [i, b] : device) staging::upload(lane.pieces[i].local, b.get(), lane.pieces[i].length);
-  return Status::Ok();
+  return held.still("peer");
 }
 
 Status ShmEndpoint::run_mapped_write(const TransferOp& op, const Lane& lane) {
@@ -567,13 +541,10 @@ Status ShmEndpoint::run_mapped_write(const TransferOp& op, const Lane& lane) {
       return st;
     }
   }
+  // Host memory (a CUDA piece arrives as a StagingEndpoint's host copy).
   for (size_t i = 0; i < lane.pieces.size(); ++i) {
     const Piece& p = lane.pieces[i];
-    const uint8_t* src = p.local;
-    std::shared_ptr<uint8_t> staged;
-    const RegionEntry* e = pin_of(op, p.local);
-    if (e && staging::is_device(e->location)) src = (staged = staging::download_copy(p.local, p.length)).get();
-    std::memcpy(where[i].map->base + p.remote_offset, src, p.length);
+    std::memcpy(where[i].map->base + p.remote_offset, p.local, p.length);
   }
   // Our bytes went to the region's pages; if the owner withdrew it meanwhile they went to pages
   // it no longer maps (harmless to it) and the write did not happen as far as we can tell.
@@ -642,7 +613,12 @@ Status ShmEndpoint::serve_rts(StreamChannel& ch, const FrameHeader& h, PayloadRe
   if (claim.stash || claim.dest) {
     uint64_t n = claim.stash ? length : std::min(length, claim.capacity);
     Held held(leases_);
-    if (n) st = held.enter(src.slot, src.region, "the sender's");
+    // Region 0: the sender names no region of its own (a StagingEndpoint's host copy, alive
+    // until this send is acked), so there is no lease to check and the copy goes by address.
+    // That gives the sender nothing: we read only the sender's own memory (process_vm_readv
+    // on its pid, which the kernel named), at most n bytes, into the recv buffer or the
+    // bounded stash; a named region was never a bound on the address either.
+    if (n && src.region != 0) st = held.enter(src.slot, src.region, "the sender's");
     // The copy writes into a recv's buffer: a failure of the endpoint waits for it.
     const bool copying = n && st.ok() && begin_copy();
     if (n && st.ok() && !copying) st = {ErrorCode::kCancelled, "endpoint closed"};

@@ -8,6 +8,8 @@
 //   mapping, inside the lease; after the owner frees it those pages are the mapping's alone;
 // - every other write is a PULL_WRITE: the owner copies the bytes into its own region with
 //   process_vm_readv, so no peer ever writes into memory by address.
+// This side's own memory is host memory only: CUDA pieces it initiates from or into are
+// staged by the StagingEndpoint that the transport puts in front (shm_transport.cpp).
 #pragma once
 
 #include <sys/types.h>
@@ -187,10 +189,9 @@ class ShmEndpoint final : public EndpointBase, public StreamChannel::Handler, pu
   std::mutex imm_mu_;
   std::unordered_map<uint64_t, std::pair<uint32_t, bool>> imm_;  // owner side: lanes seen, failed
   // PULL_WRITE ops in flight on this side: frames still unanswered per lane (a lane of more
-  // than kMaxPullPieces pieces goes as several frames) and staged copies of cuda pieces.
+  // than kMaxPullPieces pieces goes as several frames).
   struct PullTrack {
     std::vector<std::pair<uint32_t, Status>> lanes;  // frames left, first error
-    std::vector<std::shared_ptr<uint8_t>> staged;
   };
   std::mutex track_mu_;
   std::unordered_map<uint64_t, PullTrack> pulls_;

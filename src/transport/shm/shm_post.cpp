@@ -11,7 +11,6 @@
 #include <atomic>
 #include <cstring>
 
-#include "cuda/staging.hpp"
 #include "transport/common/signal_target.hpp"
 #include "transport/shm/shm_endpoint.hpp"
 
@@ -36,9 +35,9 @@ std::shared_ptr<PostOp> ShmEndpoint::take_post_op() {
 
 Status ShmEndpoint::post_write(PostWrite&& w, std::chrono::milliseconds timeout) {
   const RegionEntry* src = w.pin.get();
-  // Staging a cuda source per post would need a pinned buffer per post; the regular write()
-  // stages cuda memory.
-  if (staging::is_device(src->location))
+  // Host memory only: the StagingEndpoint in front refuses posts from the CUDA memory it
+  // stages (a pinned buffer per post), and stages the regular write().
+  if (!src->location.is_host())
     return {ErrorCode::kUnsupported, "shm: post_write from " + src->location.to_string() + " memory"};
   if (Status st = posts_.admit(timeout); !st.ok()) return st;
   std::shared_ptr<PostOp> op = take_post_op();

@@ -15,7 +15,9 @@
 #include "transport/common/same_host.hpp"
 #include "transport/common/same_host_endpoints.hpp"
 #include "transport/common/cma.hpp"
+#include "transport/common/staging_endpoint.hpp"
 #include "transport/shm/shm_endpoint.hpp"
+#include "transport/shm/shm_test_stager.hpp"
 #include "transport/transport.hpp"
 
 namespace sluice::detail::shm {
@@ -24,6 +26,14 @@ namespace {
 // A word the peer reads to prove that cross-process access works between us (its address is
 // told only over the authenticated socket).
 alignas(64) volatile uint64_t g_probe_word = 0;
+
+std::mutex g_test_stager_mu;
+std::shared_ptr<Stager> g_test_stager;  // set_test_stager()
+
+std::shared_ptr<Stager> test_stager() {
+  std::lock_guard<std::mutex> lk(g_test_stager_mu);
+  return g_test_stager;
+}
 
 std::string string_field(const nlohmann::json& j, const char* key) {
   auto it = j.find(key);
@@ -43,7 +53,8 @@ class ShmTransport final : public Transport, public Host {
 
   std::string name() const override { return "shm"; }
   int priority() const override { return 20; }
-  // cuda memory on this side is staged through pinned host buffers (CUDA builds with a GPU).
+  // cuda memory on this side is staged through pinned host buffers (CUDA builds with a GPU),
+  // by the StagingEndpoint in front of each endpoint (create_endpoint).
   bool supports(const Location& loc) const override { return loc.is_host() || staging::available(); }
   // Copies run on the owner's and this side's threads, not on a CUDA stream: no stream order.
   Capabilities capabilities() const override {
@@ -99,7 +110,12 @@ class ShmTransport final : public Transport, public Host {
     if (name.empty()) throw Error(ErrorCode::kProtocol, "shm: the peer's info names no same-host socket");
     auto ep = std::make_shared<ShmEndpoint>(setup, *this, name);
     endpoints_.add(setup.token, setup.active, ep);
-    return ep;
+    // Our own cuda pieces are staged by the adapter; without staging no cuda region reaches
+    // us (supports()), so the adapter's indirection is left out. The socket service keeps
+    // the ShmEndpoint itself: the peer's requests are the target side, not the adapter's.
+    if (auto fake = test_stager()) return std::make_shared<StagingEndpoint>(std::move(ep), std::move(fake));
+    if (!staging::available()) return ep;
+    return std::make_shared<StagingEndpoint>(std::move(ep), cuda_stager());
   }
 
   // Host
@@ -116,6 +132,11 @@ class ShmTransport final : public Transport, public Host {
 };
 
 }  // namespace
+
+void set_test_stager(std::shared_ptr<Stager> stager) {
+  std::lock_guard<std::mutex> lk(g_test_stager_mu);
+  g_test_stager = std::move(stager);
+}
 
 SLUICE_REGISTER_TRANSPORT(shm, "shm", [](const EngineContext& ctx, std::string* why) -> std::unique_ptr<Transport> {
   try {
