@@ -111,8 +111,13 @@ TEST(NvlinkPost, GpuWritesAndGpuCounter) {
   ep.post_signal(r, n, 2);
   ep.flush();
   EXPECT_EQ(uint64_t(kRounds) + (1ull << 40) + 2, device_u64(counter));
-  // A caller error is refused at once and leaves nothing outstanding.
-  EXPECT_THROW(ep.post_write(src.handle, 0, r, n + 4096 - 4, 8), Error);
+  // A caller error is refused at once and leaves nothing outstanding. (The region is as long
+  // as its peer advertises: an engine allocation is rounded up to the allocation granularity.)
+  uint64_t advertised = 0;
+  for (const auto& info : ep.remote_regions())
+    if (info.id == r.id) advertised = info.length;
+  ASSERT_GE(advertised, n + 4096);
+  EXPECT_THROW(ep.post_write(src.handle, 0, r, advertised - 4, 8), Error);
   ep.flush();
 }
 
