@@ -45,6 +45,7 @@ void __tsan_switch_to_fiber(void* fiber, unsigned flags);
 extern "C" {
 void __sanitizer_start_switch_fiber(void** fake_stack_save, const void* bottom, size_t size);
 void __sanitizer_finish_switch_fiber(void* fake_stack_save, const void** bottom_old, size_t* size_old);
+void __asan_unpoison_memory_region(void const volatile* addr, size_t size);
 }
 #endif
 
@@ -147,6 +148,12 @@ Fiber::Fiber(std::function<void()> body, size_t stack_bytes)
     throw Error(ErrorCode::kSystem, "fiber stack: " + std::string(std::strerror(errno)));
   }
   ::mprotect(stack_, kGuard, PROT_NONE);  // overflow faults instead of corrupting memory
+#ifdef SLUICE_ASAN
+  // A new mapping may reuse the addresses of an earlier fiber's stack, whose frames' redzones
+  // are still poisoned in ASan's shadow (munmap does not clear it): the initial frame written
+  // below would be reported as a stack-buffer-overflow.
+  __asan_unpoison_memory_region(static_cast<char*>(stack_) + kGuard, stack_bytes_);
+#endif
   ctx_->asm_switch = use_asm_switch();
   if (ctx_->asm_switch) {
 #ifdef SLUICE_FIBER_ASM
@@ -183,6 +190,9 @@ Fiber::Fiber(std::function<void()> body, size_t stack_bytes)
 Fiber::~Fiber() {
 #ifdef SLUICE_TSAN
   if (san_fiber_) __tsan_destroy_fiber(san_fiber_);
+#endif
+#ifdef SLUICE_ASAN
+  if (stack_) __asan_unpoison_memory_region(static_cast<char*>(stack_) + kGuard, stack_bytes_);
 #endif
   if (stack_) ::munmap(stack_, stack_bytes_ + kGuard);
 }
