@@ -239,6 +239,7 @@ void EndpointImpl::flush(std::chrono::milliseconds timeout) {
     throw Error(ErrorCode::kUnsupported,
                 "flush: transport " + transport_name_ + " lacks the rma_post capability (thin post path)");
   if (timeout.count() <= 0) timeout = engine_->config().op_timeout;
+  check_usable();  // a failed endpoint says so even when nothing was left outstanding
   Status st = transport_->flush(timeout);
   if (!st.ok()) throw Error(st.code, "flush: " + st.message);
 }

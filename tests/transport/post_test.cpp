@@ -145,7 +145,13 @@ TEST_P(Post, LostPeerFailsPostsAndFlushInBoundedTime) {
   });
   EXPECT_NE(ErrorCode::kOk, c) << "posts to a closed peer all succeeded";
   EXPECT_LT(std::chrono::steady_clock::now() - t0, 15s);
-  // Once the endpoint failed, every call says so.
+  // That first error may be a post the peer refused while closing (its regions went first);
+  // the endpoint itself fails once the peer's close is seen, within the timeout, and from
+  // then on every call says so.
+  auto deadline = std::chrono::steady_clock::now() + 10s;
+  while (ep_.connected() && std::chrono::steady_clock::now() < deadline) std::this_thread::sleep_for(5ms);
+  EXPECT_FALSE(ep_.connected()) << "the endpoint never noticed its peer closed";
+  EXPECT_NE(ErrorCode::kOk, code_of([&] { ep_.post_write(ha_, 0, rb_, 0, 8); }));
   EXPECT_NE(ErrorCode::kOk, code_of([&] { ep_.flush(1000ms); }));
 }
 

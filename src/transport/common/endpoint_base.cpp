@@ -6,10 +6,11 @@ EndpointBase::EndpointBase(const EndpointSetup& s) : events_(s.events), posts_(p
 
 bool EndpointBase::fail(const Status& why, bool notify) {
   if (failed_.exchange(true, std::memory_order_acq_rel)) return false;
-  // The core learns first: whoever sees a failed future then sees a failed endpoint.
+  // The post tracker and the core learn first: whoever sees a failed endpoint then gets the
+  // failure from flush(), and whoever sees a failed future sees a failed endpoint.
+  posts_.fail(why);
   if (notify) events_->on_failure(why);
   stop_io();
-  posts_.fail(why);
   sequencer_.clear();
   pending_.fail_all(why);
   std::lock_guard<std::mutex> lk(lanes_mu_);
