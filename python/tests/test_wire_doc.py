@@ -51,7 +51,7 @@ def test_bootstrap_vectors():
     assert len(vs) >= 4, "the bootstrap test vectors are missing from the document"
     for header, check in vs:
         magic, version, kind, length, carried = struct.unpack("<IHHII", header)
-        assert magic == 0x42434C53 and version == 1 and 1 <= kind <= 5
+        assert magic == 0x42434C53 and version == 2 and 1 <= kind <= 5
         assert carried == check, f"{header.hex()}: bytes 12-15 hold {carried:#x}, the table says {check:#x}"
         assert bootstrap_check(magic, version, kind, length) == check, header.hex()
     # the vectors exercise a length that reaches the magic's bits (length << 24 >= 2**32)
