@@ -111,6 +111,9 @@ RdmaEndpoint::RdmaEndpoint(std::shared_ptr<Rails> rails, const Registry* reg, co
 RdmaEndpoint::~RdmaEndpoint() {
   close({ErrorCode::kCancelled, "endpoint destroyed"});
   release();
+  // The eventfd outlives release(): a caller ending its wait or submitting may still wake()
+  // after the watchdog closed us, and nothing may write to a closed (or reused) descriptor.
+  if (wake_fd_ >= 0) ::close(wake_fd_);
 }
 
 RailCq& RdmaEndpoint::cq_for(int rail) {
@@ -406,10 +409,6 @@ void RdmaEndpoint::release() {
   if (ctrl_mr_) {
     v_.dereg_mr(ctrl_mr_);
     ctrl_mr_ = nullptr;
-  }
-  if (wake_fd_ >= 0) {
-    ::close(wake_fd_);
-    wake_fd_ = -1;
   }
 }
 
