@@ -22,7 +22,9 @@ suite() {  # suite NAME CMD...
 }
 
 build_and_ctest() {
-  cmake -S . -B build-test -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null &&
+  # -g1 (line tables, enough for backtraces) instead of -g: a third less compile time in CI.
+  cmake -S . -B build-test -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+    -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O2 -g1 -DNDEBUG" >/dev/null &&
     ninja -C build-test -j "$JOBS" >/dev/null &&
     (cd build-test && ctest --output-on-failure -j "$JOBS" --timeout 300)
 }

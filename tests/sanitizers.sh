@@ -8,6 +8,8 @@
 #                                  # two engines in one process over loopback tcp and shm;
 #                                  # TSan does not support fork() of a threaded process)
 #
+# Built at -O1 -g1: half the compile time of -O2 -g under the sanitizers (measured: ASan+UBSan
+# 40 s instead of 84 s of CPU for one test file), and -g1 still gives file:line in reports.
 # Extra configure arguments: SLUICE_CMAKE_ARGS="-D..." ; parallelism: JOBS (default nproc).
 set -euo pipefail
 
@@ -20,6 +22,7 @@ configure_and_build() {
   local dir="$1" san="$2"
   cmake -S "$ROOT" -B "$ROOT/$dir" -G Ninja \
     -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+    -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -g1 -DNDEBUG" \
     -DSLUICE_SANITIZE="$san" \
     -DSLUICE_BUILD_TOOLS=OFF -DSLUICE_BUILD_PYTHON=OFF -DSLUICE_BUILD_TESTS=ON \
     -DSLUICE_TEST_TIMEOUT_SCALE=4 \
