@@ -373,4 +373,30 @@ void Service::loop() {
   }
 }
 
+std::string service_of(const std::map<std::string, nlohmann::json>& transports, const char* transport) {
+  auto it = transports.find(transport);
+  if (it == transports.end() || !it->second.is_object()) return {};
+  auto s = it->second.find("socket");
+  return s != it->second.end() && s->is_string() ? s->get<std::string>() : std::string();
+}
+
+bool service_usable(const std::string& name, const std::string& own, const char* transport, std::string* why) {
+  if (name.empty()) {
+    *why = std::string("the peer's ") + transport + " address names no same-host socket";
+    return false;
+  }
+  if (name == own) {
+    *why = "the peer's same-host socket is this engine's own";
+    return false;
+  }
+  return true;
+}
+
+std::string require_service(const std::map<std::string, nlohmann::json>& transports, const char* transport) {
+  std::string name = service_of(transports, transport);
+  if (name.empty())
+    throw Error(ErrorCode::kProtocol, std::string(transport) + ": the peer's info names no same-host socket");
+  return name;
+}
+
 }  // namespace sluice::detail::same_host

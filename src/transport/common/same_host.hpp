@@ -14,6 +14,7 @@
 #include <chrono>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <string>
 #include <thread>
 
@@ -51,6 +52,13 @@ bool is_memfd(int fd, uint64_t min_bytes);
 
 // Connects to a service by its abstract name; throws Error(kUnsupported) naming the reason.
 net::Socket connect(const std::string& name);
+
+// The same-host service that `transport`'s address in a peer's info names ("" when none).
+std::string service_of(const std::map<std::string, nlohmann::json>& transports, const char* transport);
+// can_reach()'s common check: the peer names a service, and it is not this engine's `own`.
+bool service_usable(const std::string& name, const std::string& own, const char* transport, std::string* why);
+// create_endpoint()'s: the service, or Error(kProtocol) when the peer's info names none.
+std::string require_service(const std::map<std::string, nlohmann::json>& transports, const char* transport);
 
 // The active side's proof, shared by the same-host transports: connect to the peer's service,
 // present the endpoint token (which ties the proof to the hello sent over TCP) with our lease

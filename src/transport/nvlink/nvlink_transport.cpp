@@ -73,15 +73,8 @@ class NvlinkTransport final : public Transport, public NvlinkHost {
       *why = "the peer has no CUDA device";
       return false;
     }
-    std::string name = string_field(a, "socket");
-    if (name.empty()) {
-      *why = "the peer's nvlink address names no same-host socket";
-      return false;
-    }
-    if (name == endpoints_.name()) {
-      *why = "the peer's same-host socket is this engine's own";
-      return false;
-    }
+    std::string name = same_host::service_of(peer.transports, "nvlink");
+    if (!same_host::service_usable(name, endpoints_.name(), "nvlink", why)) return false;
     try {
       net::Socket s = same_host::connect(name);
       (void)same_host::peer_cred(s.fd());
@@ -100,9 +93,7 @@ class NvlinkTransport final : public Transport, public NvlinkHost {
   }
 
   std::shared_ptr<TransportEndpoint> create_endpoint(const EndpointSetup& setup) override {
-    auto it = setup.peer.transports.find("nvlink");
-    std::string name = it == setup.peer.transports.end() ? std::string() : string_field(it->second, "socket");
-    if (name.empty()) throw Error(ErrorCode::kProtocol, "nvlink: the peer's info names no same-host socket");
+    std::string name = same_host::require_service(setup.peer.transports, "nvlink");
     auto ep = std::make_shared<NvlinkEndpoint>(setup, *this, name);
     endpoints_.add(setup.token, setup.active, ep);
     return ep;

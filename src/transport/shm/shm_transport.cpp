@@ -35,11 +35,6 @@ std::shared_ptr<Stager> test_stager() {
   return g_test_stager;
 }
 
-std::string string_field(const nlohmann::json& j, const char* key) {
-  auto it = j.find(key);
-  return it != j.end() && it->is_string() ? it->get<std::string>() : std::string();
-}
-
 class ShmTransport final : public Transport, public Host {
  public:
   explicit ShmTransport(const EngineContext& ctx) : host_id_(ctx.host_id), engine_id_(ctx.engine_id), registry_(ctx.registry) {
@@ -73,15 +68,8 @@ class ShmTransport final : public Transport, public Host {
       *why = "the peer is on another host";
       return false;
     }
-    std::string name = string_field(peer.transports.at("shm"), "socket");
-    if (name.empty()) {
-      *why = "the peer's shm address names no same-host socket";
-      return false;
-    }
-    if (name == endpoints_.name()) {
-      *why = "the peer's same-host socket is this engine's own";
-      return false;
-    }
+    std::string name = same_host::service_of(peer.transports, "shm");
+    if (!same_host::service_usable(name, endpoints_.name(), "shm", why)) return false;
     try {
       net::Socket s = same_host::connect(name);
       same_host::PeerCred cred = same_host::peer_cred(s.fd());
@@ -105,9 +93,7 @@ class ShmTransport final : public Transport, public Host {
   }
 
   std::shared_ptr<TransportEndpoint> create_endpoint(const EndpointSetup& setup) override {
-    auto it = setup.peer.transports.find("shm");
-    std::string name = it == setup.peer.transports.end() ? std::string() : string_field(it->second, "socket");
-    if (name.empty()) throw Error(ErrorCode::kProtocol, "shm: the peer's info names no same-host socket");
+    std::string name = same_host::require_service(setup.peer.transports, "shm");
     auto ep = std::make_shared<ShmEndpoint>(setup, *this, name);
     endpoints_.add(setup.token, setup.active, ep);
     // Our own cuda pieces are staged by the adapter; without staging no cuda region reaches
