@@ -42,14 +42,14 @@ PortChannelRecord::PortChannelRecord(ProducerKind kind, int device)
   state = static_cast<port::ChannelState*>(state_block.host());
 }
 
-void PortChannelRecord::fail(const Status& st) {
+void PortChannelRecord::fail(const Status& st, bool log) {
   std::lock_guard<std::mutex> lk(mu);
   if (failed.load(std::memory_order_relaxed)) return;
   why = st;
   failed.store(true, std::memory_order_release);
   uint32_t code = static_cast<uint32_t>(st.code == ErrorCode::kOk ? ErrorCode::kInternal : st.code);
   __atomic_store_n(&state->error, code, __ATOMIC_RELEASE);
-  SLUICE_LOG(kWarn, "port channel " << id << " failed: " << st.to_string());
+  if (log) SLUICE_LOG(kWarn, "port channel " << id << " failed: " << st.to_string());
 }
 
 Status PortChannelRecord::status() const {
@@ -231,7 +231,7 @@ void ProxyCore::stop() {
     uint32_t ok = port::kFifoOk;
     __atomic_compare_exchange_n(f->state, &ok, port::kFifoStopped, false, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE);
   }
-  for (auto& c : *chans) c->fail({ErrorCode::kClosed, "the proxy service was stopped"});
+  for (auto& c : *chans) c->fail({ErrorCode::kClosed, "the proxy service was stopped"}, /*log=*/false);
 }
 
 ProxyStats ProxyCore::stats() const {
@@ -366,7 +366,7 @@ void ProxyCore::handle(const port::Request& r, uint64_t kinds, uint64_t ticket, 
       __atomic_store_n(&c.state->flush_done, ticket + 1, __ATOMIC_RELEASE);
     }
   } catch (const Error& e) {
-    c.fail({e.code(), "channel " + std::to_string(c.id) + ": " + e.what()});
+    c.fail({e.code(), "channel " + std::to_string(c.id) + ": " + e.status().message});
   }
 }
 

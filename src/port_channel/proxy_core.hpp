@@ -50,8 +50,9 @@ struct PortChannelRecord {
   std::atomic<bool> failed{false};
   mutable std::mutex mu;
   Status why;
-  // First failure wins; producers see it through state->error.
-  void fail(const Status& st);
+  // First failure wins; producers see it through state->error. A failure is logged unless
+  // it is the proxy's own orderly stop.
+  void fail(const Status& st, bool log = true);
   Status status() const;
 };
 
