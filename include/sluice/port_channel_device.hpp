@@ -81,30 +81,30 @@ namespace detail {
 
 SLUICE_PORT_FN uint64_t load_acquire(const uint64_t* p) {
 #if defined(__CUDA_ARCH__)
-  return cuda::atomic_ref<uint64_t, cuda::thread_scope_system>(*const_cast<uint64_t*>(p))
-      .load(cuda::memory_order_acquire);
+  return ::cuda::atomic_ref<uint64_t, ::cuda::thread_scope_system>(*const_cast<uint64_t*>(p))
+      .load(::cuda::memory_order_acquire);
 #else
   return __atomic_load_n(p, __ATOMIC_ACQUIRE);
 #endif
 }
 SLUICE_PORT_FN uint32_t load_acquire32(const uint32_t* p) {
 #if defined(__CUDA_ARCH__)
-  return cuda::atomic_ref<uint32_t, cuda::thread_scope_system>(*const_cast<uint32_t*>(p))
-      .load(cuda::memory_order_acquire);
+  return ::cuda::atomic_ref<uint32_t, ::cuda::thread_scope_system>(*const_cast<uint32_t*>(p))
+      .load(::cuda::memory_order_acquire);
 #else
   return __atomic_load_n(p, __ATOMIC_ACQUIRE);
 #endif
 }
 SLUICE_PORT_FN void store_release(uint64_t* p, uint64_t v) {
 #if defined(__CUDA_ARCH__)
-  cuda::atomic_ref<uint64_t, cuda::thread_scope_system>(*p).store(v, cuda::memory_order_release);
+  ::cuda::atomic_ref<uint64_t, ::cuda::thread_scope_system>(*p).store(v, ::cuda::memory_order_release);
 #else
   __atomic_store_n(p, v, __ATOMIC_RELEASE);
 #endif
 }
 SLUICE_PORT_FN void store_release32(uint32_t* p, uint32_t v) {
 #if defined(__CUDA_ARCH__)
-  cuda::atomic_ref<uint32_t, cuda::thread_scope_system>(*p).store(v, cuda::memory_order_release);
+  ::cuda::atomic_ref<uint32_t, ::cuda::thread_scope_system>(*p).store(v, ::cuda::memory_order_release);
 #else
   __atomic_store_n(p, v, __ATOMIC_RELEASE);
 #endif
@@ -112,7 +112,7 @@ SLUICE_PORT_FN void store_release32(uint32_t* p, uint32_t v) {
 // The head lives in producer-side memory (device memory for GPU producers): device scope.
 SLUICE_PORT_FN uint64_t fetch_add(uint64_t* p, uint64_t v) {
 #if defined(__CUDA_ARCH__)
-  return cuda::atomic_ref<uint64_t, cuda::thread_scope_device>(*p).fetch_add(v, cuda::memory_order_relaxed);
+  return ::cuda::atomic_ref<uint64_t, ::cuda::thread_scope_device>(*p).fetch_add(v, ::cuda::memory_order_relaxed);
 #else
   return __atomic_fetch_add(p, v, __ATOMIC_RELAXED);
 #endif
@@ -121,15 +121,15 @@ SLUICE_PORT_FN uint64_t fetch_add(uint64_t* p, uint64_t v) {
 // value inherits what that producer saw (the zeroed slot), see step 4 above.
 SLUICE_PORT_FN uint64_t load_cached(const uint64_t* p) {
 #if defined(__CUDA_ARCH__)
-  return cuda::atomic_ref<uint64_t, cuda::thread_scope_device>(*const_cast<uint64_t*>(p))
-      .load(cuda::memory_order_acquire);
+  return ::cuda::atomic_ref<uint64_t, ::cuda::thread_scope_device>(*const_cast<uint64_t*>(p))
+      .load(::cuda::memory_order_acquire);
 #else
   return __atomic_load_n(p, __ATOMIC_ACQUIRE);
 #endif
 }
 SLUICE_PORT_FN void raise_cached(uint64_t* p, uint64_t v) {
 #if defined(__CUDA_ARCH__)
-  cuda::atomic_ref<uint64_t, cuda::thread_scope_device>(*p).fetch_max(v, cuda::memory_order_acq_rel);
+  ::cuda::atomic_ref<uint64_t, ::cuda::thread_scope_device>(*p).fetch_max(v, ::cuda::memory_order_acq_rel);
 #else
   uint64_t cur = __atomic_load_n(p, __ATOMIC_RELAXED);
   while (cur < v && !__atomic_compare_exchange_n(p, &cur, v, true, __ATOMIC_ACQ_REL, __ATOMIC_RELAXED)) {

@@ -23,11 +23,11 @@ namespace {
 
 #define NEED_GPU()                                                                                     \
   do {                                                                                                 \
-    if (cuda::device_count() < 1) GTEST_SKIP() << "needs a CUDA device: " << cuda::unavailable_reason(); \
+    if (sluice::cuda::device_count() < 1) GTEST_SKIP() << "needs a CUDA device: " << sluice::cuda::unavailable_reason(); \
   } while (0)
 #define CK(x) ASSERT_EQ((x), cudaSuccess) << #x
 
-int other_device() { return cuda::device_count() > 1 ? 1 : 0; }
+int other_device() { return sluice::cuda::device_count() > 1 ? 1 : 0; }
 
 EngineConfig gpu_config() {
   EngineConfig c;
