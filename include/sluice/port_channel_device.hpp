@@ -22,14 +22,14 @@
 //   push fails at once and the proxy fails the FIFO's channels.
 #pragma once
 
+#include <chrono>  // host side of the functions (nvcc compiles them for the host too)
 #include <cstdint>
+#include <thread>
 
 #if defined(__CUDACC__)
 #include <cuda/atomic>
 #define SLUICE_PORT_FN __host__ __device__ __forceinline__
 #else
-#include <chrono>
-#include <thread>
 #define SLUICE_PORT_FN inline
 #endif
 

@@ -20,10 +20,12 @@ void* host_zeroed(size_t bytes) {
   return p;
 }
 
+#ifndef SLUICE_HAVE_CUDA
 [[noreturn]] void no_cuda() {
   throw Error(ErrorCode::kNoDevice,
               "port channel: ProducerKind::kCuda needs libsluice built with CUDA (this build has none)");
 }
+#endif
 
 }  // namespace
 

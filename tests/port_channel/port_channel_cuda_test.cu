@@ -253,7 +253,8 @@ TEST(PortChannelGpu, OffsetsAndSizesBeyondFourGiB) {
   cudaSetDevice(db);
   int* out_b = nullptr;
   CK(cudaMalloc(&out_b, 3 * sizeof(int)));
-  put_signal_wait_flush<<<1, 1>>>(p.cb.device_handle(), 0, 0, 8, out_b);
+  // (into a's destination half: a's source is being read by the big put meanwhile)
+  put_signal_wait_flush<<<1, 1>>>(p.cb.device_handle(), n, 0, 8, out_b);
   CK(cudaDeviceSynchronize());
   cudaSetDevice(da);
   CK(cudaDeviceSynchronize());
