@@ -176,7 +176,11 @@ struct FifoHandle {
 
   // Publishes `r` with the given kinds. On kOk, *ticket is the request's ticket.
   SLUICE_PORT_FN PortResult push(const Request& r, uint64_t kinds, uint64_t spin_ns, uint64_t* ticket) const {
+#if !defined(__CUDA_ARCH__)
+    // On a GPU this would be a read across the bus on every push (about a microsecond); there
+    // the state is read only while the FIFO is full, and flush() / wait() report failures.
     if (detail::load_acquire32(state) != kFifoOk) return PortResult::kFailed;
+#endif
     uint64_t t = detail::fetch_add(head, 1);
     if (t >= detail::load_cached(tail_cache) + depth) {
       uint64_t start = detail::now_ns();
@@ -287,7 +291,12 @@ struct PortChannelDeviceHandle {
  private:
   SLUICE_PORT_FN PortResult push(uint64_t kinds, MemoryId dst, uint64_t dst_offset, MemoryId src, uint64_t src_offset,
                                  uint64_t size, uint64_t* ticket) const {
+#if !defined(__CUDA_ARCH__)
+    // Host producers learn of a failed channel at their next push. A GPU's push skips this
+    // read across the bus: its requests on a failed channel are consumed and dropped by the
+    // proxy, and the next flush() or wait() returns kFailed.
     if (port::detail::load_acquire32(&state->error) != 0) return PortResult::kFailed;
+#endif
     port::Request r{};
     r.dst_offset = dst_offset;
     r.src_offset = src_offset;
