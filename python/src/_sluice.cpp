@@ -418,6 +418,10 @@ std::unique_ptr<PyEngine> make_engine(const std::map<std::string, std::string>& 
 
 }  // namespace
 
+// python/src/bind_port_channel.cpp
+void bind_port_channel(py::module_& m, const std::function<std::shared_ptr<sluice::Engine>(py::handle)>& engine_of,
+                       const std::function<sluice::Endpoint(py::handle)>& endpoint_of);
+
 PYBIND11_MODULE(_sluice, m) {
   m.doc() = "Sluice C++ core (use the `sluice` package, not this module)";
   m.attr("version") = sluice::kVersion;
@@ -589,4 +593,6 @@ PYBIND11_MODULE(_sluice, m) {
            })
       .def_property_readonly("closed", [](const PyEngine& pe) { return pe.closed.load(); })
       .def("close", &PyEngine::close);
+  bind_port_channel(
+      m, [](py::handle e) { return e.cast<PyEngine&>().e(); }, [](py::handle e) { return e.cast<PyEndpoint&>().ep; });
 }
