@@ -265,9 +265,12 @@ class TransferEngine:
         rdma = "rdma" in transports
         choice = ("shm/nvlink to peers on this host, " if any(t in transports for t in ("shm", "nvlink")) else "") + \
                  ("rdma to peers with a device, " if rdma else "") + "tcp otherwise"
-        level = logging.WARNING if protocol in ("rdma", "efa") and not rdma else logging.INFO
-        log.log(level, "initialize: protocol %r device %r asked; this engine (rpc %s) runs %s: %s",
-                protocol, device_name, engine.listen_address, ",".join(transports), choice)
+        if protocol in ("rdma", "efa") and not rdma:  # checkpoint-engine issue #1: go on without
+            log.warning("initialize: protocol %r asked but no usable RDMA device here; this engine (rpc %s) "
+                        "runs %s: %s", protocol, engine.listen_address, ",".join(transports), choice)
+        else:
+            log.info("initialize: protocol %r device %r asked; this engine (rpc %s) runs %s: %s",
+                     protocol, device_name, engine.listen_address, ",".join(transports), choice)
         self._stop.clear()
         self._accept_thread = threading.Thread(target=self._accept_loop, name="sluice-mooncake-accept", daemon=True)
         self._accept_thread.start()
