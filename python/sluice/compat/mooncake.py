@@ -31,6 +31,7 @@ import operator
 import os
 import threading
 import time
+import weakref
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import sluice
@@ -272,7 +273,10 @@ class TransferEngine:
             log.info("initialize: protocol %r device %r asked; this engine (rpc %s) runs %s: %s",
                      protocol, device_name, engine.listen_address, ",".join(transports), choice)
         self._stop.clear()
-        self._accept_thread = threading.Thread(target=self._accept_loop, name="sluice-mooncake-accept", daemon=True)
+        # The thread holds a weak reference: dropping the TransferEngine (as Mooncake's users
+        # do instead of closing it) still closes the engine, through __del__.
+        self._accept_thread = threading.Thread(target=_accept_loop, args=(weakref.ref(self), engine, self._stop),
+                                               name="sluice-mooncake-accept", daemon=True)
         self._accept_thread.start()
         return OK
 
@@ -712,32 +716,42 @@ class TransferEngine:
             self._notify_buf[:len(raw)] = np.frombuffer(raw, dtype=np.uint8)
             self._wait(peer, peer.ep.send(self._notify_handle, 0, len(raw)), self._deadline(len(raw)))
 
-    def _accept_loop(self) -> None:
-        """Takes the endpoints peers open to us (the engine holds at most max_pending_accepts
-        unaccepted ones) and posts a notification recv on each."""
-        while not self._stop.is_set():
-            engine = self._engine
-            if engine is None or engine.closed:
-                return
+    def _adopt(self, engine: sluice.Engine, ep: sluice.Endpoint) -> None:
+        """An endpoint a peer opened to us: post a notification recv on it."""
+        box = _Inbox(engine, ep)
+        with self._lock:
+            dead = [b for b in self._inboxes if not b.ep.connected]
+            self._inboxes = [b for b in self._inboxes if b.ep.connected] + [box]
+        for b in dead:  # their recv failed with the endpoint: the buffer is free again
             try:
-                ep = engine.accept(timeout=0.5)
-                if ep is None:
-                    continue
-                box = _Inbox(engine, ep)
-            except sluice.ClosedError:
-                return
-            except Exception as e:  # noqa: BLE001 - keep serving other peers
-                if not self._stop.is_set():
-                    log.warning("accepting a peer's endpoint failed: %s", e)
-                continue
-            with self._lock:
-                dead = [b for b in self._inboxes if not b.ep.connected]
-                self._inboxes = [b for b in self._inboxes if b.ep.connected] + [box]
-            for b in dead:  # their recv failed with the endpoint: the buffer is free again
-                try:
-                    engine.unregister(b.handle)
-                except sluice.SluiceError:
-                    pass
+                engine.unregister(b.handle)
+            except sluice.SluiceError:
+                pass
+
+
+def _accept_loop(ref, engine: sluice.Engine, stop: threading.Event) -> None:
+    """Takes the endpoints peers open to us (the engine holds at most max_pending_accepts
+    unaccepted ones) and hands them to the TransferEngine, while it lives."""
+    while not stop.is_set():
+        try:
+            ep = engine.accept(timeout=0.5)
+        except sluice.ClosedError:
+            return
+        except Exception as e:  # noqa: BLE001 - keep serving other peers
+            if not stop.is_set():
+                log.warning("accepting a peer's endpoint failed: %s", e)
+            continue
+        if ep is None:
+            continue
+        me = ref()
+        if me is None:
+            return
+        try:
+            me._adopt(engine, ep)
+        except Exception as e:  # noqa: BLE001
+            if not stop.is_set():
+                log.warning("setting up notifications from a peer failed: %s", e)
+        del me
 
 
 __all__ = [
