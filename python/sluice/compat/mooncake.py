@@ -217,6 +217,7 @@ class TransferEngine:
         self._next_batch = 1
         self._inboxes: List[_Inbox] = []
         self._notify_lock = threading.Lock()    # the send buffer below
+        self._notify_rx_lock = threading.Lock()
         self._notify_buf = None
         self._notify_handle = 0
         self._accept_thread: Optional[threading.Thread] = None
@@ -516,6 +517,10 @@ class TransferEngine:
 
     def get_notifies(self) -> List[TransferNotify]:
         """Notifications peers sent with ``transfer_sync(..., notify=...)`` since the last call."""
+        with self._notify_rx_lock:  # one collector at a time: a box's buffer is reused per message
+            return self._collect_notifies()
+
+    def _collect_notifies(self) -> List[TransferNotify]:
         out: List[TransferNotify] = []
         with self._lock:
             inboxes = list(self._inboxes)

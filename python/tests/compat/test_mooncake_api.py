@@ -272,14 +272,12 @@ def test_hung_peer_times_out_with_gil_released(TE, impl, make_peer, monkeypatch)
         te.transfer_sync_write(peer.target, src.ctypes.data, peer.addr, 64 << 20)), daemon=True)
     t.start()
     ticks = 0
-    while t.is_alive() and ticks < 10 ** 9:
-        ticks += 1  # Python runs here only if the waiting call released the GIL
+    while t.is_alive() and ticks < 6000:  # 60 s of 10 ms joins: far past the 5 s timeout
+        ticks += 1  # this loop runs only while the waiting call has released the GIL
         t.join(timeout=0.01)
-        if ticks > 6000:  # 60 s: far past the 5 s timeout
-            break
     assert not t.is_alive(), "transfer to a stopped peer did not time out"
     assert result == [-1]
-    assert ticks > 10
+    assert ticks > 10, "the main thread did not run while the transfer waited (GIL held?)"
     peer.kill(signal.SIGCONT)
     if hasattr(te, "close"):
         te.close()
