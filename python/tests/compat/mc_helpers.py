@@ -13,6 +13,7 @@ import sys
 from typing import Optional
 
 import numpy as np
+import pytest
 
 PEER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "peer.py")
 IMPLS = ["sluice", "mooncake"]
@@ -106,3 +107,63 @@ def registered(te, nbytes: int, fill=None) -> np.ndarray:
     buf = np.zeros(nbytes, dtype=np.uint8) if fill is None else fill
     assert te.register_memory(buf.ctypes.data, buf.nbytes) == 0
     return buf
+
+
+# ---- fixtures (imported by the test modules: a conftest.py here would shadow python/tests/conftest.py)
+
+# Mooncake logs every connection at INFO through glog; keep warnings and errors (children
+# inherit this).
+os.environ.setdefault("GLOG_minloglevel", "1")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _no_compat_env():
+    # The facade tests choose their implementation themselves.
+    if os.environ.get("SLUICE_MOONCAKE_COMPAT"):
+        pytest.exit("unset SLUICE_MOONCAKE_COMPAT to run python/tests/compat", returncode=2)
+
+
+@pytest.fixture(scope="module", params=IMPLS)
+def impl(request) -> str:
+    if request.param == "mooncake":
+        why = mooncake_problem()
+        if why:
+            pytest.skip(why)
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def TE(impl):
+    return engine_class(impl)
+
+
+@pytest.fixture
+def engine(TE):
+    te = TE()
+    assert te.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+    yield te
+    if hasattr(te, "close"):  # the facade; Mooncake's engine goes with the object
+        te.close()
+
+
+@pytest.fixture
+def make_peer(impl):
+    peers = []
+
+    def make(size: int = 1 << 20, env: Optional[dict] = None) -> Peer:
+        p = Peer(impl, size, env)
+        peers.append(p)
+        return p
+
+    yield make
+    for p in peers:
+        p.close()
+
+
+@pytest.fixture(scope="module")
+def peer(impl):
+    """One peer per implementation and test module (a process start costs seconds on a busy
+    2-core CI host); tests that kill or stop a peer make their own with make_peer."""
+    p = Peer(impl, 1 << 20)
+    yield p
+    p.close()

@@ -13,9 +13,11 @@ import threading
 import time
 
 import numpy as np
+
+from mc_helpers import TE, engine, impl, make_peer, peer  # noqa: F401 (fixtures)
 import pytest
 
-from mc_helpers import registered
+from mc_helpers import registered  # noqa: E402
 
 ERR_ADDRESS_NOT_REGISTERED = -3
 ERR_ADDRESS_OVERLAPPED = -7

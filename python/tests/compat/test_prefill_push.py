@@ -15,6 +15,8 @@ import threading
 
 import numpy as np
 
+from mc_helpers import TE, engine, impl, make_peer, peer  # noqa: F401 (fixtures)
+
 LAYERS, BLOCKS, BLOCK = 4, 64, 16 << 10
 REQUESTS, BLOCKS_PER_REQUEST = 4, 12
 
