@@ -4,6 +4,7 @@
 #   python/run_tests.sh              venv in .venv-test, pip install ., pytest, examples
 #   SLUICE_VENV=/tmp/v python/run_tests.sh
 #   SLUICE_SKIP_TORCH=1 ...          do not install torch (its tests skip)
+#   SLUICE_SKIP_MOONCAKE=1 ...       do not install Mooncake's wheel (the compat tests' Mooncake half skips)
 #   SLUICE_SKIP_EXAMPLES=1 ...       pytest only
 #   extra arguments go to pytest, e.g. python/run_tests.sh -k async
 #
@@ -56,6 +57,14 @@ say "installing test dependencies"
 if [ -z "${SLUICE_SKIP_TORCH:-}" ]; then
   "$VPY" -c 'import torch' 2>/dev/null || "$VPY" -m pip install -q --disable-pip-version-check torch==2.13.0 ||
     echo "run_tests.sh: torch==2.13.0 could not be installed; the torch tests will skip" >&2
+fi
+
+# Mooncake's own engine: python/tests/compat runs each test against it and against the Sluice
+# facade (sluice.compat.mooncake); without it that half skips, saying why.
+if [ -z "${SLUICE_SKIP_MOONCAKE:-}" ]; then
+  env -u SLUICE_MOONCAKE_COMPAT "$VPY" -c 'import mooncake.engine' 2>/dev/null ||
+    "$VPY" -m pip install -q --disable-pip-version-check mooncake-transfer-engine-non-cuda==0.3.13.post1 ||
+    echo "run_tests.sh: mooncake-transfer-engine-non-cuda could not be installed; the compat tests run against the facade only" >&2
 fi
 
 say "pip install . (scikit-build-core + CMake; build tree in build-wheel/)"
