@@ -59,6 +59,11 @@ if [ -z "${SLUICE_SKIP_TORCH:-}" ]; then
 fi
 
 say "pip install . (scikit-build-core + CMake; build tree in build-wheel/)"
+# sluice.torch builds against the venv's torch (pip's isolated build env has none), and its
+# tests must then run rather than skip.
+if "$VPY" -c 'import torch' 2>/dev/null; then
+  export SKBUILD_CMAKE_DEFINE="SLUICE_TORCH_PYTHON=$VPY" SLUICE_REQUIRE_TORCH_BACKEND=1
+fi
 "$VPY" -m pip install -q --disable-pip-version-check "$ROOT"
 
 say "version and C++ package in the wheel"
