@@ -3,6 +3,7 @@
 #include <array>
 #include <cstring>
 
+#include "core/log.hpp"
 #include "sluice/error.hpp"
 
 namespace sluice::torch_backend {
@@ -77,12 +78,22 @@ void Mailbox::run() {
     std::deque<std::function<void()>> batch;
     batch.swap(tasks_);
     lk.unlock();
-    for (auto& t : batch) t();
+    for (auto& t : batch) run_task(t);
     if (Clock::now() >= next_expiry) {
       expire();
       next_expiry = Clock::now() + std::chrono::milliseconds(100);
     }
     lk.lock();
+  }
+}
+
+void Mailbox::run_task(std::function<void()>& task) {
+  try {
+    task();
+  } catch (const std::exception& e) {
+    // Every task reports its own failures through its callback; an escape here is a bug,
+    // but it must not take the process down (std::terminate on the progress thread).
+    SLUICE_LOG(kError, "sluice torch mailbox: a progress task threw: " << e.what());
   }
 }
 
@@ -94,7 +105,7 @@ void Mailbox::drain() {
       batch.swap(tasks_);
     }
     if (batch.empty()) return;
-    for (auto& t : batch) t();
+    for (auto& t : batch) run_task(t);
   }
 }
 
@@ -190,8 +201,17 @@ void Mailbox::on_header(int peer, const Status& st) {
     if (h.length == 0) {
       match->done(Status::Ok(), peer, 0);
     } else {
-      MemoryHandle mh = reg(match->ptr, h.length);
-      Future f = p.ep.recv(mh, 0, h.length);
+      MemoryHandle mh;
+      Future f;
+      try {
+        mh = reg(match->ptr, h.length);
+        f = p.ep.recv(mh, 0, h.length);
+      } catch (const Error& e) {
+        unreg(mh);
+        match->done({e.code(), who(peer) + ": " + e.what()}, peer, 0);
+        fail_peer(peer, e.status());
+        return;
+      }
       f.on_complete([this, peer, match, mh, f](const Status& s) {
         post([this, peer, match, mh, s, f] {
           unreg(mh);
@@ -219,9 +239,16 @@ void Mailbox::on_header(int peer, const Status& st) {
       unexpected_.push_back(u);
     } else {
       u->data.resize(h.length);
-      u->handle = reg(u->data.data(), h.length);
+      Future f;
+      try {
+        u->handle = reg(u->data.data(), h.length);
+        f = p.ep.recv(u->handle, 0, h.length);
+      } catch (const Error& e) {
+        unreg(u->handle);
+        fail_peer(peer, e.status());
+        return;
+      }
       unexpected_.push_back(u);
-      Future f = p.ep.recv(u->handle, 0, h.length);
       f.on_complete([this, u, peer](const Status& s) {
         post([this, u, peer, s] {
           u->arrived = true;

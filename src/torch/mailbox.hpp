@@ -80,6 +80,7 @@ class Mailbox {
   };
 
   void run();
+  void run_task(std::function<void()>& task);
   void drain();  // runs queued tasks on the calling thread (after the thread stopped)
   void post(std::function<void()> task);
   void post_header_recv(int peer);
