@@ -1,0 +1,70 @@
+"""torch.distributed backend ``sluice``.
+
+``import sluice.torch`` registers the backend, then::
+
+    dist.init_process_group("sluice")          # or "cpu:sluice", "cpu:sluice,cuda:nccl"
+
+Bootstrap goes through the c10d Store torch hands the backend (env:// under torchrun,
+tcp://, or a given Store). ``SLUICE_TORCH_TRANSPORT=shm|tcp`` forces the transport of every
+endpoint; every ``SLUICE_*`` engine variable applies (docs/configuration.md). CPU tensors
+only in this build: CUDA tensors raise a clear error. See docs/torch.md.
+
+Without the compiled extension (a sluice built where torch was not importable) this module
+still imports; creating a group then raises ImportError saying how to get the backend.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any, Optional
+
+import torch.distributed as dist
+
+BACKEND_NAME = "sluice"
+
+_ext: Optional[Any]
+_ext_error: Optional[BaseException]
+try:
+    from .. import _sluice_torch as _ext  # type: ignore[attr-defined]
+
+    _ext_error = None
+except ImportError as e:  # built without torch
+    _ext = None
+    _ext_error = e
+
+_HOW_TO_GET = (
+    "the sluice torch backend is not built into this sluice package ({err}). Rebuild sluice "
+    "with torch installed in the Python that builds it: "
+    "SKBUILD_CMAKE_DEFINE=SLUICE_TORCH_PYTHON=$(which python) pip install --no-build-isolation ."
+)
+
+
+def available() -> bool:
+    """True when the compiled backend is present."""
+    return _ext is not None
+
+
+def _create(store: "dist.Store", rank: int, size: int, timeout: timedelta) -> "dist.Backend":
+    if _ext is None:
+        raise ImportError(_HOW_TO_GET.format(err=_ext_error))
+    return _ext.create_backend(store, rank, size, timeout)
+
+
+def backend_transport(group: Optional["dist.ProcessGroup"] = None) -> str:
+    """The engine transport ("shm", "tcp", ...) that the sluice backend of ``group`` runs."""
+    pg = group if group is not None else dist.group.WORLD
+    backend = pg._get_backend(torch.device("cpu"))  # type: ignore[union-attr]
+    return backend.transport
+
+
+def _register() -> None:
+    if getattr(dist.Backend, "SLUICE", None) is not None:
+        return  # imported twice (e.g. reloaded): already registered
+    dist.Backend.register_backend(BACKEND_NAME, _create, devices=["cpu"])
+
+
+import torch  # noqa: E402  (after torch.distributed, which imports it)
+
+_register()
+
+__all__ = ["BACKEND_NAME", "available", "backend_transport"]

@@ -1,0 +1,309 @@
+#include "backend.hpp"
+
+#include <cstdlib>
+#include <set>
+
+#include <c10/util/Exception.h>
+
+#include "core/engine_impl.hpp"
+#include "store_directory.hpp"
+#include "work.hpp"
+
+namespace sluice::torch_backend {
+
+std::exception_ptr backend_error(const std::string& message) {
+  try {
+    C10_THROW_ERROR(DistBackendError, message);
+  } catch (...) {
+    return std::current_exception();
+  }
+}
+
+SluiceWork::SluiceWork(c10d::OpType type, std::vector<at::Tensor> outputs, std::chrono::milliseconds timeout, int rank)
+    : Work(rank, type),
+      outputs_(std::move(outputs)),
+      timeout_(timeout),
+      rank_(rank),
+      future_(c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()))) {}
+
+void SluiceWork::complete(std::exception_ptr error, int source) {
+  {
+    std::lock_guard<std::mutex> lk(mutex_);
+    source_ = source;
+  }
+  finish(error);
+  // The future's callbacks run user code: after the Work itself reads as completed.
+  if (error)
+    future_->setError(error);
+  else
+    future_->markCompleted(c10::IValue(outputs_));
+}
+
+bool SluiceWork::wait(std::chrono::milliseconds timeout) {
+  auto limit = timeout == kNoTimeout ? timeout_ : timeout;
+  std::unique_lock<std::mutex> lk(mutex_);
+  if (!cv_.wait_for(lk, limit, [&] { return completed_; })) {
+    lk.unlock();
+    std::rethrow_exception(backend_error("sluice: rank " + std::to_string(rank_) + ": " +
+                                         c10d::opTypeToString(opType_) + " did not complete within " +
+                                         std::to_string(limit.count()) + " ms"));
+  }
+  if (exception_) std::rethrow_exception(exception_);
+  return true;
+}
+
+int SluiceWork::sourceRank() const {
+  std::lock_guard<std::mutex> lk(mutex_);
+  TORCH_CHECK(source_ >= 0, "sluice: sourceRank() is known only for a completed recv");
+  return source_;
+}
+
+namespace {
+
+void check_cpu(const at::Tensor& t, const char* what) {
+  TORCH_CHECK(t.layout() == at::kStrided, "sluice: ", what, ": only dense (strided) tensors are supported, got ",
+              t.layout());
+  TORCH_CHECK(t.device().is_cpu(), "sluice: ", what, ": ", t.device(),
+              " tensors are not supported yet by the sluice backend (CPU tensors only); "
+              "use a per-device backend such as init_process_group('cpu:sluice,cuda:nccl')");
+}
+
+// A user tag (c10d passes an int) in the p2p tag space; collectives use the top bit.
+uint64_t user_tag(int tag) { return uint64_t(uint32_t(tag)); }
+
+std::chrono::milliseconds env_ms(const char* name, std::chrono::milliseconds fallback) {
+  const char* v = std::getenv(name);
+  if (!v || !*v) return fallback;
+  return std::chrono::milliseconds(std::stoll(v));
+}
+
+}  // namespace
+
+SluiceBackend::SluiceBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+                             std::chrono::milliseconds timeout)
+    : c10d::Backend(rank, size), timeout_(timeout) {
+  EngineConfig base;
+  // Our own header recvs stay posted while the group is idle: the Mailbox bounds every
+  // user-visible recv with the group timeout instead of the engine's recv timeout.
+  base.recv_timeout = std::chrono::milliseconds(0);
+  base.op_timeout = timeout;
+  engine_ = std::make_unique<Engine>(base);
+  auto dir = std::make_shared<StoreDirectory>(store, rank);
+  engine_->impl().use_directory(dir);
+
+  ConnectOptions co;
+  if (const char* t = std::getenv("SLUICE_TORCH_TRANSPORT")) co.transport = t;
+  // Peers start at different times: the Store lookup waits for them, up to the group timeout
+  // (SLUICE_TORCH_CONNECT_TIMEOUT_MS shortens it).
+  co.timeout = std::min(timeout, env_ms("SLUICE_TORCH_CONNECT_TIMEOUT_MS", timeout));
+  const auto deadline = std::chrono::steady_clock::now() + *co.timeout;
+
+  std::vector<Endpoint> peers(size);
+  // The lower rank dials, the higher one accepts: exactly one endpoint per pair, used in both
+  // directions.
+  for (int j = rank + 1; j < size; ++j) peers[j] = engine_->connect(StoreDirectory::ref(j), co);
+  for (int j = 0; j < rank; ++j) dir->lookup(StoreDirectory::ref(j), deadline);  // learn their engine ids
+  for (int got = 0; got < rank;) {
+    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+    auto ep = left.count() > 0 ? engine_->accept(left) : std::nullopt;
+    if (!ep) {
+      std::string missing;
+      for (int j = 0; j < rank; ++j)
+        if (!peers[j].valid()) missing += (missing.empty() ? "" : ", ") + std::to_string(j);
+      throw Error(ErrorCode::kTimeout, "sluice: rank " + std::to_string(rank) + ": peer rank(s) " + missing +
+                                           " did not connect within " + std::to_string(co.timeout->count()) + " ms");
+    }
+    int j = dir->rank_of(ep->peer_engine_id());
+    if (j < 0 || j >= rank || peers[j].valid()) {
+      ep->close();  // not one of the ranks expected to dial us
+      continue;
+    }
+    peers[j] = std::move(*ep);
+    ++got;
+  }
+  for (auto& p : peers)
+    if (p.valid()) transport_ = p.transport();
+  mailbox_ = std::make_unique<Mailbox>(*engine_, std::move(peers), rank, timeout);
+  worker_ = std::thread([this] { worker(); });
+}
+
+SluiceBackend::~SluiceBackend() { shutdown(); }
+
+std::string SluiceBackend::transport() const { return transport_; }
+
+void SluiceBackend::setTimeout(std::chrono::milliseconds timeout) {
+  timeout_ = timeout;
+  if (mailbox_) mailbox_->set_timeout(timeout);
+}
+
+void SluiceBackend::shutdown() {
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (stop_) return;
+    stop_ = true;
+    cv_.notify_all();
+  }
+  // Collectives already queued run to the end (each is bounded by the group timeout).
+  if (worker_.joinable()) worker_.join();
+  if (mailbox_) {
+    say_goodbye();
+    mailbox_->close();
+  }
+  if (engine_) engine_->close();
+}
+
+void SluiceBackend::say_goodbye() {
+  // A send completes when the peer acknowledges it; a peer that closed its endpoint right
+  // after taking our last message (the end of a barrier, say) could lose that ack and fail
+  // our send. So every rank trades an empty message with every peer before closing: when
+  // ours is acknowledged and theirs has arrived, nothing is in flight either way. Bounded
+  // and best effort: a dead peer fails it at once, a missing one costs at most the limit.
+  struct Sync {
+    std::mutex mu;
+    std::condition_variable cv;
+    size_t left = 0;
+  };
+  auto sync = std::make_shared<Sync>();
+  auto done = [sync](const Status&, int, uint64_t) {
+    std::lock_guard<std::mutex> lk(sync->mu);
+    --sync->left;
+    sync->cv.notify_all();
+  };
+  const uint64_t tag = ~uint64_t(0);  // outside the tags enqueue() hands out
+  for (int j = 0; j < getSize(); ++j) {
+    if (j == getRank()) continue;
+    {
+      std::lock_guard<std::mutex> lk(sync->mu);
+      sync->left += 2;
+    }
+    try {
+      mailbox_->send(j, tag, nullptr, 0, done);
+    } catch (const std::exception&) {
+      done({}, j, 0);
+    }
+    try {
+      mailbox_->recv(j, tag, nullptr, 0, done);
+    } catch (const std::exception&) {
+      done({}, j, 0);
+    }
+  }
+  const auto limit = std::min<std::chrono::milliseconds>(timeout_, env_ms("SLUICE_TORCH_GOODBYE_MS", std::chrono::milliseconds(10000)));
+  std::unique_lock<std::mutex> lk(sync->mu);
+  sync->cv.wait_for(lk, limit, [&] { return sync->left == 0; });
+}
+
+void SluiceBackend::worker() {
+  while (true) {
+    std::function<void()> job;
+    {
+      std::unique_lock<std::mutex> lk(mu_);
+      cv_.wait(lk, [&] { return stop_ || !queue_.empty(); });
+      if (queue_.empty()) return;
+      job = std::move(queue_.front());
+      queue_.pop_front();
+    }
+    job();  // after stop_, jobs still run and fail fast on the closed mailbox
+  }
+}
+
+c10::intrusive_ptr<c10d::Work> SluiceBackend::enqueue(c10d::OpType type, std::vector<at::Tensor> outputs, Body body) {
+  auto work = c10::make_intrusive<SluiceWork>(type, std::move(outputs), timeout_, getRank());
+  std::lock_guard<std::mutex> lk(mu_);
+  TORCH_CHECK(!stop_, "sluice: rank ", getRank(), ": the process group was destroyed");
+  const uint64_t tag = (uint64_t(1) << 63) | ((++seq_ & ((uint64_t(1) << 47) - 1)) << 16);
+  queue_.push_back([this, work, body = std::move(body), tag, type] {
+    try {
+      body(tag);
+      work->complete(nullptr);
+    } catch (const std::exception& e) {
+      work->complete(backend_error(std::string("sluice: ") + c10d::opTypeToString(type) + " failed: " + e.what()));
+    }
+  });
+  cv_.notify_all();
+  return work;
+}
+
+void SluiceBackend::exchange(uint64_t tag, const std::vector<Xfer>& xfers) {
+  struct Sync {
+    std::mutex mu;
+    std::condition_variable cv;
+    size_t left = 0;
+    Status first;
+    std::set<int> waiting;
+  };
+  auto sync = std::make_shared<Sync>();
+  sync->left = xfers.size();
+  for (auto& x : xfers) sync->waiting.insert(x.peer);
+  auto done = [sync](const Status& st, int peer, uint64_t) {
+    std::lock_guard<std::mutex> lk(sync->mu);
+    if (!st.ok() && sync->first.ok()) sync->first = st;
+    --sync->left;
+    sync->cv.notify_all();
+  };
+  size_t posted = 0;
+  try {
+    for (auto& x : xfers) {
+      if (x.is_send)
+        mailbox_->send(x.peer, tag, x.ptr, x.n, done);
+      else
+        mailbox_->recv(x.peer, tag, x.ptr, x.n, done);
+      ++posted;
+    }
+  } catch (...) {
+    std::lock_guard<std::mutex> lk(sync->mu);
+    sync->left -= xfers.size() - posted;
+    if (sync->first.ok()) sync->first = {ErrorCode::kInvalidArgument, "could not post every transfer"};
+  }
+  std::unique_lock<std::mutex> lk(sync->mu);
+  // Recvs expire after the group timeout in the mailbox and sends through the engine's op
+  // timeout, so this wait ends; the margin only guards against a bug leaving a buffer in use.
+  if (!sync->cv.wait_for(lk, timeout_ * 2 + std::chrono::seconds(10), [&] { return sync->left == 0; })) {
+    lk.unlock();
+    mailbox_->close();  // cancels everything, so no buffer of ours is written after we return
+    throw Error(ErrorCode::kTimeout, "rank " + std::to_string(getRank()) + ": a collective step did not finish");
+  }
+  if (!sync->first.ok()) throw Error(sync->first);
+}
+
+c10::intrusive_ptr<c10d::Work> SluiceBackend::send(std::vector<at::Tensor>& tensors, int dst, int tag) {
+  TORCH_CHECK(tensors.size() == 1, "sluice: send takes exactly one tensor");
+  check_cpu(tensors[0], "send");
+  TORCH_CHECK(dst >= 0 && dst < getSize() && dst != getRank(), "sluice: rank ", getRank(), ": invalid destination rank ",
+              dst, " (group size ", getSize(), ")");
+  at::Tensor buf = tensors[0].contiguous();
+  auto work = c10::make_intrusive<SluiceWork>(c10d::OpType::SEND, tensors, timeout_, getRank());
+  mailbox_->send(dst, user_tag(tag), buf.data_ptr(), buf.nbytes(), [work, buf](const Status& st, int peer, uint64_t) {
+    work->complete(st.ok() ? nullptr : backend_error("sluice: send failed: " + st.message));
+  });
+  return work;
+}
+
+c10::intrusive_ptr<c10d::Work> SluiceBackend::recv(std::vector<at::Tensor>& tensors, int src, int tag) {
+  TORCH_CHECK(tensors.size() == 1, "sluice: recv takes exactly one tensor");
+  check_cpu(tensors[0], "recv");
+  TORCH_CHECK(src == Mailbox::kAnySource || (src >= 0 && src < getSize() && src != getRank()), "sluice: rank ",
+              getRank(), ": invalid source rank ", src, " (group size ", getSize(), ")");
+  at::Tensor out = tensors[0];
+  at::Tensor buf = out.is_contiguous() ? out : at::empty_like(out, at::MemoryFormat::Contiguous);
+  auto work = c10::make_intrusive<SluiceWork>(
+      src == Mailbox::kAnySource ? c10d::OpType::RECVANYSOURCE : c10d::OpType::RECV, tensors, timeout_, getRank());
+  mailbox_->recv(src, user_tag(tag), buf.data_ptr(), buf.nbytes(), [work, out, buf](const Status& st, int peer, uint64_t) mutable {
+    if (!st.ok()) {
+      work->complete(backend_error("sluice: recv failed: " + st.message), peer);
+      return;
+    }
+    try {
+      if (!buf.is_same(out)) out.copy_(buf);
+      work->complete(nullptr, peer);
+    } catch (const std::exception& e) {
+      work->complete(backend_error(std::string("sluice: recv failed: ") + e.what()), peer);
+    }
+  });
+  return work;
+}
+
+c10::intrusive_ptr<c10d::Work> SluiceBackend::recvAnysource(std::vector<at::Tensor>& tensors, int tag) {
+  return recv(tensors, Mailbox::kAnySource, tag);
+}
+
+}  // namespace sluice::torch_backend

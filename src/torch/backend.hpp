@@ -1,0 +1,101 @@
+// The torch.distributed backend "sluice" (CPU tensors): a c10d::Backend whose point-to-point
+// operations go through a Mailbox over one engine endpoint per peer, and whose collectives
+// are direct algorithms over those messages, run in call order on one worker thread.
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <thread>
+
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include "mailbox.hpp"
+#include "sluice/engine.hpp"
+
+namespace sluice::torch_backend {
+
+class SluiceWork;
+
+class SluiceBackend final : public c10d::Backend {
+ public:
+  // Bootstraps through `store`: publishes this rank's engine info there and opens one
+  // endpoint to every other rank. The transport comes from EngineConfig (SLUICE_TRANSPORTS)
+  // or SLUICE_TORCH_TRANSPORT ("shm", "tcp"), which forces it for every endpoint.
+  SluiceBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size, std::chrono::milliseconds timeout);
+  ~SluiceBackend() override;
+
+  const std::string getBackendName() const override { return "sluice"; }
+  void setTimeout(std::chrono::milliseconds timeout) override;
+  void shutdown() override;
+  void abort() override { shutdown(); }
+  // The transport the endpoints run ("" for a world of one).
+  std::string transport() const;
+
+  c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dst, int tag) override;
+  c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int src, int tag) override;
+  c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override;
+
+  c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors, const c10d::BroadcastOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors, const c10d::AllreduceOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allreduce_coalesced(std::vector<at::Tensor>& tensors,
+                                                     const c10d::AllreduceCoalescedOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce(std::vector<at::Tensor>& tensors, const c10d::ReduceOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather(std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
+                                           const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& output, at::Tensor& input,
+                                                 const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> gather(std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
+                                        const c10d::GatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> scatter(std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
+                                         const c10d::ScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce_scatter(std::vector<at::Tensor>& outputs,
+                                                std::vector<std::vector<at::Tensor>>& inputs,
+                                                const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(at::Tensor& output, at::Tensor& input,
+                                                      const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> alltoall_base(at::Tensor& output, at::Tensor& input, std::vector<int64_t>& output_splits,
+                                               std::vector<int64_t>& input_splits,
+                                               const c10d::AllToAllOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> alltoall(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+                                          const c10d::AllToAllOptions& opts) override;
+
+  // Used by the collectives (collectives.cpp): blocking exchange of contiguous CPU buffers
+  // with an internal tag, bounded by the group timeout.
+  struct Xfer {
+    bool is_send;
+    int peer;
+    void* ptr;
+    uint64_t n;
+  };
+  void exchange(uint64_t tag, const std::vector<Xfer>& xfers);
+  int rank() const { return getRank(); }
+  int size() const { return getSize(); }
+
+ private:
+  using Body = std::function<void(uint64_t tag)>;
+  // Queues a collective: `body` runs on the worker thread with the collective's tag base;
+  // the Work completes (with `outputs` as its result) when it returns or throws.
+  c10::intrusive_ptr<c10d::Work> enqueue(c10d::OpType type, std::vector<at::Tensor> outputs, Body body);
+  void worker();
+  void say_goodbye();  // shutdown(): quiesce every endpoint before closing it
+
+  std::chrono::milliseconds timeout_;
+  std::unique_ptr<Engine> engine_;
+  std::unique_ptr<Mailbox> mailbox_;
+  std::string transport_;
+  uint64_t seq_ = 0;  // collectives issued (same order on every rank)
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::function<void()>> queue_;
+  bool stop_ = false;
+  std::thread worker_;
+};
+
+}  // namespace sluice::torch_backend

@@ -1,0 +1,516 @@
+// The collectives of the sluice backend: direct algorithms over the backend's tagged
+// messages. Every reduction combines the contributions in rank order on the rank that owns
+// the result, so all ranks see the same bits whatever order messages arrive in.
+#include <cstring>
+
+#include <ATen/ATen.h>
+
+#include "backend.hpp"
+
+namespace sluice::torch_backend {
+
+namespace {
+
+using Red = c10d::ReduceOp::RedOpType;
+using Xfer = SluiceBackend::Xfer;
+
+void check_dense_cpu(const at::Tensor& t, const char* what) {
+  TORCH_CHECK(t.layout() == at::kStrided, "sluice: ", what, ": only dense (strided) tensors are supported");
+  TORCH_CHECK(t.device().is_cpu(), "sluice: ", what, ": ", t.device(),
+              " tensors are not supported yet by the sluice backend (CPU tensors only); "
+              "use a per-device backend such as init_process_group('cpu:sluice,cuda:nccl')");
+}
+
+void check_op(const at::Tensor& t, const c10d::ReduceOp& op, const char* what) {
+  const Red r = op.op_;
+  TORCH_CHECK(r == Red::SUM || r == Red::AVG || r == Red::PRODUCT || r == Red::MIN || r == Red::MAX || r == Red::BAND ||
+                  r == Red::BOR || r == Red::BXOR,
+              "sluice: ", what, ": reduce op ", int(r), " is not supported");
+  if (r == Red::AVG)
+    TORCH_CHECK(at::isFloatingType(t.scalar_type()) || at::isComplexType(t.scalar_type()), "sluice: ", what,
+                ": ReduceOp.AVG needs a floating-point tensor, got ", t.scalar_type());
+  if (r == Red::BAND || r == Red::BOR || r == Red::BXOR)
+    TORCH_CHECK(at::isIntegralType(t.scalar_type(), /*includeBool=*/true), "sluice: ", what,
+                ": bitwise reduce ops need an integer or bool tensor, got ", t.scalar_type());
+}
+
+void combine(at::Tensor& acc, const at::Tensor& x, Red op) {
+  const bool b = acc.scalar_type() == at::kBool;
+  switch (op) {
+    case Red::SUM:
+    case Red::AVG:
+      b ? acc.logical_or_(x) : acc.add_(x);
+      break;
+    case Red::PRODUCT:
+      b ? acc.logical_and_(x) : acc.mul_(x);
+      break;
+    case Red::MIN:
+      at::minimum_out(acc, acc, x);
+      break;
+    case Red::MAX:
+      at::maximum_out(acc, acc, x);
+      break;
+    case Red::BAND:
+      acc.bitwise_and_(x);
+      break;
+    case Red::BOR:
+      acc.bitwise_or_(x);
+      break;
+    case Red::BXOR:
+      acc.bitwise_xor_(x);
+      break;
+    default:
+      TORCH_CHECK(false, "sluice: unsupported reduce op");
+  }
+}
+
+// A contiguous buffer for writing into `t`: `t` itself when it is contiguous, otherwise a
+// temporary that commit() copies back.
+struct OutBuf {
+  at::Tensor t, buf;
+  explicit OutBuf(const at::Tensor& out)
+      : t(out), buf(out.is_contiguous() ? out : at::empty_like(out, at::MemoryFormat::Contiguous)) {}
+  void commit() {
+    if (!buf.is_same(t)) t.copy_(buf);
+  }
+};
+
+void* ptr(const at::Tensor& t) { return t.numel() ? t.data_ptr() : nullptr; }
+uint64_t nbytes(const at::Tensor& t) { return t.nbytes(); }
+
+// Result of reducing `parts` (one per rank, rank order) into a new tensor.
+at::Tensor reduce_in_order(const std::vector<at::Tensor>& parts, Red op, int world) {
+  at::Tensor acc = parts[0].clone();
+  for (size_t j = 1; j < parts.size(); ++j) combine(acc, parts[j], op);
+  if (op == Red::AVG) acc.div_(world);
+  return acc;
+}
+
+constexpr uint64_t kDirectAllreduceBytes = 64 << 10;
+
+// All-reduce of a flat contiguous tensor in place. Small: every rank gets every contribution
+// and reduces locally. Large: reduce-scatter (rank j owns chunk j) then all-gather.
+void allreduce_flat(SluiceBackend& b, at::Tensor flat, Red op, uint64_t tag) {
+  const int n = b.size(), r = b.rank();
+  if (n == 1) {
+    if (op == Red::AVG) flat.div_(1);
+    return;
+  }
+  const int64_t numel = flat.numel();
+  if (nbytes(flat) <= kDirectAllreduceBytes || numel < n) {
+    std::vector<at::Tensor> parts(n);
+    std::vector<Xfer> xs;
+    for (int j = 0; j < n; ++j) {
+      if (j == r) {
+        parts[j] = flat;
+        continue;
+      }
+      parts[j] = at::empty_like(flat);
+      xs.push_back({true, j, ptr(flat), nbytes(flat)});
+      xs.push_back({false, j, ptr(parts[j]), nbytes(parts[j])});
+    }
+    b.exchange(tag, xs);
+    at::Tensor res = reduce_in_order(parts, op, n);
+    flat.copy_(res);
+    return;
+  }
+  const int64_t per = (numel + n - 1) / n;
+  auto chunk = [&](int j) {
+    int64_t lo = std::min(numel, per * j), hi = std::min(numel, per * (j + 1));
+    return flat.narrow(0, lo, hi - lo);
+  };
+  at::Tensor mine = chunk(r);
+  std::vector<at::Tensor> parts(n);
+  std::vector<Xfer> xs;
+  for (int j = 0; j < n; ++j) {
+    if (j == r) {
+      parts[j] = mine;
+      continue;
+    }
+    at::Tensor cj = chunk(j);
+    if (cj.numel()) xs.push_back({true, j, ptr(cj), nbytes(cj)});
+    parts[j] = at::empty_like(mine);
+    if (mine.numel()) xs.push_back({false, j, ptr(parts[j]), nbytes(parts[j])});
+  }
+  b.exchange(tag, xs);
+  if (mine.numel()) mine.copy_(reduce_in_order(parts, op, n));
+  xs.clear();
+  for (int j = 0; j < n; ++j) {
+    if (j == r) continue;
+    at::Tensor cj = chunk(j);
+    if (mine.numel()) xs.push_back({true, j, ptr(mine), nbytes(mine)});
+    if (cj.numel()) xs.push_back({false, j, ptr(cj), nbytes(cj)});
+  }
+  b.exchange(tag + 1, xs);
+}
+
+std::vector<at::Tensor> flat_chunks(const at::Tensor& flat, int n) {
+  const int64_t m = flat.numel() / n;
+  std::vector<at::Tensor> out;
+  for (int j = 0; j < n; ++j) out.push_back(flat.narrow(0, m * j, m));
+  return out;
+}
+
+}  // namespace
+
+c10::intrusive_ptr<c10d::Work> SluiceBackend::barrier(const c10d::BarrierOptions&) {
+  return enqueue(c10d::OpType::BARRIER, {}, [this](uint64_t tag) {
+    const int n = size(), r = rank();
+    std::vector<Xfer> xs;
+    if (r == 0) {
+      for (int j = 1; j < n; ++j) xs.push_back({false, j, nullptr, 0});
+      exchange(tag, xs);
+      xs.clear();
+      for (int j = 1; j < n; ++j) xs.push_back({true, j, nullptr, 0});
+      exchange(tag + 1, xs);
+    } else {
+      exchange(tag, {{true, 0, nullptr, 0}});
+      exchange(tag + 1, {{false, 0, nullptr, 0}});
+    }
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> SluiceBackend::broadcast(std::vector<at::Tensor>& tensors,
+                                                         const c10d::BroadcastOptions& opts) {
+  for (auto& t : tensors) check_dense_cpu(t, "broadcast");
+  TORCH_CHECK(opts.rootRank >= 0 && opts.rootRank < size(), "sluice: broadcast: invalid root rank ", opts.rootRank);
+  const int root = static_cast<int>(opts.rootRank);
+  return enqueue(c10d::OpType::BROADCAST, tensors, [this, tensors, root](uint64_t tag) {
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      std::vector<Xfer> xs;
+      if (rank() == root) {
+        at::Tensor src = tensors[i].contiguous();
+        for (int j = 0; j < size(); ++j)
+          if (j != root) xs.push_back({true, j, ptr(src), nbytes(src)});
+        exchange(tag + i, xs);
+      } else {
+        OutBuf out(tensors[i]);
+        exchange(tag + i, {{false, root, ptr(out.buf), nbytes(out.buf)}});
+        out.commit();
+      }
+    }
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> SluiceBackend::allreduce(std::vector<at::Tensor>& tensors,
+                                                         const c10d::AllreduceOptions& opts) {
+  for (auto& t : tensors) check_dense_cpu(t, "all_reduce"), check_op(t, opts.reduceOp, "all_reduce");
+  const Red op = opts.reduceOp.op_;
+  return enqueue(c10d::OpType::ALLREDUCE, tensors, [this, tensors, op](uint64_t tag) {
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      OutBuf out(tensors[i]);
+      if (!out.buf.is_same(out.t)) out.buf.copy_(out.t);
+      allreduce_flat(*this, out.buf.view(-1), op, tag + 2 * i);
+      out.commit();
+    }
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> SluiceBackend::allreduce_coalesced(std::vector<at::Tensor>& tensors,
+                                                                   const c10d::AllreduceCoalescedOptions& opts) {
+  for (auto& t : tensors) {
+    check_dense_cpu(t, "all_reduce_coalesced"), check_op(t, opts.reduceOp, "all_reduce_coalesced");
+    TORCH_CHECK(t.scalar_type() == tensors[0].scalar_type(), "sluice: all_reduce_coalesced: tensors must share a dtype");
+  }
+  const Red op = opts.reduceOp.op_;
+  return enqueue(c10d::OpType::ALLREDUCE_COALESCED, tensors, [this, tensors, op](uint64_t tag) {
+    if (tensors.empty()) return;
+    std::vector<at::Tensor> flats;
+    for (auto& t : tensors) flats.push_back(t.reshape(-1));
+    at::Tensor all = at::cat(flats);
+    allreduce_flat(*this, all, op, tag);
+    int64_t off = 0;
+    for (auto& t : tensors) {
+      t.copy_(all.narrow(0, off, t.numel()).view(t.sizes()));
+      off += t.numel();
+    }
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> SluiceBackend::reduce(std::vector<at::Tensor>& tensors, const c10d::ReduceOptions& opts) {
+  TORCH_CHECK(tensors.size() == 1, "sluice: reduce takes one tensor");
+  check_dense_cpu(tensors[0], "reduce");
+  check_op(tensors[0], opts.reduceOp, "reduce");
+  TORCH_CHECK(opts.rootRank >= 0 && opts.rootRank < size(), "sluice: reduce: invalid root rank ", opts.rootRank);
+  const int root = static_cast<int>(opts.rootRank);
+  const Red op = opts.reduceOp.op_;
+  return enqueue(c10d::OpType::REDUCE, tensors, [this, tensors, root, op](uint64_t tag) {
+    at::Tensor t = tensors[0];
+    if (rank() != root) {
+      at::Tensor src = t.contiguous();
+      exchange(tag, {{true, root, ptr(src), nbytes(src)}});
+      return;
+    }
+    std::vector<at::Tensor> parts(size());
+    std::vector<Xfer> xs;
+    for (int j = 0; j < size(); ++j) {
+      if (j == root) {
+        parts[j] = t.contiguous();
+        continue;
+      }
+      parts[j] = at::empty_like(t, at::MemoryFormat::Contiguous);
+      xs.push_back({false, j, ptr(parts[j]), nbytes(parts[j])});
+    }
+    exchange(tag, xs);
+    t.copy_(reduce_in_order(parts, op, size()));
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> SluiceBackend::allgather(std::vector<std::vector<at::Tensor>>& outputs,
+                                                         std::vector<at::Tensor>& inputs,
+                                                         const c10d::AllgatherOptions&) {
+  TORCH_CHECK(inputs.size() == 1 && outputs.size() == 1, "sluice: all_gather takes one input and one output list");
+  TORCH_CHECK(static_cast<int>(outputs[0].size()) == size(), "sluice: all_gather: the output list needs ", size(),
+              " tensors, got ", outputs[0].size());
+  check_dense_cpu(inputs[0], "all_gather");
+  for (auto& o : outputs[0]) {
+    check_dense_cpu(o, "all_gather");
+    TORCH_CHECK(o.numel() == inputs[0].numel() && o.scalar_type() == inputs[0].scalar_type(),
+                "sluice: all_gather: every output must match the input's size and dtype");
+  }
+  auto outs = outputs[0];
+  auto in = inputs[0];
+  return enqueue(c10d::OpType::ALLGATHER, outs, [this, outs, in](uint64_t tag) {
+    at::Tensor src = in.contiguous();
+    std::vector<OutBuf> bufs;
+    for (auto& o : outs) bufs.emplace_back(o);
+    std::vector<Xfer> xs;
+    for (int j = 0; j < size(); ++j) {
+      if (j == rank()) continue;
+      xs.push_back({true, j, ptr(src), nbytes(src)});
+      xs.push_back({false, j, ptr(bufs[j].buf), nbytes(bufs[j].buf)});
+    }
+    exchange(tag, xs);
+    bufs[rank()].buf.view(-1).copy_(src.view(-1));
+    for (auto& b : bufs) b.commit();
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> SluiceBackend::_allgather_base(at::Tensor& output, at::Tensor& input,
+                                                               const c10d::AllgatherOptions&) {
+  check_dense_cpu(input, "all_gather_into_tensor");
+  check_dense_cpu(output, "all_gather_into_tensor");
+  TORCH_CHECK(output.numel() == input.numel() * size() && output.scalar_type() == input.scalar_type(),
+              "sluice: all_gather_into_tensor: the output needs world_size x the input's elements, same dtype");
+  return enqueue(c10d::OpType::_ALLGATHER_BASE, {output}, [this, output, input](uint64_t tag) {
+    OutBuf out(output);
+    at::Tensor src = input.contiguous();
+    auto chunks = flat_chunks(out.buf.view(-1), size());
+    std::vector<Xfer> xs;
+    for (int j = 0; j < size(); ++j) {
+      if (j == rank()) continue;
+      xs.push_back({true, j, ptr(src), nbytes(src)});
+      xs.push_back({false, j, ptr(chunks[j]), nbytes(chunks[j])});
+    }
+    exchange(tag, xs);
+    chunks[rank()].copy_(src.view(-1));
+    out.commit();
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> SluiceBackend::gather(std::vector<std::vector<at::Tensor>>& outputs,
+                                                      std::vector<at::Tensor>& inputs, const c10d::GatherOptions& opts) {
+  TORCH_CHECK(inputs.size() == 1, "sluice: gather takes one input tensor");
+  check_dense_cpu(inputs[0], "gather");
+  const int root = static_cast<int>(opts.rootRank);
+  TORCH_CHECK(root >= 0 && root < size(), "sluice: gather: invalid root rank ", root);
+  std::vector<at::Tensor> outs;
+  if (rank() == root) {
+    TORCH_CHECK(outputs.size() == 1 && static_cast<int>(outputs[0].size()) == size(),
+                "sluice: gather: the root needs a list of ", size(), " output tensors");
+    for (auto& o : outputs[0]) {
+      check_dense_cpu(o, "gather");
+      TORCH_CHECK(o.numel() == inputs[0].numel() && o.scalar_type() == inputs[0].scalar_type(),
+                  "sluice: gather: every output must match the input's size and dtype");
+    }
+    outs = outputs[0];
+  }
+  auto in = inputs[0];
+  return enqueue(c10d::OpType::GATHER, outs, [this, outs, in, root](uint64_t tag) {
+    at::Tensor src = in.contiguous();
+    if (rank() != root) {
+      exchange(tag, {{true, root, ptr(src), nbytes(src)}});
+      return;
+    }
+    std::vector<OutBuf> bufs;
+    for (auto& o : outs) bufs.emplace_back(o);
+    std::vector<Xfer> xs;
+    for (int j = 0; j < size(); ++j)
+      if (j != root) xs.push_back({false, j, ptr(bufs[j].buf), nbytes(bufs[j].buf)});
+    exchange(tag, xs);
+    bufs[root].buf.view(-1).copy_(src.view(-1));
+    for (auto& b : bufs) b.commit();
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> SluiceBackend::scatter(std::vector<at::Tensor>& outputs,
+                                                       std::vector<std::vector<at::Tensor>>& inputs,
+                                                       const c10d::ScatterOptions& opts) {
+  TORCH_CHECK(outputs.size() == 1, "sluice: scatter takes one output tensor");
+  check_dense_cpu(outputs[0], "scatter");
+  const int root = static_cast<int>(opts.rootRank);
+  TORCH_CHECK(root >= 0 && root < size(), "sluice: scatter: invalid root rank ", root);
+  std::vector<at::Tensor> ins;
+  if (rank() == root) {
+    TORCH_CHECK(inputs.size() == 1 && static_cast<int>(inputs[0].size()) == size(),
+                "sluice: scatter: the root needs a list of ", size(), " input tensors");
+    for (auto& i : inputs[0]) {
+      check_dense_cpu(i, "scatter");
+      TORCH_CHECK(i.numel() == outputs[0].numel() && i.scalar_type() == outputs[0].scalar_type(),
+                  "sluice: scatter: every input must match the output's size and dtype");
+    }
+    ins = inputs[0];
+  }
+  auto out_t = outputs[0];
+  return enqueue(c10d::OpType::SCATTER, {out_t}, [this, ins, out_t, root](uint64_t tag) {
+    OutBuf out(out_t);
+    if (rank() != root) {
+      exchange(tag, {{false, root, ptr(out.buf), nbytes(out.buf)}});
+      out.commit();
+      return;
+    }
+    std::vector<at::Tensor> srcs;
+    std::vector<Xfer> xs;
+    for (int j = 0; j < size(); ++j) {
+      srcs.push_back(ins[j].contiguous());
+      if (j != root) xs.push_back({true, j, ptr(srcs[j]), nbytes(srcs[j])});
+    }
+    exchange(tag, xs);
+    out.buf.view(-1).copy_(srcs[root].view(-1));
+    out.commit();
+  });
+}
+
+namespace {
+// Reduce-scatter where `inputs[j]` is this rank's contribution to rank j's result.
+void reduce_scatter_parts(SluiceBackend& b, const std::vector<at::Tensor>& inputs, at::Tensor out, Red op,
+                          uint64_t tag) {
+  const int n = b.size(), r = b.rank();
+  std::vector<at::Tensor> srcs, parts(n);
+  std::vector<Xfer> xs;
+  for (int j = 0; j < n; ++j) srcs.push_back(inputs[j].contiguous());
+  for (int j = 0; j < n; ++j) {
+    if (j == r) {
+      parts[j] = srcs[j].view(out.sizes());
+      continue;
+    }
+    xs.push_back({true, j, ptr(srcs[j]), nbytes(srcs[j])});
+    parts[j] = at::empty_like(out, at::MemoryFormat::Contiguous);
+    xs.push_back({false, j, ptr(parts[j]), nbytes(parts[j])});
+  }
+  b.exchange(tag, xs);
+  out.copy_(reduce_in_order(parts, op, n));
+}
+}  // namespace
+
+c10::intrusive_ptr<c10d::Work> SluiceBackend::reduce_scatter(std::vector<at::Tensor>& outputs,
+                                                              std::vector<std::vector<at::Tensor>>& inputs,
+                                                              const c10d::ReduceScatterOptions& opts) {
+  TORCH_CHECK(outputs.size() == 1 && inputs.size() == 1 && static_cast<int>(inputs[0].size()) == size(),
+              "sluice: reduce_scatter takes one output and a list of ", size(), " inputs");
+  check_dense_cpu(outputs[0], "reduce_scatter");
+  check_op(outputs[0], opts.reduceOp, "reduce_scatter");
+  for (auto& i : inputs[0]) {
+    check_dense_cpu(i, "reduce_scatter");
+    TORCH_CHECK(i.numel() == outputs[0].numel() && i.scalar_type() == outputs[0].scalar_type(),
+                "sluice: reduce_scatter: every input must match the output's size and dtype");
+  }
+  auto ins = inputs[0];
+  auto out = outputs[0];
+  const Red op = opts.reduceOp.op_;
+  return enqueue(c10d::OpType::REDUCE_SCATTER, {out}, [this, ins, out, op](uint64_t tag) {
+    reduce_scatter_parts(*this, ins, out, op, tag);
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> SluiceBackend::_reduce_scatter_base(at::Tensor& output, at::Tensor& input,
+                                                                    const c10d::ReduceScatterOptions& opts) {
+  check_dense_cpu(output, "reduce_scatter_tensor");
+  check_dense_cpu(input, "reduce_scatter_tensor");
+  check_op(output, opts.reduceOp, "reduce_scatter_tensor");
+  TORCH_CHECK(input.numel() == output.numel() * size() && input.scalar_type() == output.scalar_type(),
+              "sluice: reduce_scatter_tensor: the input needs world_size x the output's elements, same dtype");
+  const Red op = opts.reduceOp.op_;
+  return enqueue(c10d::OpType::_REDUCE_SCATTER_BASE, {output}, [this, output, input, op](uint64_t tag) {
+    auto parts = flat_chunks(input.contiguous().view(-1), size());
+    reduce_scatter_parts(*this, parts, output, op, tag);
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> SluiceBackend::alltoall_base(at::Tensor& output, at::Tensor& input,
+                                                             std::vector<int64_t>& output_splits,
+                                                             std::vector<int64_t>& input_splits,
+                                                             const c10d::AllToAllOptions&) {
+  check_dense_cpu(output, "all_to_all_single");
+  check_dense_cpu(input, "all_to_all_single");
+  TORCH_CHECK(output.scalar_type() == input.scalar_type(), "sluice: all_to_all_single: dtypes differ");
+  const int n = size();
+  auto rows = [n](const at::Tensor& t, const std::vector<int64_t>& splits, const char* which) {
+    std::vector<int64_t> s = splits;
+    const int64_t dim0 = t.dim() ? t.size(0) : 1;
+    if (s.empty()) {
+      TORCH_CHECK(dim0 % n == 0, "sluice: all_to_all_single: ", which, " dim 0 (", dim0,
+                  ") is not divisible by the world size without split sizes");
+      s.assign(n, dim0 / n);
+    }
+    TORCH_CHECK(static_cast<int>(s.size()) == n, "sluice: all_to_all_single: ", which, " split sizes need ", n,
+                " entries");
+    int64_t sum = 0;
+    for (auto v : s) {
+      TORCH_CHECK(v >= 0, "sluice: all_to_all_single: negative split size");
+      sum += v;
+    }
+    TORCH_CHECK(sum == dim0, "sluice: all_to_all_single: ", which, " split sizes add up to ", sum, ", dim 0 is ", dim0);
+    return s;
+  };
+  auto os = rows(output, output_splits, "output");
+  auto is = rows(input, input_splits, "input");
+  return enqueue(c10d::OpType::ALLTOALL_BASE, {output}, [this, output, input, os, is](uint64_t tag) {
+    OutBuf out(output);
+    at::Tensor src = input.contiguous();
+    auto row_bytes = [](const at::Tensor& t) -> uint64_t {
+      if (t.dim() == 0) return t.element_size();
+      return t.size(0) ? t.nbytes() / t.size(0) : 0;
+    };
+    const uint64_t ib = row_bytes(src), ob = row_bytes(out.buf);
+    auto* sp = static_cast<uint8_t*>(ptr(src));
+    auto* op = static_cast<uint8_t*>(ptr(out.buf));
+    std::vector<uint64_t> ioff(size() + 1, 0), ooff(size() + 1, 0);
+    for (int j = 0; j < size(); ++j) ioff[j + 1] = ioff[j] + is[j] * ib, ooff[j + 1] = ooff[j] + os[j] * ob;
+    std::vector<Xfer> xs;
+    for (int j = 0; j < size(); ++j) {
+      if (j == rank()) continue;
+      xs.push_back({true, j, sp + ioff[j], ioff[j + 1] - ioff[j]});
+      xs.push_back({false, j, op + ooff[j], ooff[j + 1] - ooff[j]});
+    }
+    exchange(tag, xs);
+    const int r = rank();
+    TORCH_CHECK(ooff[r + 1] - ooff[r] == ioff[r + 1] - ioff[r], "sluice: all_to_all_single: this rank's own split sizes differ");
+    if (ooff[r + 1] > ooff[r]) std::memcpy(op + ooff[r], sp + ioff[r], ooff[r + 1] - ooff[r]);
+    out.commit();
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> SluiceBackend::alltoall(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+                                                        const c10d::AllToAllOptions&) {
+  TORCH_CHECK(static_cast<int>(outputs.size()) == size() && static_cast<int>(inputs.size()) == size(),
+              "sluice: all_to_all takes lists of ", size(), " tensors");
+  for (auto& t : outputs) check_dense_cpu(t, "all_to_all");
+  for (auto& t : inputs) check_dense_cpu(t, "all_to_all");
+  return enqueue(c10d::OpType::ALLTOALL, outputs, [this, outputs, inputs](uint64_t tag) {
+    std::vector<OutBuf> outs;
+    std::vector<at::Tensor> ins;
+    std::vector<Xfer> xs;
+    for (int j = 0; j < size(); ++j) outs.emplace_back(outputs[j]), ins.push_back(inputs[j].contiguous());
+    for (int j = 0; j < size(); ++j) {
+      if (j == rank()) continue;
+      xs.push_back({true, j, ptr(ins[j]), nbytes(ins[j])});
+      xs.push_back({false, j, ptr(outs[j].buf), nbytes(outs[j].buf)});
+    }
+    exchange(tag, xs);
+    outs[rank()].buf.view(-1).copy_(ins[rank()].view(-1));
+    for (auto& o : outs) o.commit();
+  });
+}
+
+}  // namespace sluice::torch_backend

@@ -1,0 +1,26 @@
+// sluice._sluice_torch: the pybind11 module behind `import sluice.torch`. Built with torch's
+// own pybind11 headers so that c10d::Store and c10d::Backend cross the boundary as torch's
+// Python objects.
+#include <pybind11/chrono.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include "backend.hpp"
+
+namespace py = pybind11;
+using sluice::torch_backend::SluiceBackend;
+
+PYBIND11_MODULE(_sluice_torch, m) {
+  m.doc() = "torch.distributed backend 'sluice' (CPU tensors)";
+  py::module_::import("torch.distributed");  // registers c10d.Store and c10d.Backend
+  py::class_<SluiceBackend, c10d::Backend, c10::intrusive_ptr<SluiceBackend>>(m, "SluiceBackend")
+      .def_property_readonly("transport", &SluiceBackend::transport,
+                             "The engine transport the endpoints run (shm, tcp, ...).");
+  m.def(
+      "create_backend",
+      [](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size, std::chrono::milliseconds timeout) {
+        return c10::make_intrusive<SluiceBackend>(store, rank, size, timeout);
+      },
+      py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout"),
+      py::call_guard<py::gil_scoped_release>(),
+      "Bootstraps the engine through `store` and connects to every rank (blocks until all did).");
+}
