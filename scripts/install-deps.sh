@@ -16,6 +16,13 @@ if [ "${1:-}" = "--tests" ]; then
   # The fuzz targets (tests/fuzz): clang, and libFuzzer's runtime, which Debian ships in the
   # compiler-rt package (libclang_rt.fuzzer-x86_64.a); clang only recommends it.
   command -v clang++ >/dev/null || want+=(clang)
+  # The directory backends (docs/cluster.md): their client libraries, and the real servers
+  # their tests start on loopback ports.
+  [ -f /usr/include/x86_64-linux-gnu/curl/curl.h ] || [ -f /usr/include/curl/curl.h ] || want+=(libcurl4-openssl-dev)
+  [ -f /usr/include/hiredis/hiredis.h ] || want+=(libhiredis-dev)
+  command -v etcd >/dev/null || want+=(etcd-server)
+  command -v etcdctl >/dev/null || want+=(etcd-client)
+  command -v redis-server >/dev/null || want+=(redis-server)
   ls /usr/lib/llvm-*/lib/clang/*/lib/linux/libclang_rt.fuzzer-*.a >/dev/null 2>&1 ||
     want+=("libclang-rt-$(clang++ --version 2>/dev/null | sed -n 's/.*version \([0-9]*\)\..*/\1/p' | head -1 | grep . || echo 14)-dev")
 fi

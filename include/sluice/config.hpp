@@ -57,6 +57,13 @@ struct SLUICE_API EngineConfig {
   // hardware threads (a spinning waiter steals the progress threads' CPU), 20 us otherwise.
   int busy_wait_us = -1;                          // env SLUICE_BUSY_WAIT_US
   LogLevel log_level = LogLevel::kWarn;           // env SLUICE_LOG_LEVEL=error|warn|info|debug|trace
+  // Where engines publish themselves and find peers by name (docs/cluster.md): "" = nowhere,
+  // a peer is named by its listener "host:port"; "etcd://h1:2379,h2:2379/prefix";
+  // "redis://[:password@]host:6379/0?prefix=p".                   env SLUICE_DIRECTORY
+  std::string directory;
+  // This engine's name in the directory, what peers pass to connect(). Empty = its engine id.
+  // Letters, digits, '.', '_', '-'; one live engine per name.    env SLUICE_NAME
+  std::string name;
   // Per-transport options, "<transport>.<key>" -> value as text, e.g. {"rdma.hca", "mlx5_0"},
   // {"rdma.gid_index", "3"}. The transport that owns the namespace declares and parses them;
   // an unknown key, or a namespace no transport of this build owns, is kInvalidArgument.

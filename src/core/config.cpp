@@ -7,6 +7,7 @@
 #include <string>
 
 #include "core/params.hpp"
+#include "directory/directory_url.hpp"
 #include "sluice/error.hpp"
 
 namespace sluice {
@@ -146,6 +147,22 @@ const bool kFieldsDeclared[] = {
     field("log_level", "SLUICE_LOG_LEVEL", "error, warn, info, debug or trace",
           [](const EngineConfig& c) { return std::string(level_name(c.log_level)); },
           [](EngineConfig& c, const std::string& w, const std::string& t) { c.log_level = parse_level(w, t); }),
+    field("directory", "SLUICE_DIRECTORY", "where engines publish themselves and find peers by name: '' (by listener host:port), etcd://h:2379[,h2:2379][/prefix], redis://h:6379[/db][?prefix=p]",
+          [](const EngineConfig& c) { return c.directory; },
+          [](EngineConfig& c, const std::string& w, const std::string& t) {
+            try {
+              detail::parse_directory_url(t);
+            } catch (const Error& e) {
+              param_error(w, t, e.what());
+            }
+            c.directory = t;
+          }),
+    field("name", "SLUICE_NAME", "this engine's name in the directory (connect(name)); empty = its engine id",
+          [](const EngineConfig& c) { return c.name; },
+          [](EngineConfig& c, const std::string& w, const std::string& t) {
+            if (!t.empty()) detail::check_engine_name(w, t);
+            c.name = t;
+          }),
 };
 
 bool is_field(const ParamSpec& p) { return p.name.find('.') == std::string::npos; }

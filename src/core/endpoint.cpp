@@ -65,12 +65,19 @@ std::string EndpointImpl::peer_engine_id() const {
 }
 
 void EndpointImpl::refresh() {
-  std::string ref;
+  std::string ref, engine_id;
   {
     std::lock_guard<std::mutex> lk(peer_mu_);
     ref = peer_ref_.empty() ? engine_->peer_ref(peer_) : peer_ref_;
+    engine_id = peer_.engine_id;
   }
-  set_peer(engine_->lookup_peer(ref, engine_->config().connect_timeout));
+  EngineInfo fresh = engine_->lookup_peer(ref, engine_->config().connect_timeout);
+  // The engine id is the incarnation: another one under the same name (or address) is a
+  // restarted peer, not ours, and its regions and keys must never be mixed into this endpoint.
+  if (!engine_id.empty() && fresh.engine_id != engine_id)
+    throw Error(ErrorCode::kPeerLost, "refresh: '" + ref + "' is now engine " + fresh.engine_id + ", not " + engine_id +
+                                          " (the peer restarted or was replaced): connect again");
+  set_peer(std::move(fresh));
 }
 
 std::optional<RemoteHandle> EndpointImpl::remote_region(const std::string& name) const {

@@ -13,7 +13,7 @@
 #include "core/engine_impl.hpp"
 #include "core/log.hpp"
 #include "core/params.hpp"
-#include "directory/listener_directory.hpp"
+#include "directory/directory_url.hpp"
 #include "sluice/version.hpp"
 
 namespace sluice::detail {
@@ -58,7 +58,7 @@ using nlohmann::json;
 }  // namespace
 
 EngineImpl::EngineImpl(EngineConfig config)
-    : config_(EngineConfig::from_env(std::move(config))), directory_(std::make_shared<ListenerDirectory>()) {
+    : config_(EngineConfig::from_env(std::move(config))), directory_(make_directory(config_)) {
   log::set_level(config_.log_level);
   log_params(config_);
   registry_.set_lease_timeout(config_.op_timeout);
@@ -188,6 +188,7 @@ EngineInfo EngineImpl::info() const {
   EngineInfo e;
   e.wire_version = kWireVersion;
   e.engine_id = engine_id_;
+  e.name = config_.name;
   e.host_id = host_id_;
   e.listen_host = config_.listen_host.empty() || config_.listen_host == "0.0.0.0" ? "127.0.0.1" : config_.listen_host;
   e.listen_port = listener_.port();

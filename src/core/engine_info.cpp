@@ -29,12 +29,14 @@ json EngineInfo::to_json() const {
   }
   json tr = json::object();
   for (const auto& [k, v] : transports) tr[k] = v;
-  return {{"sluice", wire_version},
-          {"engine_id", engine_id},
-          {"host_id", host_id},
-          {"listen", listen_address()},
-          {"transports", tr},
-          {"regions", regs}};
+  json j = {{"sluice", wire_version},
+            {"engine_id", engine_id},
+            {"host_id", host_id},
+            {"listen", listen_address()},
+            {"transports", tr},
+            {"regions", regs}};
+  if (!name.empty()) j["name"] = name;
+  return j;
 }
 
 namespace {
@@ -101,6 +103,7 @@ EngineInfo EngineInfo::from_json(const json& j) {
     throw Error(ErrorCode::kProtocol, "engine info has wire version " + std::to_string(e.wire_version) +
                                           ", this build speaks " + std::to_string(kWireVersion));
   e.engine_id = require_string(j, "engine_id", where, 256);
+  if (j.contains("name")) e.name = require_string(j, "name", where, 128);
   e.host_id = require_string(j, "host_id", where);
   std::string listen = require_string(j, "listen", where, 512);
   try {

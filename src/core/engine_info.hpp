@@ -23,6 +23,7 @@ struct PeerRegion {
 struct EngineInfo {
   int wire_version = 0;
   std::string engine_id;
+  std::string name;  // the engine's directory name; empty = none (optional on the wire)
   std::string host_id;
   std::string listen_host;
   uint16_t listen_port = 0;
