@@ -55,7 +55,9 @@ def engines(channels: int) -> list[Engine]:
         Engine("sluice shm cma", "shm", "sluice_peer", {"transport": "shm", "channels": channels}, ops=ALL_OPS),
         Engine("sluice shm memfd", "shm", "sluice_peer", {"transport": "shm", "channels": channels, "memfd": True},
                ops=ALL_OPS),
-        Engine("nixl ucx sm", "shm", "nixl_peer", env={"UCX_TLS": "sm,self"}),
+        # NIXL's UCX backend cannot create its agent with sm or cma alone (UCX endpoint
+        # create fails in its intra-agent setup); tcp is there for the wire-up only.
+        Engine("nixl ucx sm", "shm", "nixl_peer", env={"UCX_TLS": "sm,tcp"}),
         Engine("nixl ucx cma", "shm", "nixl_peer", env={"UCX_TLS": "cma,tcp,self"}),
         Engine("open mpi vader", "shm", "mpi_peer", {"btl": "vader,self"}, ops=ALL_OPS, local=True),
         Engine(f"ceiling: {n}-thread process_vm_readv", "shm", "ceiling_peer", {"mode": "cma", "n": channels},
@@ -106,8 +108,13 @@ def run_engine(e: Engine, cells: list[Cell], timeout: float, log) -> tuple[list[
     env = dict(os.environ, **e.env)
     base = [sys.executable, os.path.join(HERE, "worker.py"), e.module]
     settings = json.dumps(e.settings)
-    results, checks, procs = [], {}, []
+    results, checks, procs, errfiles = [], {}, [], []
     deadline = time.monotonic() + timeout
+
+    def errfile():
+        ef = tempfile.TemporaryFile("w+")
+        errfiles.append(ef)
+        return ef
 
     def pump(p, q, sink_target=None):
         while True:
@@ -131,8 +138,8 @@ def run_engine(e: Engine, cells: list[Cell], timeout: float, log) -> tuple[list[
     error = ""
     try:
         if e.local:
-            p = subprocess.Popen(base + ["local", settings, f.name], stdout=subprocess.PIPE, stderr=log, text=True,
-                                 env=env, stdin=subprocess.DEVNULL)
+            p = subprocess.Popen(base + ["local", settings, f.name], stdout=subprocess.PIPE, stderr=errfile(),
+                                 text=True, env=env, stdin=subprocess.DEVNULL)
             procs.append(p)
             q: queue.Queue = queue.Queue()
             threading.Thread(target=_reader, args=(p.stdout, q), daemon=True).start()
@@ -140,7 +147,7 @@ def run_engine(e: Engine, cells: list[Cell], timeout: float, log) -> tuple[list[
             p.wait(timeout=max(1, deadline - time.monotonic()))
         else:
             t = subprocess.Popen(base + ["target", settings, f.name], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                 stderr=log, text=True, env=env)
+                                 stderr=errfile(), text=True, env=env)
             procs.append(t)
             tq: queue.Queue = queue.Queue()
             threading.Thread(target=_reader, args=(t.stdout, tq), daemon=True).start()
@@ -151,7 +158,7 @@ def run_engine(e: Engine, cells: list[Cell], timeout: float, log) -> tuple[list[
                     raise RuntimeError(f"the target exited ({t.wait()}) before it was ready")
                 if line.startswith("READY "):
                     info = line[6:].strip()
-            i = subprocess.Popen(base + ["initiator", settings, f.name, info], stdout=subprocess.PIPE, stderr=log,
+            i = subprocess.Popen(base + ["initiator", settings, f.name, info], stdout=subprocess.PIPE, stderr=errfile(),
                                  text=True, env=env, stdin=subprocess.DEVNULL)
             procs.append(i)
             iq: queue.Queue = queue.Queue()
@@ -169,13 +176,24 @@ def run_engine(e: Engine, cells: list[Cell], timeout: float, log) -> tuple[list[
                 p.kill()
                 p.wait()
         os.unlink(f.name)
+    reason = ""
+    for ef in errfiles:  # into the log; the last error line names why a row has no numbers
+        ef.seek(0)
+        text = ef.read()
+        ef.close()
+        log.write(text)
+        lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+        lines = [ln for ln in lines if not (ln[0] in "IW" and ln[1:5].isdigit())]  # glog info/warnings
+        hits = [ln for ln in lines if "rror" in ln or "failed" in ln]
+        reason = reason or (hits or lines or [""])[-1][:240]
+    log.flush()
     got = {(r["op"], r["size"], r["batch"], r["conc"]) for r in results}
     for c in mine:
         if (c.op, c.size, c.batch, c.conc) not in got:
             rc = procs[-1].returncode if procs else None
             results.append({"op": c.op, "size": c.size, "batch": c.batch, "conc": c.conc, "iters": c.iters,
                             "secs": None, "lat_ms": None, "checked": None,
-                            "error": error or f"no result (the engine's process exited with {rc}; see the log)"})
+                            "error": error or reason or f"no result (the engine's process exited with {rc})"})
     return results, checks
 
 

@@ -25,6 +25,9 @@ def _engine(settings: dict, listen: bool):
     kw = {"transports": [settings["transport"]], "channels": settings.get("channels", 2)}
     if listen:
         kw["listen"] = "127.0.0.1:0"
+        # The target posts the SEND cells' receives while the READ/WRITE cells run first:
+        # a receive waits until the endpoint closes, not the default 30 s.
+        kw["recv_timeout_ms"] = 0
     return sluice.Engine(**kw)
 
 
@@ -66,11 +69,10 @@ def target(settings: dict, cells: list[Cell]) -> int:
     buf, handle = _buffer(engine, settings.get("memfd", False), NAME)
     buf[:] = pattern(FOOTPRINT)
     ready({"address": engine.listen_address})
-    if any(c.op == "send" for c in cells):
-        ep = engine.accept(60)
-        if ep is None:
-            raise SystemExit("sluice target: no initiator connected within 60 s")
-        recv_checks(ep, buf, handle, cells)
+    ep = engine.accept(60)
+    if ep is None:
+        raise SystemExit("sluice target: no initiator connected within 60 s")
+    recv_checks(ep, buf, handle, cells)
     wait_stdin_eof()
     engine.close()
     return 0
