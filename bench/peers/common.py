@@ -1,0 +1,156 @@
+"""What every engine adapter shares: the work (cells), the data pattern, the slot offsets,
+the timed loop and the result lines, so that every engine moves the same bytes the same way.
+
+A cell is (op, size, batch, concurrency, iterations): `iterations` batches of `batch`
+messages of `size` bytes, at most `concurrency` batches outstanding, walking a
+`footprint`-byte buffer slot by slot (message k of the cell uses slot k mod slots).
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable, Iterable, Optional
+
+import numpy as np
+
+# Cells whose batch does not fit the footprint are not run: a batch of 64 x 16 MiB would need
+# 1 GiB buffers per side and per engine, which says nothing a 64 MiB batch does not.
+FOOTPRINT = 64 << 20
+
+
+@dataclass(frozen=True)
+class Cell:
+    op: str
+    size: int
+    batch: int
+    conc: int
+    iters: int
+
+    def key(self) -> str:
+        return f"{self.op}/{self.size}/{self.batch}/{self.conc}"
+
+
+def iterations(size: int, batch: int, conc: int, budget: int) -> int:
+    """Batches per cell: `budget` bytes, but at least two rounds of `conc` batches (and 4),
+    at most 400 (small messages are bound by the op rate, not by bytes)."""
+    return int(min(max(budget // (size * batch), 2 * conc, 4), 400))
+
+
+def make_cells(ops: Iterable[str], sizes: Iterable[int], shapes: Iterable[tuple[int, int]],
+               budget: int, footprint: int = FOOTPRINT) -> list[Cell]:
+    out = []
+    for op in ops:
+        for size in sizes:
+            for batch, conc in shapes:
+                if size * batch <= footprint:
+                    out.append(Cell(op, size, batch, conc, iterations(size, batch, conc, budget)))
+    return out
+
+
+def cells_from_json(text: str) -> list[Cell]:
+    return [Cell(**d) for d in json.loads(text)]
+
+
+def cells_to_json(cells: list[Cell]) -> str:
+    return json.dumps([asdict(c) for c in cells])
+
+
+def pattern(n: int, seed: int = 0) -> np.ndarray:
+    """Bytes that differ between neighbouring slots and between seeds (a misplaced or stale
+    copy fails the check)."""
+    x = (np.arange(n, dtype=np.uint64) + np.uint64(seed)) * np.uint64(2654435761)
+    return (x >> np.uint64(13)).astype(np.uint8)
+
+
+def check_seed(cell: Cell) -> int:
+    return cell.size * 7 + 1 + {"read": 0, "write": 1, "send": 2}[cell.op]
+
+
+def slot_offsets(size: int, batch: int, count: int, footprint: int = FOOTPRINT) -> np.ndarray:
+    """(count, batch) byte offsets: message j of batch i uses slot (i*batch + j) mod slots."""
+    slots = max(1, footprint // size)
+    k = np.arange(count, dtype=np.uint64)[:, None] * np.uint64(batch) + np.arange(batch, dtype=np.uint64)[None, :]
+    return (k % np.uint64(slots)) * np.uint64(size)
+
+
+def warmup_batches(cell: Cell) -> int:
+    return min(cell.iters // 10 + 1, 8)
+
+
+def timed_loop(cell: Cell, submit: Callable[[np.ndarray], object], wait: Callable[[object], None],
+               footprint: int = FOOTPRINT) -> tuple[float, float]:
+    """Runs warm-up then `cell.iters` batches with at most `cell.conc` outstanding.
+    Returns (seconds, mean batch latency in ms: submit until its completion is seen)."""
+    warm = warmup_batches(cell)
+    offs = slot_offsets(cell.size, cell.batch, warm + cell.iters, footprint)
+    inflight: collections.deque = collections.deque()
+    lat = 0.0
+
+    def drain_one() -> None:
+        nonlocal lat
+        token, t = inflight.popleft()
+        wait(token)
+        lat += time.perf_counter() - t
+
+    def post(row) -> None:
+        t = time.perf_counter()  # before submit: posting is part of an operation's latency
+        inflight.append((submit(row), t))
+
+    for i in range(warm):
+        if len(inflight) >= cell.conc:
+            drain_one()
+        post(offs[i])
+    while inflight:
+        drain_one()
+    lat = 0.0
+    t0 = time.perf_counter()
+    for i in range(cell.iters):
+        if len(inflight) >= cell.conc:
+            drain_one()
+        post(offs[warm + i])
+    while inflight:
+        drain_one()
+    return time.perf_counter() - t0, lat / cell.iters * 1e3
+
+
+def emit(cell: Cell, secs: Optional[float], lat_ms: Optional[float], checked: Optional[bool],
+         error: str = "", **extra) -> None:
+    """One RESULT line on stdout for the driver."""
+    d = {"op": cell.op, "size": cell.size, "batch": cell.batch, "conc": cell.conc, "iters": cell.iters,
+         "secs": secs, "lat_ms": lat_ms, "checked": checked, "error": error}
+    if secs:
+        d["mbps"] = cell.size * cell.batch * cell.iters / secs / 1e6
+    d.update(extra)
+    print("RESULT " + json.dumps(d), flush=True)
+
+
+def run_cells(cells: list[Cell], run_one: Callable[[Cell], tuple[float, float, bool]]) -> int:
+    """Runs every cell, one RESULT line each; a failing cell is reported, not fatal."""
+    bad = 0
+    for c in cells:
+        try:
+            secs, lat, ok = run_one(c)
+            emit(c, secs, lat, ok, "" if ok else "byte check failed")
+            bad += not ok
+        except Exception as e:  # the reason goes into the table
+            emit(c, None, None, None, f"{type(e).__name__}: {e}"[:300])
+            bad += 1
+    return 1 if bad else 0
+
+
+def ready(info: object) -> None:
+    """The target's one line to the driver: everything the initiator needs to reach it."""
+    print("READY " + json.dumps(info), flush=True)
+
+
+def wait_stdin_eof() -> None:
+    """Targets live until the driver closes their stdin."""
+    try:
+        while sys.stdin.read(4096):
+            pass
+    except Exception:
+        pass

@@ -1,0 +1,81 @@
+"""NIXL (PyPI nixl 1.5.1) with its UCX backend; the driver picks UCX's transports with
+UCX_TLS (tcp, sm, cma). One transfer handle per batch (initialize_xfer, transfer,
+check_xfer_state), `conc` handles in flight."""
+
+from __future__ import annotations
+
+import base64
+
+import numpy as np
+
+from common import FOOTPRINT, Cell, check_seed, pattern, ready, run_cells, timed_loop, wait_stdin_eof
+
+
+def version() -> str:
+    import importlib.metadata
+
+    return importlib.metadata.version("nixl")
+
+
+def _agent(name: str):
+    from nixl._api import nixl_agent, nixl_agent_config
+
+    return nixl_agent(name, nixl_agent_config(backends=["UCX"]))
+
+
+def target(settings: dict, cells: list[Cell]) -> int:
+    agent = _agent("peers-target")
+    buf = pattern(FOOTPRINT)
+    agent.register_memory([(buf.ctypes.data, buf.nbytes, 0, "")], "DRAM")
+    ready({"addr": buf.ctypes.data, "meta": base64.b64encode(agent.get_agent_metadata()).decode()})
+    wait_stdin_eof()
+    return 0
+
+
+def initiator(settings: dict, cells: list[Cell], info: dict) -> int:
+    agent = _agent("peers-initiator")
+    peer = agent.add_remote_agent(base64.b64decode(info["meta"]))
+    peer = peer.decode() if isinstance(peer, bytes) else peer
+    raddr = int(info["addr"])
+    local, check = pattern(FOOTPRINT), np.zeros(FOOTPRINT, dtype=np.uint8)
+    agent.register_memory([(local.ctypes.data, local.nbytes, 0, ""), (check.ctypes.data, check.nbytes, 0, "")],
+                          "DRAM")
+
+    def xfer(op, base, offs, size):
+        offs = np.asarray(offs, dtype=np.uint64)
+        ln, dev = np.full_like(offs, size), np.zeros_like(offs)
+        ld = np.stack([np.uint64(base) + offs, ln, dev], axis=1)
+        rd = np.stack([np.uint64(raddr) + offs, ln, dev], axis=1)
+        h = agent.initialize_xfer("READ" if op == "read" else "WRITE", agent.get_xfer_descs(ld, "DRAM"),
+                                  agent.get_xfer_descs(rd, "DRAM"), peer)
+        if agent.transfer(h) == "ERR":
+            raise RuntimeError("NIXL transfer failed to post")
+        return h
+
+    def wait(h):
+        while True:
+            s = agent.check_xfer_state(h)
+            if s == "DONE":
+                break
+            if s == "ERR":
+                raise RuntimeError("NIXL transfer failed")
+        agent.release_xfer_handle(h)
+
+    def run_one(c: Cell):
+        if c.op not in ("read", "write"):
+            raise NotImplementedError("NIXL moves data one-sided only (READ, WRITE)")
+        secs, lat = timed_loop(c, lambda offs: xfer(c.op, local.ctypes.data, offs, c.size), wait)
+        n = min(c.batch, max(1, FOOTPRINT // c.size))
+        offs = np.arange(n, dtype=np.uint64) * np.uint64(c.size)
+        if c.op == "read":
+            wait(xfer("read", check.ctypes.data, offs, c.size))
+            return secs, lat, bool(np.array_equal(check[: n * c.size], local[: n * c.size]))
+        local[: n * c.size] = pattern(n * c.size, check_seed(c))
+        wait(xfer("write", local.ctypes.data, offs, c.size))
+        wait(xfer("read", check.ctypes.data, offs, c.size))
+        ok = bool(np.array_equal(check[: n * c.size], local[: n * c.size]))
+        local[: n * c.size] = pattern(FOOTPRINT)[: n * c.size]
+        wait(xfer("write", local.ctypes.data, offs, c.size))
+        return secs, lat, ok
+
+    return run_cells(cells, run_one)

@@ -1,0 +1,129 @@
+"""Sluice through its Python API (the wheel built from this checkout): tcp, shm (CMA on the
+caller's memory) and shm on engine-allocated memfd memory."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+from common import FOOTPRINT, Cell, check_seed, pattern, ready, run_cells, slot_offsets, timed_loop, \
+    wait_stdin_eof, warmup_batches
+
+NAME = "peers"
+
+
+def version() -> str:
+    import sluice
+
+    return sluice.__version__
+
+
+def _engine(settings: dict, listen: bool):
+    import sluice
+
+    kw = {"transports": [settings["transport"]], "channels": settings.get("channels", 2)}
+    if listen:
+        kw["listen"] = "127.0.0.1:0"
+        # The target posts the SEND cells' receives while the READ/WRITE cells run first:
+        # a receive waits until the endpoint closes, not the default 30 s.
+        kw["recv_timeout_ms"] = 0
+    return sluice.Engine(**kw)
+
+
+def _buffer(engine, memfd: bool, name=None):
+    if memfd:
+        return engine.allocate(FOOTPRINT, name=name)
+    a = np.zeros(FOOTPRINT, dtype=np.uint8)
+    return a, engine.register(a, name=name)
+
+
+def recv_checks(ep, buf, handle, cells: list[Cell]) -> None:
+    """Receives every SEND cell's messages in order (the k-th send meets the k-th recv),
+    then the check batch, and prints one CHECK line per cell."""
+    for c in cells:
+        if c.op != "send":
+            continue
+        offs = slot_offsets(c.size, c.batch, warmup_batches(c) + c.iters)
+        depth, pending = c.batch * c.conc * 2, []
+        for row in offs:
+            for off in row:
+                pending.append(ep.recv(handle, int(off), c.size))
+            if len(pending) >= depth:
+                for f in pending:
+                    f.wait()
+                pending = []
+        for f in pending:
+            f.wait()
+        n = min(c.batch, max(1, FOOTPRINT // c.size))
+        futs = [ep.recv(handle, j * c.size, c.size) for j in range(n)]
+        for f in futs:
+            f.wait()
+        ok = bool(np.array_equal(buf[: n * c.size], pattern(n * c.size, check_seed(c))))
+        buf[: n * c.size] = pattern(n * c.size)  # the target's pattern again, for later reads
+        print("CHECK " + json.dumps({"key": c.key(), "ok": ok}), flush=True)
+
+
+def target(settings: dict, cells: list[Cell]) -> int:
+    engine = _engine(settings, True)
+    buf, handle = _buffer(engine, settings.get("memfd", False), NAME)
+    buf[:] = pattern(FOOTPRINT)
+    ready({"address": engine.listen_address})
+    ep = engine.accept(60)
+    if ep is None:
+        raise SystemExit("sluice target: no initiator connected within 60 s")
+    recv_checks(ep, buf, handle, cells)
+    wait_stdin_eof()
+    engine.close()
+    return 0
+
+
+def initiator(settings: dict, cells: list[Cell], info: dict) -> int:
+    engine = _engine(settings, False)
+    ep = engine.connect(info["address"], transport=settings["transport"])
+    remote = int(ep.remote_region(NAME))
+    local, lh = _buffer(engine, settings.get("memfd", False))
+    check = np.zeros(FOOTPRINT, dtype=np.uint8)
+    ch = engine.register(check)
+    local[:] = pattern(FOOTPRINT)
+    L = int(lh)
+
+    def batch_of(offs, size, lhandle=L):
+        arr = np.empty((len(offs), 5), dtype=np.uint64)
+        arr[:, 0], arr[:, 1], arr[:, 2], arr[:, 3], arr[:, 4] = lhandle, offs, remote, offs, size
+        return arr
+
+    def run_one(c: Cell):
+        if c.op == "send":
+            submit = lambda offs: [ep.send(L, int(o), c.size) for o in offs]
+            wait = lambda fs: [f.result() for f in fs]
+        else:
+            fn = ep.read if c.op == "read" else ep.write
+            submit = lambda offs: fn(batch_of(offs, c.size))
+            wait = lambda f: f.result()
+        secs, lat = timed_loop(c, submit, wait)
+        n = min(c.batch, max(1, FOOTPRINT // c.size))
+        offs = np.arange(n, dtype=np.uint64) * np.uint64(c.size)
+        seed = check_seed(c)
+        if c.op == "read":  # the target's region holds pattern(FOOTPRINT)
+            ep.read(batch_of(offs, c.size, int(ch))).result()
+            ok = bool(np.array_equal(check[: n * c.size], pattern(FOOTPRINT)[: n * c.size]))
+        else:
+            local[: n * c.size] = pattern(n * c.size, seed)
+            if c.op == "send":
+                for f in [ep.send(L, int(o), c.size) for o in offs]:
+                    f.result()
+                ok = True  # the receiver checks and prints CHECK
+            else:
+                ep.write(batch_of(offs, c.size)).result()
+                ep.read(batch_of(offs, c.size, int(ch))).result()
+                ok = bool(np.array_equal(check[: n * c.size], local[: n * c.size]))
+            local[: n * c.size] = pattern(FOOTPRINT)[: n * c.size]
+            if c.op == "write":  # restore the target's pattern for later READ checks
+                ep.write(batch_of(offs, c.size)).result()
+        return secs, lat, ok
+
+    try:
+        return run_cells(cells, run_one)
+    finally:
+        engine.close()

@@ -1,0 +1,216 @@
+// Physical ceilings for bench/peers, matched to an engine's parallelism (issue 16).
+//
+//   ceilings tcp    SIZE MESSAGES NSTREAMS   N loopback TCP connections between two processes
+//   ceilings cma    SIZE MESSAGES NTHREADS FOOTPRINT   N threads of process_vm_readv from a child
+//   ceilings memcpy SIZE MESSAGES NTHREADS FOOTPRINT   N threads of memcpy in one process
+//   ceilings tcp-pingpong SIZE MESSAGES                one connection: SIZE bytes out, 1 byte back
+//
+// MESSAGES messages of SIZE bytes are split over the N streams/threads (what the engine moves
+// in one cell); the copies walk a FOOTPRINT-byte buffer slot by slot like the engines do.
+// Prints one JSON line: {"secs": wall seconds, "lat_ms": mean time of one message on one
+// stream}. Exit status 1 with a message on stderr on any error (never a made-up number).
+#define _GNU_SOURCE
+#include <arpa/inet.h>
+#include <netinet/tcp.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+static double now(void) {
+  struct timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return t.tv_sec + t.tv_nsec * 1e-9;
+}
+static void die(const char* what) {
+  perror(what);
+  exit(1);
+}
+
+static size_t g_size, g_msgs, g_foot;
+static int g_n;
+static char *g_src, *g_dst;
+static pid_t g_child;
+static int g_mode;  // 0 tcp, 1 cma, 2 memcpy
+static int* g_socks;
+
+static size_t share(int t) { return g_msgs / g_n + ((size_t)t < g_msgs % g_n); }
+
+static void write_all(int s, const char* p, size_t n) {
+  while (n) {
+    ssize_t k = write(s, p, n);
+    if (k <= 0) die("write");
+    p += k, n -= k;
+  }
+}
+static void read_all(int s, char* p, size_t n) {
+  while (n) {
+    ssize_t k = read(s, p, n);
+    if (k <= 0) die("read");
+    p += k, n -= k;
+  }
+}
+
+static void* worker(void* arg) {
+  int t = (int)(long)arg;
+  size_t slots = g_foot / g_size ? g_foot / g_size : 1, m = share(t);
+  for (size_t i = 0; i < m; i++) {
+    size_t off = ((i * g_n + t) % slots) * g_size;
+    if (g_mode == 0) {
+      write_all(g_socks[t], g_src + off, g_size);
+    } else if (g_mode == 1) {
+      struct iovec l = {g_dst + off, g_size}, r = {g_src + off, g_size};
+      if (process_vm_readv(g_child, &l, 1, &r, 1, 0) != (ssize_t)g_size) die("process_vm_readv");
+    } else {
+      memcpy(g_dst + off, g_src + off, g_size);
+    }
+  }
+  return NULL;
+}
+
+static double run_threads(void) {
+  pthread_t th[64];
+  double t0 = now();
+  for (int t = 0; t < g_n; t++) pthread_create(&th[t], NULL, worker, (void*)(long)t);
+  for (int t = 0; t < g_n; t++) pthread_join(th[t], NULL);
+  return now() - t0;
+}
+
+static int listen_any(int* port) {
+  int one = 1, ls = socket(AF_INET, SOCK_STREAM, 0);
+  setsockopt(ls, SOL_SOCKET, SO_REUSEADDR, &one, 4);
+  struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+  socklen_t len = sizeof a;
+  if (bind(ls, (void*)&a, sizeof a) || listen(ls, 64) || getsockname(ls, (void*)&a, &len)) die("listen");
+  *port = ntohs(a.sin_port);
+  return ls;
+}
+static int dial(int port) {
+  int one = 1, s = socket(AF_INET, SOCK_STREAM, 0);
+  setsockopt(s, IPPROTO_TCP, TCP_NODELAY, &one, 4);
+  struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons(port), .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+  if (connect(s, (void*)&a, sizeof a)) die("connect");
+  return s;
+}
+
+// The receiving process: one reader per connection; drains everything, then acks.
+static void* drain(void* arg) {
+  int s = (int)(long)arg;
+  char* buf = malloc(4 << 20);
+  ssize_t k;
+  while ((k = read(s, buf, 4 << 20)) > 0) {
+  }
+  char ack = 1;
+  write_all(s, &ack, 1);
+  free(buf);
+  return NULL;
+}
+
+static int tcp(int pingpong) {
+  int port, ls = listen_any(&port);
+  pid_t srv = fork();
+  if (srv == 0) {
+    pthread_t th[64];
+    int n = pingpong ? 1 : g_n;
+    for (int t = 0; t < n; t++) {
+      int s = accept(ls, 0, 0);
+      if (s < 0) die("accept");
+      if (pingpong) {
+        char* buf = malloc(g_size);
+        char ack = 1;
+        for (size_t i = 0; i < g_msgs + 1; i++) read_all(s, buf, g_size), write_all(s, &ack, 1);
+        _exit(0);
+      }
+      pthread_create(&th[t], NULL, drain, (void*)(long)s);
+    }
+    for (int t = 0; t < n; t++) pthread_join(th[t], NULL);
+    _exit(0);
+  }
+  close(ls);
+  g_socks = calloc(g_n, sizeof(int));
+  for (int t = 0; t < (pingpong ? 1 : g_n); t++) g_socks[t] = dial(port);
+  double secs, lat;
+  if (pingpong) {
+    char ack;
+    write_all(g_socks[0], g_src, g_size), read_all(g_socks[0], &ack, 1);  // warm-up
+    double t0 = now();
+    for (size_t i = 0; i < g_msgs; i++) write_all(g_socks[0], g_src, g_size), read_all(g_socks[0], &ack, 1);
+    secs = now() - t0;
+    lat = secs / g_msgs;
+  } else {
+    double t0 = now();
+    run_threads();
+    for (int t = 0; t < g_n; t++) shutdown(g_socks[t], SHUT_WR);
+    for (int t = 0; t < g_n; t++) {
+      char ack;
+      read_all(g_socks[t], &ack, 1);  // the receiver has every byte
+    }
+    secs = now() - t0;
+    lat = secs / ((g_msgs + g_n - 1) / g_n);
+  }
+  waitpid(srv, NULL, 0);
+  printf("{\"secs\": %.9f, \"lat_ms\": %.9f}\n", secs, lat * 1e3);
+  return 0;
+}
+
+int main(int argc, char** argv) {
+  if (argc < 4) {
+    fprintf(stderr, "usage: ceilings tcp|tcp-pingpong|cma|memcpy SIZE MESSAGES [N [FOOTPRINT]]\n");
+    return 2;
+  }
+  const char* mode = argv[1];
+  g_size = strtoull(argv[2], 0, 0), g_msgs = strtoull(argv[3], 0, 0);
+  g_n = argc > 4 ? atoi(argv[4]) : 1;
+  g_foot = argc > 5 ? strtoull(argv[5], 0, 0) : g_size;
+  if (g_size == 0 || g_msgs == 0 || g_n < 1 || g_n > 64 || g_foot < g_size) {
+    fprintf(stderr, "ceilings: bad arguments\n");
+    return 2;
+  }
+  signal(SIGPIPE, SIG_IGN);
+  size_t alloc = (g_foot + 4095) & ~(size_t)4095;
+  g_src = aligned_alloc(4096, alloc), g_dst = aligned_alloc(4096, alloc);
+  if (!g_src || !g_dst) die("aligned_alloc");
+  memset(g_src, 3, alloc), memset(g_dst, 0, alloc);
+  if (!strcmp(mode, "tcp")) return g_mode = 0, tcp(0);
+  if (!strcmp(mode, "tcp-pingpong")) return g_mode = 0, g_n = 1, tcp(1);
+  if (!strcmp(mode, "cma")) {
+    int p[2];
+    if (pipe(p)) die("pipe");
+    g_child = fork();
+    if (g_child == 0) {
+      memset(g_src, 5, alloc);  // the child's own pages (copy-on-write broken)
+      char x = 1;
+      write_all(p[1], &x, 1);
+      pause();
+      _exit(0);
+    }
+    char x;
+    read_all(p[0], &x, 1);
+    g_mode = 1;
+  } else if (!strcmp(mode, "memcpy")) {
+    g_mode = 2;
+  } else {
+    fprintf(stderr, "ceilings: unknown mode %s\n", mode);
+    return 2;
+  }
+  // One untimed pass faults every page in, as the engines' warm-up does.
+  size_t msgs = g_msgs;
+  g_msgs = g_n * (g_foot / g_size ? g_foot / g_size : 1);
+  run_threads();
+  g_msgs = msgs;
+  double secs = run_threads();
+  int bad = g_mode == 1 && g_dst[0] != 5;
+  if (g_child) kill(g_child, SIGKILL), waitpid(g_child, NULL, 0);
+  if (bad) {
+    fprintf(stderr, "ceilings: process_vm_readv copied the wrong bytes\n");
+    return 1;
+  }
+  printf("{\"secs\": %.9f, \"lat_ms\": %.9f}\n", secs, secs / ((g_msgs + g_n - 1) / g_n) * 1e3);
+  return 0;
+}

@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# Sluice and its peers side by side on the same work (issue 16); see docs/peers.md.
+#
+#   bench/peers/run.sh [--quick] [driver options]     (python3 bench/peers/driver.py --help)
+#
+# Installs what it needs: a virtual environment in bench/peers/.venv with the peers from PyPI
+# (mooncake-transfer-engine-non-cuda, nixl, dlslime, torch for gloo, matplotlib) and the
+# sluice wheel built from this checkout; Open MPI with apt-get when it is missing and this
+# runs as root (PEERS_NO_APT=1 forbids that; MPI rows then say why). Results go to
+# bench/peers/results/ (every sample as CSV and JSON, peers.md, plots). A full run
+# (without --quick) also rewrites docs/peers.md and docs/img/peers-*.png unless --no-docs.
+set -euo pipefail
+HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+ROOT=$(cd "$HERE/../.." && pwd)
+VENV=${PEERS_VENV:-$HERE/.venv}
+PY=${PYTHON:-python3}
+say() { printf '=== %s\n' "$*"; }
+
+quick=0; docs=1; args=()
+for a in "$@"; do
+  case "$a" in
+    --quick) quick=1; args+=("$a") ;;
+    --no-docs) docs=0 ;;
+    *) args+=("$a") ;;
+  esac
+done
+
+if ! command -v mpirun >/dev/null || ! command -v mpicc >/dev/null; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null && [ -z "${PEERS_NO_APT:-}" ]; then
+    say "Open MPI missing: apt-get install openmpi-bin libopenmpi-dev"
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+        openmpi-bin libopenmpi-dev >/dev/null; } || echo "run.sh: Open MPI could not be installed; its rows will say so" >&2
+  fi
+fi
+
+if [ ! -x "$VENV/bin/python" ]; then
+  say "creating $VENV"
+  "$PY" -m venv "$VENV"
+fi
+VPY=$VENV/bin/python
+pip_q() { "$VPY" -m pip install -q --disable-pip-version-check "$@" 2>&1 | grep -v 'is ignored: it is neither' || true; }
+if ! "$VPY" -c 'import numpy, matplotlib, torch, nixl, dlslime, mooncake' 2>/dev/null; then
+  say "installing the peers into $VENV"
+  pip_q numpy matplotlib torch nixl==1.5.1 dlslime==0.1.23 mooncake-transfer-engine-non-cuda
+fi
+
+# The sluice wheel from this checkout. scikit-build-core builds in build-wheel/, as
+# python/run_tests.sh does with the same settings, so after that suite this is a relink.
+say "pip install . (the sluice wheel from this checkout)"
+pip_q "$ROOT"
+"$VPY" -c 'import sluice; print("sluice", sluice.__version__)'
+
+say "building the native programs (ceilings, Open MPI adapter)"
+mkdir -p "$HERE/.build"
+cc -O2 -pthread -o "$HERE/.build/ceilings" "$HERE/native/ceilings.c"
+if command -v mpicc >/dev/null; then
+  mpicc -O2 -o "$HERE/.build/mpi_peer" "$HERE/native/mpi_peer.c"
+fi
+
+say "running (python driver.py ${args[*]:-})"
+rc=0
+"$VPY" "$HERE/driver.py" "${args[@]}" || rc=$?
+if [ "$quick" = 0 ] && [ "$docs" = 1 ]; then
+  "$VPY" "$HERE/report.py" "$HERE/results" --md "$HERE/results/peers-docs.md" --img "$ROOT/docs/img" --img-prefix img/
+  "$VPY" "$HERE/docs_section.py" "$HERE/results/peers-docs.md" "$ROOT/docs/peers.md"
+  say "docs/peers.md and docs/img/peers-*.png rewritten"
+fi
+exit $rc
