@@ -68,11 +68,8 @@ if [ -z "${SLUICE_SKIP_MOONCAKE:-}" ]; then
 fi
 
 say "pip install . (scikit-build-core + CMake; build tree in build-wheel/)"
-# sluice.torch builds against the venv's torch (pip's isolated build env has none), and its
-# tests skip when it was not built (SLUICE_REQUIRE_TORCH_BACKEND=1 makes that a failure).
-if "$VPY" -c 'import torch' 2>/dev/null; then
-  export SKBUILD_CMAKE_DEFINE="SLUICE_TORCH_PYTHON=$VPY"
-fi
+# sluice.torch is not in the wheel yet (its build inside pip's isolated environment does not
+# find the venv's torch): its torchrun tests skip, saying so. Issue 12 is open on this.
 "$VPY" -m pip install -q --disable-pip-version-check "$ROOT"
 
 say "version and C++ package in the wheel"
