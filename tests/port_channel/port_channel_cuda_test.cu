@@ -8,6 +8,7 @@
 
 #include <chrono>
 #include <cstring>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -26,6 +27,14 @@ namespace {
     if (sluice::cuda::device_count() < 1) GTEST_SKIP() << "needs a CUDA device: " << sluice::cuda::unavailable_reason(); \
   } while (0)
 #define CK(x) ASSERT_EQ((x), cudaSuccess) << #x
+
+// What a proxy did, for failure messages: a stalled proxy and a stalled producer differ here.
+std::string stats_of(const ProxyService& p) {
+  ProxyStats s = p.stats();
+  return " [proxy: " + std::to_string(s.requests) + " requests, " + std::to_string(s.puts) + " puts, " +
+         std::to_string(s.signals) + " signals, " + std::to_string(s.flushes) + " flushes, " +
+         std::to_string(s.dropped) + " dropped]";
+}
 
 int other_device() { return sluice::cuda::device_count() > 1 ? 1 : 0; }
 
@@ -176,8 +185,8 @@ TEST(PortChannelGpu, BidirectionalPutWithSignal) {
   CK(cudaMemcpy(ha, out_a, sizeof(ha), cudaMemcpyDeviceToHost));
   CK(cudaMemcpy(hb, out_b, sizeof(hb), cudaMemcpyDeviceToHost));
   for (int i = 0; i < 3; ++i) {
-    EXPECT_EQ(0, ha[i]) << "a step " << i << ": " << p.ca.status().to_string();
-    EXPECT_EQ(0, hb[i]) << "b step " << i << ": " << p.cb.status().to_string();
+    EXPECT_EQ(0, ha[i]) << "a step " << i << ": " << p.ca.status().to_string() << stats_of(*p.pa);
+    EXPECT_EQ(0, hb[i]) << "b step " << i << ": " << p.cb.status().to_string() << stats_of(*p.pb);
   }
   EXPECT_EQ(0u, bad_bytes(static_cast<uint8_t*>(p.rb.ptr) + n, n, 1, db)) << "a's bytes at b";
   EXPECT_EQ(0u, bad_bytes(static_cast<uint8_t*>(p.ra.ptr) + n, n, 2, da)) << "b's bytes at a";
@@ -224,7 +233,7 @@ TEST(PortChannelGpu, ThousandProducersOnASixtyFourEntryFifo) {
   CK(cudaDeviceSynchronize());
   std::vector<int> h(kThreads + 1);
   CK(cudaMemcpy(h.data(), out, h.size() * sizeof(int), cudaMemcpyDeviceToHost));
-  for (int t = 0; t <= kThreads; ++t) ASSERT_EQ(0, h[t]) << "thread " << t << ": " << p.ca.status().to_string();
+  for (int t = 0; t <= kThreads; ++t) ASSERT_EQ(0, h[t]) << "thread " << t << ": " << p.ca.status().to_string() << stats_of(*p.pa);
   // The data landed at b's offset 0 (dst offset = src offset), the counter counts every signal.
   EXPECT_EQ(0u, bad_bytes(p.rb.ptr, kThreads * 8, 3, db));
   uint64_t counter = 0;
