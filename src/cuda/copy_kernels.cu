@@ -1,5 +1,8 @@
 #include "cuda/copy_kernels.hpp"
 
+#include <mutex>
+#include <set>
+
 namespace sluice::detail::cuda {
 namespace {
 
@@ -25,6 +28,29 @@ __global__ void add_u64(unsigned long long* counter, unsigned long long add) {
 cudaError_t signal_add(uint64_t* counter, uint64_t add, cudaStream_t stream) {
   add_u64<<<1, 1, 0, stream>>>(reinterpret_cast<unsigned long long*>(counter), static_cast<unsigned long long>(add));
   return cudaGetLastError();
+}
+
+cudaError_t load_kernels() {
+  // cudaFuncGetAttributes loads a lazily loaded kernel (CUDA programming guide, Lazy Loading).
+  cudaFuncAttributes a;
+  for (const void* f : {reinterpret_cast<const void*>(&add_u64), reinterpret_cast<const void*>(&copy16),
+                        reinterpret_cast<const void*>(&copy1)})
+    if (cudaError_t e = cudaFuncGetAttributes(&a, f); e != cudaSuccess) return e;
+  return cudaSuccess;
+}
+
+cudaError_t load_kernels_on(int device) {
+  static std::mutex mu;
+  static std::set<int> loaded;
+  std::lock_guard<std::mutex> lk(mu);
+  if (loaded.count(device)) return cudaSuccess;
+  int prev = -1;
+  if (cudaError_t e = cudaGetDevice(&prev); e != cudaSuccess) return e;
+  cudaError_t e = cudaSetDevice(device);
+  if (e == cudaSuccess) e = load_kernels();
+  cudaSetDevice(prev);
+  if (e == cudaSuccess) loaded.insert(device);
+  return e;
 }
 
 cudaError_t sm_copy(void* dst, const void* src, uint64_t n, cudaStream_t stream) {

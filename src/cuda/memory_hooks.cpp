@@ -1,11 +1,24 @@
 // Plugs GPU memory into the engine (Engine::allocate / register_memory for cuda:N).
 #include "core/device_hooks.hpp"
+#include "cuda/copy_kernels.hpp"
 #include "cuda/cuda_util.hpp"
 
 namespace sluice::detail::cuda {
 namespace {
 
+// The engine's own kernels (the post path's signal, SM copies) load on a device before the
+// user's kernels run there: a lazy load later would wait for a kernel spinning on a port
+// channel semaphore that only our signal kernel can raise (copy_kernels.hpp).
+void load_ours(int device) {
+  if (cudaError_t e = load_kernels_on(device); e != cudaSuccess) {
+    cudaGetLastError();
+    throw Error(ErrorCode::kSystem, std::string("loading the engine's kernels on cuda:") + std::to_string(device) +
+                                        ": " + cudaGetErrorString(e));
+  }
+}
+
 void* hook_allocate(uint64_t length, int device, uint64_t* size) {
+  load_ours(device);
   DeviceBuffer b = allocate(length, device);
   *size = b.size;
   return b.ptr;
@@ -25,6 +38,7 @@ void hook_check(const void* ptr, uint64_t length, int device) {
   int last = pointer_device(static_cast<const uint8_t*>(ptr) + length - 1);
   if (last != device)
     throw Error(ErrorCode::kInvalidArgument, "register_memory: [ptr, ptr+length) runs past the device allocation");
+  load_ours(device);
 }
 
 const DeviceMemoryHooks kHooks{hook_allocate, hook_free, hook_check};

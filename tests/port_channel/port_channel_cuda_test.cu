@@ -228,6 +228,11 @@ TEST(PortChannelGpu, ThousandProducersOnASixtyFourEntryFifo) {
   fill<<<8, 128>>>(static_cast<uint8_t*>(p.ra.ptr), kThreads * 8, 3);
   int* out = nullptr;
   CK(cudaMalloc(&out, (kThreads + 1) * sizeof(int)));
+  // flush_one is launched while many_producers spins: under CUDA's lazy loading its load would
+  // wait for the spinning kernel (and hold up the proxy's CUDA calls meanwhile). Load it first,
+  // as docs/port-channel.md tells users to.
+  cudaFuncAttributes attr;
+  CK(cudaFuncGetAttributes(&attr, flush_one));
   many_producers<<<kThreads / 256, 256>>>(p.ca.device_handle(), out);
   flush_one<<<1, 1>>>(p.ca.device_handle(), out + kThreads);
   CK(cudaDeviceSynchronize());

@@ -170,6 +170,7 @@ cudaStream_t NvlinkEndpoint::stream(int device, size_t lane) {
   auto& s = streams_[{device, lane}];
   if (!s) {
     cu::check(cudaSetDevice(device), "cudaSetDevice");
+    cu::check(cu::load_kernels(), "loading the copy kernels");  // before any user kernel spins (copy_kernels.hpp)
     cu::check(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreate");
   }
   return s;

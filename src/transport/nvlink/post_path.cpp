@@ -121,6 +121,9 @@ PostStream* NvlinkEndpoint::post_stream(int device) {
   auto ps = std::make_unique<PostStream>();
   ps->device = device;
   DeviceScope scope(device);
+  // Loaded now, not at the first signal: a port channel's kernel may be spinning on this
+  // device by then, and a lazy load would wait for it (copy_kernels.hpp).
+  cu::check(cu::load_kernels(), "loading the signal and copy kernels");
   cu::check(cudaStreamCreateWithFlags(&ps->stream, cudaStreamNonBlocking), "cudaStreamCreate");
   post_streams_.push_back(std::move(ps));
   return post_streams_.back().get();
