@@ -117,6 +117,29 @@ def timed_loop(cell: Cell, submit: Callable[[np.ndarray], object], wait: Callabl
     return time.perf_counter() - t0, lat / cell.iters * 1e3
 
 
+def run_one_sided(c: Cell, local: np.ndarray, check: np.ndarray,
+                  xfer: Callable[[str, int, np.ndarray, int], object], wait: Callable[[object], None],
+                  engine: str) -> tuple[float, float, bool]:
+    """One READ or WRITE cell of an engine that moves data one-sided by address (Mooncake,
+    NIXL): the timed loop, then the byte check of one batch's slots through the same engine
+    (a READ into `check`; a WRITE of a fresh pattern read back), then the target restored."""
+    if c.op not in ("read", "write"):
+        raise NotImplementedError(f"{engine} moves data one-sided only (READ, WRITE)")
+    secs, lat = timed_loop(c, lambda offs: xfer(c.op, local.ctypes.data, offs, c.size), wait)
+    n = min(c.batch, max(1, FOOTPRINT // c.size))
+    offs = np.arange(n, dtype=np.uint64) * np.uint64(c.size)
+    if c.op == "read":
+        wait(xfer("read", check.ctypes.data, offs, c.size))
+        return secs, lat, bool(np.array_equal(check[: n * c.size], local[: n * c.size]))
+    local[: n * c.size] = pattern(n * c.size, check_seed(c))
+    wait(xfer("write", local.ctypes.data, offs, c.size))
+    wait(xfer("read", check.ctypes.data, offs, c.size))
+    ok = bool(np.array_equal(check[: n * c.size], local[: n * c.size]))
+    local[: n * c.size] = pattern(FOOTPRINT)[: n * c.size]
+    wait(xfer("write", local.ctypes.data, offs, c.size))
+    return secs, lat, ok
+
+
 def emit(cell: Cell, secs: Optional[float], lat_ms: Optional[float], checked: Optional[bool],
          error: str = "", **extra) -> None:
     """One RESULT line on stdout for the driver."""

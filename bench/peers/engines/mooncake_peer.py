@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from common import FOOTPRINT, Cell, check_seed, pattern, ready, run_cells, timed_loop, wait_stdin_eof
+from common import FOOTPRINT, Cell, pattern, ready, run_cells, run_one_sided, wait_stdin_eof
 
 
 def version() -> str:
@@ -61,20 +61,6 @@ def initiator(settings: dict, cells: list[Cell], info: dict) -> int:
             raise RuntimeError(f"mooncake transfer failed ({rc})")
 
     def run_one(c: Cell):
-        if c.op not in ("read", "write"):
-            raise NotImplementedError("mooncake has READ and WRITE only")
-        secs, lat = timed_loop(c, lambda offs: xfer(c.op, local.ctypes.data, offs, c.size), wait)
-        n = min(c.batch, max(1, FOOTPRINT // c.size))
-        offs = np.arange(n, dtype=np.uint64) * np.uint64(c.size)
-        if c.op == "read":
-            wait(xfer("read", check.ctypes.data, offs, c.size))
-            return secs, lat, bool(np.array_equal(check[: n * c.size], local[: n * c.size]))
-        local[: n * c.size] = pattern(n * c.size, check_seed(c))
-        wait(xfer("write", local.ctypes.data, offs, c.size))
-        wait(xfer("read", check.ctypes.data, offs, c.size))
-        ok = bool(np.array_equal(check[: n * c.size], local[: n * c.size]))
-        local[: n * c.size] = pattern(FOOTPRINT)[: n * c.size]
-        wait(xfer("write", local.ctypes.data, offs, c.size))
-        return secs, lat, ok
+        return run_one_sided(c, local, check, xfer, wait, "mooncake")
 
     return run_cells(cells, run_one)
