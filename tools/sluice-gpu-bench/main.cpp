@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "../common/cuda_check.hpp"
 #include "sluice/cuda.hpp"
 #include "sluice/sluice.hpp"
 
@@ -24,15 +25,6 @@ using namespace sluice;
 using Clock = std::chrono::steady_clock;
 
 namespace {
-
-#define CK(x)                                                                               \
-  do {                                                                                      \
-    cudaError_t e_ = (x);                                                                   \
-    if (e_ != cudaSuccess) {                                                                \
-      std::fprintf(stderr, "%s: %s\n", #x, cudaGetErrorString(e_));                        \
-      std::exit(2);                                                                         \
-    }                                                                                       \
-  } while (0)
 
 std::ostringstream report;
 void out(const std::string& s) {

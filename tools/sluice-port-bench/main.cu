@@ -14,6 +14,7 @@
 #include <memory>
 #include <string>
 
+#include "../common/cuda_check.hpp"
 #include "sluice/cuda.hpp"
 #include "sluice/port_channel.hpp"
 #include "sluice/sluice.hpp"
@@ -22,15 +23,6 @@ using namespace sluice;
 using Clock = std::chrono::steady_clock;
 
 namespace {
-
-#define CK(x)                                                               \
-  do {                                                                      \
-    cudaError_t e_ = (x);                                                   \
-    if (e_ != cudaSuccess) {                                                \
-      std::fprintf(stderr, "%s: %s\n", #x, cudaGetErrorString(e_));        \
-      std::exit(2);                                                         \
-    }                                                                       \
-  } while (0)
 
 // Each side: rounds x (put_with_signal of n bytes, then wait for the peer's), then flush.
 __global__ void exchange(PortChannelDeviceHandle ch, uint64_t n, int rounds, int* err) {
