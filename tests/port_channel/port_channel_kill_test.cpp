@@ -59,6 +59,11 @@ TEST_P(PortChannelKill, KilledPeerFailsWaitAndFlush) {
   child->reap_killed();
   waiter.join();
   idle_waiter.join();
+  // The pusher may be between two pushes when the waiters return: give it a bounded time to
+  // make the push that must fail, rather than stopping it first.
+  for (auto until = std::chrono::steady_clock::now() + 10s;
+       push_failed.load() == 0 && std::chrono::steady_clock::now() < until;)
+    std::this_thread::sleep_for(1ms);
   stop = true;
   pusher.join();
   EXPECT_EQ(int(PortResult::kFailed), waited.load()) << "wait() did not return kFailed after the peer died";
