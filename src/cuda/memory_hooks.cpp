@@ -18,6 +18,7 @@ void load_ours(int device) {
 }
 
 void* hook_allocate(uint64_t length, int device, uint64_t* size) {
+  require_device(device, "allocate");  // no GPU is kNoDevice, before any CUDA call can say otherwise
   load_ours(device);
   DeviceBuffer b = allocate(length, device);
   *size = b.size;
