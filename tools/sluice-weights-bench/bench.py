@@ -50,13 +50,27 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
 
+_POOL = 4 << 20
+
+
+def fill(t: torch.Tensor, pool: torch.Tensor, index: int) -> None:
+    """Random-looking bytes that differ per tensor, at memcpy speed: slices of a random pool
+    starting at a per-tensor offset (random generation of the whole model would dominate)."""
+    b = as_bytes(t)
+    off, pos = (index * 7919) % _POOL, 0
+    while pos < b.numel():
+        n = min(b.numel() - pos, _POOL)
+        b[pos:pos + n].copy_(pool[off:off + n])
+        pos += n
+
+
 def trainer(conn, spec: Spec, transports) -> None:
     engine = sluice.Engine(transports=transports)
     tensors: Dict[str, torch.Tensor] = {}
-    g = torch.Generator().manual_seed(1234)
-    for name, dt, shape in spec:
+    pool = torch.randint(0, 256, (2 * _POOL,), dtype=torch.uint8, generator=torch.Generator().manual_seed(1234))
+    for i, (name, dt, shape) in enumerate(spec):
         t = torch.empty(shape, dtype=dt)
-        as_bytes(t).copy_(torch.randint(0, 256, (as_bytes(t).numel(),), dtype=torch.uint8, generator=g))
+        fill(t, pool, i)
         tensors[name] = t
     crcs = {n: zlib.crc32(as_bytes(t).numpy()) for n, t in tensors.items()}
     pub = WeightPublisher(engine, "bench")
@@ -116,7 +130,10 @@ def main(argv=None) -> int:
 
     spec = synthetic_spec(a.size_mib << 20, a.tensors)
     total = sum(torch.empty(0, dtype=d).element_size() * s[0] for _, d, s in spec)
-    ctx = mp.get_context("spawn")
+    # forkserver: torch and sluice are imported once (in the server), every process forks
+    # from it; spawned processes would each import torch again (seconds on a busy host).
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "sluice", "sluice.weights"])
     tconn, tchild = ctx.Pipe()
     tp = ctx.Process(target=trainer, args=(tchild, spec, a.transport), daemon=True)
     tp.start()
