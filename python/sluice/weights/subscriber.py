@@ -119,7 +119,10 @@ class WeightSubscriber:
                                    f"lies outside its region {info.region!r} of {rlen} bytes")
             items.append(Item(name, info.nbytes, self._local(name, tensor), rid, info.offset))
         buckets = plan(items, self.bucket_bytes)
-        self._pull(buckets, targets, on_bucket, deadline)
+        try:
+            self._pull(buckets, targets, on_bucket, deadline)
+        except UnknownHandleError as e:  # the trainer unregistered a region we were reading
+            raise WeightsChangedError(f"trainer {self._ref!r} withdrew tensors during the update: {e}") from e
         self._check_unchanged(snap, deadline)
         for name in result.updated:
             self._have[name] = (snap.instance, infos[name][1], targets[name].data_ptr())
