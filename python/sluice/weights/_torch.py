@@ -12,7 +12,8 @@ def torch():
 
 
 def dtype_name(t) -> str:
-    return str(t.dtype).removeprefix("torch.")
+    s = str(t.dtype)
+    return s[len("torch."):] if s.startswith("torch.") else s
 
 
 def nbytes(t) -> int:

@@ -133,3 +133,23 @@ def test_unreachable_trainer_is_named():
         sub = WeightSubscriber(e, "127.0.0.1:1", timeout=2)
         with pytest.raises(TrainerLostError, match="127.0.0.1:1"):
             sub.update({"x": torch.zeros(1)})
+
+
+def test_register_more_tensors_later_grows_the_metadata(pair):
+    a, b = pair
+    pub = WeightPublisher(a, "m")
+    first = {"w0": torch.full((4,), 1.0)}
+    pub.register(first)
+    pub.publish(1)
+    sub = WeightSubscriber(b, a.listen_address, timeout=10)
+    got = {"w0": torch.zeros(4)}
+    assert sub.update(got).updated == ["w0"]
+    more = {f"layer{i}.with_a_long_name.weight": torch.full((3,), float(i)) for i in range(300)}
+    pub.register(more)  # the table outgrows the metadata region: it is replaced
+    pub.publish(2, names=list(more))
+    got.update({n: torch.zeros(3) for n in more})
+    res = sub.update(got)
+    assert sorted(res.updated) == sorted(more) and res.unchanged == ["w0"]
+    assert all(torch.equal(got[n], more[n]) for n in more)
+    sub.close()
+    pub.close()
