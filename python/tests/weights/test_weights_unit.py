@@ -153,3 +153,45 @@ def test_register_more_tensors_later_grows_the_metadata(pair):
     assert all(torch.equal(got[n], more[n]) for n in more)
     sub.close()
     pub.close()
+
+
+class _FakeFuture:
+    def __init__(self, events, k):
+        self.events, self.k = events, k
+
+    def wait(self, timeout=None):
+        self.events.append(f"done{self.k}")
+        return True
+
+    def done(self):
+        return True
+
+
+class _FakeEndpoint:
+    def __init__(self, events):
+        self.events, self.n = events, 0
+
+    def read(self, batch):
+        self.events.append(f"read{self.n}")
+        self.n += 1
+        return _FakeFuture(self.events, self.n - 1)
+
+
+@pytest.mark.parametrize("depth", [1, 2, 3])
+def test_callback_runs_while_next_buckets_are_in_flight(depth):
+    """The pipeline's order, with the transfer faked: before bucket i's callback runs, the
+    READs of buckets i+1 .. i+depth have been submitted (depth buckets move during it)."""
+    with sluice.Engine() as e:
+        sub = WeightSubscriber(e, "127.0.0.1:1", depth=depth)
+        events = []
+        ep = _FakeEndpoint(events)
+        sub._connect = lambda deadline: ep
+        buckets = plan([Item(f"t{i}", 10, 1, 2, 0) for i in range(5)], 10)
+        sub._pull(buckets, {f"t{i}": i for i in range(5)}, lambda pairs: events.append(f"cb{pairs[0][1]}"),
+                  deadline=float("inf"))
+    for i in range(5):
+        cb = events.index(f"cb{i}")
+        assert events.index(f"done{i}") < cb
+        for j in range(i + 1, min(i + depth + 1, 5)):
+            assert events.index(f"read{j}") < cb, events
+    assert events.count("read0") == 1 and len([x for x in events if x.startswith("read")]) == 5
