@@ -16,7 +16,9 @@ import weights_peer as wp  # noqa: E402
 # forkserver: torch and sluice are imported once, in the server; every trainer and receiver
 # is then a cheap fork of it (a spawned process would import torch again, seconds each).
 CTX = mp.get_context("forkserver")
-CTX.set_forkserver_preload(["weights_peer"])
+# torch and sluice first: Python 3.11's server does not get our sys.path, so weights_peer
+# itself may not import there (the children then import only it, which is cheap).
+CTX.set_forkserver_preload(["torch", "sluice.weights", "weights_peer"])
 SPEC = wp.model_spec()
 NAMES = sorted(n for n, _, _ in SPEC)
 
