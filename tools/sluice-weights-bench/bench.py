@@ -21,19 +21,19 @@ import statistics
 import sys
 import time
 import zlib
-from typing import Dict, List, Tuple
+from typing import Any, Dict, List, Tuple
 
-import torch
+# torch and sluice are imported inside the functions: main() starts the forkserver (which
+# preloads them) first, so that the two imports of torch run side by side.
 
-import sluice
-from sluice.weights import WeightPublisher, WeightSubscriber
-
-Spec = List[Tuple[str, torch.dtype, Tuple[int, ...]]]
+Spec = List[Tuple[str, Any, Tuple[int, ...]]]
 
 
 def synthetic_spec(total_bytes: int, n: int) -> Spec:
     """``n`` tensors summing to about ``total_bytes``: sizes drawn from a skewed (Zipf-like)
     distribution, as real models mix big matrices with small norms and biases."""
+    import torch
+
     dtypes = [torch.float32, torch.bfloat16, torch.float16, getattr(torch, "float8_e4m3fn", torch.int8), torch.int8]
     weights = [1.0 / (1 + (i * 7919) % n) ** 0.6 for i in range(n)]
     scale = total_bytes / sum(weights)
@@ -46,14 +46,16 @@ def synthetic_spec(total_bytes: int, n: int) -> Spec:
     return spec
 
 
-def as_bytes(t: torch.Tensor) -> torch.Tensor:
+def as_bytes(t):
+    import torch
+
     return t.reshape(-1).view(torch.uint8)
 
 
 _POOL = 4 << 20
 
 
-def fill(t: torch.Tensor, pool: torch.Tensor, index: int) -> None:
+def fill(t, pool, index: int) -> None:
     """Random-looking bytes that differ per tensor, at memcpy speed: slices of a random pool
     starting at a per-tensor offset (random generation of the whole model would dominate)."""
     b = as_bytes(t)
@@ -65,8 +67,14 @@ def fill(t: torch.Tensor, pool: torch.Tensor, index: int) -> None:
 
 
 def trainer(conn, spec: Spec, transports) -> None:
+    import torch
+
+    import sluice
+    from sluice.weights import WeightPublisher
+
+    torch.set_num_threads(1)  # see receiver()
     engine = sluice.Engine(transports=transports)
-    tensors: Dict[str, torch.Tensor] = {}
+    tensors: Dict[str, Any] = {}
     pool = torch.randint(0, 256, (2 * _POOL,), dtype=torch.uint8, generator=torch.Generator().manual_seed(1234))
     for i, (name, dt, shape) in enumerate(spec):
         t = torch.empty(shape, dtype=dt)
@@ -83,6 +91,14 @@ def trainer(conn, spec: Spec, transports) -> None:
 
 
 def receiver(conn, ref: str, spec: Spec, transports, bucket_bytes: int, depth: int, rounds: int, check: bool) -> None:
+    import torch
+
+    import sluice
+    from sluice.weights import WeightSubscriber
+
+    # One torch thread: the engine moves the bytes; OpenMP workers forked from the server
+    # and spinning on a busy 2-core host made allocating the targets take 20 s.
+    torch.set_num_threads(1)
     with sluice.Engine(transports=transports) as engine:
         targets = {n: torch.zeros(s, dtype=d) for n, d, s in spec}
         sub = WeightSubscriber(engine, ref, bucket_bytes=bucket_bytes, depth=depth, timeout=120)
@@ -102,6 +118,8 @@ def receiver(conn, ref: str, spec: Spec, transports, bucket_bytes: int, depth: i
 
 def memcpy_ceiling(total_bytes: int, rounds: int) -> float:
     """Median seconds of one copy of ``total_bytes`` between two host buffers."""
+    import torch
+
     src = torch.ones(total_bytes, dtype=torch.uint8)
     dst = torch.empty_like(src)
     dst.copy_(src)  # fault the pages in
@@ -124,16 +142,29 @@ def main(argv=None) -> int:
     ap.add_argument("--transport", default=None, help="force a transport (tcp, shm); default: the engine's choice")
     ap.add_argument("--check", action="store_true", help="verify every byte after the last round; exit 1 if wrong")
     ap.add_argument("--json", default=None, help="also write the results here")
+    ap.add_argument("--verbose", action="store_true", help="print when each phase ends (stderr)")
     a = ap.parse_args(argv)
+    t_start = time.perf_counter()
+
+    def phase(what: str) -> None:
+        if a.verbose:
+            print(f"[{time.perf_counter() - t_start:7.2f} s] {what}", file=sys.stderr, flush=True)
+
     if min(a.size_mib, a.tensors, a.receivers, a.rounds, a.depth) <= 0 or a.bucket_mib <= 0:
         ap.error("sizes and counts must be > 0")
 
-    spec = synthetic_spec(a.size_mib << 20, a.tensors)
-    total = sum(torch.empty(0, dtype=d).element_size() * s[0] for _, d, s in spec)
     # forkserver: torch and sluice are imported once (in the server), every process forks
     # from it; spawned processes would each import torch again (seconds on a busy host).
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "sluice", "sluice.weights"])
+    from multiprocessing import forkserver
+
+    forkserver.ensure_running()  # starts importing torch there while we import it here
+    import torch
+
+    phase("torch imported")
+    spec = synthetic_spec(a.size_mib << 20, a.tensors)
+    total = sum(torch.empty(0, dtype=d).element_size() * s[0] for _, d, s in spec)
     tconn, tchild = ctx.Pipe()
     tp = ctx.Process(target=trainer, args=(tchild, spec, a.transport), daemon=True)
     tp.start()
@@ -143,6 +174,7 @@ def main(argv=None) -> int:
             print("sluice-weights-bench: the trainer did not start", file=sys.stderr)
             return 1
         ref, want = tconn.recv()
+        phase("trainer published")
         for _ in range(a.receivers):
             conn, child = ctx.Pipe()
             p = ctx.Process(target=receiver, daemon=True,
@@ -153,6 +185,7 @@ def main(argv=None) -> int:
             if not conn.poll(300) or conn.recv() != "ready":
                 print("sluice-weights-bench: a receiver did not start", file=sys.stderr)
                 return 1
+        phase("receivers ready")
         rounds = []
         for _ in range(a.rounds):
             t0 = time.perf_counter()
@@ -165,6 +198,7 @@ def main(argv=None) -> int:
                 tag, nbytes = conn.recv()
                 assert tag == "done" and nbytes == total, (tag, nbytes, total)
             rounds.append(time.perf_counter() - t0)
+            phase(f"round {len(rounds)}")
         per = []
         bad = []
         for i, (conn, _) in enumerate(kids):
@@ -173,6 +207,7 @@ def main(argv=None) -> int:
             if a.check:
                 bad += [f"receiver {i}: {n}" for n in want if crcs.get(n) != want[n]]
         tconn.send("stop")
+        phase("receivers checked")
     finally:
         for _, p in kids:
             p.join(30)
@@ -181,7 +216,9 @@ def main(argv=None) -> int:
         tp.join(30)
         if tp.is_alive():
             tp.kill()
+    phase("processes joined")
     ceiling = memcpy_ceiling(total, a.rounds)
+    phase("memcpy measured")
     rnd, rcv = statistics.median(rounds), statistics.median(per)
     gb = total / 1e9
     print(f"sluice-weights-bench: {len(spec)} tensors, {total / (1 << 20):.1f} MiB, {a.receivers} receivers, "

@@ -57,6 +57,7 @@ def empty_targets(spec):
 
 def trainer(conn, spec, listen=None, transports=None, name="model"):
     """Publish ``spec`` at version 1, send our address, then obey commands."""
+    torch.set_num_threads(1)  # forked OpenMP workers spinning on a busy host cost seconds
     engine = sluice.Engine(listen=listen, transports=transports)
     tensors = {n: torch.empty(s, dtype=d) for n, d, s in spec}
     for n, t in tensors.items():
@@ -86,6 +87,7 @@ def trainer(conn, spec, listen=None, transports=None, name="model"):
 def receiver(conn, ref, spec, version, bucket_bytes, die_after_buckets=None):
     """Update everything from ``ref`` and report whether every byte is right. With
     ``die_after_buckets``: exit hard from inside the callback (a receiver that dies)."""
+    torch.set_num_threads(1)
     with sluice.Engine() as engine:
         targets = empty_targets(spec)
         seen = []
