@@ -143,6 +143,8 @@ void StoreDirectory::register_first(const std::string& key, const std::string& v
     auto now = Clock::now();
     if (now >= deadline) break;
     std::this_thread::sleep_for(std::min<Clock::duration>(backoff, deadline - now));
+    // A request with no time left would only replace the store's real answer with "no time".
+    if (Clock::now() >= deadline) break;
     backoff = std::min(backoff * 2, std::chrono::milliseconds(200));
   }
   throw Error(ErrorCode::kTimeout, "directory " + opt_.display + ": could not register '" + key + "' within " +
@@ -260,6 +262,9 @@ EngineInfo StoreDirectory::lookup(const std::string& ref, Clock::time_point dead
     auto now = Clock::now();
     if (now >= deadline) break;
     std::this_thread::sleep_for(std::min<Clock::duration>(backoff, deadline - now));
+    // Sleeping up to the deadline leaves no time for a request: its "no time left" would hide
+    // what the last real answer was (absent, or which error).
+    if (Clock::now() >= deadline) break;
     backoff = std::min(backoff * 2, std::chrono::milliseconds(100));
   }
   if (!last_error.empty())
