@@ -47,11 +47,11 @@ class RedisBackend final : public StoreBackend {
 
   std::optional<std::string> create(const std::string& key, const std::string& value, Clock::time_point deadline) override {
     const std::string ttl = std::to_string(s_.ttl.count());
+    // Remembered before the SET: if its reply is lost, remove() can still take back exactly
+    // this value (the scripts act only on a key that holds it, so nothing else is touched).
+    remember(value);
     Reply r = command(deadline, {"SET", key, value, "NX", "PX", ttl});
-    if (r->type == REDIS_REPLY_STATUS) {
-      remember(value);
-      return std::nullopt;
-    }
+    if (r->type == REDIS_REPLY_STATUS) return std::nullopt;
     auto holder = get(key, deadline);
     // Our own SET landed but its reply was lost (the connection failed and command() retried):
     // the key holds exactly our value, so it is ours.

@@ -147,6 +147,13 @@ void StoreDirectory::register_first(const std::string& key, const std::string& v
     if (Clock::now() >= deadline) break;
     backoff = std::min(backoff * 2, std::chrono::milliseconds(200));
   }
+  // A create whose reply was lost to the timeout may still have landed: take it back, so that
+  // the engine retried under the same name is not refused by its own failed attempt for a
+  // TTL. Bounded and best effort (an unreachable store costs nothing: no lease, no request).
+  try {
+    backend_->remove(key, Clock::now() + std::min<std::chrono::milliseconds>(opt_.request_timeout, 1000ms));
+  } catch (const Error&) {
+  }
   throw Error(ErrorCode::kTimeout, "directory " + opt_.display + ": could not register '" + key + "' within " +
                                        std::to_string(opt_.register_timeout.count()) + " ms: " + last_error);
 }
