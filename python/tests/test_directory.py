@@ -99,7 +99,7 @@ def test_name_taken_and_unknown_name(store_url):
             _engine(store_url, "py-dup")
         with _engine(store_url, "py-x") as x:
             with pytest.raises(sluice.SluiceTimeoutError, match="no engine named 'nobody'"):
-                x.connect("nobody", timeout=0.3)
+                x.connect("nobody", timeout=2)
 
 
 def test_bad_directory_url_is_refused():
@@ -124,4 +124,4 @@ def test_closed_engine_leaves_the_directory(store_url):
             seeker.connect("py-gone", timeout=5)
         # Withdrawn on close, not after the TTL: the name is unknown at once.
         with pytest.raises(sluice.SluiceTimeoutError, match="no engine named 'py-gone'"):
-            seeker.connect("py-gone", timeout=0.3)
+            seeker.connect("py-gone", timeout=2)

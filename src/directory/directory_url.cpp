@@ -118,10 +118,11 @@ DirectoryUrl parse_directory_url(const std::string& url) {
   bad(url, "unknown scheme '" + scheme + "'");
 }
 
-std::unique_ptr<StoreBackend> make_store_backend(const DirectoryUrl& url, std::chrono::milliseconds ttl) {
+std::unique_ptr<StoreBackend> make_store_backend(const DirectoryUrl& url, std::chrono::milliseconds ttl,
+                                                 std::chrono::milliseconds request_timeout) {
   if (url.kind == DirectoryUrl::Kind::kEtcd) {
 #if SLUICE_HAVE_ETCD
-    return make_etcd_backend({url.endpoints, ttl});
+    return make_etcd_backend({url.endpoints, ttl, request_timeout});
 #else
     throw Error(ErrorCode::kUnsupported,
                 "etcd directory requested but this build has no libcurl (install libcurl4-openssl-dev and rebuild)");
@@ -147,7 +148,7 @@ std::shared_ptr<PeerDirectory> make_directory(const EngineConfig& config) {
   opt.ttl = std::chrono::milliseconds(kTtl.get(config));
   opt.request_timeout = std::chrono::milliseconds(kRequestTimeout.get(config));
   opt.register_timeout = config.connect_timeout;
-  auto backend = make_store_backend(url, opt.ttl);
+  auto backend = make_store_backend(url, opt.ttl, opt.request_timeout);
   return std::make_shared<StoreDirectory>(std::move(backend), std::move(opt));
 }
 

@@ -36,7 +36,8 @@ class StoreBackend;
 // The store operations alone for an etcd or Redis URL (no heartbeat, no record): what
 // make_directory wraps, and what tools use to read the store as it is (get() answers
 // "absent" at once, where a lookup waits for the name). kUnsupported as make_directory.
-std::unique_ptr<StoreBackend> make_store_backend(const DirectoryUrl& url, std::chrono::milliseconds ttl);
+std::unique_ptr<StoreBackend> make_store_backend(const DirectoryUrl& url, std::chrono::milliseconds ttl,
+                                                 std::chrono::milliseconds request_timeout = std::chrono::milliseconds(2000));
 
 // The directory `config.directory` names, with the directory.* options of `config`. Throws
 // kInvalidArgument for a bad URL, kUnsupported for a backend this build does not have.
