@@ -35,8 +35,10 @@ except ImportError as e:  # built without torch
 
 _HOW_TO_GET = (
     "the sluice torch backend is not built into this sluice package ({err}). Rebuild sluice "
-    "with torch installed in the Python that builds it: "
-    "SKBUILD_CMAKE_DEFINE=SLUICE_TORCH_PYTHON=$(which python) pip install --no-build-isolation ."
+    "with torch installed in the Python that builds it (pip's isolated build cannot see it): "
+    "pip install scikit-build-core pybind11 && "
+    "SKBUILD_CMAKE_DEFINE=SLUICE_TORCH_PYTHON=$(which python) pip install --no-build-isolation . "
+    "(docs/torch.md)"
 )
 
 
