@@ -46,7 +46,13 @@ def main() -> int:
     dist.all_reduce(t)  # everyone is healthy so far
     assert torch.equal(t, torch.full((1000,), 3.0)), t[:4]
 
+    # Rank 2 stops only after the others' all_reduce returned (a send completes on the peer's
+    # acknowledgement, which a rank stopping at once could withhold): the Store orders it.
+    store = dist.distributed_c10d._get_default_store()
+    if rank != HUNG:
+        store.set(f"hung_worker/all_reduce_done/{rank}", "1")
     if rank == HUNG:
+        store.wait([f"hung_worker/all_reduce_done/{r}" for r in range(world) if r != HUNG])
         os.kill(os.getpid(), signal.SIGSTOP)
         # Woken by rank 0 after the others destroyed the group: our peers are gone, so the
         # next collective must fail (naming one of them) rather than wait forever.
