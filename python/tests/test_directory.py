@@ -99,7 +99,7 @@ def test_name_taken_and_unknown_name(store_url):
             _engine(store_url, "py-dup")
         with _engine(store_url, "py-x") as x:
             with pytest.raises(sluice.SluiceTimeoutError, match="no engine named 'nobody'"):
-                x.connect("nobody", timeout=2)
+                x.connect("nobody", timeout=4)
 
 
 def test_bad_directory_url_is_refused():

@@ -261,11 +261,13 @@ EngineInfo StoreDirectory::lookup(const std::string& ref, Clock::time_point dead
   const std::string key = key_for(ref);
   auto backoff = 5ms;
   std::string last_error;
+  bool seen_absent = false;  // the store answered at least once, and the name was not there
   for (;;) {
     try {
       auto value = backend_->get(key, request_deadline(deadline));
       if (value) return decode(key, *value);
       last_error.clear();
+      seen_absent = true;
     } catch (const Error& e) {
       if (e.code() == ErrorCode::kProtocol) throw;
       last_error = e.what();
@@ -279,6 +281,12 @@ EngineInfo StoreDirectory::lookup(const std::string& ref, Clock::time_point dead
     if (Clock::now() >= deadline) break;
     backoff = std::min(backoff * 2, std::chrono::milliseconds(100));
   }
+  // A store that answered "absent" and then was slow on the request the deadline cut short
+  // still told us the name is missing: say that first, and what the last request hit.
+  if (!last_error.empty() && seen_absent)
+    throw Error(ErrorCode::kTimeout, "directory " + opt_.display + ": no engine named '" + ref +
+                                         "' was registered before the deadline (key '" + key +
+                                         "'; the last lookup did not finish: " + last_error + ")");
   if (!last_error.empty())
     throw Error(ErrorCode::kTimeout,
                 "directory " + opt_.display + ": could not look up '" + ref + "' before the deadline: " + last_error);

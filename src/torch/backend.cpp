@@ -31,12 +31,15 @@ void SluiceWork::complete(std::exception_ptr error, int source) {
     std::lock_guard<std::mutex> lk(mutex_);
     source_ = source;
   }
-  finish(error);
-  // The future's callbacks run user code: after the Work itself reads as completed.
+  // The future first, as gloo does: a wait() that returns must find it completed too (a caller
+  // reading work.get_future().value() right after work.wait() hit torch's "completed()"
+  // assertion when the Work was marked first). Its callbacks run user code here, before the
+  // Work reads as completed; a callback only sees the future, which is done.
   if (error)
     future_->setError(error);
   else
     future_->markCompleted(c10::IValue(outputs_));
+  finish(error);
 }
 
 bool SluiceWork::wait(std::chrono::milliseconds timeout) {
