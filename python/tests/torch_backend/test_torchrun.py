@@ -1,6 +1,7 @@
 """torchrun-launched tests of the torch.distributed backend `sluice` (CPU): every operation
 compared bit for bit with gloo in the same processes, over shm and tcp forced, at world sizes
-2, 3 and 4; a rank killed mid-run; and a rank that hangs (SIGSTOP) under a short group timeout."""
+2, 3 and 4; a rank killed mid-run; a rank that hangs (SIGSTOP) under a short group timeout; and
+the rendezvous of large messages, with peers that die or stop in its middle."""
 from __future__ import annotations
 
 import os
@@ -86,10 +87,12 @@ def test_hung_rank_raises_naming_the_peer_and_nothing_hangs() -> None:
 
 
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("transport", ["shm", "tcp"])
+@pytest.mark.parametrize("transport", ["tcp"])
 def test_rendezvous_messages(transport: str) -> None:
     # Large messages (rendezvous from 64 KiB here): recv posted late and early, ANY_SOURCE,
     # tags out of order, a length mismatch and a send whose recv comes after the timeout.
+    # tcp only (CI time): the mailbox protocol is the same on every transport, the failure
+    # test below runs on shm, and test_every_op_matches_gloo crosses the threshold on both.
     p = torchrun("rndv_worker.py", 3, {"SLUICE_TORCH_TRANSPORT": transport, "SLUICE_TORCH_RNDV_BYTES": "65536",
                                        "GROUP_TIMEOUT_S": "4"}, 150)
     out = p.stdout + p.stderr
