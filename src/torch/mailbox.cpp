@@ -281,6 +281,8 @@ void Mailbox::start_rndv_recv(int src, uint64_t id, uint64_t length, std::shared
       Status out = st;
       if (!l->why.ok())
         out = l->why;
+      else if (!st.ok() && !peers_[l->src].failed.ok())
+        out = peers_[l->src].failed;  // fail_peer() closed the data endpoint: say why
       else if (!st.ok())
         out = {st.code, who(l->src) + ": " + st.message};
       else if (f.bytes() != length)
@@ -325,7 +327,9 @@ void Mailbox::on_cts(int peer, uint64_t id) {
     post([this, s, id, peer, st] {
       rndv_sends_.erase(id);
       unreg(s->payload);
-      Status out = st.ok() ? st : Status{st.code, who(peer) + ": " + st.message};
+      Status out = st.ok()                      ? st
+                   : !peers_[peer].failed.ok() ? peers_[peer].failed  // the data endpoint was closed for it
+                                               : Status{st.code, who(peer) + ": " + st.message};
       s->done(out, peer, st.ok() ? s->n : 0);
       if (!st.ok()) fail_peer(peer, st);
     });
