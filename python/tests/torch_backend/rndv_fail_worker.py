@@ -1,10 +1,10 @@
-"""Run under torchrun with 3 ranks: peers that fail in the middle of a rendezvous (large
-messages, mailbox.hpp). Rank 1 sends a large message and is killed (SIGKILL) before rank 0
-posts the recv; rank 2 sends one and stops (SIGSTOP) after its header arrived, so rank 0's
-recv matches, posts its recv and clears the send, and the payload never comes. Rank 0's recvs
-must raise within the group timeout naming the peer; destroy_process_group() must return.
-Rank 0 then wakes rank 2, whose next operation must fail too. Prints 'rndv-fail OK rank=<r>'
-for ranks 0 and 2."""
+"""Run as 3 ranks (test_torchrun.spawn: plain processes; torchrun would stop the others when one
+dies): peers that fail in the middle of a rendezvous (large messages, mailbox.hpp). Rank 1 sends
+a large message and is killed (SIGKILL) before rank 0 posts the recv; rank 2 sends one and stops
+(SIGSTOP) after its header arrived, so rank 0's recv matches, posts its recv and clears the
+send, and the payload never comes. Rank 0's recvs must raise within the group timeout naming the
+peer; destroy_process_group() must return. Rank 0 then wakes rank 2, whose next operation must
+fail too. Prints 'rndv-fail OK rank=<r>' for ranks 0 and 2."""
 from __future__ import annotations
 
 import os

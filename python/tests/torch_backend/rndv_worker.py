@@ -1,10 +1,10 @@
-"""Run under torchrun with 3 ranks and SLUICE_TORCH_RNDV_BYTES set: the rendezvous protocol
-of large messages (mailbox.hpp). Rank 0 receives, ranks 1 and 2 send. Cases: a recv posted
-late (the header waits as unexpected), one posted early, ANY_SOURCE from two ranks, tags taken
-out of order, eager and rendezvous messages interleaved, a length mismatch (both sides fail,
-the pair keeps working), and a send whose recv comes after the group timeout (the send times
-out naming the peer; the late recv fails; the pair keeps working).
-Prints 'rndv OK rank=<r>' per rank."""
+"""Run as 3 ranks (test_torchrun.spawn: plain processes, env:// rendezvous) with
+SLUICE_TORCH_RNDV_BYTES set: the rendezvous protocol of large messages (mailbox.hpp). Rank 0
+receives, ranks 1 and 2 send. Cases: a recv posted late (the header waits as unexpected), one
+posted early, ANY_SOURCE from two ranks, tags taken out of order, eager and rendezvous messages
+interleaved, a length mismatch (both sides fail, the pair keeps working), and a send whose recv
+comes after the group timeout (the send times out naming the peer; the late recv fails; the pair
+keeps working). Prints 'rndv OK rank=<r>' per rank."""
 from __future__ import annotations
 
 import os

@@ -95,7 +95,7 @@ def test_rendezvous_messages(transport: str) -> None:
     # test below runs on shm, and test_every_op_matches_gloo crosses the threshold on both.
     # Plain processes rather than torchrun: the same test without the agent's start-up (CI time).
     ps = spawn("rndv_worker.py", 3, {"SLUICE_TORCH_TRANSPORT": transport, "SLUICE_TORCH_RNDV_BYTES": "65536",
-                                     "GROUP_TIMEOUT_S": "4"}, 150)
+                                     "GROUP_TIMEOUT_S": "3"}, 150)
     out = "\n".join(f"--- rank {r} (exit {p.returncode})\n{p.stdout}" for r, p in enumerate(ps))
     for r, p in enumerate(ps):
         assert p.returncode == 0 and f"rndv OK rank={r}" in p.stdout, out[-6000:]
