@@ -1,6 +1,8 @@
 #include "backend.hpp"
 
+#include <charconv>
 #include <cstdlib>
+#include <cstring>
 #include <set>
 
 #include <c10/util/Exception.h>
@@ -89,6 +91,16 @@ std::chrono::milliseconds env_ms(const char* name, std::chrono::milliseconds fal
 SluiceBackend::SluiceBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                              std::chrono::milliseconds timeout)
     : c10d::Backend(rank, size), timeout_(timeout) {
+  // Messages from this size go by rendezvous (mailbox.hpp); the default is measured in
+  // docs/torch.md. Read before connecting, so that a bad value fails before any peer waits.
+  uint64_t rndv_bytes = 256 << 10;
+  if (const char* v = std::getenv("SLUICE_TORCH_RNDV_BYTES"); v && *v) {
+    const char* end = v + std::strlen(v);
+    auto [p, ec] = std::from_chars(v, end, rndv_bytes);
+    if (ec != std::errc() || p != end)
+      throw Error(ErrorCode::kInvalidArgument,
+                  std::string("sluice: SLUICE_TORCH_RNDV_BYTES must be a byte count, got '") + v + "'");
+  }
   EngineConfig base;
   // Our own header recvs stay posted while the group is idle: the Mailbox bounds every
   // user-visible recv with the group timeout instead of the engine's recv timeout.
@@ -165,16 +177,6 @@ SluiceBackend::SluiceBackend(const c10::intrusive_ptr<c10d::Store>& store, int r
   if (seen_handle.id) engine_->unregister_memory(seen_handle);
   for (auto& p : peers)
     if (p.valid()) transport_ = p.transport();
-  // Messages from this size go by rendezvous (mailbox.hpp); measured in docs/torch.md.
-  uint64_t rndv_bytes = 256 << 10;
-  if (const char* v = std::getenv("SLUICE_TORCH_RNDV_BYTES"); v && *v) {
-    try {
-      rndv_bytes = std::stoull(v);
-    } catch (const std::exception&) {
-      throw Error(ErrorCode::kInvalidArgument,
-                  std::string("sluice: SLUICE_TORCH_RNDV_BYTES must be a byte count, got '") + v + "'");
-    }
-  }
   mailbox_ = std::make_unique<Mailbox>(*engine_, std::move(peers), std::move(data), rank, timeout, rndv_bytes);
   worker_ = std::thread([this] { worker(); });
 }

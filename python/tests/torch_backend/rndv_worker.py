@@ -144,6 +144,12 @@ def main() -> int:
     dist.all_reduce(x)
     assert torch.equal(x, sum(payload(r, 12) for r in range(world))), "all_reduce"
 
+    # 8. A threshold that is not a byte count is refused when a group is made (before it
+    #    connects anything, so every rank fails alike and nobody waits).
+    os.environ["SLUICE_TORCH_RNDV_BYTES"] = "12abc"
+    expect_error("a group with a bad threshold", lambda: dist.new_group(backend="sluice"),
+                 "SLUICE_TORCH_RNDV_BYTES must be a byte count, got '12abc'")
+
     dist.destroy_process_group()
     print(f"rndv OK rank={rank}", flush=True)
     return 0
