@@ -110,4 +110,3 @@ def test_rendezvous_peer_killed_or_stopped_midway() -> None:
     assert ps[1].returncode == -9, out[-6000:]  # SIGKILLed itself
     assert ps[2].returncode == 0 and "rndv-fail OK rank=2" in ps[2].stdout, out[-6000:]
     assert "recv from the killed rank raised" in out and "recv from the stopped rank raised" in out, out[-6000:]
-
