@@ -1,6 +1,8 @@
 #include "backend.hpp"
 
+#include <charconv>
 #include <cstdlib>
+#include <cstring>
 #include <set>
 
 #include <c10/util/Exception.h>
@@ -89,6 +91,16 @@ std::chrono::milliseconds env_ms(const char* name, std::chrono::milliseconds fal
 SluiceBackend::SluiceBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                              std::chrono::milliseconds timeout)
     : c10d::Backend(rank, size), timeout_(timeout) {
+  // Messages from this size go by rendezvous (mailbox.hpp); the default is measured in
+  // docs/torch.md. Read before connecting, so that a bad value fails before any peer waits.
+  uint64_t rndv_bytes = 256 << 10;
+  if (const char* v = std::getenv("SLUICE_TORCH_RNDV_BYTES"); v && *v) {
+    const char* end = v + std::strlen(v);
+    auto [p, ec] = std::from_chars(v, end, rndv_bytes);
+    if (ec != std::errc() || p != end)
+      throw Error(ErrorCode::kInvalidArgument,
+                  std::string("sluice: SLUICE_TORCH_RNDV_BYTES must be a byte count, got '") + v + "'");
+  }
   EngineConfig base;
   // Our own header recvs stay posted while the group is idle: the Mailbox bounds every
   // user-visible recv with the group timeout instead of the engine's recv timeout.
@@ -105,32 +117,67 @@ SluiceBackend::SluiceBackend(const c10::intrusive_ptr<c10d::Store>& store, int r
   co.timeout = std::min(timeout, env_ms("SLUICE_TORCH_CONNECT_TIMEOUT_MS", timeout));
   const auto deadline = std::chrono::steady_clock::now() + *co.timeout;
 
-  std::vector<Endpoint> peers(size);
-  // The lower rank dials, the higher one accepts: exactly one endpoint per pair, used in both
-  // directions.
-  for (int j = rank + 1; j < size; ++j) peers[j] = engine_->connect(StoreDirectory::ref(j), co);
+  std::vector<Endpoint> peers(size), data(size);
+  // The lower rank dials, the higher one accepts: exactly two endpoints per pair (control and
+  // data, see mailbox.hpp), used in both directions. The first message on each says which
+  // one it is (the accept order need not be the dial order).
+  uint8_t roles[2] = {0, 1};
+  MemoryHandle roles_handle = engine_->register_memory(roles, sizeof(roles));
+  std::vector<Future> marks;
+  for (int j = rank + 1; j < size; ++j) {
+    peers[j] = engine_->connect(StoreDirectory::ref(j), co);
+    data[j] = engine_->connect(StoreDirectory::ref(j), co);
+    marks.push_back(peers[j].send(roles_handle, 0, 1));
+    marks.push_back(data[j].send(roles_handle, 1, 1));
+  }
   for (int j = 0; j < rank; ++j) dir->lookup(StoreDirectory::ref(j), deadline);  // learn their engine ids
-  for (int got = 0; got < rank;) {
+  std::vector<std::vector<Endpoint>> got_eps(size);
+  for (int got = 0; got < 2 * rank;) {
     auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
     auto ep = left.count() > 0 ? engine_->accept(left) : std::nullopt;
     if (!ep) {
+      engine_->close();  // the role marks we sent read `roles`
       std::string missing;
       for (int j = 0; j < rank; ++j)
-        if (!peers[j].valid()) missing += (missing.empty() ? "" : ", ") + std::to_string(j);
+        if (got_eps[j].size() < 2) missing += (missing.empty() ? "" : ", ") + std::to_string(j);
       throw Error(ErrorCode::kTimeout, "sluice: rank " + std::to_string(rank) + ": peer rank(s) " + missing +
                                            " did not connect within " + std::to_string(co.timeout->count()) + " ms");
     }
     int j = dir->rank_of(ep->peer_engine_id());
-    if (j < 0 || j >= rank || peers[j].valid()) {
+    if (j < 0 || j >= rank || got_eps[j].size() >= 2) {
       ep->close();  // not one of the ranks expected to dial us
       continue;
     }
-    peers[j] = std::move(*ep);
+    got_eps[j].push_back(std::move(*ep));
     ++got;
   }
+  std::vector<uint8_t> seen(2 * size_t(rank), 0xff);
+  MemoryHandle seen_handle = rank ? engine_->register_memory(seen.data(), seen.size()) : MemoryHandle{};
+  for (int j = 0; j < rank; ++j)
+    for (int k = 0; k < 2; ++k) marks.push_back(got_eps[j][k].recv(seen_handle, 2 * j + k, 1));
+  for (auto& f : marks) {
+    auto left = deadline - std::chrono::steady_clock::now();
+    Status st = f.wait_for(std::max<std::chrono::nanoseconds>(left, std::chrono::nanoseconds(0)))
+                    ? f.status()
+                    : Status{ErrorCode::kTimeout, "no answer"};
+    if (!st.ok()) {
+      engine_->close();  // nothing may still touch roles / seen
+      throw Error(st.code, "sluice: rank " + std::to_string(rank) + ": could not set up the endpoints to the peers: " +
+                               st.message);
+    }
+  }
+  for (int j = 0; j < rank; ++j) {
+    if (seen[2 * j] + seen[2 * j + 1] != 1)
+      throw Error(ErrorCode::kProtocol, "sluice: rank " + std::to_string(rank) + ": peer rank " + std::to_string(j) +
+                                            " opened two endpoints of the same role");
+    peers[j] = std::move(got_eps[j][seen[2 * j] == 0 ? 0 : 1]);
+    data[j] = std::move(got_eps[j][seen[2 * j] == 0 ? 1 : 0]);
+  }
+  engine_->unregister_memory(roles_handle);
+  if (seen_handle.id) engine_->unregister_memory(seen_handle);
   for (auto& p : peers)
     if (p.valid()) transport_ = p.transport();
-  mailbox_ = std::make_unique<Mailbox>(*engine_, std::move(peers), rank, timeout);
+  mailbox_ = std::make_unique<Mailbox>(*engine_, std::move(peers), std::move(data), rank, timeout, rndv_bytes);
   worker_ = std::thread([this] { worker(); });
 }
 

@@ -74,6 +74,10 @@ class SluiceBackend final : public c10d::Backend {
     uint64_t n;
   };
   void exchange(uint64_t tag, const std::vector<Xfer>& xfers);
+  // A byte buffer of at least `bytes` for the collectives' received parts, kept across calls
+  // and grown on demand (a fresh tensor per peer per call meant, for large tensors, a fresh
+  // mmap each time: page faults and zeroing). Worker thread only; valid until the next call.
+  at::Tensor scratch(uint64_t bytes);
   int rank() const { return getRank(); }
   int size() const { return getSize(); }
 
@@ -90,6 +94,7 @@ class SluiceBackend final : public c10d::Backend {
   std::unique_ptr<Mailbox> mailbox_;
   std::string transport_;
   uint64_t seq_ = 0;  // collectives issued (same order on every rank)
+  at::Tensor scratch_;  // see scratch()
 
   std::mutex mu_;
   std::condition_variable cv_;

@@ -78,12 +78,25 @@ struct OutBuf {
 void* ptr(const at::Tensor& t) { return t.numel() ? t.data_ptr() : nullptr; }
 uint64_t nbytes(const at::Tensor& t) { return t.nbytes(); }
 
-// Result of reducing `parts` (one per rank, rank order) into a new tensor.
-at::Tensor reduce_in_order(const std::vector<at::Tensor>& parts, Red op, int world) {
-  at::Tensor acc = parts[0].clone();
+// dst = parts[0] op parts[1] op ... (rank order, so every rank gets the same bits), where
+// parts[self] is dst itself and the others are buffers this call may overwrite: the sum
+// builds in dst when it starts there, otherwise in parts[0], with no new tensor.
+void reduce_in_order(at::Tensor dst, std::vector<at::Tensor>& parts, Red op, int world, int self) {
+  at::Tensor acc = self == 0 ? dst : parts[0];
   for (size_t j = 1; j < parts.size(); ++j) combine(acc, parts[j], op);
   if (op == Red::AVG) acc.div_(world);
-  return acc;
+  if (self != 0) dst.copy_(acc);
+}
+
+// `count` contiguous tensors shaped like `like`, in the backend's scratch buffer (each
+// starts 64-byte aligned).
+std::vector<at::Tensor> scratch_parts(SluiceBackend& b, const at::Tensor& like, int count) {
+  const uint64_t bytes = like.nbytes(), stride = (bytes + 63) / 64 * 64;
+  at::Tensor buf = b.scratch(stride * count);
+  std::vector<at::Tensor> out;
+  for (int k = 0; k < count; ++k)
+    out.push_back(buf.narrow(0, int64_t(stride * k), int64_t(bytes)).view(like.scalar_type()).view(like.sizes()));
+  return out;
 }
 
 constexpr uint64_t kDirectAllreduceBytes = 64 << 10;
@@ -98,20 +111,19 @@ void allreduce_flat(SluiceBackend& b, at::Tensor flat, Red op, uint64_t tag) {
   }
   const int64_t numel = flat.numel();
   if (nbytes(flat) <= kDirectAllreduceBytes || numel < n) {
-    std::vector<at::Tensor> parts(n);
+    std::vector<at::Tensor> parts(n), tmp = scratch_parts(b, flat, n - 1);
     std::vector<Xfer> xs;
     for (int j = 0; j < n; ++j) {
       if (j == r) {
         parts[j] = flat;
         continue;
       }
-      parts[j] = at::empty_like(flat);
+      parts[j] = tmp[j < r ? j : j - 1];
       xs.push_back({true, j, ptr(flat), nbytes(flat)});
       xs.push_back({false, j, ptr(parts[j]), nbytes(parts[j])});
     }
     b.exchange(tag, xs);
-    at::Tensor res = reduce_in_order(parts, op, n);
-    flat.copy_(res);
+    reduce_in_order(flat, parts, op, n, r);
     return;
   }
   const int64_t per = (numel + n - 1) / n;
@@ -120,7 +132,7 @@ void allreduce_flat(SluiceBackend& b, at::Tensor flat, Red op, uint64_t tag) {
     return flat.narrow(0, lo, hi - lo);
   };
   at::Tensor mine = chunk(r);
-  std::vector<at::Tensor> parts(n);
+  std::vector<at::Tensor> parts(n), tmp = scratch_parts(b, mine, n - 1);
   std::vector<Xfer> xs;
   for (int j = 0; j < n; ++j) {
     if (j == r) {
@@ -129,11 +141,11 @@ void allreduce_flat(SluiceBackend& b, at::Tensor flat, Red op, uint64_t tag) {
     }
     at::Tensor cj = chunk(j);
     if (cj.numel()) xs.push_back({true, j, ptr(cj), nbytes(cj)});
-    parts[j] = at::empty_like(mine);
+    parts[j] = tmp[j < r ? j : j - 1];
     if (mine.numel()) xs.push_back({false, j, ptr(parts[j]), nbytes(parts[j])});
   }
   b.exchange(tag, xs);
-  if (mine.numel()) mine.copy_(reduce_in_order(parts, op, n));
+  if (mine.numel()) reduce_in_order(mine, parts, op, n, r);
   xs.clear();
   for (int j = 0; j < n; ++j) {
     if (j == r) continue;
@@ -152,6 +164,12 @@ std::vector<at::Tensor> flat_chunks(const at::Tensor& flat, int n) {
 }
 
 }  // namespace
+
+at::Tensor SluiceBackend::scratch(uint64_t bytes) {
+  if (!scratch_.defined() || uint64_t(scratch_.numel()) < bytes)
+    scratch_ = at::empty({int64_t(std::max<uint64_t>(bytes, 64))}, at::TensorOptions().dtype(at::kByte));
+  return scratch_;
+}
 
 c10::intrusive_ptr<c10d::Work> SluiceBackend::barrier(const c10d::BarrierOptions&) {
   return enqueue(c10d::OpType::BARRIER, {}, [this](uint64_t tag) {
@@ -241,18 +259,21 @@ c10::intrusive_ptr<c10d::Work> SluiceBackend::reduce(std::vector<at::Tensor>& te
       exchange(tag, {{true, root, ptr(src), nbytes(src)}});
       return;
     }
-    std::vector<at::Tensor> parts(size());
+    OutBuf out(t);
+    if (!out.buf.is_same(out.t)) out.buf.copy_(out.t);
+    std::vector<at::Tensor> parts(size()), tmp = scratch_parts(*this, out.buf, size() - 1);
     std::vector<Xfer> xs;
     for (int j = 0; j < size(); ++j) {
       if (j == root) {
-        parts[j] = t.contiguous();
+        parts[j] = out.buf;
         continue;
       }
-      parts[j] = at::empty_like(t, at::MemoryFormat::Contiguous);
+      parts[j] = tmp[j < root ? j : j - 1];
       xs.push_back({false, j, ptr(parts[j]), nbytes(parts[j])});
     }
     exchange(tag, xs);
-    t.copy_(reduce_in_order(parts, op, size()));
+    reduce_in_order(out.buf, parts, op, size(), root);
+    out.commit();
   });
 }
 
@@ -388,18 +409,21 @@ void reduce_scatter_parts(SluiceBackend& b, const std::vector<at::Tensor>& input
   const int n = b.size(), r = b.rank();
   std::vector<at::Tensor> srcs, parts(n);
   std::vector<Xfer> xs;
+  OutBuf res(out);
   for (int j = 0; j < n; ++j) srcs.push_back(inputs[j].contiguous());
+  std::vector<at::Tensor> tmp = scratch_parts(b, res.buf, n - 1);
   for (int j = 0; j < n; ++j) {
-    if (j == r) {
-      parts[j] = srcs[j].view(out.sizes());
-      continue;
-    }
+    if (j == r) continue;
     xs.push_back({true, j, ptr(srcs[j]), nbytes(srcs[j])});
-    parts[j] = at::empty_like(out, at::MemoryFormat::Contiguous);
+    parts[j] = tmp[j < r ? j : j - 1];
     xs.push_back({false, j, ptr(parts[j]), nbytes(parts[j])});
   }
   b.exchange(tag, xs);
-  out.copy_(reduce_in_order(parts, op, n));
+  // Only now (every send done) may the output be written: it may alias an input.
+  res.buf.copy_(srcs[r].view(out.sizes()));
+  parts[r] = res.buf;
+  reduce_in_order(res.buf, parts, op, n, r);
+  res.commit();
 }
 }  // namespace
 

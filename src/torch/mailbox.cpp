@@ -16,7 +16,7 @@ struct SendState {
   int remaining = 0;
   Status status;
   uint32_t slot = UINT32_MAX;
-  std::unique_ptr<std::array<uint64_t, 2>> own_hdr;  // when every slot was taken
+  std::unique_ptr<std::array<uint64_t, 3>> own_hdr;  // when every slot was taken
   MemoryHandle own_hdr_handle;
   MemoryHandle payload;
   uint64_t n = 0;
@@ -24,9 +24,13 @@ struct SendState {
 };
 }  // namespace
 
-Mailbox::Mailbox(Engine& engine, std::vector<Endpoint> peers, int rank, std::chrono::milliseconds timeout)
-    : engine_(engine), rank_(rank), timeout_(timeout), peers_(peers.size()) {
-  for (size_t i = 0; i < peers.size(); ++i) peers_[i].ep = std::move(peers[i]);
+Mailbox::Mailbox(Engine& engine, std::vector<Endpoint> peers, std::vector<Endpoint> data, int rank,
+                 std::chrono::milliseconds timeout, uint64_t rndv_bytes)
+    : engine_(engine), rank_(rank), timeout_(timeout), rndv_bytes_(rndv_bytes), peers_(peers.size()) {
+  for (size_t i = 0; i < peers.size(); ++i) {
+    peers_[i].ep = std::move(peers[i]);
+    if (i < data.size()) peers_[i].data = std::move(data[i]);
+  }
   send_hdrs_.resize(kHeaderSlots);
   send_hdrs_handle_ = reg(send_hdrs_.data(), send_hdrs_.size() * sizeof(Header));
   for (uint32_t i = kHeaderSlots; i-- > 0;) free_hdrs_.push_back(i);
@@ -120,12 +124,26 @@ void Mailbox::close() {
   // The thread is gone: this thread runs the progress tasks from now on. Closing the
   // endpoints fails their pending operations, whose callbacks queue the tasks that report
   // them (so every Work completes); run those before releasing any buffer.
-  for (auto& p : peers_)
+  for (auto& p : peers_) {
     if (p.ep.valid()) p.ep.close();
+    if (p.data.valid()) p.data.close();
+  }
   drain();
   Status st{ErrorCode::kCancelled, "rank " + std::to_string(rank_) + ": the process group was destroyed"};
   for (auto& r : posted_) r->done(st, r->src, 0);
   posted_.clear();
+  // Rendezvous sends still waiting for their CTS (those whose payload was sending were
+  // cancelled with the data endpoint and reported by drain()).
+  for (auto& [id, s] : rndv_sends_) {
+    unreg(s->payload);
+    s->done(st, s->dst, 0);
+  }
+  rndv_sends_.clear();
+  for (auto& l : landing_) {
+    unreg(l->handle);  // blocks until the engine lets go of the destination
+    l->r->done(st, l->src, 0);
+  }
+  landing_.clear();
   for (auto& u : unexpected_) {
     if (u->waiter) u->waiter->done(st, u->src, 0);
     unreg(u->handle);
@@ -179,6 +197,155 @@ void Mailbox::fail_peer(int peer, const Status& why) {
       ++it;
     }
   }
+  // Rendezvous sends to it that wait for a CTS will never get one.
+  for (auto it = rndv_sends_.begin(); it != rndv_sends_.end();) {
+    auto s = it->second;
+    if (s->dst == peer && !s->sending) {
+      it = rndv_sends_.erase(it);
+      unreg(s->payload);
+      s->done(p.failed, peer, 0);
+    } else {
+      ++it;
+    }
+  }
+  // Payloads in flight either way: closing the data endpoint cancels them, and their
+  // callbacks report (a posted engine recv is the only way the engine may still write into
+  // a destination, so it must end before its recv reports).
+  if (p.data.valid()) p.data.close();
+}
+
+Status Mailbox::truncated(int peer, uint64_t tag, uint64_t length, uint64_t n) const {
+  return {ErrorCode::kTruncated, who(peer) + " sent " + std::to_string(length) + " bytes with tag " +
+                                     std::to_string(tag) + " to a recv of " + std::to_string(n) +
+                                     " bytes (tensor sizes must match)"};
+}
+
+void Mailbox::send_ctrl(int peer, Header h, std::function<void(const Status&)> finish) {
+  Peer& p = peers_[peer];
+  MemoryHandle hh;
+  uint64_t hoff = 0;
+  uint32_t slot = UINT32_MAX;
+  std::shared_ptr<Header> own;
+  if (!free_hdrs_.empty()) {
+    slot = free_hdrs_.back();
+    free_hdrs_.pop_back();
+    send_hdrs_[slot] = h;
+    hh = send_hdrs_handle_;
+    hoff = uint64_t(slot) * sizeof(Header);
+  } else {
+    own = std::make_shared<Header>(h);
+    hh = reg(own.get(), sizeof(Header));
+  }
+  auto release = [this, slot, own, hh] {
+    if (slot != UINT32_MAX) free_hdrs_.push_back(slot);
+    if (own) unreg(hh);
+  };
+  Future f;
+  try {
+    f = p.ep.send(hh, hoff, sizeof(Header));
+  } catch (const Error& e) {
+    release();
+    finish({e.code(), who(peer) + ": " + e.what()});
+    return;
+  }
+  f.on_complete([this, release, finish](const Status& st) {
+    post([release, finish, st] {
+      release();
+      finish(st);
+    });
+  });
+}
+
+void Mailbox::start_rndv_recv(int src, uint64_t id, uint64_t length, std::shared_ptr<PostedRecv> r) {
+  Peer& p = peers_[src];
+  if (!p.failed.ok()) {
+    r->done(p.failed, src, 0);
+    return;
+  }
+  auto l = std::make_shared<Landing>(Landing{src, r, {}, Clock::now() + timeout_, {}});
+  Future f;
+  try {
+    l->handle = reg(r->ptr, length);
+    f = p.data.recv(l->handle, 0, length);
+  } catch (const Error& e) {
+    unreg(l->handle);
+    r->done({e.code(), who(src) + ": " + e.what()}, src, 0);
+    fail_peer(src, e.status());
+    return;
+  }
+  landing_.push_back(l);
+  f.on_complete([this, l, f, length](const Status& st) {
+    post([this, l, f, st, length] {
+      landing_.remove(l);
+      unreg(l->handle);
+      Status out = st;
+      if (!l->why.ok())
+        out = l->why;
+      else if (!st.ok() && !peers_[l->src].failed.ok())
+        out = peers_[l->src].failed;  // fail_peer() closed the data endpoint: say why
+      else if (!st.ok())
+        out = {st.code, who(l->src) + ": " + st.message};
+      else if (f.bytes() != length)
+        out = {ErrorCode::kCancelled, who(l->src) + " gave up on its " + std::to_string(length) +
+                                          "-byte message before our recv matched it (its send timed out)"};
+      l->r->done(out, l->src, out.ok() ? length : 0);
+      if (!st.ok() && l->why.ok()) fail_peer(l->src, st);
+    });
+  });
+  // Only now may the payload go: its recv is posted.
+  send_ctrl(src, {0, 0, make_kind(kCts, id)}, [this, src](const Status& st) {
+    if (!st.ok()) fail_peer(src, st);
+  });
+}
+
+void Mailbox::on_cts(int peer, uint64_t id) {
+  Peer& p = peers_[peer];
+  auto it = rndv_sends_.find(id);
+  if (it == rndv_sends_.end() || it->second->dst != peer || it->second->sending) {
+    // The send timed out (or failed) before its CTS came. The receiver posted a recv on the
+    // data endpoint for it: one byte keeps that endpoint's message order and tells it so.
+    try {
+      p.data.send(send_hdrs_handle_, 0, 1);
+    } catch (const Error& e) {
+      fail_peer(peer, e.status());
+    }
+    return;
+  }
+  auto s = it->second;
+  s->sending = true;
+  Future f;
+  try {
+    f = p.data.send(s->payload, 0, s->n);
+  } catch (const Error& e) {
+    rndv_sends_.erase(id);
+    unreg(s->payload);
+    s->done({e.code(), who(peer) + ": " + e.what()}, peer, 0);
+    fail_peer(peer, e.status());
+    return;
+  }
+  f.on_complete([this, s, id, peer](const Status& st) {
+    post([this, s, id, peer, st] {
+      rndv_sends_.erase(id);
+      unreg(s->payload);
+      Status out = st.ok()                      ? st
+                   : !peers_[peer].failed.ok() ? peers_[peer].failed  // the data endpoint was closed for it
+                                               : Status{st.code, who(peer) + ": " + st.message};
+      s->done(out, peer, st.ok() ? s->n : 0);
+      if (!st.ok()) fail_peer(peer, st);
+    });
+  });
+}
+
+void Mailbox::on_nack(int peer, uint64_t id, uint64_t their_n) {
+  auto it = rndv_sends_.find(id);
+  if (it == rndv_sends_.end() || it->second->dst != peer || it->second->sending) return;
+  auto s = it->second;
+  rndv_sends_.erase(it);
+  unreg(s->payload);
+  s->done({ErrorCode::kTruncated, who(peer) + " posted a recv of " + std::to_string(their_n) + " bytes for our " +
+                                      std::to_string(s->n) + "-byte message with tag " + std::to_string(s->tag) +
+                                      " (tensor sizes must match)"},
+          peer, 0);
 }
 
 void Mailbox::on_header(int peer, const Status& st) {
@@ -188,6 +355,19 @@ void Mailbox::on_header(int peer, const Status& st) {
     return;
   }
   const Header h = p.hdr;
+  const Kind kind = kind_of(h);
+  if (kind == kCts || kind == kNack) {
+    if (kind == kCts)
+      on_cts(peer, id_of(h));
+    else
+      on_nack(peer, id_of(h), h.tag);
+    post_header_recv(peer);
+    return;
+  }
+  if (kind != kEager && kind != kRts) {
+    fail_peer(peer, {ErrorCode::kProtocol, "a message header of unknown kind " + std::to_string(kind)});
+    return;
+  }
   // Match the first posted recv (posting order) that accepts this source and tag.
   std::shared_ptr<PostedRecv> match;
   for (auto it = posted_.begin(); it != posted_.end(); ++it) {
@@ -196,6 +376,27 @@ void Mailbox::on_header(int peer, const Status& st) {
       posted_.erase(it);
       break;
     }
+  }
+  if (kind == kRts) {
+    const uint64_t id = id_of(h);
+    if (match && match->n == h.length) {
+      start_rndv_recv(peer, id, h.length, match);
+    } else if (match) {
+      match->done(truncated(peer, h.tag, h.length, match->n), peer, 0);
+      send_ctrl(peer, {match->n, h.length, make_kind(kNack, id)}, [this, peer](const Status& st) {
+        if (!st.ok()) fail_peer(peer, st);
+      });
+    } else {
+      auto u = std::make_shared<Unexpected>();
+      u->src = peer;
+      u->tag = h.tag;
+      u->length = h.length;
+      u->rndv_id = id;
+      u->arrived = true;
+      unexpected_.push_back(u);
+    }
+    post_header_recv(peer);
+    return;
   }
   if (match && match->n == h.length) {
     if (h.length == 0) {
@@ -228,12 +429,7 @@ void Mailbox::on_header(int peer, const Status& st) {
     u->src = peer;
     u->tag = h.tag;
     u->length = h.length;
-    if (match) {
-      Status bad{ErrorCode::kTruncated, who(peer) + " sent " + std::to_string(h.length) + " bytes with tag " +
-                                            std::to_string(h.tag) + " to a recv of " + std::to_string(match->n) +
-                                            " bytes (tensor sizes must match)"};
-      match->done(bad, peer, 0);
-    }
+    if (match) match->done(truncated(peer, h.tag, h.length, match->n), peer, 0);
     if (h.length == 0) {
       u->arrived = true;
       unexpected_.push_back(u);
@@ -292,7 +488,18 @@ void Mailbox::recv(int src, uint64_t tag, void* ptr, uint64_t n, Done done) {
     for (auto it = unexpected_.begin(); it != unexpected_.end(); ++it) {
       auto u = *it;
       if ((r->src == u->src || r->src == kAnySource) && u->tag == r->tag && !u->waiter) {
-        if (u->arrived) {
+        if (u->rndv_id) {
+          unexpected_.erase(it);
+          if (u->length == r->n) {
+            start_rndv_recv(u->src, u->rndv_id, u->length, r);
+          } else {
+            r->done(truncated(u->src, u->tag, u->length, r->n), u->src, 0);
+            int src = u->src;
+            send_ctrl(src, {r->n, u->length, make_kind(kNack, u->rndv_id)}, [this, src](const Status& st) {
+              if (!st.ok()) fail_peer(src, st);
+            });
+          }
+        } else if (u->arrived) {
           unexpected_.erase(it);
           deliver(*u, *r);
         } else {
@@ -319,6 +526,29 @@ void Mailbox::send(int dst, uint64_t tag, const void* ptr, uint64_t n, Done done
       done(p.failed, dst, 0);
       return;
     }
+    if (n == 0 || n < rndv_bytes_ || !p.data.valid()) {
+      send_eager(dst, tag, ptr, n, std::move(done));
+      return;
+    }
+    // Rendezvous: register now, so that the registration overlaps the RTS / CTS round trip.
+    auto s = std::make_shared<RndvSend>(RndvSend{dst, tag, n, {}, std::move(done), Clock::now() + timeout_});
+    try {
+      s->payload = reg(ptr, n);
+    } catch (const Error& e) {
+      s->done({e.code(), who(dst) + ": " + e.what()}, dst, 0);
+      return;
+    }
+    const uint64_t id = next_id_++;
+    rndv_sends_[id] = s;
+    send_ctrl(dst, {tag, n, make_kind(kRts, id)}, [this, dst](const Status& st) {
+      if (!st.ok()) fail_peer(dst, st);  // fails this send too (it waits for a CTS)
+    });
+  });
+}
+
+void Mailbox::send_eager(int dst, uint64_t tag, const void* ptr, uint64_t n, Done done) {
+  {
+    Peer& p = peers_[dst];
     auto s = std::make_shared<SendState>();
     s->n = n;
     s->done = std::move(done);
@@ -327,11 +557,11 @@ void Mailbox::send(int dst, uint64_t tag, const void* ptr, uint64_t n, Done done
     if (!free_hdrs_.empty()) {
       s->slot = free_hdrs_.back();
       free_hdrs_.pop_back();
-      send_hdrs_[s->slot] = {tag, n};
+      send_hdrs_[s->slot] = {tag, n, make_kind(kEager, 0)};
       hh = send_hdrs_handle_;
       hoff = uint64_t(s->slot) * sizeof(Header);
     } else {
-      s->own_hdr = std::make_unique<std::array<uint64_t, 2>>(std::array<uint64_t, 2>{tag, n});
+      s->own_hdr = std::make_unique<std::array<uint64_t, 3>>(std::array<uint64_t, 3>{tag, n, make_kind(kEager, 0)});
       s->own_hdr_handle = hh = reg(s->own_hdr->data(), sizeof(Header));
     }
     auto finish = [this, s, dst](const Status& st) {
@@ -361,7 +591,7 @@ void Mailbox::send(int dst, uint64_t tag, const void* ptr, uint64_t n, Done done
       s->remaining = submitted + 1;
       finish(e.status());
     }
-  });
+  }
 }
 
 void Mailbox::expire() {
@@ -382,6 +612,34 @@ void Mailbox::expire() {
       ++it;
     }
   }
+  for (auto it = rndv_sends_.begin(); it != rndv_sends_.end();) {
+    auto s = it->second;
+    if (!s->sending && s->deadline <= now) {
+      // A CTS that still comes gets a 1-byte payload (on_cts), so the data endpoint keeps
+      // its order and the peer learns the send was abandoned.
+      it = rndv_sends_.erase(it);
+      unreg(s->payload);
+      s->done({ErrorCode::kTimeout, "rank " + std::to_string(rank_) + ": peer rank " + std::to_string(s->dst) +
+                                        " did not take our " + std::to_string(s->n) + "-byte message (tag " +
+                                        std::to_string(s->tag) + ") within the group timeout of " +
+                                        std::to_string(timeout_.count()) + " ms"},
+              s->dst, 0);
+    } else {
+      ++it;
+    }
+  }
+  std::vector<std::pair<int, Status>> hung;
+  for (auto& l : landing_) {
+    if (l->why.ok() && l->deadline <= now) {
+      l->why = {ErrorCode::kTimeout, "rank " + std::to_string(rank_) + ": the payload from peer rank " +
+                                         std::to_string(l->src) + " did not arrive within the group timeout of " +
+                                         std::to_string(timeout_.count()) + " ms"};
+      hung.emplace_back(l->src, l->why);
+    }
+  }
+  // Only closing the data endpoint takes a posted engine recv back (and the recv reports
+  // `why` once it has): the peer is failed.
+  for (auto& [peer, why] : hung) fail_peer(peer, why);
 }
 
 }  // namespace sluice::torch_backend

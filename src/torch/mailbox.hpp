@@ -1,9 +1,31 @@
-// Tagged point-to-point messages between the ranks of one group, over one engine endpoint per
-// peer. The engine matches the k-th send of an endpoint with the k-th recv posted on the other
-// side; torch wants matching by (source, tag) and receives from any source. So each message
-// travels as a 16-byte header (tag, length) followed by its payload, and one progress thread
-// per backend keeps a header recv posted on every endpoint and steers each payload either
-// into the buffer of the first matching posted recv or into an unexpected-message buffer.
+// Tagged point-to-point messages between the ranks of one group, over engine endpoints (two
+// per peer). The engine matches the k-th send of an endpoint with the k-th recv posted on the
+// other side; torch wants matching by (source, tag) and receives from any source. So each
+// message starts with a 24-byte header (tag, length, kind) on the peer's control endpoint,
+// and one progress thread per backend keeps a header recv posted on every control endpoint.
+//
+// Two protocols, chosen by the message's size:
+// - eager (below rndv_bytes): the payload follows its header on the control endpoint and is
+//   steered into the first matching posted recv or into an unexpected-message buffer. One
+//   trip, so the 8-byte latency stays that of one engine message.
+// - rendezvous (rndv_bytes and up): the header alone goes first (RTS). Once a recv matches
+//   it, the receiver posts the engine recv straight into the destination on the peer's data
+//   endpoint and only then sends a clear-to-send (CTS) header back; the sender then sends
+//   the payload on the data endpoint. The payload therefore always finds its recv already
+//   posted: the engine never stashes it (no extra copy, no fresh buffer per message; from
+//   32 MiB each such buffer was a fresh mmap, page faults and zeroing).
+//   Why a CTS over a second endpoint rather than a one-sided READ of the sender's registered
+//   tensor: a read names the region by its id in the peer's region table, which the reader
+//   learns only through refresh_remote_regions() (a directory round trip per message); the
+//   engine has no way to name a region from a descriptor sent in-band. Two-sided messages
+//   need nothing new from the engine and behave the same on shm and tcp. The data endpoint
+//   is separate because the control endpoint always has a header recv posted: a payload
+//   sent there after a CTS would match that header recv, not the tensor's. On the data
+//   endpoint both sides post in CTS order (the receiver posts its recv, then sends the CTS;
+//   the sender handles CTSs in arrival order), so the k-th payload meets the k-th recv.
+//   A length mismatch answers the RTS with a NACK (both sides fail with kTruncated); a CTS
+//   for a send that already timed out gets a 1-byte payload, so the data endpoint's order
+//   holds and the receiver fails with an error naming the peer.
 // Torch-free: buffers are raw host pointers, completions are callbacks.
 #pragma once
 
@@ -13,6 +35,7 @@
 #include <deque>
 #include <functional>
 #include <list>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -29,10 +52,13 @@ class Mailbox {
   using Done = std::function<void(const Status&, int peer, uint64_t bytes)>;
   static constexpr int kAnySource = -1;
 
-  // `peers[r]` is the endpoint to rank r (invalid for `rank` itself). `timeout` bounds every
-  // operation: a recv no message matches and a send its peer does not take in that time fail
-  // with kTimeout naming the peer.
-  Mailbox(Engine& engine, std::vector<Endpoint> peers, int rank, std::chrono::milliseconds timeout);
+  // `peers[r]` is the control endpoint to rank r (invalid for `rank` itself), `data[r]` its
+  // data endpoint (the rendezvous payloads); without data endpoints every message is eager.
+  // `timeout` bounds every operation: a recv no message matches and a send its peer does not
+  // take in that time fail with kTimeout naming the peer. Messages of `rndv_bytes` and more
+  // go by rendezvous.
+  Mailbox(Engine& engine, std::vector<Endpoint> peers, std::vector<Endpoint> data, int rank,
+          std::chrono::milliseconds timeout, uint64_t rndv_bytes);
   ~Mailbox();
   Mailbox(const Mailbox&) = delete;
   Mailbox& operator=(const Mailbox&) = delete;
@@ -49,10 +75,15 @@ class Mailbox {
 
  private:
   using Clock = std::chrono::steady_clock;
+  enum Kind : uint64_t { kEager = 0, kRts = 1, kCts = 2, kNack = 3 };
   struct Header {
-    uint64_t tag;
+    uint64_t tag;     // NACK: the length of the recv that refused the message
     uint64_t length;
+    uint64_t kind_id;  // kind in the top byte; RTS / CTS / NACK: the sender's message id
   };
+  static Kind kind_of(const Header& h) { return static_cast<Kind>(h.kind_id >> 56); }
+  static uint64_t id_of(const Header& h) { return h.kind_id & ((uint64_t(1) << 56) - 1); }
+  static uint64_t make_kind(Kind k, uint64_t id) { return (uint64_t(k) << 56) | id; }
   struct PostedRecv {
     int src;
     uint64_t tag;
@@ -68,12 +99,32 @@ class Mailbox {
     uint64_t length;
     std::vector<uint8_t> data;
     MemoryHandle handle;
+    uint64_t rndv_id = 0;  // non-zero: a rendezvous header (nothing to land)
     bool arrived = false;
     Status status;
     std::shared_ptr<PostedRecv> waiter;  // a recv matched it while the payload was in flight
   };
+  // A rendezvous send: registered, waiting for its CTS (then its payload goes).
+  struct RndvSend {
+    int dst;
+    uint64_t tag;
+    uint64_t n;
+    MemoryHandle payload;
+    Done done;
+    Clock::time_point deadline;
+    bool sending = false;  // the CTS came: the payload is on its way
+  };
+  // A rendezvous recv whose engine recv is posted into the destination (CTS sent).
+  struct Landing {
+    int src;
+    std::shared_ptr<PostedRecv> r;
+    MemoryHandle handle;
+    Clock::time_point deadline;
+    Status why;  // set when the mailbox gave up on it (the report once the engine lets go)
+  };
   struct Peer {
     Endpoint ep;
+    Endpoint data;
     MemoryHandle hdr_handle;
     Header hdr{};  // the header recv lands here (one outstanding per peer)
     Status failed;  // non-ok once the endpoint failed: later ops to this peer fail at once
@@ -87,6 +138,14 @@ class Mailbox {
   void on_header(int peer, const Status& st);
   void fail_peer(int peer, const Status& st);
   void deliver(Unexpected& u, PostedRecv& r);
+  // Header-only message on the control endpoint; `finish` runs on the progress thread.
+  void send_ctrl(int peer, Header h, std::function<void(const Status&)> finish);
+  void on_cts(int peer, uint64_t id);
+  void on_nack(int peer, uint64_t id, uint64_t their_n);
+  // A recv matched the RTS `id` from `src`: post the recv into it and clear the send.
+  void start_rndv_recv(int src, uint64_t id, uint64_t length, std::shared_ptr<PostedRecv> r);
+  void send_eager(int dst, uint64_t tag, const void* ptr, uint64_t n, Done done);
+  Status truncated(int peer, uint64_t tag, uint64_t length, uint64_t n) const;
   void expire();
   MemoryHandle reg(const void* ptr, uint64_t n);
   void unreg(MemoryHandle h);
@@ -95,10 +154,14 @@ class Mailbox {
   Engine& engine_;
   const int rank_;
   std::chrono::milliseconds timeout_;
+  const uint64_t rndv_bytes_;
   std::vector<Peer> peers_;
   // Progress-thread state.
   std::list<std::shared_ptr<PostedRecv>> posted_;
   std::list<std::shared_ptr<Unexpected>> unexpected_;
+  std::map<uint64_t, std::shared_ptr<RndvSend>> rndv_sends_;  // by message id
+  std::list<std::shared_ptr<Landing>> landing_;
+  uint64_t next_id_ = 1;
   // Registered header slots for outgoing messages (a header must outlive its send).
   std::vector<Header> send_hdrs_;
   MemoryHandle send_hdrs_handle_;

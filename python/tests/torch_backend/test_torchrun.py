@@ -1,9 +1,11 @@
 """torchrun-launched tests of the torch.distributed backend `sluice` (CPU): every operation
 compared bit for bit with gloo in the same processes, over shm and tcp forced, at world sizes
-2, 3 and 4; a rank killed mid-run; and a rank that hangs (SIGSTOP) under a short group timeout."""
+2, 3 and 4; a rank killed mid-run; a rank that hangs (SIGSTOP) under a short group timeout; and
+the rendezvous of large messages, with peers that die or stop in its middle."""
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -25,6 +27,31 @@ def torchrun(script: str, nproc: int, env_extra: dict, timeout: float) -> subpro
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            str(HERE / script)]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def spawn(script: str, nproc: int, env_extra: dict, timeout: float) -> list[subprocess.CompletedProcess]:
+    """The ranks as plain processes (env:// rendezvous), for tests where a rank dies on
+    purpose: torchrun would tear the others down as soon as one exits."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for r in range(nproc):
+        env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(r),
+                   WORLD_SIZE=str(nproc), LOCAL_RANK=str(r), **env_extra)
+        procs.append(subprocess.Popen([sys.executable, str(HERE / script)], env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))
+    out = []
+    for r, p in enumerate(procs):
+        try:
+            stdout, _ = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            stdout, _ = p.communicate()
+            stdout += f"\n[rank {r} did not exit within {timeout} s]"
+        out.append(subprocess.CompletedProcess(p.args, p.returncode, stdout, ""))
+    return out
 
 
 @pytest.mark.timeout(400)
@@ -57,3 +84,29 @@ def test_hung_rank_raises_naming_the_peer_and_nothing_hangs() -> None:
     for r in range(3):
         assert f"hung-rank OK rank={r}" in out, out[-6000:]
     assert out.count("peer rank 2") >= 4, out[-6000:]  # recv, send and both all_reduces name it
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("transport", ["tcp"])
+def test_rendezvous_messages(transport: str) -> None:
+    # Large messages (rendezvous from 64 KiB here): recv posted late and early, ANY_SOURCE,
+    # tags out of order, a length mismatch and a send whose recv comes after the timeout.
+    # tcp only (CI time): the mailbox protocol is the same on every transport, the failure
+    # test below runs on shm, and test_every_op_matches_gloo crosses the threshold on both.
+    # Plain processes rather than torchrun: the same test without the agent's start-up (CI time).
+    ps = spawn("rndv_worker.py", 3, {"SLUICE_TORCH_TRANSPORT": transport, "SLUICE_TORCH_RNDV_BYTES": "65536",
+                                     "GROUP_TIMEOUT_S": "3"}, 150)
+    out = "\n".join(f"--- rank {r} (exit {p.returncode})\n{p.stdout}" for r, p in enumerate(ps))
+    for r, p in enumerate(ps):
+        assert p.returncode == 0 and f"rndv OK rank={r}" in p.stdout, out[-6000:]
+    assert "gave up" in out and "timeout" in out, out[-6000:]
+
+
+@pytest.mark.timeout(200)
+def test_rendezvous_peer_killed_or_stopped_midway() -> None:
+    ps = spawn("rndv_fail_worker.py", 3, {"GROUP_TIMEOUT_S": "3", "SLUICE_TORCH_RNDV_BYTES": "65536"}, 120)
+    out = "\n".join(f"--- rank {r} (exit {p.returncode})\n{p.stdout}" for r, p in enumerate(ps))
+    assert ps[0].returncode == 0 and "rndv-fail OK rank=0" in ps[0].stdout, out[-6000:]
+    assert ps[1].returncode == -9, out[-6000:]  # SIGKILLed itself
+    assert ps[2].returncode == 0 and "rndv-fail OK rank=2" in ps[2].stdout, out[-6000:]
+    assert "recv from the killed rank raised" in out and "recv from the stopped rank raised" in out, out[-6000:]

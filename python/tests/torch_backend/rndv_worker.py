@@ -1,0 +1,159 @@
+"""Run as 3 ranks (test_torchrun.spawn: plain processes, env:// rendezvous) with
+SLUICE_TORCH_RNDV_BYTES set: the rendezvous protocol of large messages (mailbox.hpp). Rank 0
+receives, ranks 1 and 2 send. Cases: a recv posted late (the header waits as unexpected), one
+posted early, ANY_SOURCE from two ranks, tags taken out of order, eager and rendezvous messages
+interleaved, a length mismatch (both sides fail, the pair keeps working), and a send whose recv
+comes after the group timeout (the send times out naming the peer; the late recv fails; the pair
+keeps working). Prints 'rndv OK rank=<r>' per rank."""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+import sluice.torch  # noqa: F401
+
+N = 300_000  # float32 elements: 1.2 MB, above the threshold the test sets
+
+
+def payload(src: int, case: int, n: int = N) -> torch.Tensor:
+    return torch.arange(n, dtype=torch.float32) * (src + 1) + case
+
+
+def check(got: torch.Tensor, src: int, case: int, what: str) -> None:
+    want = payload(src, case, got.numel())
+    if not torch.equal(got, want):
+        bad = (got != want).nonzero()[:4].flatten().tolist()
+        raise AssertionError(f"{what}: wrong data from rank {src} at {bad}")
+
+
+def expect_error(what: str, fn, *needles: str) -> str:
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001
+        msg = str(e)
+        for needle in needles:
+            assert needle in msg, f"{what}: the error does not say '{needle}': {msg}"
+        print(f"rank {dist.get_rank()}: {what} raised as expected: {msg.splitlines()[0][:200]}", flush=True)
+        return msg
+    raise AssertionError(f"rank {dist.get_rank()}: {what} returned without error")
+
+
+def main() -> int:
+    timeout_s = float(os.environ.get("GROUP_TIMEOUT_S", "4"))
+    dist.init_process_group("sluice", timeout=timedelta(seconds=timeout_s))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    assert world == 3, world
+    store = dist.distributed_c10d._get_default_store()
+
+    # 1. Posted late: the sender's header arrives first and waits as an unexpected message.
+    if rank == 1:
+        w = dist.isend(payload(1, 1), dst=0, tag=1)
+        store.set("rndv/1/sent", "1")
+        w.wait()
+    elif rank == 0:
+        store.wait(["rndv/1/sent"], timedelta(seconds=60))
+        time.sleep(0.3)
+        t = torch.empty(N)
+        dist.recv(t, src=1, tag=1)
+        check(t, 1, 1, "late recv")
+
+    # 2. Posted early: the recv waits for the header.
+    if rank == 0:
+        t = torch.empty(N)
+        w = dist.irecv(t, src=2, tag=2)
+        store.set("rndv/2/posted", "1")
+        w.wait()
+        check(t, 2, 2, "early recv")
+    elif rank == 2:
+        store.wait(["rndv/2/posted"], timedelta(seconds=60))
+        time.sleep(0.2)
+        dist.send(payload(2, 2), dst=0, tag=2)
+
+    # 3. ANY_SOURCE with large messages from ranks 1 and 2, plus a small one from each.
+    if rank == 0:
+        seen = set()
+        for _ in range(2):
+            t = torch.empty(N)
+            w = dist.irecv(t, tag=3)  # no src: any source
+            w.wait()
+            src = w._source_rank() if hasattr(w, "_source_rank") else None
+            who = 1 if torch.equal(t, payload(1, 3)) else 2
+            check(t, who, 3, "any-source recv")
+            if src is not None:
+                assert src == who, (src, who)
+            seen.add(who)
+        assert seen == {1, 2}, seen
+        for src in (1, 2):
+            s = torch.empty(4)
+            dist.recv(s, src=src, tag=4)
+            check(s, src, 4, "small after large")
+    else:
+        dist.send(payload(rank, 3), dst=0, tag=3)
+        dist.send(payload(rank, 4, 4), dst=0, tag=4)
+
+    # 4. Tags out of order, eager and rendezvous interleaved: rank 1 sends tags 5 (large),
+    #    6 (small), 7 (large); rank 0 takes 7, then 6, then 5.
+    if rank == 1:
+        ws = [dist.isend(payload(1, 5), dst=0, tag=5), dist.isend(payload(1, 6, 10), dst=0, tag=6),
+              dist.isend(payload(1, 7), dst=0, tag=7)]
+        for w in ws:
+            w.wait()
+    elif rank == 0:
+        for tag, n in ((7, N), (6, 10), (5, N)):
+            t = torch.empty(n)
+            dist.recv(t, src=1, tag=tag)
+            check(t, 1, tag, f"out-of-order tag {tag}")
+
+    # 5. A length mismatch on a large message: both sides fail, naming the sizes; the pair
+    #    then still works.
+    if rank == 1:
+        expect_error("mismatched send", lambda: dist.send(payload(1, 8), dst=0, tag=8), "peer rank 0",
+                     str(2 * N * 4))
+        dist.send(payload(1, 9), dst=0, tag=9)
+    elif rank == 0:
+        expect_error("mismatched recv", lambda: dist.recv(torch.empty(2 * N), src=1, tag=8), "peer rank 1",
+                     str(N * 4))
+        t = torch.empty(N)
+        dist.recv(t, src=1, tag=9)
+        check(t, 1, 9, "after a mismatch")
+
+    # 6. A send nobody takes within the group timeout fails naming the peer; the recv posted
+    #    after that fails too (the sender gave up); the pair then still works.
+    if rank == 2:
+        expect_error("untaken send", lambda: dist.send(payload(2, 10), dst=0, tag=10), "peer rank 0", "timeout")
+        store.set("rndv/10/timed_out", "1")
+        dist.send(payload(2, 11), dst=0, tag=11)
+    elif rank == 0:
+        store.wait(["rndv/10/timed_out"], timedelta(seconds=60))
+        expect_error("late recv of an abandoned send", lambda: dist.recv(torch.empty(N), src=2, tag=10),
+                     "peer rank 2", "gave up")
+        t = torch.empty(N)
+        dist.recv(t, src=2, tag=11)
+        check(t, 2, 11, "after an abandoned send")
+
+    # 7. Collectives over the rendezvous path still agree with a plain computation. Ranks
+    #    arrive here up to a group timeout apart (case 6): line them up through the Store.
+    store.set(f"rndv/7/{rank}", "1")
+    store.wait([f"rndv/7/{r}" for r in range(world)], timedelta(seconds=60))
+    x = payload(rank, 12)
+    dist.all_reduce(x)
+    assert torch.equal(x, sum(payload(r, 12) for r in range(world))), "all_reduce"
+
+    # 8. A threshold that is not a byte count is refused when a group is made (before it
+    #    connects anything, so every rank fails alike and nobody waits).
+    os.environ["SLUICE_TORCH_RNDV_BYTES"] = "12abc"
+    expect_error("a group with a bad threshold", lambda: dist.new_group(backend="sluice"),
+                 "SLUICE_TORCH_RNDV_BYTES must be a byte count, got '12abc'")
+
+    dist.destroy_process_group()
+    print(f"rndv OK rank={rank}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
