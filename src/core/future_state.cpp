@@ -44,6 +44,7 @@ void FutureState::note_error(const Status& status) {
 bool FutureState::finish(const Status& status) {
   std::vector<Callback> cbs;
   bool wake = false;
+  bool interrupt = false;
   {
     std::lock_guard<std::mutex> lk(mu_);
     if (done_.load(std::memory_order_relaxed)) return false;
@@ -52,12 +53,16 @@ bool FutureState::finish(const Status& status) {
     done_.store(true, std::memory_order_release);
     cbs.swap(callbacks_);
     wake = waiters_.load(std::memory_order_relaxed) > 0;
+    // A waiter sleeping in a source's drive() sleeps on its descriptors, not on cv_.
+    interrupt = driver_ != std::thread::id() && driver_ != std::this_thread::get_id();
   }
   // Woken after the unlock, so the waiter does not wake into a held mutex (2-3 futex calls
   // per small op). `this` outlives the call: every completer holds the state through a
   // shared_ptr (the op's, or a copy taken for the call), and a waiter that returns drops only
   // its own reference.
   if (wake) cv_.notify_all();
+  if (interrupt)
+    if (auto src = progress_.lock()) src->interrupt();
   for (auto& cb : cbs) cb(status);
   return true;
 }
@@ -65,6 +70,19 @@ bool FutureState::finish(const Status& status) {
 void FutureState::drive(Clock::time_point deadline) {
   auto src = progress_.lock();
   if (!src || done()) return;
+  if (src->blocking()) {
+    // Registered under mu_, where finish() looks: a completion on another thread either
+    // happened before (done_ seen here) or interrupts the drive.
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      if (done_.load(std::memory_order_relaxed)) return;
+      driver_ = std::this_thread::get_id();
+    }
+    src->drive(done_, deadline);
+    std::lock_guard<std::mutex> lk(mu_);
+    driver_ = std::thread::id();
+    return;
+  }
   src->begin_polling();
   const auto budget = src->poll_budget();
   auto last = Clock::now();

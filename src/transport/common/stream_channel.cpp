@@ -1,5 +1,6 @@
 #include "transport/common/stream_channel.hpp"
 
+#include <poll.h>
 #include <sys/epoll.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
@@ -81,12 +82,20 @@ void StreamChannel::start() {
   std::lock_guard<std::mutex> lk(mu_);
   started_ = true;
   reactor_->add(sock_.fd(), this);
-  if (out_armed_) reactor_->watch_output(sock_.fd(), this, true);  // a write before start() filled it
+  if (out_armed_) reactor_->watch(sock_.fd(), this, true, true);  // a write before start() filled it
   reactor_->post([this] {
-    CurrentScope cur(this);
-    fiber_->resume();
+    {
+      CurrentScope cur(this);
+      fiber_->resume();
+    }
+    parked();
     after_resume();
   });
+}
+
+void StreamChannel::parked() {
+  std::lock_guard<std::mutex> lk(recv_mu_);
+  parked_ = !fiber_->finished();
 }
 
 void StreamChannel::after_resume() {
@@ -103,13 +112,79 @@ void StreamChannel::after_resume() {
 
 void StreamChannel::wake_fiber(uint32_t events) {
   // Any wake but a timer may mean new input (or a local shutdown): read before waiting again.
-  if (!waiting_input_) return;
-  waiting_input_ = false;
+  {
+    std::lock_guard<std::mutex> lk(recv_mu_);
+    if (lent_) {
+      missed_wake_ = true;  // the borrower sees input itself; give_back() replays the rest
+      return;
+    }
+    if (!parked_) return;
+    parked_ = false;
+  }
   clean_wake_ = events != 0 && (events & ~uint32_t{EPOLLIN | EPOLLOUT}) == 0;
   reactor_->cancel_wake(this);
-  CurrentScope cur(this);
-  fiber_->resume();
+  {
+    CurrentScope cur(this);
+    fiber_->resume();
+  }
+  parked();
   after_resume();
+}
+
+bool StreamChannel::lend() {
+  {
+    std::lock_guard<std::mutex> lk(recv_mu_);
+    // A fiber parked with a deadline has the reactor's timer: left to the reactor.
+    if (!parked_ || lent_ || park_until_ != std::chrono::steady_clock::time_point{}) return false;
+    lent_ = true;
+  }
+  std::lock_guard<std::mutex> lk(mu_);
+  if (!input_off_ && !finishing_) {
+    input_off_ = true;
+    reactor_->watch(sock_.fd(), this, false, out_armed_);
+  }
+  return true;
+}
+
+void StreamChannel::run_lent(short revents) {
+  {
+    std::lock_guard<std::mutex> lk(recv_mu_);
+    parked_ = false;
+  }
+  // Poll is level-triggered: a plain input report after a short read proves nothing was
+  // left unread, as an edge does (see drained_).
+  clean_wake_ = revents == POLLIN;
+  // Completion callbacks run here, as on a reactor: a close from one must not wait for us.
+  const bool was_transport = std::exchange(tls_transport_thread, true);
+  {
+    CurrentScope cur(this);
+    fiber_->resume();
+  }
+  tls_transport_thread = was_transport;
+  parked();
+}
+
+void StreamChannel::give_back() {
+  bool replay;
+  {
+    std::lock_guard<std::mutex> lk(recv_mu_);
+    lent_ = false;
+    // A wake-up the reactor skipped, or a deadline only the borrower knew: the reactor runs
+    // the fiber once (an early wake is harmless: every waiter re-checks its condition).
+    replay = parked_ && (missed_wake_ || park_until_ != std::chrono::steady_clock::time_point{});
+    missed_wake_ = false;
+  }
+  if (fiber_->finished()) {
+    after_resume();
+    return;
+  }
+  std::lock_guard<std::mutex> lk(mu_);
+  if (finishing_) return;  // the reactor ran it to its end meanwhile and detaches it
+  if (input_off_) {
+    input_off_ = false;
+    reactor_->watch(sock_.fd(), this, true, out_armed_);  // reports input that came meanwhile
+  }
+  if (replay) reactor_->post([this] { wake_fiber(); });  // queued before any removal (finishing_)
 }
 
 void StreamChannel::on_events(uint32_t events) {
@@ -120,9 +195,11 @@ void StreamChannel::on_events(uint32_t events) {
 void StreamChannel::on_deadline() { wake_fiber(); }
 
 void StreamChannel::wait_input(std::chrono::steady_clock::time_point until) {
-  waiting_input_ = true;
-  if (until != std::chrono::steady_clock::time_point{}) reactor_->wake_at(this, until);
+  // On a borrower's thread the borrower keeps the deadline (lent_until()).
+  park_until_ = until;
+  if (until != std::chrono::steady_clock::time_point{} && reactor_->on_thread()) reactor_->wake_at(this, until);
   fiber_->yield();
+  park_until_ = {};
   drained_ = false;  // whatever woke us may have brought input
 }
 
@@ -169,7 +246,7 @@ void StreamChannel::want_output(bool on) {
   // Callers hold mu_; once finishing_ the reactor drops the descriptor, leave it be.
   if (on == out_armed_ || finishing_) return;
   out_armed_ = on;
-  if (started_) reactor_->watch_output(sock_.fd(), this, on);  // else start() arms it
+  if (started_) reactor_->watch(sock_.fd(), this, !input_off_, on);  // else start() arms it
 }
 
 bool StreamChannel::on_own_thread() const { return tls_current == this; }
