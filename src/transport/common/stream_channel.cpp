@@ -165,16 +165,18 @@ void StreamChannel::run_lent(short revents) {
 }
 
 void StreamChannel::give_back() {
-  bool replay;
+  bool replay, finished;
   {
     std::lock_guard<std::mutex> lk(recv_mu_);
+    // Read before lent_ drops: from then on the reactor may resume (and end) a parked fiber.
+    finished = !parked_;
     lent_ = false;
     // A wake-up the reactor skipped, or a deadline only the borrower knew: the reactor runs
     // the fiber once (an early wake is harmless: every waiter re-checks its condition).
     replay = parked_ && (missed_wake_ || park_until_ != std::chrono::steady_clock::time_point{});
     missed_wake_ = false;
   }
-  if (fiber_->finished()) {
+  if (finished) {
     after_resume();
     return;
   }
@@ -229,11 +231,12 @@ void StreamChannel::took(uint64_t bytes) {
   read_since_yield_ += bytes;
   if (read_since_yield_ < kYieldBytes) return;
   read_since_yield_ = 0;
-  {
-    std::lock_guard<std::mutex> lk(mu_);  // the fiber runs: no removal can be queued yet
-    reactor_->post([this] { wake_fiber(); });
-  }
-  wait_input();
+  // Parked with a deadline of now, not woken by a posted task: lend() leaves a fiber with a
+  // deadline to the reactor, so a waiter cannot borrow it meanwhile and then wait on a socket
+  // that may stay empty (the bytes that brought us here can be the last of a reply). The
+  // reactor resumes us after this round of events; a borrower (run_lent) after one round
+  // over its other channels.
+  wait_input(std::chrono::steady_clock::now());
 }
 
 void StreamChannel::kick() {

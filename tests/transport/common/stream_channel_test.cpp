@@ -352,6 +352,58 @@ TEST(StreamChannel, ShutdownWhileLentStillEndsTheChannel) {
   EXPECT_EQ(h.why.code, ErrorCode::kCancelled);
 }
 
+// The fiber yields to its runner after every MiB it reads (fairness). On a borrower's thread
+// that yield must not wait for input: when the MiB's last bytes were the last the peer sent,
+// the socket stays empty while the frames they completed are still buffered, unhandled (the
+// lost wake-up that stalled tcp waiters until the op timeout). Exactly 1 MiB of frames, then
+// silence: every frame must still be delivered by a borrower that polls like
+// TcpEndpoint::drive (sleeping on the socket only while the fiber has no deadline).
+TEST(StreamChannel, LentFiberThatYieldsAfterAMiBIsResumedWithoutMoreInput) {
+  auto [mine, theirs] = tcp_pair();
+  ThreadHandler h;
+  StreamChannel ch(std::move(mine), &h, 0);
+  ch.start();
+  ASSERT_TRUE(lend_soon(ch));
+  constexpr int kFrames = 256;
+  constexpr uint64_t kFrameBytes = 4096;  // header + payload; kFrames of them are 1 MiB
+  std::vector<uint8_t> wire(kFrames * kFrameBytes, 0x5A);
+  for (int i = 0; i < kFrames; ++i) {
+    FrameHeader f = make_frame(FrameType::kWrite, static_cast<uint64_t>(i) + 1, 0, 0, kFrameBytes - sizeof(FrameHeader));
+    std::memcpy(wire.data() + i * kFrameBytes, &f, sizeof(f));
+  }
+  std::thread sender([&, fd = theirs.fd()] {
+    size_t off = 0;
+    while (off < wire.size()) {
+      ssize_t w = ::send(fd, wire.data() + off, wire.size() - off, MSG_NOSIGNAL);
+      if (w <= 0) return;
+      off += static_cast<size_t>(w);
+    }
+  });
+  bool stalled = false;
+  while (h.frames.load() < kFrames && !stalled) {
+    auto until = ch.lent_until();
+    int timeout_ms = 5000;
+    if (until != std::chrono::steady_clock::time_point{})
+      timeout_ms = static_cast<int>(std::max<int64_t>(0, std::chrono::ceil<std::chrono::milliseconds>(until - std::chrono::steady_clock::now()).count()));
+    pollfd p{ch.fd(), POLLIN | POLLRDHUP, 0};
+    int r = ::poll(&p, 1, timeout_ms);
+    ASSERT_GE(r, 0);
+    if (p.revents || until != std::chrono::steady_clock::time_point{}) ch.run_lent(p.revents);
+    else stalled = true;  // 5 s with no input and no deadline: nothing would ever resume the fiber
+  }
+  sender.join();
+  EXPECT_FALSE(stalled) << "the borrower waited for input with " << kFrames - h.frames.load()
+                        << " frames read but not handled";
+  EXPECT_EQ(h.frames.load(), kFrames);
+  int elsewhere = 0;
+  for (int i = 0; i < h.frames.load(); ++i) elsewhere += h.thread_of(i) != std::this_thread::get_id();
+  EXPECT_EQ(elsewhere, 0) << "frames of a lent channel were handled off the borrower's thread";
+  ch.give_back();
+  theirs.close();
+  ch.join();
+  EXPECT_EQ(h.downs.load(), 1);
+}
+
 TEST(StreamChannel, FinQueuedBehindAShortReadIsSeen) {
   auto [mine, theirs] = tcp_pair();
   GateHandler h;
