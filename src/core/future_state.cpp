@@ -44,7 +44,6 @@ void FutureState::note_error(const Status& status) {
 bool FutureState::finish(const Status& status) {
   std::vector<Callback> cbs;
   bool wake = false;
-  bool interrupt = false;
   {
     std::lock_guard<std::mutex> lk(mu_);
     if (done_.load(std::memory_order_relaxed)) return false;
@@ -53,16 +52,18 @@ bool FutureState::finish(const Status& status) {
     done_.store(true, std::memory_order_release);
     cbs.swap(callbacks_);
     wake = waiters_.load(std::memory_order_relaxed) > 0;
-    // A waiter sleeping in a source's drive() sleeps on its descriptors, not on cv_.
-    interrupt = driver_ != std::thread::id() && driver_ != std::this_thread::get_id();
+    // A waiter sleeping in a source's drive() sleeps on its descriptors, not on cv_. Ended
+    // under mu_: the driver holds the source alive until it has cleared driving_ (under
+    // mu_). Locking progress_ here instead could make us the source's last owner (the
+    // driver returned and the user dropped the endpoint), destroying it on its own receive
+    // fiber.
+    if (driving_ && driver_ != std::this_thread::get_id()) driving_->interrupt();
   }
   // Woken after the unlock, so the waiter does not wake into a held mutex (2-3 futex calls
   // per small op). `this` outlives the call: every completer holds the state through a
   // shared_ptr (the op's, or a copy taken for the call), and a waiter that returns drops only
   // its own reference.
   if (wake) cv_.notify_all();
-  if (interrupt)
-    if (auto src = progress_.lock()) src->interrupt();
   for (auto& cb : cbs) cb(status);
   return true;
 }
@@ -77,10 +78,12 @@ void FutureState::drive(Clock::time_point deadline) {
       std::lock_guard<std::mutex> lk(mu_);
       if (done_.load(std::memory_order_relaxed)) return;
       driver_ = std::this_thread::get_id();
+      driving_ = src.get();
     }
     src->drive(done_, deadline);
     std::lock_guard<std::mutex> lk(mu_);
     driver_ = std::thread::id();
+    driving_ = nullptr;
     return;
   }
   src->begin_polling();

@@ -99,6 +99,7 @@ class FutureState {
   Clock::time_point end_{};
   std::vector<Callback> callbacks_;
   std::thread::id driver_;  // under mu_: the thread in a blocking ProgressSource::drive() for us
+  ProgressSource* driving_ = nullptr;  // under mu_: the source it drives (it holds it alive)
 };
 
 }  // namespace sluice::detail

@@ -657,15 +657,25 @@ bool TcpEndpoint::drive(const std::atomic<bool>& done, Clock::time_point deadlin
   }
   if (n == 0) return false;
   pollfd fds[kMaxLent + 1];
-  while (n > 0 && !done.load(std::memory_order_acquire)) {
+  while (n > 0) {
     auto now = Clock::now();
     if (now >= deadline) break;
+    // A fiber parked with a deadline is mid-work, not waiting for input: a fairness yield,
+    // or a completion callback on this thread that closes the endpoint and waits for its
+    // other channels. Ours to finish even once our future is done: handed back, it would go
+    // on on a reactor after wait() returned (and the callback's captures could then be the
+    // endpoint's last owner, destroying it on its own fiber).
+    bool busy = false;
     auto until = deadline;
     for (int i = 0; i < n; ++i) {
       fds[i] = {lent[i]->fd(), POLLIN | POLLRDHUP, 0};
       auto u = lent[i]->lent_until();
-      if (u != Clock::time_point{}) until = std::min(until, u);
+      if (u != Clock::time_point{}) {
+        until = std::min(until, u);
+        busy = true;
+      }
     }
+    if (!busy && done.load(std::memory_order_acquire)) break;
     fds[n] = {wakefd_, POLLIN, 0};
     timespec ts{};
     timespec* tsp = nullptr;
