@@ -7,6 +7,7 @@
 
 #include <atomic>
 #include <cstring>
+#include <memory>
 #include <thread>
 #include <vector>
 
@@ -61,11 +62,13 @@ TEST_F(TcpWaiter, CompletionsRunOnTheWaitingThread) {
   bool seen = false;
   auto deadline = std::chrono::steady_clock::now() + 10s;
   for (int i = 0; !seen && std::chrono::steady_clock::now() < deadline; ++i) {
-    std::atomic<bool> on_me{false};
+    // Shared: a callback on a reactor may still run after wait() returned (wait is woken
+    // before callbacks run), past this iteration.
+    auto on_me = std::make_shared<std::atomic<bool>>(false);
     Future f = ep_.write({{ha_, 0, rb_, 0, 64}});
-    f.on_complete([&](const Status&) { on_me = std::this_thread::get_id() == me; });
+    f.on_complete([on_me, me](const Status&) { *on_me = std::this_thread::get_id() == me; });
     ASSERT_TRUE(f.wait().ok());
-    seen = on_me.load();
+    seen = on_me->load();
   }
   EXPECT_TRUE(seen) << "no completion ever ran on the thread that waited for it";
 }
