@@ -88,18 +88,20 @@ void StreamChannel::start() {
       CurrentScope cur(this);
       fiber_->resume();
     }
-    parked();
-    after_resume();
+    after_resume(parked());
   });
 }
 
-void StreamChannel::parked() {
+bool StreamChannel::parked() {
+  // Read here, under recv_mu_: once parked_ is published a waiter may borrow the fiber and
+  // run it to its end while we still look at it.
   std::lock_guard<std::mutex> lk(recv_mu_);
   parked_ = !fiber_->finished();
+  return !parked_;
 }
 
-void StreamChannel::after_resume() {
-  if (!fiber_->finished()) return;
+void StreamChannel::after_resume(bool finished) {
+  if (!finished) return;
   // The receive side ended: the reactor lets go of us, then join() may return.
   std::lock_guard<std::mutex> lk(mu_);
   finishing_ = true;
@@ -127,8 +129,7 @@ void StreamChannel::wake_fiber(uint32_t events) {
     CurrentScope cur(this);
     fiber_->resume();
   }
-  parked();
-  after_resume();
+  after_resume(parked());
 }
 
 bool StreamChannel::lend() {
@@ -177,7 +178,7 @@ void StreamChannel::give_back() {
     missed_wake_ = false;
   }
   if (finished) {
-    after_resume();
+    after_resume(true);
     return;
   }
   std::lock_guard<std::mutex> lk(mu_);

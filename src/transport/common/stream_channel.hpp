@@ -118,7 +118,7 @@ class StreamChannel : private ReactorSource {
   // Reactor thread: resume the fiber if it waits; after_resume() detaches a finished one.
   // `events`: the readiness that woke it, 0 for a timer or a posted wake-up.
   void wake_fiber(uint32_t events = 0);
-  void after_resume();
+  void after_resume(bool finished);  // finished: what parked() returned
   // Callers hold mu_: a write failed, the peer is gone.
   void write_failed(int err);
   // Reactor thread: write queued frames until the socket is full (EPOLLOUT resumes).
@@ -156,8 +156,8 @@ class StreamChannel : private ReactorSource {
   bool missed_wake_ = false;  // under recv_mu_: the reactor skipped a wake-up while lent
   // Fiber side, published by parking: wait_input's deadline ({}: none).
   std::chrono::steady_clock::time_point park_until_{};
-  // Resumer: after fiber_->resume() returned, note whether it parked.
-  void parked();
+  // Resumer: after fiber_->resume() returned, note whether it parked; true if it ended.
+  bool parked();
   // A small message would otherwise cost a second read that only says EAGAIN. A stream
   // socket's read shorter than asked emptied the receive queue, but for urgent / out-of-band
   // data (which epoll reports as EPOLLPRI for as long as it is pending) and, on a unix
