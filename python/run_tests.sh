@@ -68,9 +68,22 @@ if [ -z "${SLUICE_SKIP_MOONCAKE:-}" ]; then
 fi
 
 say "pip install . (scikit-build-core + CMake; build tree in build-wheel/)"
-# sluice.torch is not in the wheel yet (its build inside pip's isolated environment does not
-# find the venv's torch): its torchrun tests skip, saying so. Issue 12 is open on this.
-"$VPY" -m pip install -q --disable-pip-version-check "$ROOT"
+if "$VPY" -c 'import torch' 2>/dev/null; then
+  # sluice.torch (the torch.distributed backend) builds against the venv's torch, which pip's
+  # isolated build environment cannot see: build without isolation, with the build
+  # requirements in the venv, and require the backend's tests to run rather than skip.
+  say "torch found: building sluice.torch too (pip install --no-build-isolation .)"
+  "$VPY" -m pip install -q --disable-pip-version-check "scikit-build-core>=0.8" "pybind11>=2.11"
+  { command -v cmake && command -v ninja; } >/dev/null ||
+    { "$VPY" -m pip install -q --disable-pip-version-check cmake ninja; PATH=$VENV/bin:$PATH; }
+  torch_t0=$SECONDS
+  SKBUILD_CMAKE_DEFINE="SLUICE_TORCH_PYTHON=$VPY" "$VPY" -m pip install -q --disable-pip-version-check \
+    --no-build-isolation "$ROOT"
+  echo "pip install with sluice.torch: $((SECONDS - torch_t0)) s"
+  export SLUICE_REQUIRE_TORCH_BACKEND=1
+else
+  "$VPY" -m pip install -q --disable-pip-version-check "$ROOT"
+fi
 
 say "version and C++ package in the wheel"
 "$VPY" - <<'PYEOF'
