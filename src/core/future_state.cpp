@@ -61,6 +61,12 @@ bool FutureState::finish(const Status& status) {
     done_.store(true, std::memory_order_release);
     cbs.swap(callbacks_);
     wake = waiters_.load(std::memory_order_relaxed) > 0;
+    // A waiter sleeping in a source's drive() sleeps on its descriptors, not on cv_. Ended
+    // under mu_: the driver holds the source alive until it has cleared driving_ (under
+    // mu_). Locking progress_ here instead could make us the source's last owner (the
+    // driver returned and the user dropped the endpoint), destroying it on its own receive
+    // fiber.
+    if (driving_ && driver_ != std::this_thread::get_id()) driving_->interrupt();
   }
   // Woken after the unlock, so the waiter does not wake into a held mutex (2-3 futex calls
   // per small op). `this` outlives the call: every completer holds the state through a
@@ -74,6 +80,21 @@ bool FutureState::finish(const Status& status) {
 void FutureState::drive(Clock::time_point deadline) {
   auto src = progress_.lock();
   if (!src || done()) return;
+  if (src->blocking()) {
+    // Registered under mu_, where finish() looks: a completion on another thread either
+    // happened before (done_ seen here) or interrupts the drive.
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      if (done_.load(std::memory_order_relaxed)) return;
+      driver_ = std::this_thread::get_id();
+      driving_ = src.get();
+    }
+    src->drive(done_, deadline);
+    std::lock_guard<std::mutex> lk(mu_);
+    driver_ = std::thread::id();
+    driving_ = nullptr;
+    return;
+  }
   src->begin_polling();
   const auto budget = src->poll_budget();
   auto last = Clock::now();

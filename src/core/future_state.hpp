@@ -8,6 +8,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <thread>
 #include <vector>
 
 #include "sluice/error.hpp"
@@ -32,6 +33,16 @@ class ProgressSource {
   virtual void end_polling(bool satisfied) {}
   // How long a waiter keeps polling without any completion before it sleeps.
   virtual std::chrono::microseconds poll_budget() const = 0;
+
+  // A source whose completions arrive on descriptors a waiter can sleep on (tcp sockets)
+  // says so here; waiters then call drive() instead of polling progress().
+  virtual bool blocking() const { return false; }
+  // Receive and complete on the waiter's thread, sleeping on the source's descriptors, until
+  // `done` or the deadline. False if the waiter cannot drive now (another one does): it then
+  // sleeps until someone else completes its future.
+  virtual bool drive(const std::atomic<bool>& done, std::chrono::steady_clock::time_point deadline) { return false; }
+  // The future a drive() waits for was completed by another thread: end that drive's sleep.
+  virtual void interrupt() {}
 };
 
 class FutureState {
@@ -92,6 +103,8 @@ class FutureState {
   Status first_error_;
   Clock::time_point end_{};
   std::vector<Callback> callbacks_;
+  std::thread::id driver_;  // under mu_: the thread in a blocking ProgressSource::drive() for us
+  ProgressSource* driving_ = nullptr;  // under mu_: the source it drives (it holds it alive)
 };
 
 }  // namespace sluice::detail

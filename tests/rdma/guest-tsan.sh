@@ -7,7 +7,7 @@
 set -u
 TB=${1:?TSan build dir}
 HERE=$(cd "$(dirname "$0")" && pwd)
-export TSAN_OPTIONS="halt_on_error=0 second_deadlock_stack=1 suppressions=$HERE/../tsan.supp"
+export TSAN_OPTIONS="halt_on_error=0 second_deadlock_stack=1 intercept_send=0 suppressions=$HERE/../tsan.supp"
 DEVS=${RXE_DEVS:-$RXE_DEV}
 rc=0
 for hca in "=$RXE_DEV" "=$(echo $DEVS | tr ' ' ',')"; do

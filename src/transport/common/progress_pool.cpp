@@ -322,9 +322,9 @@ void Reactor::add(int fd, ReactorSource* src) {
   sources_.fetch_add(1, std::memory_order_relaxed);
 }
 
-void Reactor::watch_output(int fd, ReactorSource* src, bool on) {
+void Reactor::watch(int fd, ReactorSource* src, bool input, bool output) {
   epoll_event ev{};
-  ev.events = kWatchInput | (on ? EPOLLOUT : 0u);
+  ev.events = (input ? kWatchInput : uint32_t{EPOLLET}) | (output ? uint32_t{EPOLLOUT} : 0u);
   ev.data.ptr = src;
   (void)::epoll_ctl(epfd_, EPOLL_CTL_MOD, fd, &ev);
 }

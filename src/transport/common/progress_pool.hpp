@@ -85,12 +85,14 @@ class Reactor {
   ~Reactor();
   // fd is watched edge-triggered for input (urgent data included), hang-up and errors, not
   // for output: a unix socket reports room on every read its peer makes, which would wake the
-  // reactor once per message sent. Ask for output with watch_output() while a write waits.
+  // reactor once per message sent. Ask for output with watch() while a write waits.
   void add(int fd, ReactorSource* src);
-  // Add (on) or drop output readiness for fd. Arming reports output at once if the socket has
-  // room already, so a write that found the socket full and then arms cannot miss the edge.
+  // Which readiness fd reports: input (off while a waiting thread receives on the socket
+  // itself, see StreamChannel::lend) and output. Hang-up and errors are always reported.
+  // Arming reports the state at once if it holds already (a write that found the socket full
+  // and then arms cannot miss the edge; nor can input that arrived while input was off).
   // Callable from any thread; an fd that is no longer watched is ignored.
-  void watch_output(int fd, ReactorSource* src, bool on);
+  void watch(int fd, ReactorSource* src, bool input, bool output);
   // Remove fd; `done` then runs on the reactor thread once no event for `src` can follow.
   // Callable from any thread.
   void remove(int fd, ReactorSource* src, std::function<void()> done);

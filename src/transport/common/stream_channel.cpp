@@ -1,5 +1,6 @@
 #include "transport/common/stream_channel.hpp"
 
+#include <poll.h>
 #include <sys/epoll.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
@@ -81,16 +82,26 @@ void StreamChannel::start() {
   std::lock_guard<std::mutex> lk(mu_);
   started_ = true;
   reactor_->add(sock_.fd(), this);
-  if (out_armed_) reactor_->watch_output(sock_.fd(), this, true);  // a write before start() filled it
+  if (out_armed_) reactor_->watch(sock_.fd(), this, true, true);  // a write before start() filled it
   reactor_->post([this] {
-    CurrentScope cur(this);
-    fiber_->resume();
-    after_resume();
+    {
+      CurrentScope cur(this);
+      fiber_->resume();
+    }
+    after_resume(parked());
   });
 }
 
-void StreamChannel::after_resume() {
-  if (!fiber_->finished()) return;
+bool StreamChannel::parked() {
+  // Read here, under recv_mu_: once parked_ is published a waiter may borrow the fiber and
+  // run it to its end while we still look at it.
+  std::lock_guard<std::mutex> lk(recv_mu_);
+  parked_ = !fiber_->finished();
+  return !parked_;
+}
+
+void StreamChannel::after_resume(bool finished) {
+  if (!finished) return;
   // The receive side ended: the reactor lets go of us, then join() may return.
   std::lock_guard<std::mutex> lk(mu_);
   finishing_ = true;
@@ -103,13 +114,80 @@ void StreamChannel::after_resume() {
 
 void StreamChannel::wake_fiber(uint32_t events) {
   // Any wake but a timer may mean new input (or a local shutdown): read before waiting again.
-  if (!waiting_input_) return;
-  waiting_input_ = false;
+  {
+    std::lock_guard<std::mutex> lk(recv_mu_);
+    if (lent_) {
+      missed_wake_ = true;  // the borrower sees input itself; give_back() replays the rest
+      return;
+    }
+    if (!parked_) return;
+    parked_ = false;
+  }
   clean_wake_ = events != 0 && (events & ~uint32_t{EPOLLIN | EPOLLOUT}) == 0;
   reactor_->cancel_wake(this);
-  CurrentScope cur(this);
-  fiber_->resume();
-  after_resume();
+  {
+    CurrentScope cur(this);
+    fiber_->resume();
+  }
+  after_resume(parked());
+}
+
+bool StreamChannel::lend() {
+  {
+    std::lock_guard<std::mutex> lk(recv_mu_);
+    // A fiber parked with a deadline has the reactor's timer: left to the reactor.
+    if (!parked_ || lent_ || park_until_ != std::chrono::steady_clock::time_point{}) return false;
+    lent_ = true;
+  }
+  std::lock_guard<std::mutex> lk(mu_);
+  if (!input_off_ && !finishing_) {
+    input_off_ = true;
+    reactor_->watch(sock_.fd(), this, false, out_armed_);
+  }
+  return true;
+}
+
+void StreamChannel::run_lent(short revents) {
+  {
+    std::lock_guard<std::mutex> lk(recv_mu_);
+    parked_ = false;
+  }
+  // Poll is level-triggered: a plain input report after a short read proves nothing was
+  // left unread, as an edge does (see drained_).
+  clean_wake_ = revents == POLLIN;
+  // Completion callbacks run here, as on a reactor: a close from one must not wait for us.
+  const bool was_transport = std::exchange(tls_transport_thread, true);
+  {
+    CurrentScope cur(this);
+    fiber_->resume();
+  }
+  tls_transport_thread = was_transport;
+  parked();
+}
+
+void StreamChannel::give_back() {
+  bool replay, finished;
+  {
+    std::lock_guard<std::mutex> lk(recv_mu_);
+    // Read before lent_ drops: from then on the reactor may resume (and end) a parked fiber.
+    finished = !parked_;
+    lent_ = false;
+    // A wake-up the reactor skipped, or a deadline only the borrower knew: the reactor runs
+    // the fiber once (an early wake is harmless: every waiter re-checks its condition).
+    replay = parked_ && (missed_wake_ || park_until_ != std::chrono::steady_clock::time_point{});
+    missed_wake_ = false;
+  }
+  if (finished) {
+    after_resume(true);
+    return;
+  }
+  std::lock_guard<std::mutex> lk(mu_);
+  if (finishing_) return;  // the reactor ran it to its end meanwhile and detaches it
+  if (input_off_) {
+    input_off_ = false;
+    reactor_->watch(sock_.fd(), this, true, out_armed_);  // reports input that came meanwhile
+  }
+  if (replay) reactor_->post([this] { wake_fiber(); });  // queued before any removal (finishing_)
 }
 
 void StreamChannel::on_events(uint32_t events) {
@@ -120,9 +198,11 @@ void StreamChannel::on_events(uint32_t events) {
 void StreamChannel::on_deadline() { wake_fiber(); }
 
 void StreamChannel::wait_input(std::chrono::steady_clock::time_point until) {
-  waiting_input_ = true;
-  if (until != std::chrono::steady_clock::time_point{}) reactor_->wake_at(this, until);
+  // On a borrower's thread the borrower keeps the deadline (lent_until()).
+  park_until_ = until;
+  if (until != std::chrono::steady_clock::time_point{} && reactor_->on_thread()) reactor_->wake_at(this, until);
   fiber_->yield();
+  park_until_ = {};
   drained_ = false;  // whatever woke us may have brought input
 }
 
@@ -152,11 +232,12 @@ void StreamChannel::took(uint64_t bytes) {
   read_since_yield_ += bytes;
   if (read_since_yield_ < kYieldBytes) return;
   read_since_yield_ = 0;
-  {
-    std::lock_guard<std::mutex> lk(mu_);  // the fiber runs: no removal can be queued yet
-    reactor_->post([this] { wake_fiber(); });
-  }
-  wait_input();
+  // Parked with a deadline of now, not woken by a posted task: lend() leaves a fiber with a
+  // deadline to the reactor, so a waiter cannot borrow it meanwhile and then wait on a socket
+  // that may stay empty (the bytes that brought us here can be the last of a reply). The
+  // reactor resumes us after this round of events; a borrower (run_lent) after one round
+  // over its other channels.
+  wait_input(std::chrono::steady_clock::now());
 }
 
 void StreamChannel::kick() {
@@ -169,7 +250,7 @@ void StreamChannel::want_output(bool on) {
   // Callers hold mu_; once finishing_ the reactor drops the descriptor, leave it be.
   if (on == out_armed_ || finishing_) return;
   out_armed_ = on;
-  if (started_) reactor_->watch_output(sock_.fd(), this, on);  // else start() arms it
+  if (started_) reactor_->watch(sock_.fd(), this, !input_off_, on);  // else start() arms it
 }
 
 bool StreamChannel::on_own_thread() const { return tls_current == this; }

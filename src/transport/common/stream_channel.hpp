@@ -90,6 +90,25 @@ class StreamChannel : private ReactorSource {
   }
   bool down() const { return down_.load(std::memory_order_acquire); }
 
+  // Receiving on a waiting thread (TcpEndpoint's ProgressSource). A thread that waits for a
+  // future borrows the receive fiber while it is parked on input, sleeps in poll() on the
+  // socket itself and runs the fiber on its own thread when input comes: the reply then costs
+  // no reactor wake-up and no hand-off from the reactor to the waiter (the per-thread design
+  // had neither: its reader thread blocked in recv). While lent the reactor does not watch
+  // for input (no second wake-up per message) and skips the fiber's wake-ups; give_back()
+  // replays any it skipped.
+  // Borrow the receive side: false unless the fiber is parked on input with no deadline.
+  bool lend();
+  // Borrower: run the fiber on this thread until it waits again or ends. revents: what
+  // poll() reported for the socket (0: the fiber's deadline passed).
+  void run_lent(short revents);
+  // Borrower: when the parked fiber wants to run even without input ({}: only on input).
+  std::chrono::steady_clock::time_point lent_until() const { return park_until_; }
+  bool finished() const { return fiber_->finished(); }
+  // Borrower: the reactor drives the receive side again (and detaches a finished fiber).
+  void give_back();
+  int fd() const { return sock_.fd(); }
+
  private:
   friend class PayloadReader;
   void reader_loop();
@@ -99,7 +118,7 @@ class StreamChannel : private ReactorSource {
   // Reactor thread: resume the fiber if it waits; after_resume() detaches a finished one.
   // `events`: the readiness that woke it, 0 for a timer or a posted wake-up.
   void wake_fiber(uint32_t events = 0);
-  void after_resume();
+  void after_resume(bool finished);  // finished: what parked() returned
   // Callers hold mu_: a write failed, the peer is gone.
   void write_failed(int err);
   // Reactor thread: write queued frames until the socket is full (EPOLLOUT resumes).
@@ -130,7 +149,15 @@ class StreamChannel : private ReactorSource {
   Reactor* reactor_ = nullptr;          // set by start(), read-only afterwards
   std::unique_ptr<Fiber> fiber_;        // the receive side (reader_loop)
   bool started_ = false;
-  bool waiting_input_ = false;          // reactor thread only: the fiber waits in wait_input()
+  // Who runs the fiber: the reactor, or a thread that borrowed it (lend()).
+  std::mutex recv_mu_;
+  bool parked_ = false;       // under recv_mu_: the fiber waits in wait_input() (set by its resumer)
+  bool lent_ = false;         // under recv_mu_: a borrower drives the fiber
+  bool missed_wake_ = false;  // under recv_mu_: the reactor skipped a wake-up while lent
+  // Fiber side, published by parking: wait_input's deadline ({}: none).
+  std::chrono::steady_clock::time_point park_until_{};
+  // Resumer: after fiber_->resume() returned, note whether it parked; true if it ended.
+  bool parked();
   // A small message would otherwise cost a second read that only says EAGAIN. A stream
   // socket's read shorter than asked emptied the receive queue, but for urgent / out-of-band
   // data (which epoll reports as EPOLLPRI for as long as it is pending) and, on a unix
@@ -166,6 +193,7 @@ class StreamChannel : private ReactorSource {
   std::deque<OutFrame> queue_;
   bool writing_ = false;  // a thread (caller or reactor) owns the socket's send side
   bool out_armed_ = false;  // the reactor watches the socket for room (see want_output)
+  bool input_off_ = false;  // the reactor does not watch for input (the receive side is lent)
   bool stop_ = false;     // the channel is going down (any reason)
   bool closing_ = false;  // shutdown() was called: a local close, not a peer failure
   int write_errno_ = 0;   // why a write failed (the peer is gone), 0 if none did

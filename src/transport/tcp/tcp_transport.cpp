@@ -1,7 +1,13 @@
 // tcp: N persistent connections per endpoint. Requests and responses are frames (see
 // transport/common/frame.hpp); payloads move between the socket and registered memory with
 // no intermediate copy. Both sides of an endpoint may issue operations on the same sockets.
+#include <poll.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
+#include <cstring>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -49,8 +55,25 @@ struct PostOp : TransferOp {
 // (smaller ones complete or stamp right after it).
 constexpr uint64_t kStampBytes = 64 << 10;
 
-class TcpEndpoint final : public EndpointBase, public StreamChannel::Handler {
+// Channels of one endpoint a waiter borrows at most (its poll set; the rest stay with the
+// reactors, whose completions then interrupt the waiter).
+constexpr int kMaxLent = 64;
+
+// The channels this thread submitted on since its last wait, per endpoint (the last one it
+// used): the ones a waiter borrows (see TcpEndpoint::drive). Only a hint: a completion on
+// another channel still reaches the waiter, through interrupt().
+struct SubmitHint {
+  const void* endpoint = nullptr;
+  uint64_t channels = 0;
+};
+thread_local SubmitHint tls_hint;
+
+class TcpEndpoint final : public EndpointBase,
+                          public StreamChannel::Handler,
+                          public ProgressSource,
+                          public std::enable_shared_from_this<TcpEndpoint> {
  public:
+  using Clock = std::chrono::steady_clock;
   explicit TcpEndpoint(const EndpointSetup& s)
       : EndpointBase(s),
         nchan_(s.channels),
@@ -60,8 +83,28 @@ class TcpEndpoint final : public EndpointBase, public StreamChannel::Handler {
         reads_(s.channels),
         read_mu_(s.channels) {
     pending_.set_post_handler([this](const std::shared_ptr<TransferOp>& op, const Status& st) { post_finished(op, st); });
+    wakefd_ = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+    if (wakefd_ < 0) throw Error(ErrorCode::kSystem, "tcp endpoint: eventfd: " + std::string(std::strerror(errno)));
   }
-  ~TcpEndpoint() override { close({ErrorCode::kCancelled, "endpoint destroyed"}); }
+  ~TcpEndpoint() override {
+    close({ErrorCode::kCancelled, "endpoint destroyed"});
+    ::close(wakefd_);
+  }
+
+  // ProgressSource: a thread that waits for one of our futures receives on the channels it
+  // submitted on itself (StreamChannel::lend), sleeping in poll() on their sockets: the
+  // answer is read and its op completed on the waiter's own thread, with no reactor wake-up
+  // and no reactor-to-waiter hand-off on the way. A completion that happens elsewhere (a
+  // channel it could not borrow, a failure, the watchdog) interrupts the poll.
+  std::shared_ptr<ProgressSource> progress_source() override { return shared_from_this(); }
+  bool progress() override { return false; }
+  std::chrono::microseconds poll_budget() const override { return {}; }
+  bool blocking() const override { return true; }
+  void interrupt() override {
+    uint64_t one = 1;
+    (void)!::write(wakefd_, &one, sizeof(one));
+  }
+  bool drive(const std::atomic<bool>& done, Clock::time_point deadline) override;
 
   void connect(const ChannelOpener& open) override {
     for (int i = 0; i < nchan_; ++i) {
@@ -88,6 +131,10 @@ class TcpEndpoint final : public EndpointBase, public StreamChannel::Handler {
     auto keep = op;
     uint64_t token = pending_.add(std::move(op));
     if (!token) return;
+    uint64_t used = 0;
+    for (size_t c = 0; c < keep->lanes.size() && c < kMaxLent; ++c)
+      if (!keep->lanes[c].pieces.empty()) used |= uint64_t{1} << c;
+    note_submit(used);
     const bool is_read = keep->kind == OpKind::kRead;
     // Host memory only: our own cuda pieces were staged by StagingEndpoint.
     uint32_t nlanes = 0;
@@ -131,6 +178,7 @@ class TcpEndpoint final : public EndpointBase, public StreamChannel::Handler {
     OutFrame f;
     f.hdr = make_frame(FrameType::kSend, op->seq, 0, 0, op->length);
     f.data = op->ptr;  // host memory (StagingEndpoint staged a cuda message)
+    note_submit(1);
     channels_[0]->post(std::move(f));  // one channel keeps messages in order
   }
 
@@ -266,7 +314,12 @@ class TcpEndpoint final : public EndpointBase, public StreamChannel::Handler {
   }
 
  private:
-  using Clock = std::chrono::steady_clock;
+  // Remember, for this thread's next wait, the channels an op went out on.
+  void note_submit(uint64_t channels) {
+    if (tls_hint.endpoint != this) tls_hint = {this, 0};
+    tls_hint.channels |= channels;
+  }
+
   // Channel `ch` moved our requests forward (an answer arrived, or request bytes left).
   void answered(StreamChannel& ch) {
     answered_[ch.index()].store(Clock::now().time_since_epoch().count(), std::memory_order_relaxed);
@@ -567,6 +620,9 @@ class TcpEndpoint final : public EndpointBase, public StreamChannel::Handler {
     return Status::Ok();
   }
 
+  std::mutex drive_mu_;  // one waiter drives at a time (it borrows the channels)
+  int wakefd_ = -1;      // interrupt(): ends a driving waiter's poll
+
   const int nchan_;
   const size_t max_queued_;
   std::unique_ptr<std::atomic<Clock::rep>[]> answered_;  // per channel, see answered()
@@ -583,6 +639,76 @@ class TcpEndpoint final : public EndpointBase, public StreamChannel::Handler {
   std::mutex imm_mu_;
   std::unordered_map<uint64_t, ImmProgress> imm_;
 };
+
+bool TcpEndpoint::drive(const std::atomic<bool>& done, Clock::time_point deadline) {
+  // Not on a thread that delivers completions (a callback that waits there would run fibers
+  // from inside one), and one driver at a time: the others sleep until it completes them.
+  if (tls_transport_thread || Fiber::current()) return false;
+  std::unique_lock<std::mutex> drive_lk(drive_mu_, std::try_to_lock);
+  if (!drive_lk.owns_lock() || failed() || closing_.load()) return false;
+  uint64_t want = tls_hint.endpoint == this && tls_hint.channels ? tls_hint.channels : ~uint64_t{0};
+  tls_hint.channels = 0;
+  StreamChannel* lent[kMaxLent];
+  int n = 0;
+  {
+    std::lock_guard<std::mutex> lk(attach_mu_);
+    for (int c = 0; c < nchan_ && c < kMaxLent; ++c)
+      if ((want >> c & 1) && channels_[c] && channels_[c]->lend()) lent[n++] = channels_[c].get();
+  }
+  if (n == 0) return false;
+  pollfd fds[kMaxLent + 1];
+  while (n > 0) {
+    auto now = Clock::now();
+    if (now >= deadline) break;
+    // A fiber parked with a deadline is mid-work, not waiting for input: a fairness yield,
+    // or a completion callback on this thread that closes the endpoint and waits for its
+    // other channels. Ours to finish even once our future is done: handed back, it would go
+    // on on a reactor after wait() returned (and the callback's captures could then be the
+    // endpoint's last owner, destroying it on its own fiber).
+    bool busy = false;
+    auto until = deadline;
+    for (int i = 0; i < n; ++i) {
+      fds[i] = {lent[i]->fd(), POLLIN | POLLRDHUP, 0};
+      auto u = lent[i]->lent_until();
+      if (u != Clock::time_point{}) {
+        until = std::min(until, u);
+        busy = true;
+      }
+    }
+    if (!busy && done.load(std::memory_order_acquire)) break;
+    fds[n] = {wakefd_, POLLIN, 0};
+    timespec ts{};
+    timespec* tsp = nullptr;
+    if (until != Clock::time_point::max()) {
+      auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(std::max(until - now, Clock::duration{})).count();
+      ts.tv_sec = static_cast<time_t>(ns / 1000000000);
+      ts.tv_nsec = static_cast<long>(ns % 1000000000);
+      tsp = &ts;
+    }
+    int r = ::ppoll(fds, static_cast<nfds_t>(n + 1), tsp, nullptr);
+    if (r < 0) {
+      if (errno == EINTR) continue;
+      SLUICE_LOG(kError, "tcp: poll on a waiting thread: " << std::strerror(errno));
+      break;
+    }
+    if (fds[n].revents) {
+      uint64_t v;
+      (void)!::read(wakefd_, &v, sizeof(v));
+    }
+    now = Clock::now();
+    int kept = 0;
+    for (int i = 0; i < n; ++i) {
+      StreamChannel* ch = lent[i];
+      auto u = ch->lent_until();
+      if (fds[i].revents || (u != Clock::time_point{} && u <= now)) ch->run_lent(fds[i].revents);
+      if (ch->finished()) ch->give_back();  // the channel ended: the reactor detaches it
+      else lent[kept++] = ch;
+    }
+    n = kept;
+  }
+  for (int i = 0; i < n; ++i) lent[i]->give_back();
+  return true;
+}
 
 class TcpTransport final : public Transport {
  public:

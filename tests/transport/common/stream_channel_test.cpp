@@ -5,6 +5,7 @@
 
 #include <gtest/gtest.h>
 #include <netinet/in.h>
+#include <poll.h>
 #include <sys/socket.h>
 
 #include <algorithm>
@@ -238,6 +239,169 @@ std::pair<net::Socket, net::Socket> unix_pair() {
 void send_ack(int fd, int flags = 0) {
   FrameHeader f = make_frame(FrameType::kAck, 1, 0, 0, 0, kLaneEnd);
   ASSERT_EQ(::send(fd, &f, sizeof(f), MSG_NOSIGNAL | flags), static_cast<ssize_t>(sizeof(f)));
+}
+
+// Receiving on a waiting thread (StreamChannel::lend): the borrower runs the fiber on its
+// own thread; while lent the reactor neither reads nor delivers; give_back() re-arms input,
+// so a frame that arrived while lent (whose edge the reactor never saw) is still delivered.
+struct ThreadHandler : StreamChannel::Handler {
+  std::mutex mu;
+  std::vector<std::thread::id> threads;  // one per frame
+  std::atomic<int> frames{0}, downs{0};
+  Status why;
+  Status on_frame(StreamChannel&, const FrameHeader&, PayloadReader&) override {
+    {
+      std::lock_guard<std::mutex> lk(mu);
+      threads.push_back(std::this_thread::get_id());
+    }
+    frames++;
+    return Status::Ok();
+  }
+  void on_channel_down(StreamChannel&, const Status& w) override {
+    std::lock_guard<std::mutex> lk(mu);
+    why = w;
+    downs++;
+  }
+  std::thread::id thread_of(int frame) {
+    std::lock_guard<std::mutex> lk(mu);
+    return threads.at(static_cast<size_t>(frame));
+  }
+};
+
+bool wait_count(const std::atomic<int>& v, int want) {
+  auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  while (v.load() < want && std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  return v.load() >= want;
+}
+
+// Borrow ch once its fiber parked on input (right after start() it has not run yet).
+bool lend_soon(StreamChannel& ch) {
+  auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  while (!ch.lend()) {
+    if (std::chrono::steady_clock::now() > deadline) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  return true;
+}
+
+// Borrower: wait for the socket like TcpEndpoint::drive and run the fiber once.
+short poll_and_run(StreamChannel& ch) {
+  pollfd p{ch.fd(), POLLIN | POLLRDHUP, 0};
+  if (::poll(&p, 1, 5000) != 1) return 0;
+  ch.run_lent(p.revents);
+  return p.revents;
+}
+
+TEST(StreamChannel, LentReceiveRunsOnTheBorrowerThenTheReactorAgain) {
+  auto [mine, theirs] = tcp_pair();
+  ThreadHandler h;
+  StreamChannel ch(std::move(mine), &h, 0);
+  ch.start();
+  ASSERT_TRUE(lend_soon(ch));
+  EXPECT_FALSE(ch.lend()) << "lent twice";
+  send_ack(theirs.fd());
+  ASSERT_NE(poll_and_run(ch), 0) << "no input reported to the borrower";
+  ASSERT_EQ(h.frames.load(), 1);
+  EXPECT_EQ(h.thread_of(0), std::this_thread::get_id()) << "the frame was not handled on the borrower's thread";
+  // Lent: a frame that arrives now waits for the borrower; the reactor leaves it alone.
+  send_ack(theirs.fd());
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  EXPECT_EQ(h.frames.load(), 1) << "the reactor read a lent channel";
+  // Handed back unread: the reactor must deliver it although its arrival raised no edge it saw.
+  ch.give_back();
+  ASSERT_TRUE(wait_count(h.frames, 2)) << "a frame that arrived while lent was lost after give_back()";
+  EXPECT_NE(h.thread_of(1), std::this_thread::get_id());
+  send_ack(theirs.fd());
+  ASSERT_TRUE(wait_count(h.frames, 3));
+  // Lent again, then the peer closes: the borrower runs the fiber to its end, and handing
+  // it back lets the reactor detach it (join returns).
+  ASSERT_TRUE(lend_soon(ch));
+  theirs.close();
+  int runs = 0;
+  while (!ch.finished() && runs++ < 100) ASSERT_NE(poll_and_run(ch), 0);
+  EXPECT_TRUE(ch.finished());
+  ch.give_back();
+  ch.join();
+  EXPECT_EQ(h.downs.load(), 1);
+  EXPECT_EQ(h.why.code, ErrorCode::kPeerLost);
+}
+
+// A local shutdown while lent, and the borrower hands the channel back without running it
+// (its future completed elsewhere): the reactor still ends the fiber, and join() returns.
+TEST(StreamChannel, ShutdownWhileLentStillEndsTheChannel) {
+  auto [mine, theirs] = tcp_pair();
+  ThreadHandler h;
+  StreamChannel ch(std::move(mine), &h, 0);
+  ch.start();
+  ASSERT_TRUE(lend_soon(ch));
+  std::atomic<bool> joined{false};
+  std::thread closer([&] {
+    ch.shutdown();
+    ch.join();
+    joined = true;
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  EXPECT_FALSE(joined.load()) << "join() returned while the fiber was lent and unfinished";
+  ch.give_back();
+  auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  while (!joined.load() && std::chrono::steady_clock::now() < deadline) std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  EXPECT_TRUE(joined.load()) << "the channel never ended after give_back()";
+  closer.join();
+  EXPECT_EQ(h.downs.load(), 1);
+  EXPECT_EQ(h.why.code, ErrorCode::kCancelled);
+}
+
+// The fiber yields to its runner after every MiB it reads (fairness). On a borrower's thread
+// that yield must not wait for input: when the MiB's last bytes were the last the peer sent,
+// the socket stays empty while the frames they completed are still buffered, unhandled (the
+// lost wake-up that stalled tcp waiters until the op timeout). Exactly 1 MiB of frames, then
+// silence: every frame must still be delivered by a borrower that polls like
+// TcpEndpoint::drive (sleeping on the socket only while the fiber has no deadline).
+TEST(StreamChannel, LentFiberThatYieldsAfterAMiBIsResumedWithoutMoreInput) {
+  auto [mine, theirs] = tcp_pair();
+  ThreadHandler h;
+  StreamChannel ch(std::move(mine), &h, 0);
+  ch.start();
+  ASSERT_TRUE(lend_soon(ch));
+  constexpr int kFrames = 256;
+  constexpr uint64_t kFrameBytes = 4096;  // header + payload; kFrames of them are 1 MiB
+  std::vector<uint8_t> wire(kFrames * kFrameBytes, 0x5A);
+  for (int i = 0; i < kFrames; ++i) {
+    FrameHeader f = make_frame(FrameType::kWrite, static_cast<uint64_t>(i) + 1, 0, 0, kFrameBytes - sizeof(FrameHeader));
+    std::memcpy(wire.data() + i * kFrameBytes, &f, sizeof(f));
+  }
+  std::thread sender([&, fd = theirs.fd()] {
+    size_t off = 0;
+    while (off < wire.size()) {
+      ssize_t w = ::send(fd, wire.data() + off, wire.size() - off, MSG_NOSIGNAL);
+      if (w <= 0) return;
+      off += static_cast<size_t>(w);
+    }
+  });
+  bool stalled = false;
+  while (h.frames.load() < kFrames && !stalled) {
+    auto until = ch.lent_until();
+    int timeout_ms = 5000;
+    if (until != std::chrono::steady_clock::time_point{})
+      timeout_ms = static_cast<int>(std::max<int64_t>(0, std::chrono::ceil<std::chrono::milliseconds>(until - std::chrono::steady_clock::now()).count()));
+    pollfd p{ch.fd(), POLLIN | POLLRDHUP, 0};
+    int r = ::poll(&p, 1, timeout_ms);
+    ASSERT_GE(r, 0);
+    if (p.revents || until != std::chrono::steady_clock::time_point{}) ch.run_lent(p.revents);
+    else stalled = true;  // 5 s with no input and no deadline: nothing would ever resume the fiber
+  }
+  sender.join();
+  EXPECT_FALSE(stalled) << "the borrower waited for input with " << kFrames - h.frames.load()
+                        << " frames read but not handled";
+  EXPECT_EQ(h.frames.load(), kFrames);
+  int elsewhere = 0;
+  for (int i = 0; i < h.frames.load(); ++i) elsewhere += h.thread_of(i) != std::this_thread::get_id();
+  EXPECT_EQ(elsewhere, 0) << "frames of a lent channel were handled off the borrower's thread";
+  ch.give_back();
+  theirs.close();
+  ch.join();
+  EXPECT_EQ(h.downs.load(), 1);
 }
 
 TEST(StreamChannel, FinQueuedBehindAShortReadIsSeen) {
