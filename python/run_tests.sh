@@ -113,7 +113,7 @@ command -v cmake >/dev/null || { "$VPY" -m pip install -q --disable-pip-version-
 
 # Run from a directory without a 'sluice' folder so that the installed package is tested.
 say "pytest"
-"$VPY" -m pytest "$ROOT/python/tests" -q --timeout=120 -p no:cacheprovider --rootdir "$ROOT" "$@"
+"$VPY" -m pytest "$ROOT/python/tests" -q --timeout=120 --durations=15 -p no:cacheprovider --rootdir "$ROOT" "$@"
 
 if [ -z "${SLUICE_SKIP_EXAMPLES:-}" ]; then
   say "examples"
