@@ -39,9 +39,12 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 VPY=$VENV/bin/python
 pip_q() { "$VPY" -m pip install -q --disable-pip-version-check "$@" 2>&1 | grep -v 'is ignored: it is neither' || true; }
-if ! "$VPY" -c 'import numpy, matplotlib, torch, nixl, dlslime, mooncake' 2>/dev/null; then
+# Pinned as python/run_tests.sh pins them (pip's cache serves both): torch==2.13.0 resolves to
+# the CPU wheel where one is offered beside PyPI's CUDA build (gloo needs no CUDA, and the CUDA
+# build pulls in gigabytes of nvidia-* wheels).
+if ! "$VPY" -c 'import numpy, matplotlib, torch, nixl, dlslime, mooncake.engine' 2>/dev/null; then
   say "installing the peers into $VENV"
-  pip_q numpy matplotlib torch nixl==1.5.1 dlslime==0.1.23 mooncake-transfer-engine-non-cuda
+  pip_q numpy matplotlib torch==2.13.0 nixl==1.5.1 dlslime==0.1.23 mooncake-transfer-engine-non-cuda==0.3.13.post1
 fi
 
 # The sluice wheel from this checkout. scikit-build-core builds in build-wheel/, as
@@ -61,8 +64,10 @@ say "running (python driver.py ${args[*]:-})"
 rc=0
 "$VPY" "$HERE/driver.py" "${args[@]}" || rc=$?
 if [ "$quick" = 0 ] && [ "$docs" = 1 ]; then
-  "$VPY" "$HERE/report.py" "$HERE/results" --md "$HERE/results/peers-docs.md" --img "$ROOT/docs/img" --img-prefix img/
+  "$VPY" "$HERE/report.py" "$HERE/results" --md "$HERE/results/peers-docs.md" --img "$ROOT/docs/img" --img-prefix img/ \
+    --summary "$HERE/results/performance-docs.md"
   "$VPY" "$HERE/docs_section.py" "$HERE/results/peers-docs.md" "$ROOT/docs/peers.md"
-  say "docs/peers.md and docs/img/peers-*.png rewritten"
+  "$VPY" "$HERE/docs_section.py" "$HERE/results/performance-docs.md" "$ROOT/docs/performance.md" peers-summary
+  say "docs/peers.md, docs/performance.md's peers section and docs/img/peers-*.png rewritten"
 fi
 exit $rc
