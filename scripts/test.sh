@@ -58,8 +58,9 @@ suite "sluice-bench end-to-end checks" bench_checks
 [ -x tests/sanitizers.sh ] && suite "sanitizers (ASan/UBSan, TSan)" tests/sanitizers.sh
 suite "fuzzing (libFuzzer: bootstrap and frame parsers)" fuzz_suite
 [ -x python/run_tests.sh ] && suite "Python package (pip install, pytest, examples)" python/run_tests.sh
-# bench/peers/run.sh --quick joins the suites once it has run end to end from a clean clone
-# (issue 16 is open on that); it would come after the Python suite, whose build-wheel/ it reuses.
+# After the Python suite, whose build-wheel/ it reuses: Sluice and its peers on a few cells,
+# every byte checked, no win/lose bar (issue 16).
+[ -x bench/peers/run.sh ] && suite "bench/peers --quick (Sluice beside its peers)" bench/peers/run.sh --quick
 # The RDMA suite reuses the ctest build (its conformance suites are the same binaries, run
 # with SLUICE_TEST_TRANSPORTS=rdma) and the TSan build of the sanitizer suite.
 [ -x tests/rdma/run.sh ] && [ "${SLUICE_SKIP_RDMA:-0}" != 1 ] && suite "RDMA suite in a SoftRoCE guest" \

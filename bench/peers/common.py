@@ -37,8 +37,8 @@ class Cell:
 
 def iterations(size: int, batch: int, conc: int, budget: int) -> int:
     """Batches per cell: `budget` bytes, but at least two rounds of `conc` batches (and 4),
-    at most 400 (small messages are bound by the op rate, not by bytes)."""
-    return int(min(max(budget // (size * batch), 2 * conc, 4), 400))
+    at most 200 (small messages are bound by the op rate, not by bytes)."""
+    return int(min(max(budget // (size * batch), 2 * conc, 4), 200))
 
 
 def make_cells(ops: Iterable[str], sizes: Iterable[int], shapes: Iterable[tuple[int, int]],

@@ -78,7 +78,7 @@ def parse_args(argv):
     p.add_argument("--ops", default=None, help="comma-separated: read,write,send")
     p.add_argument("--only", default="", help="comma-separated engine names to run (default all)")
     p.add_argument("--channels", type=int, default=2, help="Sluice channels; ceilings use as many streams/threads")
-    p.add_argument("--budget", type=int, default=None, help="bytes per cell (default 256 MiB; --quick 16 MiB)")
+    p.add_argument("--budget", type=int, default=None, help="bytes per cell (default 64 MiB; --quick 16 MiB)")
     p.add_argument("--timeout", type=float, default=None,
                    help="seconds per engine and round; cells left then are rows saying so (default 180; quick 60)")
     p.add_argument("--out", default=os.path.join(HERE, "results"), help="output folder")
@@ -90,7 +90,9 @@ def default_cells(o) -> list[Cell]:
         ([4 << 10, 64 << 10] if o.quick else [4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20])
     ops = o.ops.split(",") if o.ops else list(ALL_OPS)
     shapes = [(1, 1), (64, 8)] if o.quick else [(1, 1), (1, 8), (64, 1), (64, 8)]
-    budget = o.budget or ((16 << 20) if o.quick else (256 << 20))
+    # 64 MiB a cell (one pass over the footprint) keeps 14 engines x 3 rounds within 20 minutes
+    # on a 2-core host; every cell still runs >= 4 batches and >= 2 x concurrency.
+    budget = o.budget or ((16 << 20) if o.quick else (64 << 20))
     return make_cells(ops, sizes, shapes, budget)
 
 

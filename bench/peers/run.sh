@@ -8,7 +8,9 @@
 # sluice wheel built from this checkout; Open MPI with apt-get when it is missing and this
 # runs as root (PEERS_NO_APT=1 forbids that; MPI rows then say why). Results go to
 # bench/peers/results/ (every sample as CSV and JSON, peers.md, plots). A full run
-# (without --quick) also rewrites docs/peers.md and docs/img/peers-*.png unless --no-docs.
+# (without --quick) also rewrites docs/peers.md, the peers section of docs/performance.md and
+# docs/img/peers-*.png unless --no-docs. PEERS_SKIP_WHEEL=1 reuses the sluice already in the
+# venv (a re-run of the same checkout without the wheel build).
 set -euo pipefail
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 ROOT=$(cd "$HERE/../.." && pwd)
@@ -49,8 +51,13 @@ fi
 
 # The sluice wheel from this checkout. scikit-build-core builds in build-wheel/, as
 # python/run_tests.sh does with the same settings, so after that suite this is a relink.
-say "pip install . (the sluice wheel from this checkout)"
-pip_q "$ROOT"
+if [ -n "${PEERS_SKIP_WHEEL:-}" ] && "$VPY" -c 'import sluice' 2>/dev/null; then
+  say "PEERS_SKIP_WHEEL: using the sluice already in $VENV (not rebuilt from this checkout)"
+else
+  say "pip install . (the sluice wheel from this checkout)"
+  # Not through pip_q: a wheel that does not build must stop the run, not measure an old one.
+  "$VPY" -m pip install -q --disable-pip-version-check "$ROOT"
+fi
 "$VPY" -c 'import sluice; print("sluice", sluice.__version__)'
 
 say "building the native programs (ceilings, Open MPI adapter)"
