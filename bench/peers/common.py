@@ -36,9 +36,10 @@ class Cell:
 
 
 def iterations(size: int, batch: int, conc: int, budget: int) -> int:
-    """Batches per cell: `budget` bytes, but at least two rounds of `conc` batches (and 4),
-    at most 200 (small messages are bound by the op rate, not by bytes)."""
-    return int(min(max(budget // (size * batch), 2 * conc, 4), 200))
+    """Batches per cell: `budget` bytes, but at most 200 batches and 1024 messages (small
+    messages are bound by the op rate, not by bytes: a peer at 1 ms per message would spend
+    minutes on one cell), and at least two rounds of `conc` batches (and 4)."""
+    return int(max(min(budget // (size * batch), 200, 1024 // batch), 2 * conc, 4))
 
 
 def make_cells(ops: Iterable[str], sizes: Iterable[int], shapes: Iterable[tuple[int, int]],
