@@ -110,7 +110,7 @@ def run_engine(e: Engine, cells: list[Cell], timeout: float, log) -> tuple[list[
     env = dict(os.environ, **e.env)
     base = [sys.executable, os.path.join(HERE, "worker.py"), e.module]
     settings = json.dumps(e.settings)
-    results, checks, procs, errfiles = [], {}, [], []
+    results, checks, details, procs, errfiles = [], {}, {}, [], []
     deadline = time.monotonic() + timeout
 
     def errfile():
@@ -131,6 +131,8 @@ def run_engine(e: Engine, cells: list[Cell], timeout: float, log) -> tuple[list[
             elif line.startswith("CHECK "):
                 d = json.loads(line[6:])
                 checks[d["key"]] = d["ok"]
+                if d.get("detail"):
+                    details[d["key"]] = d["detail"]
             elif line.startswith("PEERINFO ") and sink_target is not None:
                 sink_target.stdin.write(line[9:])
                 sink_target.stdin.flush()
@@ -196,6 +198,8 @@ def run_engine(e: Engine, cells: list[Cell], timeout: float, log) -> tuple[list[
             results.append({"op": c.op, "size": c.size, "batch": c.batch, "conc": c.conc, "iters": c.iters,
                             "secs": None, "lat_ms": None, "checked": None,
                             "error": error or reason or f"no result (the engine's process exited with {rc})"})
+    for k, v in details.items():
+        checks[k] = (checks[k], v)
     return results, checks
 
 
@@ -240,9 +244,10 @@ def main(argv=None) -> int:
                 for d in results:
                     key = f"{d['op']}/{d['size']}/{d['batch']}/{d['conc']}"
                     if key in checks:  # the receiver's verdict on two-sided cells
-                        d["checked"] = checks[key] and d.get("checked") is not False
-                        if not checks[key] and not d["error"]:
-                            d["error"] = "byte check failed at the receiver"
+                        ok, detail = checks[key] if isinstance(checks[key], tuple) else (checks[key], "")
+                        d["checked"] = ok and d.get("checked") is not False
+                        if not ok and not d["error"]:
+                            d["error"] = "byte check failed at the receiver" + (f": {detail}" if detail else "")
                     d.update(engine=e.name, section=e.section, round=r + 1, ceiling=e.ceiling,
                              version=vers.get(e.module, ""), settings=e.settings, env=e.env)
                     samples.append(d)
