@@ -274,9 +274,14 @@ def main(argv=None) -> int:
 
 
 def exit_status(samples: list[dict]) -> int:
-    """Non-zero when Sluice failed a cell or any engine moved wrong bytes. A peer that cannot
-    run here is a row with its reason, not a failure; --quick applies no win/lose bar."""
-    bad = [d for d in samples if d["checked"] is False or (d["engine"].startswith("sluice") and d["error"])]
+    """Non-zero when Sluice failed a cell or moved wrong bytes. A peer that cannot run here, or
+    moves wrong bytes (DLSlime tcp does at 4 KiB x 64 x 8), is a row with its reason and a ✗ in
+    the table, not a failure of this suite; --quick applies no win/lose bar."""
+    bad = [d for d in samples if d["engine"].startswith("sluice") and (d["error"] or d["checked"] is False)]
+    for d in samples:  # said, not failed
+        if not d["engine"].startswith("sluice") and d["checked"] is False:
+            print(f"note: {d['engine']} moved wrong bytes: {d['op']} size {d['size']} batch {d['batch']} "
+                  f"conc {d['conc']}", file=sys.stderr)
     for d in bad[:20]:
         print(f"FAILED: {d['engine']} {d['op']} size {d['size']} batch {d['batch']} conc {d['conc']}: "
               f"{d['error'] or 'byte check failed'}", file=sys.stderr)
