@@ -67,10 +67,37 @@ if [ -z "${SLUICE_SKIP_MOONCAKE:-}" ]; then
     echo "run_tests.sh: mooncake-transfer-engine-non-cuda could not be installed; the compat tests run against the facade only" >&2
 fi
 
-say "pip install . (scikit-build-core + CMake; build tree in build-wheel/)"
-# sluice.torch is not in the wheel yet (its build inside pip's isolated environment does not
-# find the venv's torch): its torchrun tests skip, saying so. Issue 12 is open on this.
-"$VPY" -m pip install -q --disable-pip-version-check "$ROOT"
+# SLUICE_WHEEL_BUILD_DIR=DIR: build the wheel in an existing CMake build tree (scripts/test.sh
+# passes its ctest build): with the same build type and flags, only the Python targets compile
+# and the library relinks, instead of a second compile of every source (CUDA's included) in
+# build-wheel/. Tests and tools stay on in that tree, as the later suites reuse them.
+SKB=()
+if [ -n "${SLUICE_WHEEL_BUILD_DIR:-}" ] && [ -f "$SLUICE_WHEEL_BUILD_DIR/CMakeCache.txt" ]; then
+  bt=$(sed -n 's/^CMAKE_BUILD_TYPE:STRING=//p' "$SLUICE_WHEEL_BUILD_DIR/CMakeCache.txt")
+  fl=$(sed -n "s/^CMAKE_CXX_FLAGS_$(echo "${bt:-RelWithDebInfo}" | tr a-z A-Z):STRING=//p" "$SLUICE_WHEEL_BUILD_DIR/CMakeCache.txt")
+  SKB=(-C "build-dir=$SLUICE_WHEEL_BUILD_DIR" -C "cmake.build-type=${bt:-RelWithDebInfo}"
+       -C "cmake.define.CMAKE_CXX_FLAGS_$(echo "${bt:-RelWithDebInfo}" | tr a-z A-Z)=$fl"
+       -C cmake.define.SLUICE_BUILD_TESTS=ON -C cmake.define.SLUICE_BUILD_TOOLS=ON)
+  say "pip install . (scikit-build-core + CMake; reusing the build tree $SLUICE_WHEEL_BUILD_DIR)"
+else
+  say "pip install . (scikit-build-core + CMake; build tree in build-wheel/)"
+fi
+if "$VPY" -c 'import torch' 2>/dev/null; then
+  # sluice.torch (the torch.distributed backend) builds against the venv's torch, which pip's
+  # isolated build environment cannot see: build without isolation, with the build
+  # requirements in the venv, and require the backend's tests to run rather than skip.
+  say "torch found: building sluice.torch too (pip install --no-build-isolation .)"
+  "$VPY" -m pip install -q --disable-pip-version-check "scikit-build-core>=0.8" "pybind11>=2.11"
+  { command -v cmake && command -v ninja; } >/dev/null ||
+    { "$VPY" -m pip install -q --disable-pip-version-check cmake ninja; PATH=$VENV/bin:$PATH; }
+  torch_t0=$SECONDS
+  SKBUILD_CMAKE_DEFINE="SLUICE_TORCH_PYTHON=$VPY" "$VPY" -m pip install -q --disable-pip-version-check \
+    --no-build-isolation "${SKB[@]}" "$ROOT"
+  echo "pip install with sluice.torch: $((SECONDS - torch_t0)) s"
+  export SLUICE_REQUIRE_TORCH_BACKEND=1
+else
+  "$VPY" -m pip install -q --disable-pip-version-check "${SKB[@]}" "$ROOT"
+fi
 
 say "version and C++ package in the wheel"
 "$VPY" - <<'PYEOF'

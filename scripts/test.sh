@@ -50,17 +50,21 @@ fuzz_suite() {  # libFuzzer targets for the bootstrap and frame parsers, bounded
     echo "fuzz: SKIPPED: clang or libFuzzer is not installed (scripts/install-deps.sh --tests installs clang and libclang-rt-14-dev)"
     return 0
   fi
-  tests/fuzz/run.sh "${SLUICE_FUZZ_SECONDS:-60}"
+  tests/fuzz/run.sh "${SLUICE_FUZZ_SECONDS:-30}"  # a fresh corpus each CI run; longer by hand
 }
 
 suite "C++ unit and integration tests (ctest)" build_and_ctest
 suite "sluice-bench end-to-end checks" bench_checks
 [ -x tests/sanitizers.sh ] && suite "sanitizers (ASan/UBSan, TSan)" tests/sanitizers.sh
 suite "fuzzing (libFuzzer: bootstrap and frame parsers)" fuzz_suite
-[ -x python/run_tests.sh ] && suite "Python package (pip install, pytest, examples)" python/run_tests.sh
-# After the Python suite, whose build-wheel/ it reuses: Sluice and its peers on a few cells,
-# every byte checked, no win/lose bar (issue 16).
-[ -x bench/peers/run.sh ] && suite "bench/peers --quick (Sluice beside its peers)" bench/peers/run.sh --quick
+# The wheel builds in the ctest build tree (same flags): only the Python targets compile.
+[ -x python/run_tests.sh ] && suite "Python package (pip install, pytest, examples)" \
+  env SLUICE_WHEEL_BUILD_DIR="$ROOT/build-test" python/run_tests.sh
+# Sluice and its peers on a few cells, every byte checked, no win/lose bar (issue 16). It runs
+# in the Python suite's venv, whose sluice wheel was just built from this checkout, adding
+# only the peers that venv lacks: no second wheel build, no second torch.
+[ -x bench/peers/run.sh ] && suite "bench/peers --quick (Sluice beside its peers)" \
+  env PEERS_VENV="$ROOT/.venv-test" PEERS_SKIP_WHEEL=1 bench/peers/run.sh --quick
 # The RDMA suite reuses the ctest build (its conformance suites are the same binaries, run
 # with SLUICE_TEST_TRANSPORTS=rdma) and the TSan build of the sanitizer suite.
 [ -x tests/rdma/run.sh ] && [ "${SLUICE_SKIP_RDMA:-0}" != 1 ] && suite "RDMA suite in a SoftRoCE guest" \

@@ -35,7 +35,7 @@ status=0
 
 if [[ "$WHICH" == all || "$WHICH" == asan ]]; then
   echo "=== ASan + UBSan: $ROOT/build-asan ==="
-  configure_and_build build-asan "address;undefined"
+  configure_and_build build-asan "address;undefined" sluice_port_channel_tests sluice_port_channel_fork_tests
   # detect_leaks stays on; fork children leave with _exit, which LSan does not check.
   ( cd "$ROOT/build-asan" &&
     ASAN_OPTIONS="abort_on_error=1:detect_leaks=1:strict_string_checks=1" \
@@ -45,8 +45,7 @@ fi
 
 if [[ "$WHICH" == all || "$WHICH" == tsan ]]; then
   echo "=== TSan: $ROOT/build-tsan (tests labelled nofork) ==="
-  # The port channel's proxy workers against host producer threads (TSan-clean when added;
-  # not yet run under ASan).
+  # The port channel's proxy workers against host producer threads.
   configure_and_build build-tsan "thread" sluice_port_channel_tests
   ( cd "$ROOT/build-tsan" &&
     TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1:suppressions=$ROOT/tests/tsan.supp" \

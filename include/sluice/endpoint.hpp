@@ -10,6 +10,7 @@
 
 #include "sluice/export.hpp"
 #include "sluice/future.hpp"
+#include "sluice/metrics.hpp"
 #include "sluice/types.hpp"
 
 namespace sluice {
@@ -78,6 +79,8 @@ class SLUICE_API Endpoint {
   int channels() const;
   std::string peer_engine_id() const;
   bool connected() const;
+  // Counters of every operation submitted on this endpoint so far (sluice/metrics.hpp).
+  EndpointMetrics metrics() const;
   // Fail pending operations with kCancelled and close the channels.
   void close();
 

@@ -79,6 +79,10 @@ class SLUICE_API Engine {
   void close();
 
   const EngineConfig& config() const;
+  // Counters of every open endpoint (sluice/metrics.hpp), and the same as Prometheus text
+  // (serve it from a /metrics handler).
+  std::vector<EndpointMetrics> metrics() const;
+  std::string metrics_text() const;
   detail::EngineImpl& impl() { return *impl_; }
 
  private:

@@ -454,6 +454,12 @@ class Endpoint:
     def connected(self) -> bool:
         return self._ep.connected
 
+    def metrics(self) -> dict:
+        """Counters of this endpoint's operations so far (docs/metrics.md): per kind
+        (``ops["write"]["completed"]``, ``["failed"]``, ``["bytes"]``, ...), ``in_flight``,
+        ``timeouts``, ``peer_lost``, thin-path ``posts``, and a ``latency`` histogram."""
+        return self._ep.metrics()
+
     def close(self) -> None:
         """Fail pending operations with :class:`CancelledError` and close the channels."""
         self._ep.close()
@@ -695,6 +701,14 @@ class Engine:
     @property
     def transports(self) -> list:
         return self._need().transports()
+
+    def metrics(self) -> list:
+        """:meth:`Endpoint.metrics` of every open endpoint of this engine."""
+        return self._need().metrics()
+
+    def metrics_text(self) -> str:
+        """The same counters in Prometheus text format, for a ``/metrics`` handler."""
+        return self._need().metrics_text()
 
     def connect(self, blob_or_addr: str, transport: Optional[str] = None,
                 timeout: Optional[float] = None) -> Endpoint:

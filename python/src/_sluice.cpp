@@ -419,6 +419,8 @@ std::unique_ptr<PyEngine> make_engine(const std::map<std::string, std::string>& 
 }  // namespace
 
 // python/src/bind_port_channel.cpp
+// bind_metrics.cpp
+py::dict metrics_dict(const sluice::EndpointMetrics& m);
 void bind_port_channel(py::module_& m, const std::function<std::shared_ptr<sluice::Engine>(py::handle)>& engine_of,
                        const std::function<sluice::Endpoint(py::handle)>& endpoint_of);
 
@@ -506,6 +508,7 @@ PYBIND11_MODULE(_sluice, m) {
       .def_property_readonly("channels", [](const PyEndpoint& e) { return e.ep.channels(); })
       .def_property_readonly("peer_engine_id", [](const PyEndpoint& e) { return e.ep.peer_engine_id(); })
       .def_property_readonly("connected", [](const PyEndpoint& e) { return e.ep.connected(); })
+      .def("metrics", [](const PyEndpoint& e) { return metrics_dict(e.ep.metrics()); })
       .def("close", &PyEndpoint::close);
 
   py::class_<PyEngine>(m, "Engine")
@@ -567,6 +570,13 @@ PYBIND11_MODULE(_sluice, m) {
       .def("local_info", [](PyEngine& pe) { return pe.e()->local_info(); })
       .def("listen_address", [](PyEngine& pe) { return pe.e()->listen_address(); })
       .def("transports", [](PyEngine& pe) { return pe.e()->transports(); })
+      .def("metrics",
+           [](PyEngine& pe) {
+             py::list out;
+             for (const auto& x : pe.e()->metrics()) out.append(metrics_dict(x));
+             return out;
+           })
+      .def("metrics_text", [](PyEngine& pe) { return pe.e()->metrics_text(); })
       .def("channels", [](PyEngine& pe) { return pe.e()->config().channels; })
       .def("connect",
            [](PyEngine& pe, const std::string& target, const std::string& transport, std::optional<double> timeout) {

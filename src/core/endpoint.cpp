@@ -224,6 +224,7 @@ void EndpointImpl::post_write(MemoryHandle local, uint64_t local_offset, RemoteH
   std::lock_guard<std::mutex> lk(post_mu_);
   Status st = transport_->post_write(std::move(w), engine_->config().op_timeout);
   if (!st.ok()) throw Error(st.code, "post_write: " + st.message);
+  counters_->posted(length);
 }
 
 void EndpointImpl::post_signal(RemoteHandle remote, uint64_t offset, uint64_t add) {
@@ -239,6 +240,7 @@ void EndpointImpl::post_signal(RemoteHandle remote, uint64_t offset, uint64_t ad
   std::lock_guard<std::mutex> lk(post_mu_);
   Status st = transport_->post_signal(s, engine_->config().op_timeout);
   if (!st.ok()) throw Error(st.code, "post_signal: " + st.message);
+  counters_->signalled();
 }
 
 void EndpointImpl::flush(std::chrono::milliseconds timeout) {
@@ -289,13 +291,25 @@ Future EndpointImpl::recv(MemoryHandle h, uint64_t offset, uint64_t length, cons
 Future EndpointImpl::imm_recv() {
   check_usable();
   auto f = matcher_.imm_recv();
-  prepare(*f);
+  prepare(*f, /*count=*/false);  // may be complete already: the peer's imm came first
   return Future(std::move(f));
 }
 
-void EndpointImpl::prepare(FutureState& f) const {
+void EndpointImpl::prepare(FutureState& f, bool count) const {
   f.set_busy_wait(busy_wait_);
   f.set_progress(progress_);
+  if (count) f.set_counters(counters_);
+}
+
+EndpointMetrics EndpointImpl::metrics() const {
+  EndpointMetrics m;
+  counters_->snapshot(m);
+  m.endpoint = token_;
+  m.peer_engine_id = peer_engine_id();
+  m.transport = transport_name_;
+  m.channels = channels_;
+  m.connected = connected();
+  return m;
 }
 
 void EndpointImpl::on_failure(const Status& why) {
@@ -390,6 +404,7 @@ Capabilities Endpoint::capabilities() const { return need(impl_).capabilities();
 int Endpoint::channels() const { return need(impl_).channels(); }
 std::string Endpoint::peer_engine_id() const { return need(impl_).peer_engine_id(); }
 bool Endpoint::connected() const { return need(impl_).connected(); }
+EndpointMetrics Endpoint::metrics() const { return need(impl_).metrics(); }
 void Endpoint::close() {
   auto& ep = need(impl_);
   ep.close({ErrorCode::kCancelled, "endpoint closed"});

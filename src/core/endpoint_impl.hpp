@@ -11,6 +11,7 @@
 #include <thread>
 #include <unordered_map>
 
+#include "core/endpoint_counters.hpp"
 #include "core/engine_info.hpp"
 #include "core/message_matcher.hpp"
 #include "sluice/endpoint.hpp"
@@ -61,6 +62,7 @@ class EndpointImpl final : public EndpointEvents, public std::enable_shared_from
   uint64_t token() const { return token_; }
   std::string peer_engine_id() const;
   bool connected() const { return failed_code_.load() == 0; }
+  EndpointMetrics metrics() const;
   // Idempotent and safe from any thread, concurrently with the watchdog, a peer failure and
   // Engine::close(): the transport is closed exactly once (see close_transport()).
   void close(const Status& why);
@@ -83,7 +85,9 @@ class EndpointImpl final : public EndpointEvents, public std::enable_shared_from
   // joins the transport's threads itself); a transport thread does not wait (the first
   // closer may be joining it).
   void close_transport(const Status& why);
-  void prepare(FutureState& f) const;
+  // `count`: the op is one of this endpoint's operations (EndpointMetrics), set before any
+  // thread can complete it.
+  void prepare(FutureState& f, bool count = true) const;
   void check_post(const char* what) const;
   // The peer's region `remote`, checked for [offset, offset + length); call under peer_mu_.
   const RegionInfo& remote_locked(RemoteHandle remote, uint64_t offset, uint64_t length, const char* what) const;
@@ -98,6 +102,7 @@ class EndpointImpl final : public EndpointEvents, public std::enable_shared_from
   std::shared_ptr<TransportEndpoint> transport_;
   std::weak_ptr<ProgressSource> progress_;
   MessageMatcher matcher_;
+  std::shared_ptr<EndpointCounters> counters_ = std::make_shared<EndpointCounters>();
 
   mutable std::mutex peer_mu_;
   EngineInfo peer_;

@@ -52,6 +52,9 @@ class EngineImpl : public std::enable_shared_from_this<EngineImpl> {
   // connect() targets that are not info blobs there. The engine publishes at once.
   void use_directory(std::shared_ptr<PeerDirectory> dir);
   void forget(EndpointImpl* ep);
+  // The counters of every open endpoint (metrics.cpp).
+  std::vector<EndpointMetrics> endpoint_metrics();
+  const std::string& engine_id() const { return engine_id_; }
   // Connections our listener has taken (INFO, HELLO, channels): tests check with it that
   // nothing dials the listener on the submit path.
   uint64_t listener_connections() const { return listener_connections_.load(); }

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <thread>
 
+#include "core/endpoint_counters.hpp"
 #include "sluice/future.hpp"
 
 namespace sluice::detail {
@@ -36,6 +37,11 @@ bool FutureState::part_done(const Status& status) {
 
 bool FutureState::complete(const Status& status) { return finish(status); }
 
+void FutureState::set_counters(std::shared_ptr<EndpointCounters> counters) {
+  counters_ = std::move(counters);
+  if (counters_) counters_->started(kind_);
+}
+
 void FutureState::note_error(const Status& status) {
   std::lock_guard<std::mutex> lk(mu_);
   if (first_error_.ok()) first_error_ = status;
@@ -49,6 +55,9 @@ bool FutureState::finish(const Status& status) {
     if (done_.load(std::memory_order_relaxed)) return false;
     status_ = status;
     end_ = Clock::now();
+    // Counted before anyone can see the future done: a waiter that reads the metrics next
+    // finds its op in them.
+    if (counters_) counters_->ended(kind_, bytes_.load(std::memory_order_relaxed), status, end_ - start_);
     done_.store(true, std::memory_order_release);
     cbs.swap(callbacks_);
     wake = waiters_.load(std::memory_order_relaxed) > 0;

@@ -15,6 +15,8 @@
 
 namespace sluice::detail {
 
+class EndpointCounters;
+
 // Something a waiter can drive itself instead of sleeping until another thread completes its
 // future: a transport whose completions are polled (an RDMA CQ). Saves the hand-off from the
 // transport's progress thread to the waiter, the largest cost of a small operation.
@@ -62,6 +64,8 @@ class FutureState {
   // Waiters drive `source` (if it still exists) before sleeping. Set before the future is
   // handed out.
   void set_progress(std::weak_ptr<ProgressSource> source) { progress_ = std::move(source); }
+  // The endpoint's counters: the op is counted as started now and as ended when it completes.
+  void set_counters(std::shared_ptr<EndpointCounters> counters);
   void set_bytes(uint64_t n) { bytes_.store(n, std::memory_order_relaxed); }
   uint64_t bytes() const { return bytes_.load(std::memory_order_relaxed); }
   void set_imm(uint32_t v) { imm_.store(v, std::memory_order_relaxed); }
@@ -76,6 +80,7 @@ class FutureState {
   const Clock::time_point start_;
   std::chrono::microseconds spin_{0};
   std::weak_ptr<ProgressSource> progress_;
+  std::shared_ptr<EndpointCounters> counters_;
   std::atomic<int> parts_;
   std::atomic<bool> done_{false};
   std::atomic<int> waiters_{0};

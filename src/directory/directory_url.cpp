@@ -118,6 +118,27 @@ DirectoryUrl parse_directory_url(const std::string& url) {
   bad(url, "unknown scheme '" + scheme + "'");
 }
 
+std::unique_ptr<StoreBackend> make_store_backend(const DirectoryUrl& url, std::chrono::milliseconds ttl,
+                                                 std::chrono::milliseconds request_timeout) {
+  if (url.kind == DirectoryUrl::Kind::kEtcd) {
+#if SLUICE_HAVE_ETCD
+    return make_etcd_backend({url.endpoints, ttl, request_timeout});
+#else
+    throw Error(ErrorCode::kUnsupported,
+                "etcd directory requested but this build has no libcurl (install libcurl4-openssl-dev and rebuild)");
+#endif
+  }
+  if (url.kind == DirectoryUrl::Kind::kRedis) {
+#if SLUICE_HAVE_REDIS
+    return make_redis_backend({url.endpoints[0].first, url.endpoints[0].second, url.db, url.password, ttl});
+#else
+    throw Error(ErrorCode::kUnsupported,
+                "redis directory requested but this build has no hiredis (install libhiredis-dev and rebuild)");
+#endif
+  }
+  throw Error(ErrorCode::kInvalidArgument, "directory '" + url.display + "' is not a store");
+}
+
 std::shared_ptr<PeerDirectory> make_directory(const EngineConfig& config) {
   DirectoryUrl url = parse_directory_url(config.directory);
   if (url.kind == DirectoryUrl::Kind::kListener) return std::make_shared<ListenerDirectory>();
@@ -127,22 +148,7 @@ std::shared_ptr<PeerDirectory> make_directory(const EngineConfig& config) {
   opt.ttl = std::chrono::milliseconds(kTtl.get(config));
   opt.request_timeout = std::chrono::milliseconds(kRequestTimeout.get(config));
   opt.register_timeout = config.connect_timeout;
-  std::unique_ptr<StoreBackend> backend;
-  if (url.kind == DirectoryUrl::Kind::kEtcd) {
-#if SLUICE_HAVE_ETCD
-    backend = make_etcd_backend({url.endpoints, opt.ttl});
-#else
-    throw Error(ErrorCode::kUnsupported,
-                "etcd directory requested but this build has no libcurl (install libcurl4-openssl-dev and rebuild)");
-#endif
-  } else {
-#if SLUICE_HAVE_REDIS
-    backend = make_redis_backend({url.endpoints[0].first, url.endpoints[0].second, url.db, url.password, opt.ttl});
-#else
-    throw Error(ErrorCode::kUnsupported,
-                "redis directory requested but this build has no hiredis (install libhiredis-dev and rebuild)");
-#endif
-  }
+  auto backend = make_store_backend(url, opt.ttl, opt.request_timeout);
   return std::make_shared<StoreDirectory>(std::move(backend), std::move(opt));
 }
 

@@ -32,6 +32,13 @@ DirectoryUrl parse_directory_url(const std::string& url);
 // Throws Error(kInvalidArgument) naming `where`.
 void check_engine_name(const std::string& where, const std::string& name);
 
+class StoreBackend;
+// The store operations alone for an etcd or Redis URL (no heartbeat, no record): what
+// make_directory wraps, and what tools use to read the store as it is (get() answers
+// "absent" at once, where a lookup waits for the name). kUnsupported as make_directory.
+std::unique_ptr<StoreBackend> make_store_backend(const DirectoryUrl& url, std::chrono::milliseconds ttl,
+                                                 std::chrono::milliseconds request_timeout = std::chrono::milliseconds(2000));
+
 // The directory `config.directory` names, with the directory.* options of `config`. Throws
 // kInvalidArgument for a bad URL, kUnsupported for a backend this build does not have.
 std::shared_ptr<PeerDirectory> make_directory(const EngineConfig& config);

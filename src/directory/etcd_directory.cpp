@@ -267,7 +267,9 @@ class EtcdBackend final : public StoreBackend {
     curl_easy_setopt(h, CURLOPT_WRITEFUNCTION, collect);
     curl_easy_setopt(h, CURLOPT_WRITEDATA, reply);
     curl_easy_setopt(h, CURLOPT_TIMEOUT_MS, static_cast<long>(std::max<int64_t>(1, timeout.count())));
-    curl_easy_setopt(h, CURLOPT_CONNECTTIMEOUT_MS, static_cast<long>(std::max<int64_t>(1, timeout.count())));
+    // A dead endpoint fails at connect, soon; one that accepted may be slow but is working.
+    auto connect = std::min(timeout, ep_.connect_timeout);
+    curl_easy_setopt(h, CURLOPT_CONNECTTIMEOUT_MS, static_cast<long>(std::max<int64_t>(1, connect.count())));
     curl_easy_setopt(h, CURLOPT_NOSIGNAL, 1L);  // no SIGALRM from curl's resolver in a threaded program
     curl_easy_setopt(h, CURLOPT_PROTOCOLS_STR, "http");
     curl_easy_setopt(h, CURLOPT_PROXY, "");  // a loopback etcd must not go through an http_proxy

@@ -17,6 +17,8 @@ namespace sluice::detail {
 struct EtcdEndpoints {
   std::vector<std::pair<std::string, uint16_t>> hosts;  // tried in order; the last good one first
   std::chrono::milliseconds ttl{10000};                  // the lease's TTL (etcd rounds up to seconds)
+  // Connecting to one endpoint: a dead one is given up after this, and the next tried.
+  std::chrono::milliseconds connect_timeout{2000};
 };
 
 // The store operations over etcd; StoreDirectory does the rest.

@@ -47,12 +47,18 @@ class RedisBackend final : public StoreBackend {
 
   std::optional<std::string> create(const std::string& key, const std::string& value, Clock::time_point deadline) override {
     const std::string ttl = std::to_string(s_.ttl.count());
+    // Remembered before the SET: if its reply is lost, remove() can still take back exactly
+    // this value (the scripts act only on a key that holds it, so nothing else is touched).
+    remember(value);
     Reply r = command(deadline, {"SET", key, value, "NX", "PX", ttl});
-    if (r->type == REDIS_REPLY_STATUS) {
+    if (r->type == REDIS_REPLY_STATUS) return std::nullopt;
+    auto holder = get(key, deadline);
+    // Our own SET landed but its reply was lost (the connection failed and command() retried):
+    // the key holds exactly our value, so it is ours.
+    if (holder && *holder == value) {
       remember(value);
       return std::nullopt;
     }
-    auto holder = get(key, deadline);
     return holder ? *holder : std::string("{}");  // expired in between: held by nobody we can name
   }
 
@@ -130,6 +136,10 @@ class RedisBackend final : public StoreBackend {
   }
 
   // Runs `args` on an idle connection (or a new one); a connection that failed is dropped.
+  // A pooled connection may be dead (the server restarted since it was last used): then the
+  // other idle ones are too, and the command is tried once more on a fresh connection.
+  // Every command we send is safe to repeat (GET, the compare-and-act scripts, SET NX, whose
+  // repeat create() recognises by its value).
   Reply command(Clock::time_point deadline, const std::vector<std::string>& args) {
     Context c;
     {
@@ -139,13 +149,23 @@ class RedisBackend final : public StoreBackend {
         idle_.pop_back();
       }
     }
+    const bool pooled = static_cast<bool>(c);
     if (!c) c = connect(deadline);
     Reply r;
     try {
       r = run(c.get(), deadline, args, args[0].c_str());
     } catch (const Error& e) {
-      if (e.code() == ErrorCode::kRemoteError && !c->err) give(std::move(c));
-      throw;
+      if (e.code() == ErrorCode::kRemoteError && !c->err) {
+        give(std::move(c));
+        throw;
+      }
+      if (!pooled || Clock::now() >= deadline) throw;
+      {
+        std::lock_guard<std::mutex> lk(pool_mu_);
+        idle_.clear();
+      }
+      c = connect(deadline);
+      r = run(c.get(), deadline, args, args[0].c_str());
     }
     give(std::move(c));
     return r;

@@ -31,22 +31,29 @@ void SluiceWork::complete(std::exception_ptr error, int source) {
     std::lock_guard<std::mutex> lk(mutex_);
     source_ = source;
   }
-  finish(error);
-  // The future's callbacks run user code: after the Work itself reads as completed.
+  // The future first, as gloo does: a wait() that returns must find it completed too (a caller
+  // reading work.get_future().value() right after work.wait() hit torch's "completed()"
+  // assertion when the Work was marked first). Its callbacks run user code here, before the
+  // Work reads as completed; a callback only sees the future, which is done.
   if (error)
     future_->setError(error);
   else
     future_->markCompleted(c10::IValue(outputs_));
+  finish(error);
 }
 
 bool SluiceWork::wait(std::chrono::milliseconds timeout) {
-  auto limit = timeout == kNoTimeout ? timeout_ : timeout;
+  // Without an explicit timeout this is only a backstop: every step of the operation is
+  // bounded by the group timeout where it waits on a peer (a recv expires, a send to a peer
+  // that takes nothing fails), and that failure names the peer rank. Waiting exactly the
+  // group timeout here would race it and report a bare "did not complete" instead.
+  auto limit = timeout == kNoTimeout ? timeout_ * 2 + std::chrono::seconds(10) : timeout;
   std::unique_lock<std::mutex> lk(mutex_);
   if (!cv_.wait_for(lk, limit, [&] { return completed_; })) {
     lk.unlock();
     std::rethrow_exception(backend_error("sluice: rank " + std::to_string(rank_) + ": " +
-                                         c10d::opTypeToString(opType_) + " did not complete within " +
-                                         std::to_string(limit.count()) + " ms"));
+                                         c10d::opTypeToString(opType_) + (peer_.empty() ? "" : " with " + peer_) +
+                                         " did not complete within " + std::to_string(limit.count()) + " ms"));
   }
   if (exception_) std::rethrow_exception(exception_);
   return true;
@@ -272,6 +279,7 @@ c10::intrusive_ptr<c10d::Work> SluiceBackend::send(std::vector<at::Tensor>& tens
               dst, " (group size ", getSize(), ")");
   at::Tensor buf = tensors[0].contiguous();
   auto work = c10::make_intrusive<SluiceWork>(c10d::OpType::SEND, tensors, timeout_, getRank());
+  work->set_peer("peer rank " + std::to_string(dst));
   mailbox_->send(dst, user_tag(tag), buf.data_ptr(), buf.nbytes(), [work, buf](const Status& st, int peer, uint64_t) {
     work->complete(st.ok() ? nullptr : backend_error("sluice: send failed: " + st.message));
   });
@@ -287,6 +295,7 @@ c10::intrusive_ptr<c10d::Work> SluiceBackend::recv(std::vector<at::Tensor>& tens
   at::Tensor buf = out.is_contiguous() ? out : at::empty_like(out, at::MemoryFormat::Contiguous);
   auto work = c10::make_intrusive<SluiceWork>(
       src == Mailbox::kAnySource ? c10d::OpType::RECVANYSOURCE : c10d::OpType::RECV, tensors, timeout_, getRank());
+  work->set_peer(src == Mailbox::kAnySource ? "any peer rank" : "peer rank " + std::to_string(src));
   mailbox_->recv(src, user_tag(tag), buf.data_ptr(), buf.nbytes(), [work, out, buf](const Status& st, int peer, uint64_t) mutable {
     if (!st.ok()) {
       work->complete(backend_error("sluice: recv failed: " + st.message), peer);

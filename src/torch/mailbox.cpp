@@ -371,9 +371,12 @@ void Mailbox::expire() {
       auto r = *it;
       it = posted_.erase(it);
       std::string from = r->src == kAnySource ? "any peer rank" : "peer rank " + std::to_string(r->src);
-      r->done({ErrorCode::kTimeout, "rank " + std::to_string(rank_) + ": no message from " + from + " (tag " +
-                                        std::to_string(r->tag) + ") within the group timeout of " +
-                                        std::to_string(timeout_.count()) + " ms"},
+      // Collectives use the top half of the tag space (see SluiceBackend::enqueue): name the
+      // collective's sequence number there rather than a 19-digit tag.
+      std::string what = (r->tag >> 63) ? "collective #" + std::to_string((r->tag >> 16) & ((uint64_t(1) << 47) - 1))
+                                        : "tag " + std::to_string(r->tag);
+      r->done({ErrorCode::kTimeout, "rank " + std::to_string(rank_) + ": no message from " + from + " (" + what +
+                                        ") within the group timeout of " + std::to_string(timeout_.count()) + " ms"},
               r->src, 0);
     } else {
       ++it;

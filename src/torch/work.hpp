@@ -27,12 +27,15 @@ class SluiceWork final : public c10d::Work {
   int sourceRank() const override;
   std::vector<at::Tensor> result() override { return outputs_; }
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
+  // Named in the error of a wait() that times out, e.g. "peer rank 2" for a point-to-point op.
+  void set_peer(std::string peer) { peer_ = std::move(peer); }
 
  private:
   std::vector<at::Tensor> outputs_;
   std::chrono::milliseconds timeout_;
   int rank_;
   int source_ = -1;
+  std::string peer_;
   c10::intrusive_ptr<c10::ivalue::Future> future_;
 };
 

@@ -38,6 +38,20 @@ std::string stats_of(const ProxyService& p) {
 
 int other_device() { return sluice::cuda::device_count() > 1 ? 1 : 0; }
 
+// A non-blocking stream per side: with one GPU both sides' kernels share the device, and on
+// the legacy default stream the second would queue behind the first, which spins waiting for it.
+struct SideStream {
+  cudaStream_t s = nullptr;
+  explicit SideStream(int device) {
+    cudaSetDevice(device);
+    if (cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) != cudaSuccess) s = nullptr;
+  }
+  ~SideStream() {
+    if (s) cudaStreamDestroy(s);
+  }
+  operator cudaStream_t() const { return s; }
+};
+
 EngineConfig gpu_config() {
   EngineConfig c;
   c.listen_host = "127.0.0.1";
@@ -174,10 +188,12 @@ TEST(PortChannelGpu, BidirectionalPutWithSignal) {
   int* out_b = nullptr;
   CK(cudaMalloc(&out_b, 3 * sizeof(int)));
   CK(cudaDeviceSynchronize());
+  SideStream sa(da), sb(db);
+  ASSERT_TRUE(sa.s && sb.s);
   cudaSetDevice(da);
-  put_signal_wait_flush<<<1, 1>>>(p.ca.device_handle(), n, 0, n, out_a);
+  put_signal_wait_flush<<<1, 1, 0, sa>>>(p.ca.device_handle(), n, 0, n, out_a);
   cudaSetDevice(db);
-  put_signal_wait_flush<<<1, 1>>>(p.cb.device_handle(), n, 0, n, out_b);
+  put_signal_wait_flush<<<1, 1, 0, sb>>>(p.cb.device_handle(), n, 0, n, out_b);
   CK(cudaDeviceSynchronize());
   cudaSetDevice(da);
   CK(cudaDeviceSynchronize());
@@ -204,9 +220,20 @@ TEST(PortChannelGpu, PingPong) {
   CK(cudaMalloc(&oa, 2 * sizeof(int)));
   cudaSetDevice(db);
   CK(cudaMalloc(&ob, 2 * sizeof(int)));
-  pong<<<1, 1>>>(p.cb.device_handle(), kRounds, ob);
+  SideStream sa(da), sb(db);
+  ASSERT_TRUE(sa.s && sb.s);
+  // Both kernels load before either runs: with one GPU, ping's lazy load would wait for pong,
+  // which spins until ping answers (docs/port-channel.md: load kernels before they spin).
+  cudaFuncAttributes attr;
+  for (int d : {da, db}) {
+    cudaSetDevice(d);
+    CK(cudaFuncGetAttributes(&attr, ping));
+    CK(cudaFuncGetAttributes(&attr, pong));
+  }
+  cudaSetDevice(db);
+  pong<<<1, 1, 0, sb>>>(p.cb.device_handle(), kRounds, ob);
   cudaSetDevice(da);
-  ping<<<1, 1>>>(p.ca.device_handle(), kRounds, oa);
+  ping<<<1, 1, 0, sa>>>(p.ca.device_handle(), kRounds, oa);
   CK(cudaDeviceSynchronize());
   cudaSetDevice(db);
   CK(cudaDeviceSynchronize());
@@ -262,13 +289,17 @@ TEST(PortChannelGpu, OffsetsAndSizesBeyondFourGiB) {
   int* out = nullptr;
   CK(cudaMalloc(&out, 3 * sizeof(int)));
   CK(cudaDeviceSynchronize());
-  // dst offset n (> 4 GiB) and size n (> 4 GiB) in one request; b signals back so wait() ends.
-  put_signal_wait_flush<<<1, 1>>>(p.ca.device_handle(), n, 0, n, out);
-  cudaSetDevice(db);
   int* out_b = nullptr;
+  cudaSetDevice(db);
   CK(cudaMalloc(&out_b, 3 * sizeof(int)));
+  SideStream sa(da), sb(db);
+  ASSERT_TRUE(sa.s && sb.s);
+  // dst offset n (> 4 GiB) and size n (> 4 GiB) in one request; b signals back so wait() ends.
+  cudaSetDevice(da);
+  put_signal_wait_flush<<<1, 1, 0, sa>>>(p.ca.device_handle(), n, 0, n, out);
+  cudaSetDevice(db);
   // (into a's destination half: a's source is being read by the big put meanwhile)
-  put_signal_wait_flush<<<1, 1>>>(p.cb.device_handle(), n, 0, 8, out_b);
+  put_signal_wait_flush<<<1, 1, 0, sb>>>(p.cb.device_handle(), n, 0, 8, out_b);
   CK(cudaDeviceSynchronize());
   cudaSetDevice(da);
   CK(cudaDeviceSynchronize());

@@ -526,6 +526,7 @@ int run_initiator(const Options& o, const std::string& address) {
   }
   if (!o.quiet) std::fprintf(stderr, "done.%30s\n", "");
   if (o.json) print_json(o, rows);
+  if (o.metrics) std::fputs(engine.metrics_text().c_str(), stderr);
   return failed ? 2 : 0;
 }
 

@@ -68,6 +68,8 @@ static void usage() {
       "                            memcpy) for the same sizes and print the ratio\n"
       "  --json | --csv            machine-readable output on stdout\n"
       "  --quiet                   no progress on stderr\n"
+      "  --metrics                 print the initiator's endpoint metrics (Prometheus text) on\n"
+      "                            stderr at the end\n"
       "  --list-params             print every engine parameter (name, variable, default, doc)");
 }
 
@@ -100,6 +102,7 @@ Options parse(int argc, char** argv) {
     else if (a == "--baseline") o.baseline = true;
     else if (a == "--memfd") o.memfd = true;
     else if (a == "--quiet") o.quiet = true;
+    else if (a == "--metrics") o.metrics = true;
     else throw std::invalid_argument("unknown option '" + a + "' (see --help)");
   }
   if (o.op != "read" && o.op != "write" && o.op != "write_imm" && o.op != "send" && o.op != "pingpong" &&

@@ -25,6 +25,7 @@ struct Options {
   std::string connect;  // initiator: target's host:port
   std::string listen = "127.0.0.1:0";
   bool quiet = false;
+  bool metrics = false;  // Prometheus text of the initiator's engine on stderr at the end
 };
 
 Options parse(int argc, char** argv);

@@ -1,12 +1,14 @@
 """Time the same torch.distributed operation through `sluice` and `gloo` in one run,
-interleaved (sluice, gloo, sluice, ...), and print medians.
+interleaved (sluice, gloo, sluice, ...), and print medians with their spread.
 
     torchrun --nproc_per_node=2 tools/sluice-torch-bench/bench.py [--ops sendrecv,all_reduce,all_gather]
-        [--min 8] [--max 268435456] [--iters 20]
+        [--min-bytes 8] [--max-bytes 268435456] [--iters 20] [--markdown]
 
 send/recv is a ping-pong between ranks 0 and 1 (one-way time = half the round trip); the
 collectives run on every rank. Rank 0 prints one row per (op, size): the median time of each
-backend, the bandwidth, and sluice's speedup over gloo. SLUICE_TORCH_TRANSPORT=tcp forces tcp.
+backend with the spread of the samples (10th-90th percentile), the median bandwidth (bytes
+per rank / time), and sluice's speedup over gloo (median over median). --markdown prints
+the rows as a Markdown table (docs/torch.md). SLUICE_TORCH_TRANSPORT=tcp forces tcp.
 """
 from __future__ import annotations
 
@@ -30,6 +32,12 @@ def sizes(lo: int, hi: int) -> List[int]:
     return out
 
 
+def pct(sorted_values: List[float], p: float) -> float:
+    """The p-th percentile of already sorted values (nearest rank)."""
+    i = min(len(sorted_values) - 1, max(0, round(p / 100 * (len(sorted_values) - 1))))
+    return sorted_values[i]
+
+
 def timed(fn: Callable[[], None], group: dist.ProcessGroup) -> float:
     dist.barrier(group=group)
     t0 = time.perf_counter()
@@ -40,19 +48,26 @@ def timed(fn: Callable[[], None], group: dist.ProcessGroup) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ops", default="sendrecv,all_reduce,all_gather")
-    ap.add_argument("--min", type=int, default=8)
-    ap.add_argument("--max", type=int, default=256 << 20)
+    ap.add_argument("--min-bytes", type=int, default=8)
+    ap.add_argument("--max-bytes", type=int, default=256 << 20)
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--markdown", action="store_true")
     args = ap.parse_args()
 
     dist.init_process_group("cpu:sluice")
     rank, world = dist.get_rank(), dist.get_world_size()
     groups: Dict[str, dist.ProcessGroup] = {"sluice": dist.group.WORLD, "gloo": dist.new_group(backend="gloo")}
     if rank == 0:
-        print(f"# world={world} transport={st.backend_transport()} host cores={os.cpu_count()}")
-        print(f"{'op':<11}{'bytes':>11}{'sluice us':>12}{'gloo us':>12}{'sluice GB/s':>13}{'gloo GB/s':>11}{'speedup':>9}")
+        print(f"# world={world} transport={st.backend_transport()} host cores={os.cpu_count()} "
+              f"load={os.getloadavg()[0]:.1f}")
+        if args.markdown:
+            print("| op | bytes | sluice us (p10-p90) | gloo us (p10-p90) | sluice GB/s | gloo GB/s | speedup |")
+            print("|---|---:|---:|---:|---:|---:|---:|")
+        else:
+            print(f"{'op':<11}{'bytes':>11}{'sluice us':>12}{'p10-p90':>18}{'gloo us':>12}{'p10-p90':>18}"
+                  f"{'sluice GB/s':>13}{'gloo GB/s':>11}{'speedup':>9}")
     for op in args.ops.split(","):
-        for nbytes in sizes(args.min, args.max):
+        for nbytes in sizes(args.min_bytes, args.max_bytes):
             n = max(nbytes // 4, 1)
             x = torch.ones(n)
             out = torch.empty(n * world)
@@ -80,10 +95,18 @@ def main() -> None:
                 for name, g in groups.items():
                     times[name].append(timed(lambda: run(g), g))
             if rank == 0:
-                med = {k: statistics.median(v) / (2 if op == "sendrecv" else 1) for k, v in times.items()}
-                gbs = {k: nbytes / v / 1e9 for k, v in med.items()}
-                print(f"{op:<11}{nbytes:>11}{med['sluice'] * 1e6:>12.1f}{med['gloo'] * 1e6:>12.1f}"
-                      f"{gbs['sluice']:>13.2f}{gbs['gloo']:>11.2f}{med['gloo'] / med['sluice']:>9.2f}", flush=True)
+                div = 2 if op == "sendrecv" else 1  # one-way time of a round trip
+                us = {k: sorted(t / div * 1e6 for t in v) for k, v in times.items()}
+                med = {k: statistics.median(v) for k, v in us.items()}
+                spread = {k: f"{pct(v, 10):.1f}-{pct(v, 90):.1f}" for k, v in us.items()}
+                gbs = {k: nbytes / v / 1e3 for k, v in med.items()}
+                speedup = med["gloo"] / med["sluice"]
+                if args.markdown:
+                    print(f"| {op} | {nbytes} | {med['sluice']:.1f} ({spread['sluice']}) | {med['gloo']:.1f} "
+                          f"({spread['gloo']}) | {gbs['sluice']:.3f} | {gbs['gloo']:.3f} | {speedup:.2f} |", flush=True)
+                else:
+                    print(f"{op:<11}{nbytes:>11}{med['sluice']:>12.1f}{spread['sluice']:>18}{med['gloo']:>12.1f}"
+                          f"{spread['gloo']:>18}{gbs['sluice']:>13.3f}{gbs['gloo']:>11.3f}{speedup:>9.2f}", flush=True)
     dist.destroy_process_group()
 
 

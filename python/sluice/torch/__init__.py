@@ -7,7 +7,8 @@
 Bootstrap goes through the c10d Store torch hands the backend (env:// under torchrun,
 tcp://, or a given Store). ``SLUICE_TORCH_TRANSPORT=shm|tcp`` forces the transport of every
 endpoint; every ``SLUICE_*`` engine variable applies (docs/configuration.md). CPU tensors
-only in this build: CUDA tensors raise a clear error. See docs/torch.md.
+only in this build: CUDA tensors raise a clear "not supported yet" error (use
+"cpu:sluice,cuda:nccl" for them). See docs/torch.md.
 
 Without the compiled extension (a sluice built where torch was not importable) this module
 still imports; creating a group then raises ImportError saying how to get the backend.
@@ -34,8 +35,10 @@ except ImportError as e:  # built without torch
 
 _HOW_TO_GET = (
     "the sluice torch backend is not built into this sluice package ({err}). Rebuild sluice "
-    "with torch installed in the Python that builds it: "
-    "SKBUILD_CMAKE_DEFINE=SLUICE_TORCH_PYTHON=$(which python) pip install --no-build-isolation ."
+    "with torch installed in the Python that builds it (pip's isolated build cannot see it): "
+    "pip install scikit-build-core pybind11 && "
+    "SKBUILD_CMAKE_DEFINE=SLUICE_TORCH_PYTHON=$(which python) pip install --no-build-isolation . "
+    "(docs/torch.md)"
 )
 
 
@@ -60,7 +63,11 @@ def backend_transport(group: Optional["dist.ProcessGroup"] = None) -> str:
 def _register() -> None:
     if getattr(dist.Backend, "SLUICE", None) is not None:
         return  # imported twice (e.g. reloaded): already registered
-    dist.Backend.register_backend(BACKEND_NAME, _create, devices=["cpu"])
+    # Registered for "cuda" too, so that a CUDA tensor given to a sluice group reaches the
+    # backend and fails with its clear "not supported yet" error (naming the per-device
+    # workaround) rather than torch's generic "no backend for device type cuda". A name
+    # mapped to both devices makes torch create one backend object, not two.
+    dist.Backend.register_backend(BACKEND_NAME, _create, devices=["cpu", "cuda"])
 
 
 import torch  # noqa: E402  (after torch.distributed, which imports it)

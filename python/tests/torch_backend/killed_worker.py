@@ -19,7 +19,15 @@ def main() -> int:
     dist.init_process_group("sluice", timeout=timedelta(seconds=float(os.environ.get("GROUP_TIMEOUT_S", "20"))))
     t = torch.ones(4)
     dist.all_reduce(t)
-    if rank == 1:
+    # Rank 1 dies only after rank 0's all_reduce returned: a send completes on the peer's
+    # acknowledgement, and a rank that kills itself the moment its own all_reduce returns can
+    # take the ack of rank 0's last send with it (a legitimate failure of that all_reduce,
+    # but not the case this test is about). The Store orders the two.
+    store = dist.distributed_c10d._get_default_store()
+    if rank == 0:
+        store.set("killed_worker/all_reduce_done", "1")
+    else:
+        store.wait(["killed_worker/all_reduce_done"])
         os.kill(os.getpid(), signal.SIGKILL)
     start = time.monotonic()
     try:

@@ -190,7 +190,6 @@ def main() -> int:
         [r.wait() for r in reqs]
         same(y, data(prv, 16 << 20, torch.float32), "send/recv 64 MiB")
         checks += 2
-    # A CUDA tensor is refused with a clear error (no CUDA here: a meta check by device type).
     dist.barrier()
     transport = st.backend_transport()
     want = os.environ.get("SLUICE_TORCH_TRANSPORT")

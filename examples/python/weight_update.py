@@ -1,0 +1,118 @@
+"""Push fresh weights from a trainer to two inference processes with sluice.weights.
+
+    python examples/python/weight_update.py
+
+The trainer registers its model's tensors once and publishes a version after each
+"training step"; each inference process pulls into its own parameter tensors, bucket by
+bucket, with a load_weights-style callback per bucket, and only the tensors that changed.
+Bytes are checked; the script exits 0 when both inference processes hold every version.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import sys
+
+
+def make_model(torch):
+    g = torch.Generator().manual_seed(0)
+    model = {f"layers.{i}.weight": torch.randn(256, 256, generator=g).to(torch.bfloat16) for i in range(8)}
+    model["embed.weight"] = torch.randn(1000, 256, generator=g)
+    model["norm.weight"] = torch.ones(256, dtype=torch.float16)
+    return model
+
+
+def train_step(torch, model, step):
+    """A stand-in optimizer step: change some tensors in place, return their names."""
+    changed = [n for i, n in enumerate(sorted(model)) if (i + step) % 3 == 0]
+    for n in changed:
+        model[n].add_(1)
+    return changed
+
+
+def trainer(conn, steps):
+    import torch
+
+    import sluice
+    from sluice.weights import WeightPublisher
+
+    engine = sluice.Engine()
+    model = make_model(torch)
+    pub = WeightPublisher(engine, "policy")
+    pub.register(model)  # once: each tensor becomes a registered region
+    pub.publish(0)
+    conn.send((engine.listen_address, {n: model[n].float().sum().item() for n in model}))
+    for step in range(1, steps + 1):
+        conn.recv()  # the inference side finished the previous version
+        pub.begin_update()  # receivers never keep half-written tensors
+        changed = train_step(torch, model, step)
+        pub.publish(step, names=changed)  # only these changed: receivers pull only them
+        conn.send(("published", step, {n: model[n].float().sum().item() for n in model}))
+    conn.recv()
+    pub.close()
+    engine.close()
+
+
+def inference(conn, rank, trainer_ref, steps):
+    import torch
+
+    import sluice
+    from sluice.weights import WeightSubscriber
+
+    params = {n: torch.zeros_like(t) for n, t in make_model(torch).items()}  # the engine's own tensors
+    loaded = []
+
+    def load_weights(pairs):  # runs while the next bucket is in flight
+        loaded.extend(n for n, _ in pairs)
+
+    with sluice.Engine() as engine, WeightSubscriber(engine, trainer_ref, bucket_bytes=256 << 10) as sub:
+        for step in range(steps + 1):
+            version = sub.wait_for_version(step, timeout=30)
+            loaded.clear()
+            res = sub.update(params, on_bucket=load_weights)
+            sums = {n: t.float().sum().item() for n, t in params.items()}
+            conn.send((rank, version, len(res.updated), res.nbytes, sorted(loaded) == sorted(res.updated), sums))
+            conn.recv()
+
+
+def main() -> int:
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        print("skipped: torch is not installed (pip install torch==2.13.0)")
+        return 0
+    steps = 3
+    ctx = mp.get_context("spawn")
+    tconn, tchild = ctx.Pipe()
+    tp = ctx.Process(target=trainer, args=(tchild, steps))
+    tp.start()
+    ref, want = tconn.recv()
+    conns, procs = [], []
+    for rank in range(2):
+        c, child = ctx.Pipe()
+        p = ctx.Process(target=inference, args=(child, rank, ref, steps))
+        p.start()
+        conns.append(c)
+        procs.append(p)
+    ok = True
+    for step in range(steps + 1):
+        for c in conns:
+            rank, version, n, nbytes, callbacks_ok, sums = c.recv()
+            right = sums == want
+            ok &= right and callbacks_ok
+            print(f"inference {rank}: version {version}, pulled {n} tensors ({nbytes} bytes)"
+                  f"{'' if right else ' WRONG BYTES'}")
+        if step < steps:
+            tconn.send("next")
+            _, _, want = tconn.recv()
+        for c in conns:
+            c.send("next")
+    tconn.send("stop")
+    for p in procs + [tp]:
+        p.join(30)
+        ok &= p.exitcode == 0
+    print("ok" if ok else "FAILED")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

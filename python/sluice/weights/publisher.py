@@ -1,0 +1,252 @@
+"""Trainer side: expose named tensors once, publish versions through a metadata region."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import secrets
+import threading
+import weakref
+from typing import Dict, Iterable, Iterator, List, Mapping, Optional, Tuple, Union
+
+from .. import ClosedError, Endpoint, Engine, InvalidArgumentError
+from . import _meta
+from ._torch import dtype_name, nbytes, torch
+from .errors import TensorMismatchError
+
+log = logging.getLogger("sluice.weights")
+
+NamedTensors = Union[Mapping[str, object], Iterable[Tuple[str, object]]]
+
+_MIN_META = 4096
+
+
+class WeightPublisher:
+    """Exposes a trainer's tensors to :class:`~sluice.weights.WeightSubscriber` s.
+
+    ``register(named_tensors)`` registers each tensor once as a region of ``engine`` (the
+    tensors stay owned by the caller; keep them alive and in place); ``publish(version)``
+    declares the registered bytes to be ``version``. Receivers READ the tensors themselves,
+    one-sided: the trainer's threads serve them, its Python code does nothing per update.
+
+    Between publishes the trainer may change tensors only inside :meth:`updating` (or between
+    :meth:`begin_update` and :meth:`publish`): a receiver that reads then fails with
+    :class:`~sluice.weights.WeightsChangedError` instead of keeping mixed bytes.
+
+    ``accept``: take the endpoints receivers open to ``engine`` (a thread that holds them;
+    the engine keeps at most ``max_pending_accepts`` unaccepted ones). Pass False if your
+    code already calls ``engine.accept()`` and holds what it returns.
+    """
+
+    def __init__(self, engine: Engine, name: str = "default", *, accept: bool = True):
+        if not isinstance(name, str) or not name or "/" in name:
+            raise InvalidArgumentError(f"WeightPublisher: name must be a non-empty str without '/', got {name!r}")
+        self._engine = engine
+        self._name = name
+        self._lock = threading.Lock()
+        self._infos: List[_meta.TensorInfo] = []
+        self._tensors: Dict[str, object] = {}
+        self._handles: List[int] = []
+        self._versions: List[int] = []
+        self._version = 0
+        self._seq = 1  # odd: nothing published yet, receivers wait
+        self._instance = secrets.randbits(63) | 1
+        self._meta_buf = None
+        self._meta_handle = None
+        self._table: bytes = b""
+        self._closed = False
+        self._stop = threading.Event()
+        self._accept_thread: Optional[threading.Thread] = None
+        self._write_meta(new_table=True)
+        if accept:
+            self._accept_thread = threading.Thread(target=_accept_loop, args=(engine, self._stop),
+                                                   name=f"sluice-weights-accept-{name}", daemon=True)
+            self._accept_thread.start()
+
+    # ------------------------------------------------------------ registration
+
+    def register(self, named_tensors: NamedTensors) -> None:
+        """Register tensors (a dict or (name, tensor) pairs): contiguous CPU tensors of any
+        dtype (fp8 included). A name registered before must be the same tensor (a no-op);
+        new names extend the published table. Registration is done once; publish() reuses
+        the regions."""
+        t = torch()
+        items = list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
+        new: List[Tuple[str, object]] = []
+        seen = set()
+        for name, tensor in items:
+            if not isinstance(name, str) or not name:
+                raise InvalidArgumentError(f"register: tensor names must be non-empty str, got {name!r}")
+            if name in seen:
+                raise InvalidArgumentError(f"register: tensor {name!r} is given twice")
+            seen.add(name)
+            if not isinstance(tensor, t.Tensor):
+                raise InvalidArgumentError(f"register: {name!r} is a {type(tensor).__name__}, not a torch.Tensor")
+            if not tensor.is_contiguous():
+                raise TensorMismatchError(f"register: tensor {name!r} is not contiguous (call .contiguous() "
+                                          "and register the result, which you then update in place)")
+            if tensor.device.type != "cpu":
+                raise TensorMismatchError(f"register: tensor {name!r} is on {tensor.device}; this release "
+                                          "publishes CPU tensors (pinned or not); the GPU path is future work")
+            old = self._tensors.get(name)
+            if old is not None:
+                if (old.data_ptr(), old.dtype, tuple(old.shape)) != (tensor.data_ptr(), tensor.dtype, tuple(tensor.shape)):
+                    raise TensorMismatchError(f"register: tensor {name!r} is already registered as a different "
+                                              "tensor (update it in place instead)")
+                continue
+            new.append((name, tensor))
+        if not new:
+            return
+        with self._lock:
+            self._need_open()
+            base = len(self._infos)
+            try:
+                for name, tensor in new:
+                    size = nbytes(tensor)
+                    region = _meta.tensor_region_name(self._name, len(self._infos)) if size else None
+                    handle = self._engine.register(tensor, name=region) if size else 0
+                    self._handles.append(handle)
+                    self._infos.append(_meta.TensorInfo(name, dtype_name(tensor), tuple(int(d) for d in tensor.shape),
+                                                        size, region, 0))
+                    self._tensors[name] = tensor
+                    self._versions.append(0)
+            except BaseException:
+                for h in self._handles[base:]:
+                    if h:
+                        self._engine.unregister(h)
+                for info in self._infos[base:]:
+                    self._tensors.pop(info.name, None)
+                del self._infos[base:], self._handles[base:], self._versions[base:]
+                raise
+            self._write_meta(new_table=True)
+
+    # ------------------------------------------------------------ versions
+
+    def begin_update(self) -> None:
+        """The trainer is about to change registered tensors: receivers that read now see
+        :class:`~sluice.weights.WeightsChangedError` (or wait, if they start now) until the
+        next :meth:`publish`."""
+        with self._lock:
+            self._need_open()
+            if self._seq % 2 == 0:
+                self._seq += 1
+                _meta.set_seq(self._meta_buf, self._seq)
+
+    def publish(self, version: int, names: Optional[Iterable[str]] = None) -> None:
+        """Declare the registered bytes to be ``version`` (an int that grows). ``names``: only
+        these tensors changed (receivers pull only them); None: all did."""
+        if isinstance(version, bool) or not isinstance(version, int) or version < 0 or version >> 64:
+            raise InvalidArgumentError(f"publish: version must be an int in [0, 2**64), got {version!r}")
+        with self._lock:
+            self._need_open()
+            if version < self._version:
+                raise InvalidArgumentError(f"publish: version {version} is older than the published {self._version}")
+            if names is None:
+                self._versions = [version] * len(self._infos)
+            else:
+                index = {t.name: i for i, t in enumerate(self._infos)}
+                picked = []
+                for n in names:
+                    if n not in index:
+                        raise TensorMismatchError(f"publish: no tensor named {n!r} is registered")
+                    picked.append(index[n])
+                for i in picked:
+                    self._versions[i] = version
+            self._version = version
+            self._seq += 2 if self._seq % 2 == 0 else 1
+            self._write_meta(new_table=False)
+
+    @contextlib.contextmanager
+    def updating(self, version: int, names: Optional[Iterable[str]] = None) -> Iterator[None]:
+        """``with pub.updating(v): optimizer.step()``: begin_update(), then publish(v, names)
+        if the block succeeds (if it raises, the tensors stay marked as changing)."""
+        self.begin_update()
+        yield
+        self.publish(version, names)
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    def names(self) -> List[str]:
+        return [t.name for t in self._infos]
+
+    # ------------------------------------------------------------ metadata region
+
+    def _write_meta(self, *, new_table: bool) -> None:
+        if new_table:
+            self._table = _meta.encode_table(self._name, self._infos)
+        need = _meta.region_size(len(self._infos), len(self._table))
+        if self._meta_buf is None or need > len(self._meta_buf):
+            # Grow with slack so that a few more register() calls keep the region: receivers
+            # re-find a replaced one by name, but meanwhile they wait.
+            size = max(_MIN_META, 2 * need)
+            if self._meta_handle is not None:
+                self._engine.unregister(self._meta_handle)
+                self._meta_handle = None
+            buf, handle = self._engine.allocate(size, name=_meta.meta_region_name(self._name))
+            self._meta_buf, self._meta_handle = buf, handle
+            new_table = True
+        _meta.write(self._meta_buf, seq=self._seq, version=self._version, instance=self._instance,
+                    versions=self._versions, table=self._table if new_table else None)
+
+    # ------------------------------------------------------------ lifetime
+
+    def _need_open(self) -> None:
+        if self._closed:
+            raise ClosedError(f"WeightPublisher {self._name!r} is closed")
+
+    def close(self) -> None:
+        """Stop publishing: unregister the metadata region and the tensors (receivers
+        reading then fail). Idempotent; the engine stays open."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._stop.set()
+            handles = [h for h in self._handles if h] + ([self._meta_handle] if self._meta_handle else [])
+            self._handles, self._meta_handle = [], None
+        if self._engine.closed:
+            return
+        for h in handles:
+            try:
+                self._engine.unregister(h)
+            except ClosedError:
+                return
+
+    def __enter__(self) -> "WeightPublisher":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<WeightPublisher {self._name!r} tensors={len(self._infos)} version={self._version}>"
+
+
+def _accept_loop(engine: Engine, stop: threading.Event) -> None:
+    """Holds the endpoints receivers open (dropping one would close it), forgetting those
+    whose peer went away. One thread per publisher, whatever the number of receivers."""
+    held: List[Endpoint] = []
+    ref = weakref.ref(engine)
+    del engine
+    while not stop.is_set():
+        e = ref()
+        if e is None or e.closed:
+            return
+        try:
+            ep = e.accept(timeout=0.5)
+        except ClosedError:
+            return
+        except Exception as err:  # noqa: BLE001 - keep serving the other receivers
+            log.warning("sluice.weights: accepting a receiver's endpoint failed: %s", err)
+            continue
+        finally:
+            del e
+        held = [h for h in held if h.connected]
+        if ep is not None:
+            held.append(ep)

@@ -1,0 +1,419 @@
+"""Inference side: pull published tensors into the receiver's own tensors, in buckets."""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+
+from .. import (ClosedError, Endpoint, Engine, InvalidArgumentError, PeerLostError, SluiceError,
+                SluiceTimeoutError, UnknownHandleError)
+from . import _meta
+from ._plan import Item, plan
+from ._torch import describe, dtype_name, nbytes, torch
+from .errors import TensorMismatchError, TrainerLostError, WeightsChangedError, WeightsError
+
+log = logging.getLogger("sluice.weights")
+
+BucketCallback = Callable[[List[Tuple[str, object]]], None]
+
+
+@dataclass
+class UpdateResult:
+    """What one :meth:`WeightSubscriber.update` did."""
+
+    version: int  # the trainer's published version the targets now hold
+    updated: List[str] = field(default_factory=list)  # tensors pulled
+    unchanged: List[str] = field(default_factory=list)  # tensors skipped: already at their version
+    nbytes: int = 0
+    buckets: int = 0
+    seconds: float = 0.0
+
+    @property
+    def gbps(self) -> float:
+        return self.nbytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+
+class WeightSubscriber:
+    """Pulls a :class:`~sluice.weights.WeightPublisher`'s tensors into local tensors.
+
+    ``trainer_ref``: what ``engine.connect`` takes: the trainer engine's "host:port", its
+    info blob, or its name in the engine's directory (``Engine(directory=..., name=...)``),
+    which also finds a restarted trainer at its new address. ``name``: the publisher's name;
+    None picks the trainer's only publisher. ``bucket_bytes`` bounds one READ; ``depth``
+    buckets are in flight at once (while the callback of an earlier one runs). ``timeout``
+    (seconds) bounds a whole update, connecting included.
+    """
+
+    def __init__(self, engine: Engine, trainer_ref: str, name: Optional[str] = None, *,
+                 bucket_bytes: int = 64 << 20, depth: int = 2, timeout: float = 60.0):
+        if not isinstance(trainer_ref, str) or not trainer_ref:
+            raise InvalidArgumentError(f"WeightSubscriber: trainer_ref must be a non-empty str, got {trainer_ref!r}")
+        if name is not None and (not isinstance(name, str) or not name):
+            raise InvalidArgumentError(f"WeightSubscriber: name must be a non-empty str or None, got {name!r}")
+        for what, v in (("bucket_bytes", bucket_bytes), ("depth", depth)):
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise InvalidArgumentError(f"WeightSubscriber: {what} must be an int > 0, got {v!r}")
+        self._check_timeout(timeout)
+        self._engine = engine
+        self._ref = trainer_ref
+        self._name = name
+        self.bucket_bytes = bucket_bytes
+        self.depth = depth
+        self.timeout = float(timeout)
+        self._ep: Optional[Endpoint] = None
+        self._regions: Dict[str, Tuple[int, int]] = {}  # trainer region name -> (id, length)
+        self._instance: Optional[int] = None
+        self._scratch = None  # (numpy buffer, handle) for metadata reads
+        self._targets: Dict[str, Tuple[object, int]] = {}  # name -> (tensor, handle)
+        self._have: Dict[str, Tuple[int, int, int]] = {}  # name -> (instance, version, data_ptr)
+        self._closed = False
+
+    @staticmethod
+    def _check_timeout(timeout) -> None:
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < 1e9:
+            raise InvalidArgumentError(f"WeightSubscriber: timeout must be a number of seconds > 0, got {timeout!r}")
+
+    # ------------------------------------------------------------ public
+
+    def update(self, targets: Mapping[str, object], on_bucket: Optional[BucketCallback] = None,
+               names: Optional[Iterable[str]] = None, *, force: bool = False,
+               timeout: Optional[float] = None) -> UpdateResult:
+        """Pull into ``targets`` (name -> tensor of the published dtype and shape, contiguous,
+        CPU) every tensor whose published version differs from what this subscriber last
+        pulled into that same tensor (``force``: all of them). ``names``: only these.
+
+        ``on_bucket(pairs)`` gets the ``[(name, tensor), ...]`` a bucket completed, while the
+        next buckets are in flight (``model.load_weights(pairs)`` fits). Raises
+        :class:`TensorMismatchError` before moving a byte if a target does not match,
+        :class:`TrainerLostError` (naming the trainer) if it cannot be reached or dies, within
+        ``timeout``; :class:`WeightsChangedError` if it changed the tensors meanwhile. After
+        an error the update is not recorded: the next one pulls those tensors again."""
+        self._need_open()
+        if timeout is not None:
+            self._check_timeout(timeout)
+        t0 = time.monotonic()
+        deadline = t0 + (self.timeout if timeout is None else float(timeout))
+        selected = self._select(targets, names)
+        snap = self._fetch(deadline)
+        infos = {t.name: (t, snap.versions[i]) for i, t in enumerate(snap.tensors)}
+        self._validate(selected, infos, targets)
+
+        result = UpdateResult(version=snap.version)
+        items: List[Item] = []
+        for name in selected:
+            tensor = targets[name]
+            info, version = infos[name]
+            if not force and self._have.get(name) == (snap.instance, version, tensor.data_ptr()):
+                result.unchanged.append(name)
+                continue
+            result.updated.append(name)
+            if info.nbytes == 0:
+                items.append(Item(name, 0, 0, 0, 0))
+                continue
+            rid, rlen = self._region(info.region, deadline)
+            if info.offset + info.nbytes > rlen:
+                raise WeightsError(f"trainer {self._ref!r}: tensor {name!r} ({info.nbytes} bytes at {info.offset}) "
+                                   f"lies outside its region {info.region!r} of {rlen} bytes")
+            items.append(Item(name, info.nbytes, self._local(name, tensor), rid, info.offset))
+        buckets = plan(items, self.bucket_bytes)
+        try:
+            self._pull(buckets, targets, on_bucket, deadline)
+        except UnknownHandleError as e:  # the trainer unregistered a region we were reading
+            raise WeightsChangedError(f"trainer {self._ref!r} withdrew tensors during the update: {e}") from e
+        self._check_unchanged(snap, deadline)
+        for name in result.updated:
+            self._have[name] = (snap.instance, infos[name][1], targets[name].data_ptr())
+        result.nbytes = sum(b.nbytes for b in buckets)
+        result.buckets = len(buckets)
+        result.seconds = time.monotonic() - t0
+        return result
+
+    def published(self, timeout: Optional[float] = None) -> _meta.Snapshot:
+        """The trainer's current metadata: ``.version``, ``.tensors`` (name, dtype, shape,
+        nbytes, ...), ``.versions`` per tensor. Waits while the trainer is mid-update."""
+        self._need_open()
+        return self._fetch(time.monotonic() + (self.timeout if timeout is None else float(timeout)))
+
+    def wait_for_version(self, version: int, timeout: Optional[float] = None, poll: float = 0.01) -> int:
+        """Block until the trainer published ``version`` or later; returns the version seen.
+        Raises :class:`~sluice.SluiceTimeoutError` after ``timeout`` seconds."""
+        deadline = time.monotonic() + (self.timeout if timeout is None else float(timeout))
+        while True:
+            snap = self._fetch(deadline)
+            if snap.version >= version:
+                return snap.version
+            if time.monotonic() + poll > deadline:
+                raise SluiceTimeoutError(f"trainer {self._ref!r} published version {snap.version}, "
+                                         f"not {version}, within the timeout")
+            time.sleep(poll)
+
+    def close(self) -> None:
+        """Unregister the targets and the scratch buffer, close the endpoint. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._drop_endpoint()
+        handles = [h for _, h in self._targets.values() if h] + ([self._scratch[1]] if self._scratch else [])
+        self._targets.clear()
+        self._scratch = None
+        if self._engine.closed:
+            return
+        for h in handles:
+            try:
+                self._engine.unregister(h)
+            except ClosedError:
+                return
+
+    def __enter__(self) -> "WeightSubscriber":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<WeightSubscriber trainer={self._ref!r} name={self._name!r}>"
+
+    # ------------------------------------------------------------ checks
+
+    def _need_open(self) -> None:
+        if self._closed:
+            raise ClosedError("the WeightSubscriber is closed")
+
+    def _select(self, targets: Mapping[str, object], names: Optional[Iterable[str]]) -> List[str]:
+        if not isinstance(targets, Mapping):
+            raise InvalidArgumentError(f"update: targets must be a dict of name -> tensor, got {type(targets).__name__}")
+        if names is None:
+            return list(targets)
+        if isinstance(names, str):
+            raise InvalidArgumentError("update: names must be a list of names, not one str")
+        selected = list(dict.fromkeys(names))
+        missing = [n for n in selected if n not in targets]
+        if missing:
+            raise TensorMismatchError(f"update: names lists {_few(missing)} that targets does not hold")
+        return selected
+
+    def _validate(self, selected: Sequence[str], infos: Mapping[str, tuple], targets: Mapping[str, object]) -> None:
+        t = torch()
+        problems = []
+        for name in selected:
+            tensor = targets[name]
+            if name not in infos:
+                problems.append(f"{name!r}: the trainer {self._ref!r} publishes no tensor of that name")
+                continue
+            info = infos[name][0]
+            if not isinstance(tensor, t.Tensor):
+                problems.append(f"{name!r}: target is a {type(tensor).__name__}, not a torch.Tensor")
+            elif dtype_name(tensor) != info.dtype or tuple(tensor.shape) != info.shape:
+                problems.append(f"{name!r}: published {info.dtype}{list(info.shape)}, target is {describe(tensor)}")
+            elif tensor.device.type != "cpu":
+                problems.append(f"{name!r}: target is on {tensor.device}; this release receives into CPU tensors")
+            elif not tensor.is_contiguous():
+                problems.append(f"{name!r}: target is not contiguous")
+            elif nbytes(tensor) != info.nbytes:
+                problems.append(f"{name!r}: published {info.nbytes} bytes, target has {nbytes(tensor)}")
+        if problems:
+            more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
+            raise TensorMismatchError("update: target mismatch: " + "; ".join(problems[:5]) + more)
+
+    # ------------------------------------------------------------ connection and metadata
+
+    def _connect(self, deadline: float) -> Endpoint:
+        ep = self._ep
+        if ep is not None and ep.connected:
+            return ep
+        self._drop_endpoint()
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TrainerLostError(f"trainer {self._ref!r}: no time left to connect")
+        try:
+            ep = self._engine.connect(self._ref, timeout=left)
+        except ClosedError:
+            raise
+        except SluiceError as e:
+            raise TrainerLostError(f"trainer {self._ref!r} is unreachable: {e}") from e
+        self._ep = ep
+        self._load_regions()
+        return ep
+
+    def _drop_endpoint(self) -> None:
+        ep, self._ep = self._ep, None
+        self._regions = {}
+        if ep is not None:
+            try:
+                ep.close()
+            except SluiceError:
+                pass
+
+    def _load_regions(self, refresh: bool = False) -> None:
+        if refresh:
+            self._ep.refresh_remote_regions()
+        self._regions = {r["name"]: (int(r["id"]), int(r["length"])) for r in self._ep.remote_regions() if r["name"]}
+
+    def _meta_region(self) -> Optional[Tuple[int, int]]:
+        if self._name is not None:
+            return self._regions.get(_meta.meta_region_name(self._name))
+        found = sorted(n for r in self._regions if (n := _meta.parse_meta_region_name(r)) is not None)
+        if len(found) > 1:
+            raise InvalidArgumentError(f"trainer {self._ref!r} has several publishers ({', '.join(found)}): "
+                                       "pass name= to WeightSubscriber")
+        return self._regions[_meta.meta_region_name(found[0])] if found else None
+
+    def _scratch_for(self, length: int):
+        if self._scratch is None or len(self._scratch[0]) < length:
+            if self._scratch is not None:
+                self._engine.unregister(self._scratch[1])
+                self._scratch = None
+            self._scratch = tuple(self._engine.allocate(max(4096, length)))
+        return self._scratch
+
+    def _read(self, entries: list, deadline: float, what: str) -> None:
+        ep = self._connect(deadline)
+        try:
+            fut = ep.read(entries)
+        except (PeerLostError, ClosedError) as e:
+            self._drop_endpoint()
+            raise TrainerLostError(f"trainer {self._ref!r} lost while {what}: {e}") from e
+        self._wait(fut, deadline, what)
+
+    def _wait(self, fut, deadline: float, what: str) -> None:
+        try:
+            done = fut.wait(max(0.0, deadline - time.monotonic()))
+        except UnknownHandleError:
+            raise
+        except SluiceError as e:
+            self._drop_endpoint()
+            raise TrainerLostError(f"trainer {self._ref!r} failed while {what}: {e}") from e
+        if not done:
+            self._drop_endpoint()  # cancels what is in flight
+            try:
+                fut.wait(5.0)
+            except SluiceError:
+                pass
+            raise TrainerLostError(f"trainer {self._ref!r} did not answer within the timeout while {what}")
+
+    def _fetch(self, deadline: float) -> _meta.Snapshot:
+        """One consistent read of the metadata: retried while it races a publish or the
+        trainer is mid-update, until ``deadline``."""
+        pause, why = 0.001, "no metadata yet"
+        while True:
+            self._connect(deadline)
+            meta = self._meta_region()
+            if meta is None:
+                self._load_regions(refresh=True)
+                meta = self._meta_region()
+            if meta is None:
+                why = "it publishes no weights (no sluice.weights metadata region" + \
+                      (f" named {self._name!r})" if self._name else ")")
+            else:
+                rid, length = meta
+                buf, h = self._scratch_for(length)
+                try:
+                    self._read([(h, 0, rid, 0, length)], deadline, "reading the weight metadata")
+                    snap = _meta.read(buf[:length].tobytes())
+                    if snap.instance != self._instance:
+                        if self._instance is not None:
+                            log.info("sluice.weights: trainer %r restarted (new publisher instance)", self._ref)
+                            self._load_regions(refresh=True)
+                        self._instance = snap.instance
+                    return snap
+                except UnknownHandleError as e:  # the trainer replaced the region (it grew)
+                    why = str(e)
+                    self._load_regions(refresh=True)
+                except _meta.TornRead as e:
+                    why = str(e)
+                    if "does not fit" in why:
+                        self._load_regions(refresh=True)
+                except _meta.BadMeta as e:
+                    raise WeightsError(f"trainer {self._ref!r}: {e}") from None
+            if time.monotonic() + pause > deadline:
+                raise SluiceTimeoutError(f"trainer {self._ref!r}: no consistent weight metadata within the "
+                                         f"timeout: {why}")
+            time.sleep(pause)
+            pause = min(pause * 2, 0.05)
+
+    def _region(self, region: str, deadline: float) -> Tuple[int, int]:
+        r = self._regions.get(region)
+        if r is None:
+            self._load_regions(refresh=True)
+            r = self._regions.get(region)
+        if r is None:
+            raise WeightsError(f"trainer {self._ref!r} lists region {region!r} but does not expose it")
+        return r
+
+    def _check_unchanged(self, snap: _meta.Snapshot, deadline: float) -> None:
+        rid, _ = self._meta_region() or (None, None)
+        if rid is None:
+            raise WeightsChangedError(f"trainer {self._ref!r} withdrew its weights during the update")
+        buf, h = self._scratch_for(_meta.HEADER_SIZE)
+        self._read([(h, 0, rid, 0, _meta.HEADER_SIZE)], deadline, "re-reading the weight metadata")
+        raw = buf[:_meta.HEADER_SIZE].tobytes()
+        seq, instance = _meta.header_seq(raw), _meta.HEADER.unpack_from(raw, 0)[9]
+        if (seq, instance) != (snap.seq, snap.instance):
+            raise WeightsChangedError(f"trainer {self._ref!r} changed its tensors during the update "
+                                      f"(published version was {snap.version}); run update() again")
+
+    # ------------------------------------------------------------ transfer
+
+    def _local(self, name: str, tensor) -> int:
+        """The handle of ``tensor`` in our engine, registered once and reused while the
+        caller passes the same tensor for ``name``; a replaced one is unregistered."""
+        held = self._targets.get(name)
+        if held is not None:
+            old, h = held
+            if old is tensor or (old.data_ptr() == tensor.data_ptr() and nbytes(old) == nbytes(tensor)):
+                return h
+            del self._targets[name]
+            self._engine.unregister(h)
+        h = self._engine.register(tensor)
+        self._targets[name] = (tensor, h)
+        return h
+
+    def _pull(self, buckets, targets, on_bucket: Optional[BucketCallback], deadline: float) -> None:
+        import numpy as np
+
+        inflight: collections.deque = collections.deque()
+        nxt = 0
+
+        def fill():
+            nonlocal nxt
+            ep = self._connect(deadline) if any(b.entries for b in buckets[nxt:nxt + self.depth]) else None
+            while nxt < len(buckets) and len(inflight) < self.depth:
+                b = buckets[nxt]
+                nxt += 1
+                fut = None
+                if b.entries:
+                    try:
+                        fut = ep.read(np.asarray(b.entries, dtype=np.uint64))
+                    except (PeerLostError, ClosedError) as e:
+                        self._drop_endpoint()
+                        raise TrainerLostError(f"trainer {self._ref!r} lost during the update: {e}") from e
+                inflight.append((b, fut))
+
+        try:
+            fill()
+            while inflight:
+                b, fut = inflight.popleft()
+                if fut is not None:
+                    self._wait(fut, deadline, f"pulling bucket {nxt - len(inflight)} of {len(buckets)}")
+                fill()  # the next buckets move while the callback runs
+                if on_bucket is not None and b.done:
+                    on_bucket([(n, targets[n]) for n in b.done])
+        except BaseException:
+            # Nothing may still write into the targets once we return: cancel and reap.
+            if any(f is not None and not f.done() for _, f in inflight):
+                self._drop_endpoint()
+            for _, f in inflight:
+                if f is not None:
+                    try:
+                        f.wait(5.0)
+                    except SluiceError:
+                        pass
+            raise
+
+
+def _few(names: Sequence[str]) -> str:
+    shown = ", ".join(repr(n) for n in names[:5])
+    return shown + (f" (and {len(names) - 5} more)" if len(names) > 5 else "")

@@ -1,0 +1,106 @@
+"""Processes for the sluice.weights tests: a trainer that publishes a synthetic model and
+obeys commands from a pipe, and a receiver that updates and checks bytes."""
+
+from __future__ import annotations
+
+import os
+import zlib
+
+import torch
+
+import sluice
+from sluice.weights import WeightPublisher, WeightSubscriber
+
+FP8 = getattr(torch, "float8_e4m3fn", None)
+
+
+def model_spec(n_layers: int = 30, width: int = 64):
+    """(name, dtype, shape): mixed dtypes, fp8 when torch has it, a scalar and 0-size tensors."""
+    spec = [("embed", torch.bfloat16, (257, width)), ("scalar", torch.float32, ()),
+            ("empty", torch.float16, (0, 4)), ("flags", torch.bool, (13,)), ("ids", torch.int64, (33,))]
+    for i in range(n_layers):
+        spec += [(f"l{i}.w", torch.float32, (width, width + i)), (f"l{i}.b", torch.float16, (width + i,)),
+                 (f"l{i}.q", FP8 or torch.int8, (width, 3 + i)), (f"l{i}.s", torch.int8, (7 * i,))]
+    return spec
+
+
+def big_spec(mib: int):
+    """One model of about ``mib`` MiB in 8 tensors (trainer-killed tests)."""
+    per = (mib << 20) // 8 // 4
+    return [(f"big{i}", torch.float32, (per,)) for i in range(8)]
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(torch.uint8)
+
+
+def fill(t: torch.Tensor, name: str, version: int) -> None:
+    """Deterministic bytes for (name, version)."""
+    b = as_bytes(t)
+    if b.numel() == 0:
+        return
+    g = torch.Generator().manual_seed((zlib.crc32(name.encode()) << 16) ^ version)
+    b.copy_(torch.randint(0, 256, (b.numel(),), dtype=torch.uint8, generator=g))
+    if t.dtype == torch.bool:
+        b.bitwise_and_(1)
+
+
+def expected(name: str, dtype, shape, version: int) -> torch.Tensor:
+    t = torch.empty(shape, dtype=dtype)
+    fill(t, name, version)
+    return as_bytes(t)
+
+
+def empty_targets(spec):
+    return {n: torch.zeros(s, dtype=d) for n, d, s in spec}
+
+
+def trainer(conn, spec, listen=None, transports=None, name="model"):
+    """Publish ``spec`` at version 1, send our address, then obey commands."""
+    torch.set_num_threads(1)  # forked OpenMP workers spinning on a busy host cost seconds
+    engine = sluice.Engine(listen=listen, transports=transports)
+    tensors = {n: torch.empty(s, dtype=d) for n, d, s in spec}
+    for n, t in tensors.items():
+        fill(t, n, 1)
+    pub = WeightPublisher(engine, name)
+    pub.register(tensors)
+    pub.publish(1)
+    conn.send(engine.listen_address)
+    while True:
+        cmd = conn.recv()
+        if cmd[0] == "publish":
+            version, names = cmd[1], cmd[2]
+            with pub.updating(version, names):
+                for n in names or tensors:
+                    fill(tensors[n], n, version)
+            conn.send("ok")
+        elif cmd[0] == "begin":
+            pub.begin_update()
+            conn.send("ok")
+        elif cmd[0] == "stop":
+            break
+    pub.close()
+    engine.close()
+    conn.send("stopped")
+
+
+def receiver(conn, ref, spec, version, bucket_bytes, die_after_buckets=None):
+    """Update everything from ``ref`` and report whether every byte is right. With
+    ``die_after_buckets``: exit hard from inside the callback (a receiver that dies)."""
+    torch.set_num_threads(1)
+    with sluice.Engine() as engine:
+        targets = empty_targets(spec)
+        seen = []
+
+        def on_bucket(pairs):
+            seen.extend(n for n, _ in pairs)
+            if die_after_buckets is not None and len(seen) >= die_after_buckets:
+                os._exit(3)
+
+        sub = WeightSubscriber(engine, ref, bucket_bytes=bucket_bytes, timeout=30)
+        conn.send("ready")
+        conn.recv()  # go
+        res = sub.update(targets, on_bucket=on_bucket)
+        bad = [n for n, d, s in spec if not torch.equal(as_bytes(targets[n]), expected(n, d, s, version))]
+        conn.send((res.version, sorted(res.updated), bad, sorted(seen)))
+        sub.close()

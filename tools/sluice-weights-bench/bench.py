@@ -1,0 +1,244 @@
+"""Time sluice.weights: a trainer process publishes a synthetic model, K receiver processes
+pull all of it at once, for several rounds; prints medians and the one-copy ceiling (a plain
+memcpy of the same bytes, measured in the same run).
+
+    python tools/sluice-weights-bench/bench.py [--size-mib 256] [--tensors 1000] [--receivers 2]
+        [--rounds 5] [--bucket-mib 64] [--depth 2] [--transport tcp] [--check] [--json out.json]
+
+Every round each receiver runs ``update(force=True)`` (a full pull into its own tensors),
+all receivers starting together; the round's time is the slowest receiver's. ``--check``
+verifies every tensor's bytes (crc32 against the trainer's) after the last round and exits 1
+on a mismatch: CI runs it at 256 MiB. The model: ``--tensors`` tensors of mixed dtypes
+(float32, bfloat16, float16, float8_e4m3fn when torch has it, int8) and sizes (a few large
+ones, many small), deterministic bytes.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import statistics
+import sys
+import time
+import zlib
+from typing import Any, Dict, List, Tuple
+
+# torch and sluice are imported inside the functions: main() starts the forkserver (which
+# preloads them) first, so that the two imports of torch run side by side.
+
+Spec = List[Tuple[str, Any, Tuple[int, ...]]]
+
+
+def synthetic_spec(total_bytes: int, n: int) -> Spec:
+    """``n`` tensors summing to about ``total_bytes``: sizes drawn from a skewed (Zipf-like)
+    distribution, as real models mix big matrices with small norms and biases."""
+    import torch
+
+    dtypes = [torch.float32, torch.bfloat16, torch.float16, getattr(torch, "float8_e4m3fn", torch.int8), torch.int8]
+    weights = [1.0 / (1 + (i * 7919) % n) ** 0.6 for i in range(n)]
+    scale = total_bytes / sum(weights)
+    spec: Spec = []
+    for i, w in enumerate(weights):
+        dt = dtypes[i % len(dtypes)]
+        esz = torch.empty(0, dtype=dt).element_size()
+        numel = max(1, int(w * scale) // esz)
+        spec.append((f"layer{i // 8}.p{i % 8}", dt, (numel,)))
+    return spec
+
+
+def as_bytes(t):
+    import torch
+
+    return t.reshape(-1).view(torch.uint8)
+
+
+_POOL = 4 << 20
+
+
+def fill(t, pool, index: int) -> None:
+    """Random-looking bytes that differ per tensor, at memcpy speed: slices of a random pool
+    starting at a per-tensor offset (random generation of the whole model would dominate)."""
+    b = as_bytes(t)
+    off, pos = (index * 7919) % _POOL, 0
+    while pos < b.numel():
+        n = min(b.numel() - pos, _POOL)
+        b[pos:pos + n].copy_(pool[off:off + n])
+        pos += n
+
+
+def trainer(conn, spec: Spec, transports) -> None:
+    import torch
+
+    import sluice
+    from sluice.weights import WeightPublisher
+
+    torch.set_num_threads(1)  # see receiver()
+    engine = sluice.Engine(transports=transports)
+    tensors: Dict[str, Any] = {}
+    pool = torch.randint(0, 256, (2 * _POOL,), dtype=torch.uint8, generator=torch.Generator().manual_seed(1234))
+    for i, (name, dt, shape) in enumerate(spec):
+        t = torch.empty(shape, dtype=dt)
+        fill(t, pool, i)
+        tensors[name] = t
+    crcs = {n: zlib.crc32(as_bytes(t).numpy()) for n, t in tensors.items()}
+    pub = WeightPublisher(engine, "bench")
+    pub.register(tensors)
+    pub.publish(1)
+    conn.send((engine.listen_address, crcs))
+    conn.recv()  # stop
+    pub.close()
+    engine.close()
+
+
+def receiver(conn, ref: str, spec: Spec, transports, bucket_bytes: int, depth: int, rounds: int, check: bool) -> None:
+    import torch
+
+    import sluice
+    from sluice.weights import WeightSubscriber
+
+    # One torch thread: the engine moves the bytes; OpenMP workers forked from the server
+    # and spinning on a busy 2-core host made allocating the targets take 20 s.
+    torch.set_num_threads(1)
+    with sluice.Engine(transports=transports) as engine:
+        targets = {n: torch.zeros(s, dtype=d) for n, d, s in spec}
+        sub = WeightSubscriber(engine, ref, bucket_bytes=bucket_bytes, depth=depth, timeout=120)
+        sub.published()  # connect and read the metadata before timing
+        conn.send("ready")
+        times = []
+        for _ in range(rounds):
+            conn.recv()  # go
+            t0 = time.perf_counter()
+            res = sub.update(targets, force=True)
+            times.append(time.perf_counter() - t0)
+            conn.send(("done", res.nbytes))
+        crcs = {n: zlib.crc32(as_bytes(t).numpy()) for n, t in targets.items()} if check else {}
+        conn.send((times, crcs))
+        sub.close()
+
+
+def memcpy_ceiling(total_bytes: int, rounds: int) -> float:
+    """Median seconds of one copy of ``total_bytes`` between two host buffers."""
+    import torch
+
+    src = torch.ones(total_bytes, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # fault the pages in
+    times = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--size-mib", type=int, default=256)
+    ap.add_argument("--tensors", type=int, default=1000)
+    ap.add_argument("--receivers", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--bucket-mib", type=float, default=64)
+    ap.add_argument("--depth", type=int, default=2)
+    ap.add_argument("--transport", default=None, help="force a transport (tcp, shm); default: the engine's choice")
+    ap.add_argument("--check", action="store_true", help="verify every byte after the last round; exit 1 if wrong")
+    ap.add_argument("--json", default=None, help="also write the results here")
+    ap.add_argument("--verbose", action="store_true", help="print when each phase ends (stderr)")
+    a = ap.parse_args(argv)
+    t_start = time.perf_counter()
+
+    def phase(what: str) -> None:
+        if a.verbose:
+            print(f"[{time.perf_counter() - t_start:7.2f} s] {what}", file=sys.stderr, flush=True)
+
+    if min(a.size_mib, a.tensors, a.receivers, a.rounds, a.depth) <= 0 or a.bucket_mib <= 0:
+        ap.error("sizes and counts must be > 0")
+
+    # forkserver: torch and sluice are imported once (in the server), every process forks
+    # from it; spawned processes would each import torch again (seconds on a busy host).
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "sluice", "sluice.weights"])
+    from multiprocessing import forkserver
+
+    forkserver.ensure_running()  # starts importing torch there while we import it here
+    import torch
+
+    phase("torch imported")
+    spec = synthetic_spec(a.size_mib << 20, a.tensors)
+    total = sum(torch.empty(0, dtype=d).element_size() * s[0] for _, d, s in spec)
+    tconn, tchild = ctx.Pipe()
+    tp = ctx.Process(target=trainer, args=(tchild, spec, a.transport), daemon=True)
+    tp.start()
+    kids = []
+    try:
+        if not tconn.poll(300):
+            print("sluice-weights-bench: the trainer did not start", file=sys.stderr)
+            return 1
+        ref, want = tconn.recv()
+        phase("trainer published")
+        for _ in range(a.receivers):
+            conn, child = ctx.Pipe()
+            p = ctx.Process(target=receiver, daemon=True,
+                            args=(child, ref, spec, a.transport, int(a.bucket_mib * (1 << 20)), a.depth, a.rounds, a.check))
+            p.start()
+            kids.append((conn, p))
+        for conn, _ in kids:
+            if not conn.poll(300) or conn.recv() != "ready":
+                print("sluice-weights-bench: a receiver did not start", file=sys.stderr)
+                return 1
+        phase("receivers ready")
+        rounds = []
+        for _ in range(a.rounds):
+            t0 = time.perf_counter()
+            for conn, _ in kids:
+                conn.send("go")
+            for conn, _ in kids:
+                if not conn.poll(300):
+                    print("sluice-weights-bench: a receiver did not finish its round", file=sys.stderr)
+                    return 1
+                tag, nbytes = conn.recv()
+                assert tag == "done" and nbytes == total, (tag, nbytes, total)
+            rounds.append(time.perf_counter() - t0)
+            phase(f"round {len(rounds)}")
+        per = []
+        bad = []
+        for i, (conn, _) in enumerate(kids):
+            times, crcs = conn.recv()
+            per.append(statistics.median(times))
+            if a.check:
+                bad += [f"receiver {i}: {n}" for n in want if crcs.get(n) != want[n]]
+        tconn.send("stop")
+        phase("receivers checked")
+    finally:
+        for _, p in kids:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+        tp.join(30)
+        if tp.is_alive():
+            tp.kill()
+    phase("processes joined")
+    ceiling = memcpy_ceiling(total, a.rounds)
+    phase("memcpy measured")
+    rnd, rcv = statistics.median(rounds), statistics.median(per)
+    gb = total / 1e9
+    print(f"sluice-weights-bench: {len(spec)} tensors, {total / (1 << 20):.1f} MiB, {a.receivers} receivers, "
+          f"bucket {a.bucket_mib:g} MiB x{a.depth}, transport {a.transport or 'auto'}, medians of {a.rounds} rounds")
+    print(f"{'what':<34}{'seconds':>10}{'GB/s':>10}")
+    print(f"{'memcpy ceiling (one copy)':<34}{ceiling:>10.4f}{gb / ceiling:>10.2f}")
+    print(f"{'sluice.weights per receiver':<34}{rcv:>10.4f}{gb / rcv:>10.2f}")
+    print(f"{'sluice.weights round (all recv.)':<34}{rnd:>10.4f}{gb * a.receivers / rnd:>10.2f}  (aggregate)")
+    print(f"per-receiver ingest / memcpy ceiling: {ceiling / rcv:.2f}")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"tensors": len(spec), "bytes": total, "receivers": a.receivers, "rounds": rounds,
+                       "per_receiver_s": per, "memcpy_s": ceiling, "transport": a.transport}, f, indent=1)
+    if a.check:
+        if bad:
+            print(f"sluice-weights-bench: WRONG BYTES in {len(bad)} tensors: {bad[:5]}", file=sys.stderr)
+            return 1
+        print(f"check: every byte of {len(spec)} tensors right at {a.receivers} receivers")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
