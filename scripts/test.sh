@@ -60,8 +60,11 @@ suite "fuzzing (libFuzzer: bootstrap and frame parsers)" fuzz_suite
 # The wheel builds in the ctest build tree (same flags): only the Python targets compile.
 [ -x python/run_tests.sh ] && suite "Python package (pip install, pytest, examples)" \
   env SLUICE_WHEEL_BUILD_DIR="$ROOT/build-test" python/run_tests.sh
-# bench/peers/run.sh --quick joins the suites once it has run end to end from a clean clone
-# (issue 16 is open on that); it would come after the Python suite, whose build-wheel/ it reuses.
+# Sluice and its peers on a few cells, every byte checked, no win/lose bar (issue 16). It runs
+# in the Python suite's venv, whose sluice wheel was just built from this checkout, adding
+# only the peers that venv lacks: no second wheel build, no second torch.
+[ -x bench/peers/run.sh ] && suite "bench/peers --quick (Sluice beside its peers)" \
+  env PEERS_VENV="$ROOT/.venv-test" PEERS_SKIP_WHEEL=1 bench/peers/run.sh --quick
 # The RDMA suite reuses the ctest build (its conformance suites are the same binaries, run
 # with SLUICE_TEST_TRANSPORTS=rdma) and the TSan build of the sanitizer suite.
 [ -x tests/rdma/run.sh ] && [ "${SLUICE_SKIP_RDMA:-0}" != 1 ] && suite "RDMA suite in a SoftRoCE guest" \

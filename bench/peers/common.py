@@ -9,6 +9,7 @@ messages of `size` bytes, at most `concurrency` batches outstanding, walking a
 from __future__ import annotations
 
 import collections
+import functools
 import json
 import sys
 import time
@@ -35,9 +36,10 @@ class Cell:
 
 
 def iterations(size: int, batch: int, conc: int, budget: int) -> int:
-    """Batches per cell: `budget` bytes, but at least two rounds of `conc` batches (and 4),
-    at most 400 (small messages are bound by the op rate, not by bytes)."""
-    return int(min(max(budget // (size * batch), 2 * conc, 4), 400))
+    """Batches per cell: `budget` bytes, but at most 200 batches and 1024 messages (small
+    messages are bound by the op rate, not by bytes: a peer at 1 ms per message would spend
+    minutes on one cell), and at least two rounds of `conc` batches (and 4)."""
+    return int(max(min(budget // (size * batch), 200, 1024 // batch), 2 * conc, 4))
 
 
 def make_cells(ops: Iterable[str], sizes: Iterable[int], shapes: Iterable[tuple[int, int]],
@@ -59,11 +61,26 @@ def cells_to_json(cells: list[Cell]) -> str:
     return json.dumps([asdict(c) for c in cells])
 
 
+_PERIOD = 1 << 21  # ((j * 2654435761) >> 13) mod 256 repeats every 2^21 bytes
+
+
+@functools.lru_cache(maxsize=1)
+def _period() -> np.ndarray:
+    x = np.arange(_PERIOD, dtype=np.uint64) * np.uint64(2654435761)
+    return (x >> np.uint64(13)).astype(np.uint8)
+
+
 def pattern(n: int, seed: int = 0) -> np.ndarray:
     """Bytes that differ between neighbouring slots and between seeds (a misplaced or stale
-    copy fails the check)."""
-    x = (np.arange(n, dtype=np.uint64) + np.uint64(seed)) * np.uint64(2654435761)
-    return (x >> np.uint64(13)).astype(np.uint8)
+    copy fails the check): byte j (j = i + seed) is ((j * 2654435761) >> 13) + (j >> 21), mod
+    256, as native/mpi_peer.c writes it. The first term repeats every 2 MiB, the second makes
+    2 MiB blocks differ, so slots of >= 2 MiB differ too. Built by tiling one period (a
+    64 MiB pattern costs a few memcpys, not seconds of 64-bit arithmetic per cell)."""
+    s, b0 = seed % _PERIOD, seed // _PERIOD
+    blocks = (s + n + _PERIOD - 1) // _PERIOD
+    out = np.tile(_period(), blocks).reshape(blocks, _PERIOD)
+    out += (np.arange(blocks, dtype=np.uint64) + np.uint64(b0)).astype(np.uint8)[:, None]
+    return out.reshape(-1)[s: s + n]
 
 
 def check_seed(cell: Cell) -> int:

@@ -8,7 +8,9 @@
 # sluice wheel built from this checkout; Open MPI with apt-get when it is missing and this
 # runs as root (PEERS_NO_APT=1 forbids that; MPI rows then say why). Results go to
 # bench/peers/results/ (every sample as CSV and JSON, peers.md, plots). A full run
-# (without --quick) also rewrites docs/peers.md and docs/img/peers-*.png unless --no-docs.
+# (without --quick) also rewrites docs/peers.md, the peers section of docs/performance.md and
+# docs/img/peers-*.png unless --no-docs. PEERS_SKIP_WHEEL=1 reuses the sluice already in the
+# venv (a re-run of the same checkout without the wheel build).
 set -euo pipefail
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 ROOT=$(cd "$HERE/../.." && pwd)
@@ -39,15 +41,23 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 VPY=$VENV/bin/python
 pip_q() { "$VPY" -m pip install -q --disable-pip-version-check "$@" 2>&1 | grep -v 'is ignored: it is neither' || true; }
-if ! "$VPY" -c 'import numpy, matplotlib, torch, nixl, dlslime, mooncake' 2>/dev/null; then
+# Pinned as python/run_tests.sh pins them (pip's cache serves both): torch==2.13.0 resolves to
+# the CPU wheel where one is offered beside PyPI's CUDA build (gloo needs no CUDA, and the CUDA
+# build pulls in gigabytes of nvidia-* wheels).
+if ! "$VPY" -c 'import numpy, matplotlib, torch, nixl, dlslime, mooncake.engine' 2>/dev/null; then
   say "installing the peers into $VENV"
-  pip_q numpy matplotlib torch nixl==1.5.1 dlslime==0.1.23 mooncake-transfer-engine-non-cuda
+  pip_q numpy matplotlib torch==2.13.0 nixl==1.5.1 dlslime==0.1.23 mooncake-transfer-engine-non-cuda==0.3.13.post1
 fi
 
 # The sluice wheel from this checkout. scikit-build-core builds in build-wheel/, as
 # python/run_tests.sh does with the same settings, so after that suite this is a relink.
-say "pip install . (the sluice wheel from this checkout)"
-pip_q "$ROOT"
+if [ -n "${PEERS_SKIP_WHEEL:-}" ] && "$VPY" -c 'import sluice' 2>/dev/null; then
+  say "PEERS_SKIP_WHEEL: using the sluice already in $VENV (not rebuilt from this checkout)"
+else
+  say "pip install . (the sluice wheel from this checkout)"
+  # Not through pip_q: a wheel that does not build must stop the run, not measure an old one.
+  "$VPY" -m pip install -q --disable-pip-version-check "$ROOT"
+fi
 "$VPY" -c 'import sluice; print("sluice", sluice.__version__)'
 
 say "building the native programs (ceilings, Open MPI adapter)"
@@ -61,8 +71,10 @@ say "running (python driver.py ${args[*]:-})"
 rc=0
 "$VPY" "$HERE/driver.py" "${args[@]}" || rc=$?
 if [ "$quick" = 0 ] && [ "$docs" = 1 ]; then
-  "$VPY" "$HERE/report.py" "$HERE/results" --md "$HERE/results/peers-docs.md" --img "$ROOT/docs/img" --img-prefix img/
+  "$VPY" "$HERE/report.py" "$HERE/results" --md "$HERE/results/peers-docs.md" --img "$ROOT/docs/img" --img-prefix img/ \
+    --summary "$HERE/results/performance-docs.md"
   "$VPY" "$HERE/docs_section.py" "$HERE/results/peers-docs.md" "$ROOT/docs/peers.md"
-  say "docs/peers.md and docs/img/peers-*.png rewritten"
+  "$VPY" "$HERE/docs_section.py" "$HERE/results/performance-docs.md" "$ROOT/docs/performance.md" peers-summary
+  say "docs/peers.md, docs/performance.md's peers section and docs/img/peers-*.png rewritten"
 fi
 exit $rc

@@ -5,10 +5,17 @@ check_xfer_state), `conc` handles in flight."""
 from __future__ import annotations
 
 import base64
+import os
+import time
 
 import numpy as np
 
 from common import FOOTPRINT, Cell, pattern, ready, run_cells, run_one_sided, wait_stdin_eof
+
+# One transfer of <= 64 MiB that takes longer than this has hung (seen with UCX_TLS=tcp, sm and
+# cma WRITEs here); the cell says so and the agent's later cells are not run, instead of the
+# whole engine waiting for the driver's round timeout.
+XFER_TIMEOUT_S = 10.0
 
 
 def version() -> str:
@@ -52,16 +59,25 @@ def initiator(settings: dict, cells: list[Cell], info: dict) -> int:
             raise RuntimeError("NIXL transfer failed to post")
         return h
 
+    stuck = []  # a transfer that never completed leaves the agent unusable for later cells
+
     def wait(h):
+        deadline = time.monotonic() + XFER_TIMEOUT_S
         while True:
             s = agent.check_xfer_state(h)
             if s == "DONE":
                 break
             if s == "ERR":
                 raise RuntimeError("NIXL transfer failed")
+            if time.monotonic() > deadline:
+                stuck.append(True)
+                raise TimeoutError(f"NIXL transfer not DONE after {XFER_TIMEOUT_S:.0f} s "
+                                   f"(UCX_TLS={os.environ.get('UCX_TLS', '')})")
         agent.release_xfer_handle(h)
 
     def run_one(c: Cell):
+        if stuck:
+            raise RuntimeError("not run: an earlier transfer of this agent never completed")
         return run_one_sided(c, local, check, xfer, wait, "NIXL")
 
     return run_cells(cells, run_one)

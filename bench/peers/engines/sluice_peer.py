@@ -59,9 +59,15 @@ def recv_checks(ep, buf, handle, cells: list[Cell]) -> None:
         futs = [ep.recv(handle, j * c.size, c.size) for j in range(n)]
         for f in futs:
             f.wait()
-        ok = bool(np.array_equal(buf[: n * c.size], pattern(n * c.size, check_seed(c))))
+        want = pattern(n * c.size, check_seed(c))
+        bad = np.flatnonzero(buf[: n * c.size] != want)
+        detail = ""
+        if len(bad):  # what was there instead: an older message (the base pattern) or other bytes
+            stale = int(np.count_nonzero(buf[bad] == pattern(n * c.size)[bad]))
+            detail = (f"{len(bad)} of {n * c.size} bytes differ, first at offset {int(bad[0])}, last at "
+                      f"{int(bad[-1])}; {stale} of them hold the earlier messages' pattern")
         buf[: n * c.size] = pattern(n * c.size)  # the target's pattern again, for later reads
-        print("CHECK " + json.dumps({"key": c.key(), "ok": ok}), flush=True)
+        print("CHECK " + json.dumps({"key": c.key(), "ok": not len(bad), "detail": detail}), flush=True)
 
 
 def target(settings: dict, cells: list[Cell]) -> int:

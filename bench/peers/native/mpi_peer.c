@@ -13,7 +13,10 @@
 #include <string.h>
 
 static void fill(unsigned char* p, size_t n, uint64_t seed) {  // = common.pattern
-  for (size_t i = 0; i < n; i++) p[i] = (unsigned char)((((uint64_t)i + seed) * 2654435761ull) >> 13);
+  for (size_t i = 0; i < n; i++) {
+    uint64_t j = (uint64_t)i + seed;
+    p[i] = (unsigned char)(((j * 2654435761ull) >> 13) + (j >> 21));
+  }
 }
 static uint64_t check_seed(const char* op, size_t size) {
   return size * 7 + 1 + (!strcmp(op, "write") ? 1 : !strcmp(op, "send") ? 2 : 0);
