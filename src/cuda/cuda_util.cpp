@@ -302,7 +302,14 @@ nlohmann::json export_region(const void* ptr, uint64_t length, int* fd_out) {
     bool done = false;
     // cuMem* memory exported as a POSIX fd (engine allocations, or user memory created with
     // that handle type).
-    if (d.vmm && d.memRetainAllocationHandle) {
+    // cudaMalloc memory says so (legacy IPC capable) and goes to the IPC path below without
+    // the retain probe, whose expected failure on such memory is an API error under
+    // compute-sanitizer and tools that log every failed driver call.
+    int legacy_ipc = 0;
+    if (d.pointerGetAttribute &&
+        d.pointerGetAttribute(&legacy_ipc, CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE, base) != CUDA_SUCCESS)
+      legacy_ipc = 0;
+    if (d.vmm && d.memRetainAllocationHandle && !legacy_ipc) {
       CUmemGenericAllocationHandle h = 0;
       if (d.memRetainAllocationHandle(&h, reinterpret_cast<void*>(base)) == CUDA_SUCCESS) {
         int fd = -1;
