@@ -791,12 +791,15 @@ def _has_buffer(obj) -> bool:
 
 @atexit.register
 def _close_all() -> None:
-    # Engine threads must not call into Python while the interpreter shuts down.
+    # Engine threads must not call into Python while the interpreter shuts down, and no
+    # thread may be between releasing the GIL and retaking it when finalization starts
+    # (CPython < 3.14 ends such a thread with a forced unwind: see python/src/gil.hpp).
     for e in list(_live_engines):
         try:
             e.close()
         except Exception:
             pass
+    _sluice.quiesce_at_exit(2.0)
 
 
 __all__ = [

@@ -17,6 +17,7 @@
 #include <mutex>
 #include <optional>
 
+#include "gil.hpp"
 #include "sluice/sluice.hpp"
 
 namespace py = pybind11;
@@ -25,6 +26,9 @@ using namespace std::chrono_literals;
 namespace {
 
 using sluice::ErrorCode;
+using sluice::pybind::GilForCallback;
+using sluice::pybind::NoGil;
+using sluice::pybind::NoGilUnlessExiting;
 using sluice::Status;
 
 // ------------------------------------------------------------------ errors
@@ -51,11 +55,12 @@ struct PyRef {
   py::object obj;
   explicit PyRef(py::object o) : obj(std::move(o)) {}
   ~PyRef() {
-    if (!obj || !Py_IsInitialized()) {
-      obj.release();
+    if (!obj) return;
+    GilForCallback gil;  // re-entrant where this thread holds the GIL already
+    if (!gil) {
+      obj.release();  // the interpreter is gone or going: leak rather than touch it
       return;
     }
-    py::gil_scoped_acquire gil;
     obj = py::object();
   }
 };
@@ -74,7 +79,7 @@ bool wait_sliced(Pred ready_within, std::optional<double> timeout_s) {
     if (slice.count() < 0) slice = std::chrono::nanoseconds(0);
     bool ok;
     {
-      py::gil_scoped_release nogil;
+      NoGil nogil;
       ok = ready_within(slice);
     }
     if (ok) return true;
@@ -150,7 +155,7 @@ struct PyFuture {
     if (!f.test() && (!timeout || *timeout > 0)) {
       // Like Future::wait(): a short spin before sleeping hides the wake-up latency of small
       // operations (the GIL is released meanwhile).
-      py::gil_scoped_release nogil;
+      NoGil nogil;
       auto end = std::chrono::steady_clock::now() + std::chrono::microseconds(30);
       while (!f.test() && std::chrono::steady_clock::now() < end) {
 #if defined(__x86_64__) || defined(__i386__)
@@ -187,10 +192,10 @@ struct PyFuture {
   // thread with the GIL taken. Exceptions it raises are reported as unraisable.
   void on_complete(py::object cb) const {
     auto ref = std::make_shared<PyRef>(std::move(cb));
-    py::gil_scoped_release nogil;  // on_complete may run the callback at once
+    NoGil nogil;  // on_complete may run the callback at once
     f.on_complete([ref](const Status&) {
-      if (!Py_IsInitialized()) return;
-      py::gil_scoped_acquire gil;
+      GilForCallback gil;
+      if (!gil) return;  // at interpreter exit the callback is dropped (PyRef leaks it)
       py::object cb = std::move(ref->obj);
       try {
         cb();
@@ -221,10 +226,7 @@ struct BufferPin {
   ~BufferPin() { release(); }
   void release() {
     if (held) {
-      if (Py_IsInitialized()) {
-        py::gil_scoped_acquire gil;
-        PyBuffer_Release(&view);
-      }
+      if (GilForCallback gil; gil) PyBuffer_Release(&view);  // else leaked at interpreter exit
       held = false;
     }
   }
@@ -307,33 +309,33 @@ struct PyEndpoint {
     sluice::Batch b = to_batch(batch_obj);
     sluice::OpOptions o;
     if (stream) o.cuda_stream = reinterpret_cast<void*>(static_cast<uintptr_t>(*stream));
-    py::gil_scoped_release nogil;
+    NoGil nogil;
     if (kind == 0) return {ep.read(b, o)};
     if (kind == 1) return {ep.write(b, o)};
     return {ep.write_with_imm(b, imm, o)};
   }
   PyFuture send(uint64_t h, uint64_t off, uint64_t len) {
-    py::gil_scoped_release nogil;
+    NoGil nogil;
     return {ep.send({h}, off, len)};
   }
   PyFuture recv(uint64_t h, uint64_t off, uint64_t len) {
-    py::gil_scoped_release nogil;
+    NoGil nogil;
     return {ep.recv({h}, off, len)};
   }
   PyFuture imm_recv() {
-    py::gil_scoped_release nogil;
+    NoGil nogil;
     return {ep.imm_recv()};
   }
   void post_write(uint64_t h, uint64_t loff, uint64_t r, uint64_t roff, uint64_t len) {
-    py::gil_scoped_release nogil;
+    NoGil nogil;
     ep.post_write({h}, loff, {r}, roff, len);
   }
   void post_signal(uint64_t r, uint64_t off, uint64_t add) {
-    py::gil_scoped_release nogil;
+    NoGil nogil;
     ep.post_signal({r}, off, add);
   }
   void flush(uint64_t timeout_ms) {
-    py::gil_scoped_release nogil;
+    NoGil nogil;
     ep.flush(std::chrono::milliseconds(timeout_ms));
   }
   std::optional<uint64_t> remote_region(const std::string& name) const {
@@ -356,11 +358,11 @@ struct PyEndpoint {
     return out;
   }
   void refresh() {
-    py::gil_scoped_release nogil;
+    NoGil nogil;
     ep.refresh_remote_regions();
   }
   void close() {
-    py::gil_scoped_release nogil;
+    NoGilUnlessExiting nogil;
     ep.close();
   }
 };
@@ -384,7 +386,7 @@ struct PyEngine {
   ~PyEngine() {
     if (!engine) return;
     if (Py_IsInitialized() && PyGILState_Check()) {
-      py::gil_scoped_release nogil;
+      NoGilUnlessExiting nogil;
       engine.reset();
     } else {
       engine.reset();
@@ -399,7 +401,7 @@ struct PyEngine {
     }
     if (!e) return;
     closed = true;
-    py::gil_scoped_release nogil;
+    NoGilUnlessExiting nogil;
     e->close();
     e.reset();
   }
@@ -411,7 +413,7 @@ std::unique_ptr<PyEngine> make_engine(const std::map<std::string, std::string>& 
   sluice::EngineConfig c;
   for (const auto& [key, value] : options) c.set(key, value);
   auto pe = std::make_unique<PyEngine>();
-  py::gil_scoped_release nogil;
+  NoGil nogil;
   pe->engine = std::make_shared<sluice::Engine>(c);
   return pe;
 }
@@ -432,10 +434,17 @@ PYBIND11_MODULE(_sluice, m) {
     try {
       if (p) std::rethrow_exception(p);
     } catch (const sluice::Error& e) {
+      // Runs Python code inside this handler, where a thread the interpreter ends at exit
+      // could not unwind: gated (see gil.hpp).
+      sluice::pybind::ExitGate gate(sluice::pybind::ExitGate::OnExitingThread::kProceed);
       py::object exc = make_exception(e.code(), e.status().message);
       PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(exc.ptr())), exc.ptr());
     }
   });
+
+  m.def("quiesce_at_exit", &sluice::pybind::quiesce_at_exit, py::arg("timeout_s"),
+        "For sluice's atexit hook, after it closed every engine: no call releases the GIL any more; "
+        "waits for the threads inside a released section to retake it. Returns how many did not.");
 
   m.def("list_params", [] {
     py::list out;
@@ -520,7 +529,7 @@ PYBIND11_MODULE(_sluice, m) {
       .def("unregister_memory",
            [](PyEngine& pe, uint64_t h) {
              auto e = pe.e();
-             py::gil_scoped_release nogil;
+             NoGilUnlessExiting nogil;
              e->unregister_memory({h});
            })
       .def("allocate",
@@ -559,7 +568,7 @@ PYBIND11_MODULE(_sluice, m) {
                a = it->second;
                pe.allocations.erase(it);
              }
-             py::gil_scoped_release nogil;
+             NoGilUnlessExiting nogil;
              e->free(a);
            })
       .def("is_allocation",
@@ -584,7 +593,7 @@ PYBIND11_MODULE(_sluice, m) {
              sluice::ConnectOptions co;
              co.transport = transport;
              if (timeout) co.timeout = std::chrono::milliseconds(static_cast<int64_t>(*timeout * 1000));
-             py::gil_scoped_release nogil;
+             NoGil nogil;
              return PyEndpoint{e->connect(target, co)};
            })
       .def("accept",

@@ -12,10 +12,13 @@
 #include <memory>
 #include <optional>
 
+#include "gil.hpp"
 #include "sluice/port_channel.hpp"
 #include "sluice/sluice.hpp"
 
 namespace py = pybind11;
+using sluice::pybind::NoGil;
+using sluice::pybind::NoGilUnlessExiting;
 
 namespace {
 
@@ -26,7 +29,7 @@ struct PyProxy {
   std::shared_ptr<sluice::Engine> engine;  // the registry the proxy checks handles against
   std::unique_ptr<sluice::ProxyService> proxy;
   ~PyProxy() {
-    py::gil_scoped_release nogil;  // stop() joins workers
+    NoGilUnlessExiting nogil;  // stop() joins workers
     proxy.reset();
   }
 };
@@ -99,7 +102,7 @@ void bind_port_channel(py::module_& m, const std::function<std::shared_ptr<sluic
       .def("start", [](PyProxy& p) { p.proxy->start(); })
       .def("stop",
            [](PyProxy& p) {
-             py::gil_scoped_release nogil;
+             NoGilUnlessExiting nogil;
              p.proxy->stop();
            })
       .def("stats",
@@ -136,7 +139,7 @@ void bind_port_channel(py::module_& m, const std::function<std::shared_ptr<sluic
              H h = c.host_handle();
              PortResult r;
              {
-               py::gil_scoped_release nogil;
+               NoGil nogil;
                uint32_t d = dst.value_or(h.dst_mem), s = src.value_or(h.src_mem);
                r = signal ? h.put_with_signal(d, dst_off, s, src_off, size) : h.put(d, dst_off, s, src_off, size);
              }
@@ -147,7 +150,7 @@ void bind_port_channel(py::module_& m, const std::function<std::shared_ptr<sluic
              H h = c.host_handle();
              PortResult r;
              {
-               py::gil_scoped_release nogil;
+               NoGil nogil;
                r = h.signal();
              }
              c.check(r, "signal");
@@ -158,7 +161,7 @@ void bind_port_channel(py::module_& m, const std::function<std::shared_ptr<sluic
              uint64_t ns = ns_of(timeout);
              PortResult r;
              {
-               py::gil_scoped_release nogil;
+               NoGil nogil;
                r = h.flush(ns);
              }
              c.check(r, "flush");
@@ -169,7 +172,7 @@ void bind_port_channel(py::module_& m, const std::function<std::shared_ptr<sluic
              uint64_t ns = ns_of(timeout);
              PortResult r;
              {
-               py::gil_scoped_release nogil;
+               NoGil nogil;
                r = h.wait(ns);
              }
              c.check(r, "wait");

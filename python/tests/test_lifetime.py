@@ -183,3 +183,49 @@ def test_ops_after_engine_close_fail_fast(pair):
     with pytest.raises((sluice.CancelledError, sluice.ClosedError)):
         pair.ep.read([(h, 0, rr, 0, 8)]).result(5)
     del r
+
+
+# Daemon threads blocked in engine calls while the interpreter exits with the engine open:
+# the atexit hook closes the engine, the calls return and retake the GIL just as the
+# interpreter finalizes. CPython < 3.14 ends such a thread with a forced unwind, which used to
+# cross a GIL guard's destructor and abort the process ("terminate called without an active
+# exception") in about 1 exit in 20 (the Mooncake facade's accept thread hit it in CI).
+_EXIT_WITH_BLOCKED_THREADS = r"""
+import threading, sluice
+a = sluice.Engine(channels=1)
+b = sluice.Engine(channels=1)
+ep = a.connect(b.listen_address, transport="tcp")
+peer = b.accept(timeout=10)
+buf = bytearray(64)
+h = b.register(buf)
+def accept_loop(e):
+    while True:
+        try:
+            e.accept(timeout=0.002)
+        except Exception:
+            pass
+def recv_loop():
+    while True:
+        try:
+            peer.recv(h, 0, 64).wait(timeout=0.002)
+        except Exception:
+            pass
+for _ in range(4):
+    threading.Thread(target=accept_loop, args=(a,), daemon=True).start()
+    threading.Thread(target=accept_loop, args=(b,), daemon=True).start()
+    threading.Thread(target=recv_loop, daemon=True).start()
+print("exiting", flush=True)
+"""
+
+
+def test_exit_with_open_engine_and_blocked_daemon_threads():
+    import subprocess
+    import sys
+    procs = [subprocess.Popen([sys.executable, "-c", _EXIT_WITH_BLOCKED_THREADS], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(24)]
+    bad = []
+    for p in procs:
+        out, err = p.communicate(timeout=120)
+        if p.returncode != 0 or out.strip() != "exiting":
+            bad.append(f"rc={p.returncode} stdout={out.strip()!r} stderr={err.strip()[-400:]!r}")
+    assert not bad, f"{len(bad)} of {len(procs)} exits failed:\n" + "\n".join(bad)
