@@ -86,21 +86,29 @@ std::chrono::milliseconds env_ms(const char* name, std::chrono::milliseconds fal
   return std::chrono::milliseconds(std::stoll(v));
 }
 
+// A byte count from the environment, strictly: digits only (no sign, unit or spaces).
+uint64_t env_bytes(const char* name, uint64_t fallback) {
+  const char* v = std::getenv(name);
+  if (!v || !*v) return fallback;
+  uint64_t out = 0;
+  const char* end = v + std::strlen(v);
+  auto [p, ec] = std::from_chars(v, end, out);
+  if (ec != std::errc() || p != end)
+    throw Error(ErrorCode::kInvalidArgument, std::string("sluice: ") + name + " must be a byte count, got '" + v + "'");
+  return out;
+}
+
 }  // namespace
 
 SluiceBackend::SluiceBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                              std::chrono::milliseconds timeout)
     : c10d::Backend(rank, size), timeout_(timeout) {
   // Messages from this size go by rendezvous (mailbox.hpp); the default is measured in
-  // docs/torch.md. Read before connecting, so that a bad value fails before any peer waits.
-  uint64_t rndv_bytes = 256 << 10;
-  if (const char* v = std::getenv("SLUICE_TORCH_RNDV_BYTES"); v && *v) {
-    const char* end = v + std::strlen(v);
-    auto [p, ec] = std::from_chars(v, end, rndv_bytes);
-    if (ec != std::errc() || p != end)
-      throw Error(ErrorCode::kInvalidArgument,
-                  std::string("sluice: SLUICE_TORCH_RNDV_BYTES must be a byte count, got '") + v + "'");
-  }
+  // docs/torch.md. The bound on unexpected eager messages held at once (mailbox.hpp). Read
+  // before connecting, so that a bad value fails before any peer waits.
+  const uint64_t rndv_bytes = env_bytes("SLUICE_TORCH_RNDV_BYTES", 256 << 10);
+  const uint64_t max_unexpected_bytes =
+      env_bytes("SLUICE_TORCH_MAX_UNEXPECTED_BYTES", Mailbox::kDefaultMaxUnexpectedBytes);
   EngineConfig base;
   // Our own header recvs stay posted while the group is idle: the Mailbox bounds every
   // user-visible recv with the group timeout instead of the engine's recv timeout.
@@ -177,7 +185,8 @@ SluiceBackend::SluiceBackend(const c10::intrusive_ptr<c10d::Store>& store, int r
   if (seen_handle.id) engine_->unregister_memory(seen_handle);
   for (auto& p : peers)
     if (p.valid()) transport_ = p.transport();
-  mailbox_ = std::make_unique<Mailbox>(*engine_, std::move(peers), std::move(data), rank, timeout, rndv_bytes);
+  mailbox_ = std::make_unique<Mailbox>(*engine_, std::move(peers), std::move(data), rank, timeout, rndv_bytes,
+                                       max_unexpected_bytes);
   worker_ = std::thread([this] { worker(); });
 }
 

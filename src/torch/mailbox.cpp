@@ -22,11 +22,23 @@ struct SendState {
   uint64_t n = 0;
   Mailbox::Done done;
 };
+
+// Collectives use the top half of the tag space (see SluiceBackend::enqueue): name the
+// collective's sequence number there rather than a 19-digit tag.
+std::string describe_tag(uint64_t tag) {
+  return (tag >> 63) ? "collective #" + std::to_string((tag >> 16) & ((uint64_t(1) << 47) - 1))
+                     : "tag " + std::to_string(tag);
+}
 }  // namespace
 
 Mailbox::Mailbox(Engine& engine, std::vector<Endpoint> peers, std::vector<Endpoint> data, int rank,
-                 std::chrono::milliseconds timeout, uint64_t rndv_bytes)
-    : engine_(engine), rank_(rank), timeout_(timeout), rndv_bytes_(rndv_bytes), peers_(peers.size()) {
+                 std::chrono::milliseconds timeout, uint64_t rndv_bytes, uint64_t max_unexpected_bytes)
+    : engine_(engine),
+      rank_(rank),
+      timeout_(timeout),
+      rndv_bytes_(rndv_bytes),
+      max_unexpected_bytes_(max_unexpected_bytes),
+      peers_(peers.size()) {
   for (size_t i = 0; i < peers.size(); ++i) {
     peers_[i].ep = std::move(peers[i]);
     if (i < data.size()) peers_[i].data = std::move(data[i]);
@@ -147,6 +159,7 @@ void Mailbox::close() {
   for (auto& u : unexpected_) {
     if (u->waiter) u->waiter->done(st, u->src, 0);
     unreg(u->handle);
+    release(*u);
   }
   unexpected_.clear();
   drain();
@@ -432,25 +445,30 @@ void Mailbox::on_header(int peer, const Status& st) {
     if (match) match->done(truncated(peer, h.tag, h.length, match->n), peer, 0);
     if (h.length == 0) {
       u->arrived = true;
-      unexpected_.push_back(u);
+      if (!match) unexpected_.push_back(u);
     } else {
-      u->data.resize(h.length);
+      if (!stash(peer, *u, h.length)) return;  // the peer is refused: no header recv again
       Future f;
       try {
         u->handle = reg(u->data.data(), h.length);
         f = p.ep.recv(u->handle, 0, h.length);
       } catch (const Error& e) {
         unreg(u->handle);
+        release(*u);
         fail_peer(peer, e.status());
         return;
       }
-      unexpected_.push_back(u);
+      if (match)
+        u->dropped = true;  // the mismatched message is consumed, not kept
+      else
+        unexpected_.push_back(u);
       f.on_complete([this, u, peer](const Status& s) {
         post([this, u, peer, s] {
           u->arrived = true;
           u->status = s.ok() ? s : Status{s.code, who(peer) + ": " + s.message};
           unreg(u->handle);
           u->handle = {};
+          if (u->dropped || !s.ok()) release(*u);  // nobody will read these bytes
           if (u->waiter) {
             auto w = u->waiter;
             unexpected_.remove(u);
@@ -460,9 +478,65 @@ void Mailbox::on_header(int peer, const Status& st) {
         });
       });
     }
-    if (match) unexpected_.remove(u);  // the mismatched message is consumed, not kept
   }
   post_header_recv(peer);
+}
+
+bool Mailbox::stash(int peer, Unexpected& u, uint64_t length) {
+  const uint64_t held = unexpected_bytes_;  // <= max_unexpected_bytes_
+  const std::string what = "its " + std::to_string(length) + "-byte eager message (" + describe_tag(u.tag) +
+                           ") found no recv posted";
+  const std::string bound = "SLUICE_TORCH_MAX_UNEXPECTED_BYTES = " + std::to_string(max_unexpected_bytes_) +
+                            " bytes, " + std::to_string(held) + " bytes held now";
+  if (length > max_unexpected_bytes_ - held) {
+    refuse_peer(peer, {ErrorCode::kProtocol,
+                       what + ", and holding it would take the unexpected messages held from all peers to " +
+                           std::to_string(held) + " + " + std::to_string(length) + " bytes, above " + bound +
+                           " (post the recvs earlier, or raise the limit)"});
+    return false;
+  }
+  try {
+    u.data.resize(length);
+  } catch (const std::exception& e) {  // bad_alloc; length_error past max_size()
+    refuse_peer(peer, {ErrorCode::kSystem, what + ", and a buffer for it could not be allocated (" + e.what() +
+                                               "; " + bound + ")"});
+    return false;
+  }
+  u.charged = length;
+  unexpected_bytes_ += length;
+  return true;
+}
+
+void Mailbox::release(Unexpected& u) {
+  unexpected_bytes_ -= u.charged;
+  u.charged = 0;
+  std::vector<uint8_t>().swap(u.data);
+}
+
+void Mailbox::refuse_peer(int peer, const Status& why) {
+  fail_peer(peer, why);
+  Peer& p = peers_[peer];
+  // What it sent before is dropped too: the pair lost a message, and a recv that then took
+  // an older one would hide that.
+  for (auto it = unexpected_.begin(); it != unexpected_.end();) {
+    auto u = *it;
+    if (u->src != peer) {
+      ++it;
+      continue;
+    }
+    it = unexpected_.erase(it);
+    if (u->waiter) {
+      u->waiter->done(p.failed, peer, 0);
+      u->waiter.reset();
+    }
+    if (u->arrived)
+      release(*u);
+    else
+      u->dropped = true;  // the engine still writes into it: released when its recv ends
+  }
+  // Closing the control endpoint ends the payload recvs in flight, and tells the peer: its
+  // own ops with us fail at once instead of queueing more messages we would not take.
+  if (p.ep.valid()) p.ep.close();
 }
 
 void Mailbox::deliver(Unexpected& u, PostedRecv& r) {
@@ -476,6 +550,7 @@ void Mailbox::deliver(Unexpected& u, PostedRecv& r) {
     if (u.length) std::memcpy(r.ptr, u.data.data(), u.length);
     r.done(Status::Ok(), u.src, u.length);
   }
+  release(u);
 }
 
 void Mailbox::recv(int src, uint64_t tag, void* ptr, uint64_t n, Done done) {
@@ -601,10 +676,7 @@ void Mailbox::expire() {
       auto r = *it;
       it = posted_.erase(it);
       std::string from = r->src == kAnySource ? "any peer rank" : "peer rank " + std::to_string(r->src);
-      // Collectives use the top half of the tag space (see SluiceBackend::enqueue): name the
-      // collective's sequence number there rather than a 19-digit tag.
-      std::string what = (r->tag >> 63) ? "collective #" + std::to_string((r->tag >> 16) & ((uint64_t(1) << 47) - 1))
-                                        : "tag " + std::to_string(r->tag);
+      std::string what = describe_tag(r->tag);
       r->done({ErrorCode::kTimeout, "rank " + std::to_string(rank_) + ": no message from " + from + " (" + what +
                                         ") within the group timeout of " + std::to_string(timeout_.count()) + " ms"},
               r->src, 0);

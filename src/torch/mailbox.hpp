@@ -26,6 +26,17 @@
 //   A length mismatch answers the RTS with a NACK (both sides fail with kTruncated); a CTS
 //   for a send that already timed out gets a 1-byte payload, so the data endpoint's order
 //   holds and the receiver fails with an error naming the peer.
+//
+// Unexpected eager messages are stashed in buffers of our own, sized by the length in the
+// peer's header. A header must not decide an unbounded allocation: a peer that sends faster
+// than we post recvs (or a corrupt length) would grow the process until the kernel kills it,
+// or throw bad_alloc on the progress thread. So the bytes stashed at once, from all peers
+// together, are bounded by `max_unexpected_bytes` (SLUICE_TORCH_MAX_UNEXPECTED_BYTES):
+// counted when a stash is allocated, released when its message is delivered or dropped. A
+// header that would pass the bound (or whose buffer cannot be allocated) fails that peer at
+// once with an error naming the peer, the bytes and the bound: its stashed messages are
+// dropped, its pending and later ops fail with that error, and its control endpoint is
+// closed, so that the peer's own ops with us fail too instead of piling up in the engine.
 // Torch-free: buffers are raw host pointers, completions are callbacks.
 #pragma once
 
@@ -51,14 +62,17 @@ class Mailbox {
   // status, the rank the message came from (recv) or went to (send), payload bytes.
   using Done = std::function<void(const Status&, int peer, uint64_t bytes)>;
   static constexpr int kAnySource = -1;
+  static constexpr uint64_t kDefaultMaxUnexpectedBytes = uint64_t(1) << 30;
 
   // `peers[r]` is the control endpoint to rank r (invalid for `rank` itself), `data[r]` its
   // data endpoint (the rendezvous payloads); without data endpoints every message is eager.
   // `timeout` bounds every operation: a recv no message matches and a send its peer does not
   // take in that time fail with kTimeout naming the peer. Messages of `rndv_bytes` and more
-  // go by rendezvous.
+  // go by rendezvous. At most `max_unexpected_bytes` of unexpected eager payloads are held at
+  // once (above).
   Mailbox(Engine& engine, std::vector<Endpoint> peers, std::vector<Endpoint> data, int rank,
-          std::chrono::milliseconds timeout, uint64_t rndv_bytes);
+          std::chrono::milliseconds timeout, uint64_t rndv_bytes,
+          uint64_t max_unexpected_bytes = kDefaultMaxUnexpectedBytes);
   ~Mailbox();
   Mailbox(const Mailbox&) = delete;
   Mailbox& operator=(const Mailbox&) = delete;
@@ -98,6 +112,8 @@ class Mailbox {
     uint64_t tag;
     uint64_t length;
     std::vector<uint8_t> data;
+    uint64_t charged = 0;  // bytes counted in unexpected_bytes_ for `data`
+    bool dropped = false;  // no longer in unexpected_: release its bytes once the payload landed
     MemoryHandle handle;
     uint64_t rndv_id = 0;  // non-zero: a rendezvous header (nothing to land)
     bool arrived = false;
@@ -138,6 +154,12 @@ class Mailbox {
   void on_header(int peer, const Status& st);
   void fail_peer(int peer, const Status& st);
   void deliver(Unexpected& u, PostedRecv& r);
+  // Allocates the stash of an eager message of `length` bytes from `peer`, within the bound.
+  // On failure, fails the peer (and drops what it had stashed) and returns false.
+  bool stash(int peer, Unexpected& u, uint64_t length);
+  void release(Unexpected& u);  // frees its stash and uncounts it (idempotent)
+  // The peer broke the bound: drop its stashed messages and close its control endpoint.
+  void refuse_peer(int peer, const Status& why);
   // Header-only message on the control endpoint; `finish` runs on the progress thread.
   void send_ctrl(int peer, Header h, std::function<void(const Status&)> finish);
   void on_cts(int peer, uint64_t id);
@@ -155,6 +177,8 @@ class Mailbox {
   const int rank_;
   std::chrono::milliseconds timeout_;
   const uint64_t rndv_bytes_;
+  const uint64_t max_unexpected_bytes_;
+  uint64_t unexpected_bytes_ = 0;  // stashed eager payloads held now (progress thread)
   std::vector<Peer> peers_;
   // Progress-thread state.
   std::list<std::shared_ptr<PostedRecv>> posted_;

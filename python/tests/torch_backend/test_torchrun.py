@@ -1,7 +1,8 @@
 """torchrun-launched tests of the torch.distributed backend `sluice` (CPU): every operation
 compared bit for bit with gloo in the same processes, over shm and tcp forced, at world sizes
 2, 3 and 4; a rank killed mid-run; a rank that hangs (SIGSTOP) under a short group timeout; and
-the rendezvous of large messages, with peers that die or stop in its middle."""
+the rendezvous of large messages, with peers that die or stop in its middle; the bound on the
+unexpected messages a rank holds."""
 from __future__ import annotations
 
 import os
@@ -110,3 +111,20 @@ def test_rendezvous_peer_killed_or_stopped_midway() -> None:
     assert ps[1].returncode == -9, out[-6000:]  # SIGKILLed itself
     assert ps[2].returncode == 0 and "rndv-fail OK rank=2" in ps[2].stdout, out[-6000:]
     assert "recv from the killed rank raised" in out and "recv from the stopped rank raised" in out, out[-6000:]
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_unexpected_messages_are_bounded(transport: str) -> None:
+    # SLUICE_TORCH_MAX_UNEXPECTED_BYTES = 1 MiB, 200 KiB eager messages (the default rendezvous
+    # threshold, hence the empty SLUICE_TORCH_RNDV_BYTES): five held at once are received in
+    # order, a sixth fails the pair at once on both sides naming the peer and the bound; a bad
+    # value is refused on every rank. A 20 s group timeout: a failure that waited for it would
+    # say so, and the worker rejects that.
+    ps = spawn("unexpected_cap_worker.py", 2, {"SLUICE_TORCH_TRANSPORT": transport, "SLUICE_TORCH_RNDV_BYTES": "",
+                                                 "SLUICE_TORCH_MAX_UNEXPECTED_BYTES": "1048576",
+                                                 "GROUP_TIMEOUT_S": "20"}, 150)
+    out = "\n".join(f"--- rank {r} (exit {p.returncode})\n{p.stdout}" for r, p in enumerate(ps))
+    for r, p in enumerate(ps):
+        assert p.returncode == 0 and f"cap OK rank={r}" in p.stdout, out[-6000:]
+    assert "SLUICE_TORCH_MAX_UNEXPECTED_BYTES = 1048576 bytes" in ps[0].stdout, out[-6000:]
