@@ -11,6 +11,7 @@ from typing import Dict, Iterable, Iterator, List, Mapping, Optional, Tuple, Uni
 
 from .. import ClosedError, Endpoint, Engine, InvalidArgumentError
 from . import _meta
+from ._handles import unregister_all
 from ._torch import dtype_name, nbytes, torch
 from .errors import TensorMismatchError
 
@@ -210,13 +211,7 @@ class WeightPublisher:
             self._stop.set()
             handles = [h for h in self._handles if h] + ([self._meta_handle] if self._meta_handle else [])
             self._handles, self._meta_handle = [], None
-        if self._engine.closed:
-            return
-        for h in handles:
-            try:
-                self._engine.unregister(h)
-            except ClosedError:
-                return
+        unregister_all(self._engine, handles)
 
     def __enter__(self) -> "WeightPublisher":
         return self

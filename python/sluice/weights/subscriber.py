@@ -11,6 +11,7 @@ from typing import Callable, Dict, Iterable, List, Mapping, Optional, Sequence, 
 from .. import (ClosedError, Endpoint, Engine, InvalidArgumentError, PeerLostError, SluiceError,
                 SluiceTimeoutError, UnknownHandleError)
 from . import _meta
+from ._handles import unregister_all
 from ._plan import Item, plan
 from ._torch import describe, dtype_name, nbytes, torch
 from .errors import TensorMismatchError, TrainerLostError, WeightsChangedError, WeightsError
@@ -159,13 +160,7 @@ class WeightSubscriber:
         handles = [h for _, h in self._targets.values() if h] + ([self._scratch[1]] if self._scratch else [])
         self._targets.clear()
         self._scratch = None
-        if self._engine.closed:
-            return
-        for h in handles:
-            try:
-                self._engine.unregister(h)
-            except ClosedError:
-                return
+        unregister_all(self._engine, handles)
 
     def __enter__(self) -> "WeightSubscriber":
         return self
