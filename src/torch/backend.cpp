@@ -8,6 +8,7 @@
 #include <c10/util/Exception.h>
 
 #include "core/engine_impl.hpp"
+#include "host_staging.hpp"
 #include "store_directory.hpp"
 #include "work.hpp"
 
@@ -73,8 +74,7 @@ void check_cpu(const at::Tensor& t, const char* what) {
   TORCH_CHECK(t.layout() == at::kStrided, "sluice: ", what, ": only dense (strided) tensors are supported, got ",
               t.layout());
   TORCH_CHECK(t.device().is_cpu(), "sluice: ", what, ": ", t.device(),
-              " tensors are not supported yet by the sluice backend (CPU tensors only); "
-              "use a per-device backend such as init_process_group('cpu:sluice,cuda:nccl')");
+              " tensors are not supported by the sluice backend (CPU and CUDA tensors are)");
 }
 
 // A user tag (c10d passes an int) in the p2p tag space; collectives use the top bit.
@@ -330,6 +330,11 @@ void SluiceBackend::exchange(uint64_t tag, const std::vector<Xfer>& xfers) {
 
 c10::intrusive_ptr<c10d::Work> SluiceBackend::send(std::vector<at::Tensor>& tensors, int dst, int tag) {
   TORCH_CHECK(tensors.size() == 1, "sluice: send takes exactly one tensor");
+  if (any_cuda(tensors)) {
+    HostStaging s;
+    auto host = s.inputs(tensors);
+    return s.wrap(send(host, dst, tag), c10d::OpType::SEND, tensors, timeout_, getRank());
+  }
   check_cpu(tensors[0], "send");
   TORCH_CHECK(dst >= 0 && dst < getSize() && dst != getRank(), "sluice: rank ", getRank(), ": invalid destination rank ",
               dst, " (group size ", getSize(), ")");
@@ -344,6 +349,12 @@ c10::intrusive_ptr<c10d::Work> SluiceBackend::send(std::vector<at::Tensor>& tens
 
 c10::intrusive_ptr<c10d::Work> SluiceBackend::recv(std::vector<at::Tensor>& tensors, int src, int tag) {
   TORCH_CHECK(tensors.size() == 1, "sluice: recv takes exactly one tensor");
+  if (any_cuda(tensors)) {
+    HostStaging s;
+    auto host = s.outputs(tensors);
+    return s.wrap(recv(host, src, tag), src == Mailbox::kAnySource ? c10d::OpType::RECVANYSOURCE : c10d::OpType::RECV,
+                  tensors, timeout_, getRank(), /*recv=*/true);
+  }
   check_cpu(tensors[0], "recv");
   TORCH_CHECK(src == Mailbox::kAnySource || (src >= 0 && src < getSize() && src != getRank()), "sluice: rank ",
               getRank(), ": invalid source rank ", src, " (group size ", getSize(), ")");

@@ -1,4 +1,5 @@
-// The torch.distributed backend "sluice" (CPU tensors): a c10d::Backend whose point-to-point
+// The torch.distributed backend "sluice" (CPU tensors; CUDA tensors through host copies, see
+// host_staging.hpp): a c10d::Backend whose point-to-point
 // operations go through a Mailbox over one engine endpoint per peer, and whose collectives
 // are direct algorithms over those messages, run in call order on one worker thread.
 #pragma once

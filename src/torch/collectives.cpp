@@ -6,6 +6,7 @@
 #include <ATen/ATen.h>
 
 #include "backend.hpp"
+#include "host_staging.hpp"
 
 namespace sluice::torch_backend {
 
@@ -14,11 +15,16 @@ namespace {
 using Red = c10d::ReduceOp::RedOpType;
 using Xfer = SluiceBackend::Xfer;
 
+std::vector<at::Tensor> flat(const std::vector<std::vector<at::Tensor>>& vv) {
+  std::vector<at::Tensor> out;
+  for (const auto& v : vv) out.insert(out.end(), v.begin(), v.end());
+  return out;
+}
+
 void check_dense_cpu(const at::Tensor& t, const char* what) {
   TORCH_CHECK(t.layout() == at::kStrided, "sluice: ", what, ": only dense (strided) tensors are supported");
   TORCH_CHECK(t.device().is_cpu(), "sluice: ", what, ": ", t.device(),
-              " tensors are not supported yet by the sluice backend (CPU tensors only); "
-              "use a per-device backend such as init_process_group('cpu:sluice,cuda:nccl')");
+              " tensors are not supported by the sluice backend (CPU and CUDA tensors are)");
 }
 
 void check_op(const at::Tensor& t, const c10d::ReduceOp& op, const char* what) {
@@ -190,6 +196,11 @@ c10::intrusive_ptr<c10d::Work> SluiceBackend::barrier(const c10d::BarrierOptions
 
 c10::intrusive_ptr<c10d::Work> SluiceBackend::broadcast(std::vector<at::Tensor>& tensors,
                                                          const c10d::BroadcastOptions& opts) {
+  if (any_cuda(tensors)) {
+    HostStaging s;
+    auto host = s.inouts(tensors);
+    return s.wrap(broadcast(host, opts), c10d::OpType::BROADCAST, tensors, timeout_, rank());
+  }
   for (auto& t : tensors) check_dense_cpu(t, "broadcast");
   TORCH_CHECK(opts.rootRank >= 0 && opts.rootRank < size(), "sluice: broadcast: invalid root rank ", opts.rootRank);
   const int root = static_cast<int>(opts.rootRank);
@@ -212,6 +223,11 @@ c10::intrusive_ptr<c10d::Work> SluiceBackend::broadcast(std::vector<at::Tensor>&
 
 c10::intrusive_ptr<c10d::Work> SluiceBackend::allreduce(std::vector<at::Tensor>& tensors,
                                                          const c10d::AllreduceOptions& opts) {
+  if (any_cuda(tensors)) {
+    HostStaging s;
+    auto host = s.inouts(tensors);
+    return s.wrap(allreduce(host, opts), c10d::OpType::ALLREDUCE, tensors, timeout_, rank());
+  }
   for (auto& t : tensors) check_dense_cpu(t, "all_reduce"), check_op(t, opts.reduceOp, "all_reduce");
   const Red op = opts.reduceOp.op_;
   return enqueue(c10d::OpType::ALLREDUCE, tensors, [this, tensors, op](uint64_t tag) {
@@ -226,6 +242,11 @@ c10::intrusive_ptr<c10d::Work> SluiceBackend::allreduce(std::vector<at::Tensor>&
 
 c10::intrusive_ptr<c10d::Work> SluiceBackend::allreduce_coalesced(std::vector<at::Tensor>& tensors,
                                                                    const c10d::AllreduceCoalescedOptions& opts) {
+  if (any_cuda(tensors)) {
+    HostStaging s;
+    auto host = s.inouts(tensors);
+    return s.wrap(allreduce_coalesced(host, opts), c10d::OpType::ALLREDUCE_COALESCED, tensors, timeout_, rank());
+  }
   for (auto& t : tensors) {
     check_dense_cpu(t, "all_reduce_coalesced"), check_op(t, opts.reduceOp, "all_reduce_coalesced");
     TORCH_CHECK(t.scalar_type() == tensors[0].scalar_type(), "sluice: all_reduce_coalesced: tensors must share a dtype");
@@ -246,6 +267,11 @@ c10::intrusive_ptr<c10d::Work> SluiceBackend::allreduce_coalesced(std::vector<at
 }
 
 c10::intrusive_ptr<c10d::Work> SluiceBackend::reduce(std::vector<at::Tensor>& tensors, const c10d::ReduceOptions& opts) {
+  if (any_cuda(tensors)) {
+    HostStaging s;
+    auto host = s.inouts(tensors);
+    return s.wrap(reduce(host, opts), c10d::OpType::REDUCE, tensors, timeout_, rank());
+  }
   TORCH_CHECK(tensors.size() == 1, "sluice: reduce takes one tensor");
   check_dense_cpu(tensors[0], "reduce");
   check_op(tensors[0], opts.reduceOp, "reduce");
@@ -279,7 +305,13 @@ c10::intrusive_ptr<c10d::Work> SluiceBackend::reduce(std::vector<at::Tensor>& te
 
 c10::intrusive_ptr<c10d::Work> SluiceBackend::allgather(std::vector<std::vector<at::Tensor>>& outputs,
                                                          std::vector<at::Tensor>& inputs,
-                                                         const c10d::AllgatherOptions&) {
+                                                         const c10d::AllgatherOptions& opts) {
+  if (any_cuda(outputs) || any_cuda(inputs)) {
+    HostStaging s;
+    auto host_out = s.outputs(outputs);
+    auto host_in = s.inputs(inputs);
+    return s.wrap(allgather(host_out, host_in, opts), c10d::OpType::ALLGATHER, flat(outputs), timeout_, rank());
+  }
   TORCH_CHECK(inputs.size() == 1 && outputs.size() == 1, "sluice: all_gather takes one input and one output list");
   TORCH_CHECK(static_cast<int>(outputs[0].size()) == size(), "sluice: all_gather: the output list needs ", size(),
               " tensors, got ", outputs[0].size());
@@ -308,7 +340,13 @@ c10::intrusive_ptr<c10d::Work> SluiceBackend::allgather(std::vector<std::vector<
 }
 
 c10::intrusive_ptr<c10d::Work> SluiceBackend::_allgather_base(at::Tensor& output, at::Tensor& input,
-                                                               const c10d::AllgatherOptions&) {
+                                                               const c10d::AllgatherOptions& opts) {
+  if (output.is_cuda() || input.is_cuda()) {
+    HostStaging s;
+    auto host_out = s.output(output);
+    auto host_in = s.input(input);
+    return s.wrap(_allgather_base(host_out, host_in, opts), c10d::OpType::_ALLGATHER_BASE, {output}, timeout_, rank());
+  }
   check_dense_cpu(input, "all_gather_into_tensor");
   check_dense_cpu(output, "all_gather_into_tensor");
   TORCH_CHECK(output.numel() == input.numel() * size() && output.scalar_type() == input.scalar_type(),
@@ -331,6 +369,12 @@ c10::intrusive_ptr<c10d::Work> SluiceBackend::_allgather_base(at::Tensor& output
 
 c10::intrusive_ptr<c10d::Work> SluiceBackend::gather(std::vector<std::vector<at::Tensor>>& outputs,
                                                       std::vector<at::Tensor>& inputs, const c10d::GatherOptions& opts) {
+  if (any_cuda(outputs) || any_cuda(inputs)) {
+    HostStaging s;
+    auto host_out = s.outputs(outputs);
+    auto host_in = s.inputs(inputs);
+    return s.wrap(gather(host_out, host_in, opts), c10d::OpType::GATHER, flat(outputs), timeout_, rank());
+  }
   TORCH_CHECK(inputs.size() == 1, "sluice: gather takes one input tensor");
   check_dense_cpu(inputs[0], "gather");
   const int root = static_cast<int>(opts.rootRank);
@@ -367,6 +411,12 @@ c10::intrusive_ptr<c10d::Work> SluiceBackend::gather(std::vector<std::vector<at:
 c10::intrusive_ptr<c10d::Work> SluiceBackend::scatter(std::vector<at::Tensor>& outputs,
                                                        std::vector<std::vector<at::Tensor>>& inputs,
                                                        const c10d::ScatterOptions& opts) {
+  if (any_cuda(outputs) || any_cuda(inputs)) {
+    HostStaging s;
+    auto host_out = s.outputs(outputs);
+    auto host_in = s.inputs(inputs);
+    return s.wrap(scatter(host_out, host_in, opts), c10d::OpType::SCATTER, outputs, timeout_, rank());
+  }
   TORCH_CHECK(outputs.size() == 1, "sluice: scatter takes one output tensor");
   check_dense_cpu(outputs[0], "scatter");
   const int root = static_cast<int>(opts.rootRank);
@@ -430,6 +480,12 @@ void reduce_scatter_parts(SluiceBackend& b, const std::vector<at::Tensor>& input
 c10::intrusive_ptr<c10d::Work> SluiceBackend::reduce_scatter(std::vector<at::Tensor>& outputs,
                                                               std::vector<std::vector<at::Tensor>>& inputs,
                                                               const c10d::ReduceScatterOptions& opts) {
+  if (any_cuda(outputs) || any_cuda(inputs)) {
+    HostStaging s;
+    auto host_out = s.outputs(outputs);
+    auto host_in = s.inputs(inputs);
+    return s.wrap(reduce_scatter(host_out, host_in, opts), c10d::OpType::REDUCE_SCATTER, outputs, timeout_, rank());
+  }
   TORCH_CHECK(outputs.size() == 1 && inputs.size() == 1 && static_cast<int>(inputs[0].size()) == size(),
               "sluice: reduce_scatter takes one output and a list of ", size(), " inputs");
   check_dense_cpu(outputs[0], "reduce_scatter");
@@ -449,6 +505,13 @@ c10::intrusive_ptr<c10d::Work> SluiceBackend::reduce_scatter(std::vector<at::Ten
 
 c10::intrusive_ptr<c10d::Work> SluiceBackend::_reduce_scatter_base(at::Tensor& output, at::Tensor& input,
                                                                     const c10d::ReduceScatterOptions& opts) {
+  if (output.is_cuda() || input.is_cuda()) {
+    HostStaging s;
+    auto host_out = s.output(output);
+    auto host_in = s.input(input);
+    return s.wrap(_reduce_scatter_base(host_out, host_in, opts), c10d::OpType::_REDUCE_SCATTER_BASE, {output}, timeout_,
+                  rank());
+  }
   check_dense_cpu(output, "reduce_scatter_tensor");
   check_dense_cpu(input, "reduce_scatter_tensor");
   check_op(output, opts.reduceOp, "reduce_scatter_tensor");
@@ -464,7 +527,14 @@ c10::intrusive_ptr<c10d::Work> SluiceBackend::_reduce_scatter_base(at::Tensor& o
 c10::intrusive_ptr<c10d::Work> SluiceBackend::alltoall_base(at::Tensor& output, at::Tensor& input,
                                                              std::vector<int64_t>& output_splits,
                                                              std::vector<int64_t>& input_splits,
-                                                             const c10d::AllToAllOptions&) {
+                                                             const c10d::AllToAllOptions& opts) {
+  if (output.is_cuda() || input.is_cuda()) {
+    HostStaging s;
+    auto host_out = s.output(output);
+    auto host_in = s.input(input);
+    return s.wrap(alltoall_base(host_out, host_in, output_splits, input_splits, opts), c10d::OpType::ALLTOALL_BASE,
+                  {output}, timeout_, rank());
+  }
   check_dense_cpu(output, "all_to_all_single");
   check_dense_cpu(input, "all_to_all_single");
   TORCH_CHECK(output.scalar_type() == input.scalar_type(), "sluice: all_to_all_single: dtypes differ");
@@ -516,7 +586,13 @@ c10::intrusive_ptr<c10d::Work> SluiceBackend::alltoall_base(at::Tensor& output, 
 }
 
 c10::intrusive_ptr<c10d::Work> SluiceBackend::alltoall(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
-                                                        const c10d::AllToAllOptions&) {
+                                                        const c10d::AllToAllOptions& opts) {
+  if (any_cuda(outputs) || any_cuda(inputs)) {
+    HostStaging s;
+    auto host_out = s.outputs(outputs);
+    auto host_in = s.inputs(inputs);
+    return s.wrap(alltoall(host_out, host_in, opts), c10d::OpType::ALLTOALL, outputs, timeout_, rank());
+  }
   TORCH_CHECK(static_cast<int>(outputs.size()) == size() && static_cast<int>(inputs.size()) == size(),
               "sluice: all_to_all takes lists of ", size(), " tensors");
   for (auto& t : outputs) check_dense_cpu(t, "all_to_all");

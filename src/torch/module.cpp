@@ -10,7 +10,7 @@ namespace py = pybind11;
 using sluice::torch_backend::SluiceBackend;
 
 PYBIND11_MODULE(_sluice_torch, m) {
-  m.doc() = "torch.distributed backend 'sluice' (CPU tensors)";
+  m.doc() = "torch.distributed backend 'sluice' (CPU tensors; CUDA tensors through host copies)";
   py::module_::import("torch.distributed");  // registers c10d.Store and c10d.Backend
   py::class_<SluiceBackend, c10d::Backend, c10::intrusive_ptr<SluiceBackend>>(m, "SluiceBackend")
       .def_property_readonly("transport", &SluiceBackend::transport,

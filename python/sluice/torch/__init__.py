@@ -6,9 +6,9 @@
 
 Bootstrap goes through the c10d Store torch hands the backend (env:// under torchrun,
 tcp://, or a given Store). ``SLUICE_TORCH_TRANSPORT=shm|tcp`` forces the transport of every
-endpoint; every ``SLUICE_*`` engine variable applies (docs/configuration.md). CPU tensors
-only in this build: CUDA tensors raise a clear "not supported yet" error (use
-"cpu:sluice,cuda:nccl" for them). See docs/torch.md.
+endpoint; every ``SLUICE_*`` engine variable applies (docs/configuration.md). CPU and CUDA
+tensors; CUDA tensors go through host copies for now ("cpu:sluice,cuda:nccl" keeps NCCL for
+them). See docs/torch.md.
 
 Without the compiled extension (a sluice built where torch was not importable) this module
 still imports; creating a group then raises ImportError saying how to get the backend.
@@ -63,9 +63,7 @@ def backend_transport(group: Optional["dist.ProcessGroup"] = None) -> str:
 def _register() -> None:
     if getattr(dist.Backend, "SLUICE", None) is not None:
         return  # imported twice (e.g. reloaded): already registered
-    # Registered for "cuda" too, so that a CUDA tensor given to a sluice group reaches the
-    # backend and fails with its clear "not supported yet" error (naming the per-device
-    # workaround) rather than torch's generic "no backend for device type cuda". A name
+    # Registered for "cuda" too: the backend takes CUDA tensors (through host copies). A name
     # mapped to both devices makes torch create one backend object, not two.
     dist.Backend.register_backend(BACKEND_NAME, _create, devices=["cpu", "cuda"])
 
