@@ -2,13 +2,15 @@
 interleaved (sluice, gloo, sluice, ...), and print medians with their spread.
 
     torchrun --nproc_per_node=2 tools/sluice-torch-bench/bench.py [--ops sendrecv,all_reduce,all_gather]
-        [--min-bytes 8] [--max-bytes 268435456] [--iters 20] [--markdown]
+        [--min-bytes 8] [--max-bytes 268435456] [--iters 20] [--markdown] [--device cpu|cuda]
 
 send/recv is a ping-pong between ranks 0 and 1 (one-way time = half the round trip); the
 collectives run on every rank. Rank 0 prints one row per (op, size): the median time of each
 backend with the spread of the samples (10th-90th percentile), the median bandwidth (bytes
 per rank / time), and sluice's speedup over gloo (median over median). --markdown prints
 the rows as a Markdown table (docs/torch.md). SLUICE_TORCH_TRANSPORT=tcp forces tcp.
+--device cuda times CUDA tensors (rank r on GPU r % count; every sample ends with
+torch.cuda.synchronize()); an op gloo refuses on CUDA tensors prints "n/a" for gloo.
 """
 from __future__ import annotations
 
@@ -52,13 +54,18 @@ def main() -> None:
     ap.add_argument("--max-bytes", type=int, default=256 << 20)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--markdown", action="store_true")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     args = ap.parse_args()
 
-    dist.init_process_group("cpu:sluice")
+    dev = torch.device("cpu")
+    if args.device == "cuda":
+        dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+        torch.cuda.set_device(dev)
+    dist.init_process_group("cpu:sluice" if args.device == "cpu" else "cpu:sluice,cuda:sluice")
     rank, world = dist.get_rank(), dist.get_world_size()
     groups: Dict[str, dist.ProcessGroup] = {"sluice": dist.group.WORLD, "gloo": dist.new_group(backend="gloo")}
     if rank == 0:
-        print(f"# world={world} transport={st.backend_transport()} host cores={os.cpu_count()} "
+        print(f"# world={world} transport={st.backend_transport()} device={args.device} host cores={os.cpu_count()} "
               f"load={os.getloadavg()[0]:.1f}")
         if args.markdown:
             print("| op | bytes | sluice us (p10-p90) | gloo us (p10-p90) | sluice GB/s | gloo GB/s | speedup |")
@@ -69,8 +76,8 @@ def main() -> None:
     for op in args.ops.split(","):
         for nbytes in sizes(args.min_bytes, args.max_bytes):
             n = max(nbytes // 4, 1)
-            x = torch.ones(n)
-            out = torch.empty(n * world)
+            x = torch.ones(n, device=dev)
+            out = torch.empty(n * world, device=dev)
             iters = args.iters if nbytes <= (16 << 20) else max(3, args.iters // 4)
 
             def run(g: dist.ProcessGroup) -> None:
@@ -87,12 +94,23 @@ def main() -> None:
                     dist.all_gather_into_tensor(out, x, group=g)
                 else:
                     raise SystemExit(f"unknown op {op}")
+                if dev.type == "cuda":
+                    torch.cuda.synchronize()
 
             times: Dict[str, List[float]] = {"sluice": [], "gloo": []}
+            live = dict(groups)
             for name, g in groups.items():
-                run(g)  # warm up
+                try:
+                    run(g)  # warm up
+                except RuntimeError as e:  # gloo and CUDA tensors: not every op
+                    if name == "sluice":
+                        raise
+                    if rank == 0:
+                        print(f"# gloo {op} on {args.device} tensors: n/a ({str(e).splitlines()[0][:120]})")
+                    del live[name]
+                    times[name] = [float("nan")]
             for _ in range(iters):
-                for name, g in groups.items():
+                for name, g in live.items():
                     times[name].append(timed(lambda: run(g), g))
             if rank == 0:
                 div = 2 if op == "sendrecv" else 1  # one-way time of a round trip
