@@ -2,13 +2,16 @@
 
 #include <poll.h>
 #include <sys/epoll.h>
+#include <sys/eventfd.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <utility>
 
 #include "core/log.hpp"
@@ -627,6 +630,76 @@ void StreamChannel::reader_loop() {
   }
   sock_.shutdown();
   handler_->on_channel_down(*this, why);
+}
+
+WaiterReceive::WaiterReceive() : wakefd_(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK)) {
+  if (wakefd_ < 0) throw Error(ErrorCode::kSystem, "waiting-thread receive: eventfd: " + std::string(std::strerror(errno)));
+}
+
+WaiterReceive::~WaiterReceive() { ::close(wakefd_); }
+
+void WaiterReceive::interrupt() {
+  uint64_t one = 1;
+  (void)!::write(wakefd_, &one, sizeof(one));
+}
+
+// Not on a thread that delivers completions: a callback that waits there would run fibers
+// from inside one (a reactor, a channel's fiber, a borrower running one).
+bool WaiterReceive::may_drive_here() { return !tls_transport_thread && !Fiber::current(); }
+
+void WaiterReceive::run(StreamChannel** lent, int n, const std::atomic<bool>& done, Clock::time_point deadline,
+                        const char* who) {
+  pollfd fds[kMaxLent + 1];
+  while (n > 0) {
+    auto now = Clock::now();
+    if (now >= deadline) break;
+    // A fiber parked with a deadline is mid-work, not waiting for input: a fairness yield,
+    // or a completion callback on this thread that closes the endpoint and waits for its
+    // other channels. Ours to finish even once our future is done: handed back, it would go
+    // on on a reactor after wait() returned (and the callback's captures could then be the
+    // endpoint's last owner, destroying it on its own fiber).
+    bool busy = false;
+    auto until = deadline;
+    for (int i = 0; i < n; ++i) {
+      fds[i] = {lent[i]->fd(), POLLIN | POLLRDHUP, 0};
+      auto u = lent[i]->lent_until();
+      if (u != Clock::time_point{}) {
+        until = std::min(until, u);
+        busy = true;
+      }
+    }
+    if (!busy && done.load(std::memory_order_acquire)) break;
+    fds[n] = {wakefd_, POLLIN, 0};
+    timespec ts{};
+    timespec* tsp = nullptr;
+    if (until != Clock::time_point::max()) {
+      auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(std::max(until - now, Clock::duration{})).count();
+      ts.tv_sec = static_cast<time_t>(ns / 1000000000);
+      ts.tv_nsec = static_cast<long>(ns % 1000000000);
+      tsp = &ts;
+    }
+    int r = ::ppoll(fds, static_cast<nfds_t>(n + 1), tsp, nullptr);
+    if (r < 0) {
+      if (errno == EINTR) continue;
+      SLUICE_LOG(kError, who << ": poll on a waiting thread: " << std::strerror(errno));
+      break;
+    }
+    if (fds[n].revents) {
+      uint64_t v;
+      (void)!::read(wakefd_, &v, sizeof(v));
+    }
+    now = Clock::now();
+    int kept = 0;
+    for (int i = 0; i < n; ++i) {
+      StreamChannel* ch = lent[i];
+      auto u = ch->lent_until();
+      if (fds[i].revents || (u != Clock::time_point{} && u <= now)) ch->run_lent(fds[i].revents);
+      if (ch->finished()) ch->give_back();  // the channel ended: the reactor detaches it
+      else lent[kept++] = ch;
+    }
+    n = kept;
+  }
+  for (int i = 0; i < n; ++i) lent[i]->give_back();
 }
 
 }  // namespace sluice::detail

@@ -7,6 +7,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <deque>
 #include <memory>
@@ -90,13 +91,13 @@ class StreamChannel : private ReactorSource {
   }
   bool down() const { return down_.load(std::memory_order_acquire); }
 
-  // Receiving on a waiting thread (TcpEndpoint's ProgressSource). A thread that waits for a
-  // future borrows the receive fiber while it is parked on input, sleeps in poll() on the
-  // socket itself and runs the fiber on its own thread when input comes: the reply then costs
-  // no reactor wake-up and no hand-off from the reactor to the waiter (the per-thread design
-  // had neither: its reader thread blocked in recv). While lent the reactor does not watch
-  // for input (no second wake-up per message) and skips the fiber's wake-ups; give_back()
-  // replays any it skipped.
+  // Receiving on a waiting thread (WaiterReceive below: tcp's and shm's ProgressSource). A
+  // thread that waits for a future borrows the receive fiber while it is parked on input,
+  // sleeps in poll() on the socket itself and runs the fiber on its own thread when input
+  // comes: the reply then costs no reactor wake-up and no hand-off from the reactor to the
+  // waiter (the per-thread design had neither: its reader thread blocked in recv). While lent
+  // the reactor does not watch for input (no second wake-up per message) and skips the
+  // fiber's wake-ups; give_back() replays any it skipped.
   // Borrow the receive side: false unless the fiber is parked on input with no deadline.
   bool lend();
   // Borrower: run the fiber on this thread until it waits again or ends. revents: what
@@ -203,6 +204,54 @@ class StreamChannel : private ReactorSource {
   std::unique_ptr<uint8_t[]> rbuf_;
   size_t rpos_ = 0, rend_ = 0;
   bool exact_header_ = false;  // the last payload was large: read the next header alone
+};
+
+// The waiting-thread side of StreamChannel::lend, shared by the endpoints built on channels
+// (tcp, shm): their ProgressSource::drive() and interrupt() forward here. The waiter borrows
+// the channels the endpoint picks, sleeps in ppoll() on their sockets and an eventfd, and
+// runs each channel's receive fiber on its own thread when input comes, so the reply that
+// completes its future is read and completed right there (no reactor wake-up, no hand-off).
+// A completion made on another thread (a copy worker, a channel it did not borrow, the
+// watchdog, a failure) calls interrupt(), which ends the sleep.
+class WaiterReceive {
+ public:
+  using Clock = std::chrono::steady_clock;
+  static constexpr int kMaxLent = 64;  // channels one waiter borrows at most (its poll set)
+
+  WaiterReceive();  // throws Error(kSystem) without an eventfd
+  ~WaiterReceive();
+  WaiterReceive(const WaiterReceive&) = delete;
+  WaiterReceive& operator=(const WaiterReceive&) = delete;
+
+  // End a driving waiter's sleep (any thread; harmless when nobody drives).
+  void interrupt();
+
+  // ProgressSource::drive(): `lend(StreamChannel** out, int max)` borrows channels with
+  // StreamChannel::lend() and returns how many (0: the endpoint cannot be driven now: it
+  // failed, closes, or its fibers are busy). It runs with the one-driver lock held. False if
+  // this thread may not drive (it delivers completions itself: a reactor, a fiber, a
+  // borrower; or another thread drives) or nothing was lent: the waiter then sleeps until
+  // someone else completes its future. `who` names the transport in log lines.
+  template <class Lend>
+  bool drive(Lend&& lend, const std::atomic<bool>& done, Clock::time_point deadline, const char* who) {
+    if (!may_drive_here()) return false;
+    std::unique_lock<std::mutex> lk(mu_, std::try_to_lock);
+    if (!lk.owns_lock()) return false;
+    StreamChannel* lent[kMaxLent];
+    int n = lend(lent, kMaxLent);
+    if (n <= 0) return false;
+    run(lent, n, done, deadline, who);
+    return true;
+  }
+
+ private:
+  static bool may_drive_here();
+  // Poll the borrowed channels until `done` (and no fiber is mid-work) or the deadline; gives
+  // every channel back.
+  void run(StreamChannel** lent, int n, const std::atomic<bool>& done, Clock::time_point deadline, const char* who);
+
+  std::mutex mu_;  // one driver at a time (it borrows the channels)
+  int wakefd_ = -1;
 };
 
 }  // namespace sluice::detail

@@ -23,6 +23,16 @@ const Param<int> kCopyDelayMs{"shm.test_copy_delay_ms", "SLUICE_SHM_TEST_COPY_DE
                               "test only: each shm copy into an op's memory sleeps this many ms first",
                               ParamScope::kTest};
 
+// What this thread submitted on an endpoint since its last wait (the last endpoint it used):
+// whether an answer will come over the control channel, and whether only copy workers
+// complete its ops (see ShmEndpoint::drive). Only a hint: any completion reaches a waiter.
+struct SubmitHint {
+  const void* endpoint = nullptr;
+  bool control = false;
+  bool workers = false;
+};
+thread_local SubmitHint tls_hint;
+
 struct FdGuard {
   int fd;
   ~FdGuard() {
@@ -205,6 +215,28 @@ bool ShmEndpoint::mapped_locked(uint64_t id) const {
   return it != regions_.end() && it->second.map;
 }
 
+void ShmEndpoint::note_submit(bool control) {
+  if (tls_hint.endpoint != this) tls_hint = {this, false, false};
+  (control ? tls_hint.control : tls_hint.workers) = true;
+}
+
+bool ShmEndpoint::drive(const std::atomic<bool>& done, std::chrono::steady_clock::time_point deadline) {
+  auto lend = [&](StreamChannel** lent, int) {
+    // A thread whose ops all went to the copy workers would only be interrupted by them (an
+    // eventfd write and a poll wake-up instead of the future's own wake-up, plus taking the
+    // socket from the reactor and giving it back): it waits on its future instead.
+    const bool mine = tls_hint.endpoint == this;
+    const bool workers_only = mine && tls_hint.workers && !tls_hint.control;
+    if (mine) tls_hint.control = tls_hint.workers = false;
+    if (workers_only || failed()) return 0;
+    std::lock_guard<std::mutex> lk(ctl_mu_);
+    if (!control_ || !control_->lend()) return 0;
+    lent[0] = control_.get();
+    return 1;
+  };
+  return waiter_.drive(lend, done, deadline, "shm");
+}
+
 void ShmEndpoint::install(net::Socket sock) {
   std::lock_guard<std::mutex> lk(ctl_mu_);  // fail() and close() may run on other threads
   control_ = std::make_unique<StreamChannel>(std::move(sock), this, 0);
@@ -243,10 +275,12 @@ void ShmEndpoint::submit(std::shared_ptr<TransferOp> op) {
       enqueue(std::move(j));
     }
     if (!local) {
+      note_submit(true);
       post_pull(op, token);
       return;
     }
   }
+  note_submit(false);
   // The lanes run on the copy workers; a write_with_imm's imm goes after its last lane
   // (EndpointBase::lane_finished, send_imm).
   track_lanes(token, *op);
@@ -316,6 +350,7 @@ void ShmEndpoint::send(std::shared_ptr<MessageOp> op) {
     return;
   }
   auto src = std::make_shared<RtsSource>(RtsSource{e ? e->id : 0, e ? e->lease_slot : kNoLease, 0});
+  note_submit(true);
   OutFrame f;
   f.hdr = make_frame(FrameType::kSendRts, op->seq, reinterpret_cast<uint64_t>(op->ptr), 0, sizeof(RtsSource), 0,
                      static_cast<uint32_t>(op->length), static_cast<uint32_t>(op->length >> 32));

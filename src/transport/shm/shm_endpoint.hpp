@@ -74,10 +74,28 @@ struct PostOp : TransferOp {
   PullPiece pull{};  // the PULL_WRITE's payload
 };
 
-class ShmEndpoint final : public EndpointBase, public StreamChannel::Handler, public same_host::ProvenEndpoint {
+class ShmEndpoint final : public EndpointBase,
+                          public StreamChannel::Handler,
+                          public same_host::ProvenEndpoint,
+                          public ProgressSource,
+                          public std::enable_shared_from_this<ShmEndpoint> {
  public:
   ShmEndpoint(const EndpointSetup& s, Host& host, std::string peer_socket);
   ~ShmEndpoint() override;
+
+  // ProgressSource: a thread that waits for one of our futures receives on the control
+  // channel itself (WaiterReceive): the ACK of a PULL_WRITE, a SEND_ACK, is read and its op
+  // completed on the waiter's own thread, with no reactor wake-up and no reactor-to-waiter
+  // hand-off. Not when the thread's ops since its last wait all went to the copy workers
+  // (mapped writes, reads): their completion never comes over the socket, and the waiter
+  // then sleeps on its future as before. A completion made elsewhere (a copy worker, a
+  // failure, the watchdog) interrupts the driving waiter.
+  std::shared_ptr<ProgressSource> progress_source() override { return shared_from_this(); }
+  bool progress() override { return false; }
+  std::chrono::microseconds poll_budget() const override { return {}; }
+  bool blocking() const override { return true; }
+  void interrupt() override { waiter_.interrupt(); }
+  bool drive(const std::atomic<bool>& done, std::chrono::steady_clock::time_point deadline) override;
 
   void connect(const ChannelOpener& open) override;
   nlohmann::json attach(int index, const nlohmann::json& hello) override;
@@ -141,6 +159,9 @@ class ShmEndpoint final : public EndpointBase, public StreamChannel::Handler, pu
   // began, so no op completes with a failure while a copy may still write into its memory.
   bool begin_copy();
   void end_copy();
+  // Remember, for this thread's next wait, whether an op's answer comes over the control
+  // channel (PULL_WRITE, SEND_RTS) or from a copy worker (see drive()).
+  void note_submit(bool control);
 
   // Thin post path.
   std::shared_ptr<PostOp> take_post_op();
@@ -160,6 +181,7 @@ class ShmEndpoint final : public EndpointBase, public StreamChannel::Handler, pu
   std::atomic<bool> authenticated_{false};
   std::mutex ctl_mu_;  // guards control_ being installed (a service thread) against fail()/close()
   std::unique_ptr<StreamChannel> control_;
+  WaiterReceive waiter_;  // drive() and interrupt()
   std::atomic<std::chrono::steady_clock::rep> moving_{0};  // when work of ours last completed
   void moved() { moving_.store(std::chrono::steady_clock::now().time_since_epoch().count(), std::memory_order_relaxed); }
   const int copy_delay_ms_;  // test only (shm.test_copy_delay_ms): a copy waits this long first

@@ -1,13 +1,7 @@
 // tcp: N persistent connections per endpoint. Requests and responses are frames (see
 // transport/common/frame.hpp); payloads move between the socket and registered memory with
 // no intermediate copy. Both sides of an endpoint may issue operations on the same sockets.
-#include <poll.h>
-#include <sys/eventfd.h>
-#include <unistd.h>
-
 #include <algorithm>
-#include <cerrno>
-#include <cstring>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -57,7 +51,7 @@ constexpr uint64_t kStampBytes = 64 << 10;
 
 // Channels of one endpoint a waiter borrows at most (its poll set; the rest stay with the
 // reactors, whose completions then interrupt the waiter).
-constexpr int kMaxLent = 64;
+constexpr int kMaxLent = WaiterReceive::kMaxLent;
 
 // The channels this thread submitted on since its last wait, per endpoint (the last one it
 // used): the ones a waiter borrows (see TcpEndpoint::drive). Only a hint: a completion on
@@ -83,13 +77,8 @@ class TcpEndpoint final : public EndpointBase,
         reads_(s.channels),
         read_mu_(s.channels) {
     pending_.set_post_handler([this](const std::shared_ptr<TransferOp>& op, const Status& st) { post_finished(op, st); });
-    wakefd_ = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
-    if (wakefd_ < 0) throw Error(ErrorCode::kSystem, "tcp endpoint: eventfd: " + std::string(std::strerror(errno)));
   }
-  ~TcpEndpoint() override {
-    close({ErrorCode::kCancelled, "endpoint destroyed"});
-    ::close(wakefd_);
-  }
+  ~TcpEndpoint() override { close({ErrorCode::kCancelled, "endpoint destroyed"}); }
 
   // ProgressSource: a thread that waits for one of our futures receives on the channels it
   // submitted on itself (StreamChannel::lend), sleeping in poll() on their sockets: the
@@ -100,10 +89,7 @@ class TcpEndpoint final : public EndpointBase,
   bool progress() override { return false; }
   std::chrono::microseconds poll_budget() const override { return {}; }
   bool blocking() const override { return true; }
-  void interrupt() override {
-    uint64_t one = 1;
-    (void)!::write(wakefd_, &one, sizeof(one));
-  }
+  void interrupt() override { waiter_.interrupt(); }
   bool drive(const std::atomic<bool>& done, Clock::time_point deadline) override;
 
   void connect(const ChannelOpener& open) override {
@@ -620,8 +606,7 @@ class TcpEndpoint final : public EndpointBase,
     return Status::Ok();
   }
 
-  std::mutex drive_mu_;  // one waiter drives at a time (it borrows the channels)
-  int wakefd_ = -1;      // interrupt(): ends a driving waiter's poll
+  WaiterReceive waiter_;  // drive() and interrupt()
 
   const int nchan_;
   const size_t max_queued_;
@@ -641,73 +626,17 @@ class TcpEndpoint final : public EndpointBase,
 };
 
 bool TcpEndpoint::drive(const std::atomic<bool>& done, Clock::time_point deadline) {
-  // Not on a thread that delivers completions (a callback that waits there would run fibers
-  // from inside one), and one driver at a time: the others sleep until it completes them.
-  if (tls_transport_thread || Fiber::current()) return false;
-  std::unique_lock<std::mutex> drive_lk(drive_mu_, std::try_to_lock);
-  if (!drive_lk.owns_lock() || failed() || closing_.load()) return false;
-  uint64_t want = tls_hint.endpoint == this && tls_hint.channels ? tls_hint.channels : ~uint64_t{0};
-  tls_hint.channels = 0;
-  StreamChannel* lent[kMaxLent];
-  int n = 0;
-  {
+  auto lend = [&](StreamChannel** lent, int max) {
+    if (failed() || closing_.load()) return 0;
+    uint64_t want = tls_hint.endpoint == this && tls_hint.channels ? tls_hint.channels : ~uint64_t{0};
+    tls_hint.channels = 0;
+    int n = 0;
     std::lock_guard<std::mutex> lk(attach_mu_);
-    for (int c = 0; c < nchan_ && c < kMaxLent; ++c)
+    for (int c = 0; c < nchan_ && c < max; ++c)
       if ((want >> c & 1) && channels_[c] && channels_[c]->lend()) lent[n++] = channels_[c].get();
-  }
-  if (n == 0) return false;
-  pollfd fds[kMaxLent + 1];
-  while (n > 0) {
-    auto now = Clock::now();
-    if (now >= deadline) break;
-    // A fiber parked with a deadline is mid-work, not waiting for input: a fairness yield,
-    // or a completion callback on this thread that closes the endpoint and waits for its
-    // other channels. Ours to finish even once our future is done: handed back, it would go
-    // on on a reactor after wait() returned (and the callback's captures could then be the
-    // endpoint's last owner, destroying it on its own fiber).
-    bool busy = false;
-    auto until = deadline;
-    for (int i = 0; i < n; ++i) {
-      fds[i] = {lent[i]->fd(), POLLIN | POLLRDHUP, 0};
-      auto u = lent[i]->lent_until();
-      if (u != Clock::time_point{}) {
-        until = std::min(until, u);
-        busy = true;
-      }
-    }
-    if (!busy && done.load(std::memory_order_acquire)) break;
-    fds[n] = {wakefd_, POLLIN, 0};
-    timespec ts{};
-    timespec* tsp = nullptr;
-    if (until != Clock::time_point::max()) {
-      auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(std::max(until - now, Clock::duration{})).count();
-      ts.tv_sec = static_cast<time_t>(ns / 1000000000);
-      ts.tv_nsec = static_cast<long>(ns % 1000000000);
-      tsp = &ts;
-    }
-    int r = ::ppoll(fds, static_cast<nfds_t>(n + 1), tsp, nullptr);
-    if (r < 0) {
-      if (errno == EINTR) continue;
-      SLUICE_LOG(kError, "tcp: poll on a waiting thread: " << std::strerror(errno));
-      break;
-    }
-    if (fds[n].revents) {
-      uint64_t v;
-      (void)!::read(wakefd_, &v, sizeof(v));
-    }
-    now = Clock::now();
-    int kept = 0;
-    for (int i = 0; i < n; ++i) {
-      StreamChannel* ch = lent[i];
-      auto u = ch->lent_until();
-      if (fds[i].revents || (u != Clock::time_point{} && u <= now)) ch->run_lent(fds[i].revents);
-      if (ch->finished()) ch->give_back();  // the channel ended: the reactor detaches it
-      else lent[kept++] = ch;
-    }
-    n = kept;
-  }
-  for (int i = 0; i < n; ++i) lent[i]->give_back();
-  return true;
+    return n;
+  };
+  return waiter_.drive(lend, done, deadline, "tcp");
 }
 
 class TcpTransport final : public Transport {

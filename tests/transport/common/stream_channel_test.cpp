@@ -18,6 +18,8 @@
 #include <thread>
 #include <vector>
 
+#include "transport/transport.hpp"
+
 namespace sluice::detail {
 namespace {
 
@@ -583,6 +585,110 @@ TEST(Fiber, StateSurvivesSwitchesOnBothSides) {
   EXPECT_EQ(depth, 200);
   EXPECT_TRUE(caught);
   EXPECT_EQ(Fiber::current(), nullptr);
+}
+
+// WaiterReceive: the waiting-thread loop tcp and shm share. The driver handles the frame
+// that completes its wait on its own thread and hands the channel back; another thread's
+// interrupt() ends a sleep no frame ends; one driver at a time; never on a transport thread.
+struct DoneHandler : ThreadHandler {
+  std::atomic<bool> done{false};
+  Status on_frame(StreamChannel& ch, const FrameHeader& f, PayloadReader& p) override {
+    Status st = ThreadHandler::on_frame(ch, f, p);
+    done.store(true, std::memory_order_release);
+    return st;
+  }
+};
+
+TEST(WaiterReceive, TheFrameThatEndsTheWaitIsHandledOnTheDriver) {
+  auto [mine, theirs] = tcp_pair();
+  DoneHandler h;
+  StreamChannel ch(std::move(mine), &h, 0);
+  ch.start();
+  WaiterReceive w;
+  std::thread peer([fd = theirs.fd()] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    send_ack(fd);
+  });
+  int lends = 0;
+  const bool drove = w.drive([&](StreamChannel** out, int max) {
+    ++lends;
+    if (max < 1 || !lend_soon(ch)) return 0;
+    out[0] = &ch;
+    return 1;
+  }, h.done, std::chrono::steady_clock::now() + std::chrono::seconds(10), "test");
+  peer.join();
+  EXPECT_TRUE(drove);
+  EXPECT_EQ(lends, 1);
+  ASSERT_TRUE(h.done.load());
+  EXPECT_EQ(h.thread_of(0), std::this_thread::get_id()) << "the frame was not handled on the driving thread";
+  // Handed back: the reactor delivers the next frame.
+  send_ack(theirs.fd());
+  ASSERT_TRUE(wait_count(h.frames, 2)) << "the channel was not given back to the reactor";
+  EXPECT_NE(h.thread_of(1), std::this_thread::get_id());
+  ch.shutdown();
+  ch.join();
+}
+
+TEST(WaiterReceive, InterruptEndsTheSleepAndOneDriverAtATime) {
+  auto [mine, theirs] = tcp_pair();
+  ThreadHandler h;
+  StreamChannel ch(std::move(mine), &h, 0);
+  ch.start();
+  WaiterReceive w;
+  std::atomic<bool> done{false}, returned{false}, lent{false};
+  std::thread driver([&] {
+    // No deadline and no frame: only interrupt() (or the hang-up below) ends this drive.
+    w.drive([&](StreamChannel** out, int) {
+      if (!lend_soon(ch)) return 0;
+      out[0] = &ch;
+      lent = true;
+      return 1;
+    }, done, std::chrono::steady_clock::time_point::max(), "test");
+    returned = true;
+  });
+  ASSERT_TRUE([&] {
+    auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+    while (!lent.load() && std::chrono::steady_clock::now() < deadline) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    return lent.load();
+  }());
+  std::atomic<bool> second_done{false};
+  bool asked = false;
+  EXPECT_FALSE(w.drive([&](StreamChannel**, int) {
+    asked = true;
+    return 0;
+  }, second_done, std::chrono::steady_clock::now() + std::chrono::seconds(1), "test")) << "a second thread drove at once";
+  EXPECT_FALSE(asked);
+  EXPECT_FALSE(returned.load()) << "the drive ended with nothing done";
+  done = true;
+  w.interrupt();
+  auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  while (!returned.load() && std::chrono::steady_clock::now() < deadline) std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  const bool woke = returned.load();
+  EXPECT_TRUE(woke) << "interrupt() did not end the driver's sleep";
+  if (!woke) theirs.close();  // the hang-up ends the fiber, and so the drive
+  driver.join();
+  // Given back: the reactor reads again.
+  if (woke) {
+    send_ack(theirs.fd());
+    EXPECT_TRUE(wait_count(h.frames, 1));
+  }
+  ch.shutdown();
+  ch.join();
+}
+
+TEST(WaiterReceive, NotOnATransportThread) {
+  WaiterReceive w;
+  std::atomic<bool> done{false};
+  bool asked = false;
+  std::thread t([&] {
+    tls_transport_thread = true;  // as on a reactor thread, which runs callbacks
+    EXPECT_FALSE(w.drive([&](StreamChannel**, int) {
+      asked = true;
+      return 0;
+    }, done, std::chrono::steady_clock::now() + std::chrono::seconds(1), "test"));
+  });
+  t.join();
+  EXPECT_FALSE(asked);
 }
 
 }  // namespace

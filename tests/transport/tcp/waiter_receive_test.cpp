@@ -63,10 +63,13 @@ TEST_F(TcpWaiter, CompletionsRunOnTheWaitingThread) {
   auto deadline = std::chrono::steady_clock::now() + 10s;
   for (int i = 0; !seen && std::chrono::steady_clock::now() < deadline; ++i) {
     // Shared: a callback on a reactor may still run after wait() returned (wait is woken
-    // before callbacks run), past this iteration.
+    // before callbacks run), past this iteration. Counted only when it runs inside wait():
+    // a write that completed before on_complete() runs it right there, on this thread.
     auto on_me = std::make_shared<std::atomic<bool>>(false);
+    auto in_wait = std::make_shared<std::atomic<bool>>(false);
     Future f = ep_.write({{ha_, 0, rb_, 0, 64}});
-    f.on_complete([on_me, me](const Status&) { *on_me = std::this_thread::get_id() == me; });
+    f.on_complete([on_me, in_wait, me](const Status&) { *on_me = std::this_thread::get_id() == me && in_wait->load(); });
+    in_wait->store(true);
     ASSERT_TRUE(f.wait().ok());
     seen = on_me->load();
   }
