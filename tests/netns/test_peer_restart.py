@@ -66,8 +66,8 @@ def test_peer_killed_and_restarted_under_its_name(topology, report):
             time.sleep(0.05)
 
         # While a's next op is being worked on, the peer dies.
-        b.kill()
         t_kill = now()
+        b.kill()
         deadline = now() + OP_TIMEOUT + 10
         while not a.call("stream_status", 10)["ended"]:
             assert now() < deadline, "the stream to a killed peer did not end within op_timeout + 10 s"
