@@ -37,7 +37,8 @@ def test_link_down_2s(topology, report, op_timeout: float):
         a = WorkerProc(a_host, 0, 4, slot=SLOT, transports="tcp", op_timeout=op_timeout)
         b = WorkerProc(b_host, 1, 4, slot=SLOT, transports="tcp", op_timeout=op_timeout)
         workers += [a, b]
-        a.ready(), b.ready()
+        a.ready()
+        b.ready()
         assert a.call("stream_start", target=1, addr=b.listen, wait=op_timeout + SLACK_S)["transport"] == "tcp"
         _wait_for(a, lambda s: s["oks"] >= 5, 30, "5 checked ops before the flap")
 

@@ -57,7 +57,8 @@ def test_peer_killed_and_restarted_under_its_name(topology, report):
         a = WorkerProc(a_host, 0, 4, name="writer-a", **common)
         b = WorkerProc(b_host, 1, 4, name="peer-b", **common)
         workers += [a, b]
-        a.ready(), b.ready()
+        a.ready()
+        b.ready()
         old_id = b.hello["info"]["engine_id"]
         assert a.call("stream_start", target=1, addr="peer-b", wait=OP_TIMEOUT + 5)["transport"] == "tcp"
         deadline = now() + 30
