@@ -7,48 +7,24 @@ connects again. Reported: re-registration -> first successful operation."""
 from __future__ import annotations
 
 import secrets
-import shutil
-import subprocess
 import time
 from typing import List
 
-import pytest
 
 import netns
-from driver import WorkerError, WorkerProc, now, stop_all
+from driver import WorkerProc, now, stop_all
+from redis_server import start_redis
 
 OP_TIMEOUT = 5.0
 TTL_MS = 2000
 SLOT = 1 << 20
 
 
-def _start_redis(hub: str, password: str) -> subprocess.Popen:
-    binary = shutil.which("redis-server")
-    if binary is None:
-        pytest.skip("redis-server not installed (scripts/install-deps.sh --tests installs it)")
-    # Its own network namespace: port 6379 is free there whatever runs on the machine. Clients
-    # come from other hosts' addresses, which Redis's protected mode refuses without a password.
-    proc = subprocess.Popen(["ip", "netns", "exec", hub, binary, "--port", "6379", "--bind", netns.HUB_IP, "--save", "",
-                             "--appendonly", "no", "--dir", "/tmp", "--requirepass", password],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = now() + 20
-    while True:
-        r = subprocess.run(["ip", "netns", "exec", hub, "redis-cli", "-h", netns.HUB_IP, "--no-auth-warning",
-                            "-a", password, "ping"], capture_output=True,
-                           text=True, timeout=10) if shutil.which("redis-cli") else None
-        if r is None or r.stdout.strip() == "PONG":
-            return proc  # without redis-cli the engines' own registration waits (connect_timeout)
-        if now() > deadline or proc.poll() is not None:
-            proc.kill()
-            raise WorkerError("redis-server did not start in the hub namespace")
-        time.sleep(0.05)
-
-
 def test_peer_killed_and_restarted_under_its_name(topology, report):
     topo = topology(2, tag="kill")
     a_host, b_host = topo.hosts
     password = secrets.token_hex(8)
-    redis = _start_redis(topo.hub, password)
+    redis = start_redis(topo.hub, password)
     url = f"redis://:{password}@{netns.HUB_IP}:6379/0?prefix=netns"
     common = dict(slot=SLOT, transports="tcp", op_timeout=OP_TIMEOUT, connect_timeout=10.0, directory=url,
                   options={"directory.ttl_ms": TTL_MS})
