@@ -65,6 +65,9 @@ suite "fuzzing (libFuzzer: bootstrap and frame parsers)" fuzz_suite
 # only the peers that venv lacks: no second wheel build, no second torch.
 [ -x bench/peers/run.sh ] && suite "bench/peers --quick (Sluice beside its peers)" \
   env PEERS_VENV="$ROOT/.venv-test" PEERS_SKIP_WHEEL=1 bench/peers/run.sh --quick
+# Many hosts on one machine (issue 19): engines in network namespaces, each its own host, in
+# the Python suite's venv (its wheel); about a minute. Skips, saying why, without root.
+[ -x tests/netns/run.sh ] && suite "network namespaces (many hosts on one machine)" tests/netns/run.sh
 # The RDMA suite reuses the ctest build (its conformance suites are the same binaries, run
 # with SLUICE_TEST_TRANSPORTS=rdma) and the TSan build of the sanitizer suite.
 [ -x tests/rdma/run.sh ] && [ "${SLUICE_SKIP_RDMA:-0}" != 1 ] && suite "RDMA suite in a SoftRoCE guest" \

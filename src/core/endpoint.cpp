@@ -354,7 +354,9 @@ void EndpointImpl::check_progress(std::chrono::milliseconds timeout) {
   // The trigger is per operation, but an operation that timed out still fails the whole
   // endpoint: a peer that leaves one op unanswered for op_timeout is stuck or hostile, and
   // its stream (responses in order per channel) cannot be resynchronised anyway.
-  Status why{ErrorCode::kTimeout, what};
+  // The transport's text says which operation and channel; the peer is named here, once for
+  // every transport (issue 19: every timeout names the peer).
+  Status why{ErrorCode::kTimeout, "endpoint to " + peer_engine_id() + " over " + transport_name_ + ": " + what};
   on_failure(why);
   close_transport(why);
 }

@@ -141,6 +141,9 @@ TEST_P(PeerLoss, KilledMidTransferFailsEveryPendingOp) {
     if (!st.ok()) {
       ++failed;
       EXPECT_TRUE(is_loss(st.code)) << "future " << i << ": " << st.to_string();
+      // Issue 19: the error names the lost peer (tcp: EndpointBase::fail prefixes it).
+      if (GetParam() == "tcp")
+        EXPECT_NE(st.message.find(ep_.peer_engine_id()), std::string::npos) << "future " << i << ": " << st.to_string();
     }
   }
   // The two-sided operations and the imm could not have completed.
@@ -192,6 +195,8 @@ TEST_P(PeerLoss, SilentPeerTimesOut) {
   for (auto& f : fs) {
     ASSERT_TRUE(f.wait_for(op_timeout + 3s)) << "a pending op to a silent peer never timed out";
     EXPECT_EQ(f.status().code, ErrorCode::kTimeout) << f.status().to_string();
+    // Issue 19: every timeout names the peer (the core adds it for every transport).
+    EXPECT_NE(f.status().message.find(ep_.peer_engine_id()), std::string::npos) << f.status().to_string();
   }
   EXPECT_GE(std::chrono::steady_clock::now() - t0, op_timeout - 100ms) << "timed out before the op timeout";
   EXPECT_FALSE(ep_.connected());

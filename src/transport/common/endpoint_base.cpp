@@ -2,10 +2,16 @@
 
 namespace sluice::detail {
 
-EndpointBase::EndpointBase(const EndpointSetup& s) : events_(s.events), posts_(post_depth(s.config)) {}
+EndpointBase::EndpointBase(const EndpointSetup& s)
+    : events_(s.events), posts_(post_depth(s.config)), peer_engine_id_(s.peer.engine_id) {}
 
-bool EndpointBase::fail(const Status& why, bool notify) {
+bool EndpointBase::fail(const Status& found, bool notify) {
   if (failed_.exchange(true, std::memory_order_acq_rel)) return false;
+  // A failure the transport found itself (notify) names the peer, so that a caller with many
+  // endpoints knows which one was lost (issue 19); the core's own reasons (close, an op
+  // timeout) name it already.
+  Status why = found;
+  if (notify && !peer_engine_id_.empty()) why.message = "peer " + peer_engine_id_ + ": " + why.message;
   // The post tracker and the core learn first: whoever sees a failed endpoint then gets the
   // failure from flush(), and whoever sees a failed future sees a failed endpoint.
   posts_.fail(why);

@@ -9,6 +9,7 @@
 #include <chrono>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <unordered_map>
 
 #include "transport/common/pending_ops.hpp"
@@ -56,6 +57,7 @@ class EndpointBase : public TransportEndpoint {
     Status first_error;
   };
   std::atomic<bool> failed_{false};
+  const std::string peer_engine_id_;
   std::mutex lanes_mu_;
   std::unordered_map<uint64_t, Lanes> lanes_;
 };

@@ -1,0 +1,81 @@
+"""Scenario 3: a peer process killed (SIGKILL) while another engine streams checked writes and
+reads to it, then restarted in its namespace under the same name, through a real
+redis-server directory running in the hub namespace. The old endpoint's pending operation
+fails with PeerLost naming the peer (nothing hangs, no wrong bytes), and connect(name)
+afterwards reaches the new incarnation. Transparent reconnect is not built: the caller
+connects again. Reported: re-registration -> first successful operation."""
+from __future__ import annotations
+
+import secrets
+import time
+from typing import List
+
+
+import netns
+from driver import WorkerProc, now, stop_all
+from redis_server import start_redis
+
+OP_TIMEOUT = 5.0
+TTL_MS = 2000
+SLOT = 1 << 20
+
+
+def test_peer_killed_and_restarted_under_its_name(topology, report):
+    topo = topology(2, tag="kill")
+    a_host, b_host = topo.hosts
+    password = secrets.token_hex(8)
+    redis = start_redis(topo.hub, password)
+    url = f"redis://:{password}@{netns.HUB_IP}:6379/0?prefix=netns"
+    common = dict(slot=SLOT, transports="tcp", op_timeout=OP_TIMEOUT, connect_timeout=10.0, directory=url,
+                  options={"directory.ttl_ms": TTL_MS})
+    workers: List[WorkerProc] = []
+    try:
+        a = WorkerProc(a_host, 0, 4, name="writer-a", **common)
+        b = WorkerProc(b_host, 1, 4, name="peer-b", **common)
+        workers += [a, b]
+        a.ready()
+        b.ready()
+        old_id = b.hello["info"]["engine_id"]
+        assert a.call("stream_start", target=1, addr="peer-b", wait=OP_TIMEOUT + 5)["transport"] == "tcp"
+        deadline = now() + 30
+        while a.call("stream_status", 10)["oks"] < 5:
+            assert now() < deadline, "no 5 checked ops before the kill"
+            time.sleep(0.05)
+
+        # While a's next op is being worked on, the peer dies.
+        t_kill = now()
+        b.kill()
+        deadline = now() + OP_TIMEOUT + 10
+        while not a.call("stream_status", 10)["ended"]:
+            assert now() < deadline, "the stream to a killed peer did not end within op_timeout + 10 s"
+            time.sleep(0.05)
+        log = a.call("stream_stop", 10, join=5)["log"]
+        failed = [r for r in log if not r["ok"]]
+        assert len(failed) == 1, failed  # the stream stops at its endpoint's failure
+        last = failed[0]
+        assert last["type"] == "PeerLostError", last
+        assert old_id in last["message"], f"the error does not name the lost peer {old_id}: {last['message']}"
+        t_failed = last["t1"]
+
+        # (b2) Restart under the same name. Its registration is refused while the dead
+        # engine's entry lives (TTL), so the worker retries; a connects by name meanwhile.
+        a.send("fresh", addr="peer-b", lslot=2, rslot=3, until=now() + 30, op_wait=OP_TIMEOUT + 5)
+        b2 = WorkerProc(b_host, 1, 4, name="peer-b", register_within=TTL_MS / 1000 + 15, **common)
+        workers.append(b2)
+        b2.ready(40)
+        fresh = a.reply("fresh", 45)
+        assert fresh["success"], f"connect('peer-b') never reached the new incarnation: {fresh}"
+        new_id = b2.hello["info"]["engine_id"]
+        assert new_id != old_id
+        assert fresh["peer_engine_id"] == new_id, (fresh, new_id)
+
+        report("peer_restart", directory="redis (hub namespace)", ttl_ms=TTL_MS, op_timeout_s=OP_TIMEOUT,
+               error=f"{last['type']}: {last['message'][:200]}",
+               kill_to_error_s=round(t_failed - t_kill, 3),
+               kill_to_reregistered_s=round(b2.hello["t_up"] - t_kill, 3),
+               reregistered_to_first_ok_s=round(fresh["t_ok"] - b2.hello["t_up"], 3),
+               connect_tries=fresh["tries"], last_error_before=fresh["last_error"])
+    finally:
+        stop_all(workers)
+        redis.kill()
+        redis.wait(10)
