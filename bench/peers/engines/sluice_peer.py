@@ -3,6 +3,7 @@ caller's memory) and shm on engine-allocated memfd memory."""
 
 from __future__ import annotations
 
+import collections
 import json
 
 import numpy as np
@@ -11,6 +12,7 @@ from common import FOOTPRINT, Cell, check_seed, pattern, ready, run_cells, slot_
     wait_stdin_eof, warmup_batches
 
 NAME = "peers"
+STASH_BYTES = 16 * FOOTPRINT  # a bound, not an allocation: memory follows the bytes that wait
 
 
 def version() -> str:
@@ -28,6 +30,11 @@ def _engine(settings: dict, listen: bool):
         # The target posts the SEND cells' receives while the READ/WRITE cells run first:
         # a receive waits until the endpoint closes, not the default 30 s.
         kw["recv_timeout_ms"] = 0
+        # An eager SEND completes once the receiver has stashed it, so at a cell's start
+        # (the target still checking the last cell) the initiator's conc x batch messages,
+        # up to 512 MiB, can all arrive before their receives: room for them, or the default
+        # 256 MiB bound refuses one (RemoteError rows seen on a loaded host).
+        kw["max_unexpected_bytes"] = STASH_BYTES
     return sluice.Engine(**kw)
 
 
@@ -45,14 +52,14 @@ def recv_checks(ep, buf, handle, cells: list[Cell]) -> None:
         if c.op != "send":
             continue
         offs = slot_offsets(c.size, c.batch, warmup_batches(c) + c.iters)
-        depth, pending = c.batch * c.conc * 2, []
+        # A window of receives kept posted ahead (the oldest waited for, then the next one
+        # posted), so that few messages arrive before their receive.
+        depth, pending = c.batch * c.conc * 2, collections.deque()
         for row in offs:
             for off in row:
+                if len(pending) >= depth:
+                    pending.popleft().wait()
                 pending.append(ep.recv(handle, int(off), c.size))
-            if len(pending) >= depth:
-                for f in pending:
-                    f.wait()
-                pending = []
         for f in pending:
             f.wait()
         n = min(c.batch, max(1, FOOTPRINT // c.size))
