@@ -8,7 +8,9 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdlib>
 #include <cstring>
+#include <stdexcept>
 #include <deque>
 #include <memory>
 #include <sstream>
@@ -24,26 +26,38 @@ namespace sluice_test {
 namespace {
 
 constexpr uint64_t kMiB = 1 << 20;
-// Sanitizer builds (this suite runs under ASan and TSan in CI) move the same shapes at 1/16
-// of the bytes: instrumented pattern fills and checks of 24 messages up to 64 MiB would take
-// minutes there, and the 64 MiB case is the plain build's.
+// The byte unit of every size below: 1 MiB, divided by SLUICE_TEST_SEND_STRESS_DIVISOR where
+// memory or speed is short (the SoftRoCE guest: 1.5 GiB and emulated CPUs, where the 8-in-flight
+// cases needed more memory than the guest has), and by 16 in sanitizer builds (this suite runs
+// under ASan and TSan in CI: instrumented fills and checks of 24 messages up to 64 MiB would take
+// minutes there). The shapes stay the same; the 64 MiB case is the plain build's.
+uint64_t unit() {
+  static const uint64_t u = [] {
 #if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
-constexpr uint64_t kUnit = kMiB / 16;
+    uint64_t div = 16;
 #else
-constexpr uint64_t kUnit = kMiB;
+    uint64_t div = 1;
 #endif
-constexpr uint64_t kMaxMessage = 64 * kUnit;
+    if (const char* v = std::getenv("SLUICE_TEST_SEND_STRESS_DIVISOR"); v && *v) div = std::stoull(v);
+    if (div < 1 || div > 1024) throw std::invalid_argument("SLUICE_TEST_SEND_STRESS_DIVISOR must be 1-1024");
+    return kMiB / div;
+  }();
+  return u;
+}
+uint64_t max_message() { return 64 * unit(); }
 constexpr uint64_t kGuard = 4096;  // bytes after each recv's capacity that must stay untouched
-constexpr uint64_t kSlot = kMaxMessage + kGuard;
+uint64_t slot_bytes() { return max_message() + kGuard; }
 constexpr uint8_t kGuardByte = 0xA5;
 
-// Sizes cycle through this table: the bench's sizes, odd lengths (not a multiple of any
-// chunk, frame or page) and the 64 MiB that failed.
-constexpr uint64_t kSizes[] = {64 * kUnit, kUnit + 4093, 16 * kUnit, 4 * kUnit - 1, 64 * kUnit,
-                               2 * kUnit, 33 * kUnit + 7, kUnit, 64 * kUnit, 8 * kUnit + 1};
+// Sizes cycle through this table (in units): the bench's sizes, odd lengths (not a multiple of
+// any chunk, frame or page) and the 64 MiB that failed.
+uint64_t size_of(int k) {
+  const uint64_t u = unit();
+  const uint64_t sizes[] = {64 * u, u + 4093, 16 * u, 4 * u - 1, 64 * u, 2 * u, 33 * u + 7, u, 64 * u, 8 * u + 1};
+  return sizes[static_cast<size_t>(k) % std::size(sizes)];
+}
 constexpr int kMessages = 24;
 
-uint64_t size_of(int k) { return kSizes[static_cast<size_t>(k) % std::size(kSizes)]; }
 uint64_t seed_of(int k) { return 1000 + static_cast<uint64_t>(k); }
 
 struct Shape {
@@ -101,13 +115,13 @@ TEST_P(SendStress, EveryMessageLandsWholeInItsOwnRecv) {
   // slow receiver: the test holds it at most kAhead messages past the last one checked, and
   // the stash has room for all of them (the default bound would refuse one, by design).
   const int kAhead = s.conc + 2;
-  cfg_recv.max_unexpected_bytes = static_cast<uint64_t>(kAhead + 1) * kMaxMessage;
+  cfg_recv.max_unexpected_bytes = static_cast<uint64_t>(kAhead + 1) * max_message();
   sluice::Engine a(cfg_send), b(cfg_recv);
 
   const int slots = s.conc;  // a slot is reused only once its previous message completed
-  std::unique_ptr<uint8_t[]> src(new uint8_t[slots * kSlot]), dst(new uint8_t[slots * kSlot]);
-  auto hs = a.register_memory(src.get(), slots * kSlot, sluice::Location::host(), "src");
-  auto hd = b.register_memory(dst.get(), slots * kSlot, sluice::Location::host(), "dst");
+  std::unique_ptr<uint8_t[]> src(new uint8_t[slots * slot_bytes()]), dst(new uint8_t[slots * slot_bytes()]);
+  auto hs = a.register_memory(src.get(), slots * slot_bytes(), sluice::Location::host(), "src");
+  auto hd = b.register_memory(dst.get(), slots * slot_bytes(), sluice::Location::host(), "dst");
   sluice::Endpoint ep = a.connect(b.local_info());
   ASSERT_EQ(ep.transport(), s.transport);
   auto acc = b.accept(5s);
@@ -130,16 +144,16 @@ TEST_P(SendStress, EveryMessageLandsWholeInItsOwnRecv) {
       if (static_cast<int>(inflight.size()) >= s.conc) drain_one();  // frees slot k % slots
       while (checked.load(std::memory_order_acquire) < k - kAhead && !receiver_done)
         std::this_thread::sleep_for(100us);
-      uint8_t* p = src.get() + static_cast<uint64_t>(k % slots) * kSlot;
+      uint8_t* p = src.get() + static_cast<uint64_t>(k % slots) * slot_bytes();
       fill_pattern(p, size_of(k), seed_of(k));
-      inflight.emplace_back(k, ep.send(hs, static_cast<uint64_t>(k % slots) * kSlot, size_of(k)));
+      inflight.emplace_back(k, ep.send(hs, static_cast<uint64_t>(k % slots) * slot_bytes(), size_of(k)));
       posted.store(k + 1, std::memory_order_release);
     }
     while (!inflight.empty()) drain_one();
     posted.store(kMessages + 1, std::memory_order_release);
   });
 
-  std::vector<uint8_t> want(kMaxMessage);
+  std::vector<uint8_t> want(max_message());
   std::vector<std::string> errors;
   std::deque<std::pair<int, sluice::Future>> recvs;
   auto check_one = [&] {
@@ -151,7 +165,7 @@ TEST_P(SendStress, EveryMessageLandsWholeInItsOwnRecv) {
     } counted{checked};
     sluice::Status st = f.wait();
     const uint64_t n = size_of(k);
-    const uint8_t* p = dst.get() + static_cast<uint64_t>(k % slots) * kSlot;
+    const uint8_t* p = dst.get() + static_cast<uint64_t>(k % slots) * slot_bytes();
     if (!st.ok()) {
       errors.push_back("recv " + std::to_string(k) + " failed: " + st.message);
       return;
@@ -181,9 +195,9 @@ TEST_P(SendStress, EveryMessageLandsWholeInItsOwnRecv) {
     }
     // Stale bytes from the slot's previous message differ from this one's pattern anyway;
     // the guard after the message's capacity catches a recv that writes too far.
-    uint8_t* p = dst.get() + static_cast<uint64_t>(k % slots) * kSlot;
+    uint8_t* p = dst.get() + static_cast<uint64_t>(k % slots) * slot_bytes();
     std::memset(p + size_of(k), kGuardByte, kGuard);
-    recvs.emplace_back(k, peer.recv(hd, static_cast<uint64_t>(k % slots) * kSlot, size_of(k)));
+    recvs.emplace_back(k, peer.recv(hd, static_cast<uint64_t>(k % slots) * slot_bytes(), size_of(k)));
   }
   while (!recvs.empty()) check_one();
   receiver_done = true;
