@@ -10,6 +10,10 @@
 #
 # Built at -O1 -g1: half the compile time of -O2 -g under the sanitizers (measured: ASan+UBSan
 # 40 s instead of 84 s of CPU for one test file), and -g1 still gives file:line in reports.
+# Unity build (CMAKE_UNITY_BUILD, 8 sources per unit): each batch parses the headers (gtest,
+# nlohmann/json, the engine's) and instantiates their templates once instead of eight times;
+# measured on this project's ASan+UBSan targets, 496 instead of 811 CPU-seconds (-39 %).
+# SLUICE_UNITY=OFF builds file by file (what a compile error is easier to read in).
 # Extra configure arguments: SLUICE_CMAKE_ARGS="-D..." ; parallelism: JOBS (default nproc).
 set -euo pipefail
 
@@ -31,6 +35,7 @@ configure_and_build() {
     -DSLUICE_BUILD_TOOLS=OFF -DSLUICE_BUILD_PYTHON=OFF -DSLUICE_BUILD_TESTS=ON \
     -DSLUICE_WITH_CUDA="${SLUICE_SANITIZE_CUDA:-OFF}" \
     -DSLUICE_TEST_TIMEOUT_SCALE=4 \
+    -DCMAKE_UNITY_BUILD="${SLUICE_UNITY:-ON}" -DCMAKE_UNITY_BUILD_BATCH_SIZE=8 \
     "${EXTRA[@]}"
   shift 2
   ninja -C "$ROOT/$dir" -j "$JOBS" sluice_core_tests sluice_loopback_tests sluice_multiprocess_tests "$@"

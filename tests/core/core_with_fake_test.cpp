@@ -20,8 +20,6 @@ namespace {
 
 using namespace std::chrono_literals;
 
-FakeNet& net() { return FakeNet::get(); }
-
 constexpr uint64_t kLen = 16 << 10;
 constexpr uint64_t kGuard = 4096;  // bytes either side of the target region, never registered
 constexpr uint8_t kGuardByte = 0xEE;

@@ -81,4 +81,7 @@ class FakeNet {
   std::mutex serve_mu_;
 };
 
+// The tests' shorthand for the process-wide fake network.
+inline FakeNet& net() { return FakeNet::get(); }
+
 }  // namespace sluice::detail::fake

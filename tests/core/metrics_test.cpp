@@ -20,8 +20,7 @@ namespace {
 
 using namespace std::chrono_literals;
 
-FakeNet& net() { return FakeNet::get(); }
-constexpr uint64_t kLen = 16 << 10;
+constexpr uint64_t kRegionLen = 16 << 10;
 
 class Metrics : public ::testing::Test {
  protected:
@@ -42,8 +41,8 @@ class Metrics : public ::testing::Test {
     a_ = std::make_unique<Engine>(c);
     c.name = "engine-b";
     b_ = std::make_unique<Engine>(c);
-    la_.assign(kLen, 7);
-    lb_.assign(kLen, 0);
+    la_.assign(kRegionLen, 7);
+    lb_.assign(kRegionLen, 0);
     ha_ = a_->register_memory(la_.data(), la_.size(), Location::host(), "a");
     hb_ = b_->register_memory(lb_.data(), lb_.size(), Location::host(), "b");
     ep_ = a_->connect(b_->listen_address());
@@ -105,12 +104,12 @@ TEST_F(Metrics, CountsFollowEveryOpFromSubmitToItsEnd) {
   ASSERT_TRUE(net().wait_queued(1));
   net().fail(0, {ErrorCode::kRemoteError, "refused by the test"});
   ASSERT_TRUE(w2.wait_for(5s));
-  Future r = ep_.read({{ha_, 0, rb_, 0, kLen}});
+  Future r = ep_.read({{ha_, 0, rb_, 0, kRegionLen}});
   ASSERT_TRUE(net().wait_queued(1));
   ASSERT_TRUE(net().deliver(0).ok());
   ASSERT_TRUE(r.wait_for(5s));
   EXPECT_THROW(write(0), Error);               // zero length: refused at submit
-  EXPECT_THROW(write(8, kLen), Error);         // out of range: refused at submit
+  EXPECT_THROW(write(8, kRegionLen), Error);         // out of range: refused at submit
   Future im = ep_.imm_recv();                  // not counted
   m = ep_.metrics();
   EXPECT_EQ(m.of(OpKind::kWrite).started, 2u);
@@ -118,7 +117,7 @@ TEST_F(Metrics, CountsFollowEveryOpFromSubmitToItsEnd) {
   EXPECT_EQ(m.of(OpKind::kWrite).failed, 1u);
   EXPECT_EQ(m.of(OpKind::kWrite).bytes, 4096u) << "a failed op's bytes are not counted";
   EXPECT_EQ(m.of(OpKind::kRead).completed, 1u);
-  EXPECT_EQ(m.of(OpKind::kRead).bytes, kLen);
+  EXPECT_EQ(m.of(OpKind::kRead).bytes, kRegionLen);
   EXPECT_EQ(m.in_flight, 0u);
   EXPECT_EQ(m.latency.count, 3u);
   EXPECT_EQ(m.timeouts, 0u);

@@ -19,6 +19,7 @@
 #include "sluice/cuda.hpp"
 #include "sluice/sluice.hpp"
 #include "transport/common/same_host.hpp"
+#include "test_engine.hpp"
 
 #ifdef SLUICE_TEST_CUDA
 #include <cuda_runtime_api.h>
@@ -26,6 +27,7 @@
 
 using namespace sluice;
 using namespace std::chrono_literals;
+using sluice_test::quiet;
 
 namespace {
 
@@ -47,11 +49,6 @@ std::vector<uint8_t> pattern(size_t n, uint8_t seed) {
 }
 #endif
 
-EngineConfig quiet() {
-  EngineConfig c;
-  c.listen_host = "127.0.0.1";
-  return c;
-}
 
 }  // namespace
 

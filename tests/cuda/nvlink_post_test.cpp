@@ -13,6 +13,7 @@
 
 #include "sluice/cuda.hpp"
 #include "sluice/sluice.hpp"
+#include "test_engine.hpp"
 
 #ifdef SLUICE_TEST_CUDA
 #include <cuda_runtime_api.h>
@@ -20,6 +21,7 @@
 
 using namespace sluice;
 using namespace std::chrono_literals;
+using sluice_test::quiet;
 
 #ifdef SLUICE_TEST_CUDA
 namespace {
@@ -31,11 +33,6 @@ namespace {
   } while (0)
 #define CK(x) ASSERT_EQ((x), cudaSuccess) << #x
 
-EngineConfig quiet() {
-  EngineConfig c;
-  c.listen_host = "127.0.0.1";
-  return c;
-}
 
 int other_device() { return cuda::device_count() > 1 ? 1 : 0; }
 

@@ -14,6 +14,7 @@
 #include "bootstrap/socket.hpp"
 #include "core/engine_info.hpp"
 #include "loopback.hpp"
+#include "test_util.hpp"
 #include "sluice/version.hpp"
 #include "transport/common/frame.hpp"
 
@@ -28,7 +29,6 @@ namespace boot = sluice::bootstrap;
 
 namespace {
 
-constexpr uint64_t kMiB = 1ull << 20;
 constexpr uint64_t kForgedRegion = 7;  // the region the forged peer advertises
 
 // Resident set size of this process, from /proc/self/statm.

@@ -15,6 +15,7 @@
 #include "core/engine_info.hpp"
 #include "loopback.hpp"
 #include "raw_peer.hpp"
+#include "test_util.hpp"
 #include "sluice/version.hpp"
 #include "transport/common/frame.hpp"
 
@@ -29,7 +30,6 @@ namespace boot = sluice::bootstrap;
 
 namespace {
 
-constexpr uint64_t kPage = 4096;
 
 struct Frame {
   FrameHeader h{};
@@ -408,16 +408,6 @@ TEST_F(Hostile, ForgedSendsReachOnlyPostedRecvsAndPeerDeathFailsThem) {
   EXPECT_FALSE(ep->connected());
   expect_guards_intact();
   expect_still_serving();
-}
-
-int thread_count() {
-  int n = 0;
-  if (DIR* d = ::opendir("/proc/self/task")) {
-    while (dirent* e = ::readdir(d))
-      if (e->d_name[0] != '.') ++n;
-    ::closedir(d);
-  }
-  return n;
 }
 
 TEST_F(Hostile, HalfOpenEndpointFloodIsBoundedAndExpires) {

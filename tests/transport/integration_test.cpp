@@ -11,6 +11,7 @@
 #include <nlohmann/json.hpp>
 
 #include "harness.hpp"
+#include "test_util.hpp"
 #include "transports_under_test.hpp"
 
 using namespace sluice;
@@ -18,7 +19,6 @@ using namespace sluice_test;
 
 namespace {
 
-constexpr uint64_t kMiB = 1ull << 20;
 
 class Integration : public ::testing::TestWithParam<std::string> {
  protected:

@@ -6,13 +6,13 @@
 #include <map>
 
 #include "harness.hpp"
+#include "test_util.hpp"
 
 using namespace sluice;
 using namespace sluice_test;
 
 namespace {
 
-constexpr uint64_t kMiB = 1ull << 20;
 
 TEST(PeerKill, KilledTcpPeerIsPeerLostOnEveryChannel) {
   ChildConfig cfg;

@@ -7,6 +7,7 @@
 #include <set>
 
 #include "harness.hpp"
+#include "test_util.hpp"
 #include "transports_under_test.hpp"
 
 using namespace sluice;
@@ -14,7 +15,6 @@ using namespace sluice_test;
 
 namespace {
 
-constexpr uint64_t kMiB = 1ull << 20;
 
 bool is_loss(ErrorCode c) {
   return c == ErrorCode::kPeerLost || c == ErrorCode::kTimeout || c == ErrorCode::kRemoteError ||

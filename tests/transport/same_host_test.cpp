@@ -18,6 +18,7 @@
 #include "core/engine_info.hpp"
 #include "transport/common/lease_table.hpp"
 #include "loopback.hpp"
+#include "test_util.hpp"
 #include "transport/common/frame.hpp"
 #include "transport/common/same_host.hpp"
 #include "transport/common/same_host_wire.hpp"
@@ -34,7 +35,6 @@ namespace sh = sluice::detail::same_host;
 
 namespace {
 
-constexpr uint64_t kPage = 4096;
 
 struct Fd {
   int fd = -1;

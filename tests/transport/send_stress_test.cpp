@@ -19,13 +19,13 @@
 #include <vector>
 
 #include "harness.hpp"
+#include "test_util.hpp"
 #include "sluice/sluice.hpp"
 #include "transports_under_test.hpp"
 
 namespace sluice_test {
 namespace {
 
-constexpr uint64_t kMiB = 1 << 20;
 // The byte unit of every size below: 1 MiB, divided by SLUICE_TEST_SEND_STRESS_DIVISOR where
 // memory or speed is short (the SoftRoCE guest: 1.5 GiB and emulated CPUs, where the 8-in-flight
 // cases needed more memory than the guest has), and by 16 in sanitizer builds (this suite runs

@@ -15,6 +15,7 @@
 #include "bootstrap/socket.hpp"
 #include "core/engine_info.hpp"
 #include "loopback.hpp"
+#include "test_util.hpp"
 #include "transport/common/frame.hpp"
 #include "transport/common/same_host.hpp"
 
@@ -29,12 +30,6 @@ namespace sh = sluice::detail::same_host;
 
 namespace {
 
-struct Fd {
-  int fd = -1;
-  ~Fd() {
-    if (fd >= 0) ::close(fd);
-  }
-};
 
 // Sets a test-only variable for the endpoints created while it lives (ParamScope::kTest).
 struct EnvScope {

@@ -18,6 +18,7 @@
 #include "bootstrap/socket.hpp"
 #include "core/engine_info.hpp"
 #include "loopback.hpp"
+#include "test_util.hpp"
 #include "transport/common/frame.hpp"
 #include "transport/common/same_host.hpp"
 #include "transport/common/same_host_wire.hpp"
@@ -216,12 +217,6 @@ TEST_F(ShmStagingTest, PostsFromStagedMemoryAreRefused) {
   EXPECT_EQ(bytes(heap_.data(), 64), bytes(plain_.data(), 64));
 }
 
-struct Fd {
-  int fd = -1;
-  ~Fd() {
-    if (fd >= 0) ::close(fd);
-  }
-};
 
 // A SEND_RTS that names no source region (what a staged send sends) is read by address from
 // the sender, and only ever into the recv buffer: a proven raw peer announcing more than the
