@@ -7,6 +7,7 @@
 
 #include <atomic>
 #include <cstring>
+#include <cstdlib>
 #include <thread>
 #include <vector>
 
@@ -145,4 +146,42 @@ TEST(ShmCopyPool, CloseCompletesParkedLanes) {
   EXPECT_TRUE(closed.load()) << "close() waited for a peer that does not answer";
   hold.release();
   closer.join();
+}
+
+// Fairness: x has a deep queue of slow reads (every copy of its endpoint waits 20 ms first, the
+// test knob); a read on y submitted after all of them runs after a few of x's, not after the
+// whole queue (endpoints take turns on the pool, one copy thread here).
+TEST(ShmCopyPool, DeepQueueDoesNotStarveAnotherEndpoint) {
+  constexpr int kDeep = 50;
+  sluice::Engine a(pool_config(1)), x(pool_config(1)), y(pool_config(1));
+  std::vector<uint8_t> mx(kDeep * 1024), my(4096), la(kDeep * 1024, 0), ly(4096, 0);
+  fill_pattern(my.data(), my.size(), 3);
+  auto ha = a.register_memory(la.data(), la.size());
+  auto hy = a.register_memory(ly.data(), ly.size());
+  x.register_memory(mx.data(), mx.size(), sluice::Location::host(), "x");
+  y.register_memory(my.data(), my.size(), sluice::Location::host(), "y");
+  ::setenv("SLUICE_SHM_TEST_COPY_DELAY_MS", "20", 1);
+  sluice::Endpoint ex = a.connect(x.local_info());
+  ::unsetenv("SLUICE_SHM_TEST_COPY_DELAY_MS");  // read as the endpoint was made: x's only
+  auto accx = x.accept(5s);
+  sluice::Endpoint ey = a.connect(y.local_info());
+  auto accy = y.accept(5s);
+  ASSERT_TRUE(accx && accy);
+  auto rx = ex.remote_region("x");
+  auto ry = ey.remote_region("y");
+  ASSERT_TRUE(rx && ry);
+  // Both regions described first, so every lane below only copies.
+  ASSERT_TRUE(ex.read({{ha, 0, *rx, 0, 1024}}).wait().ok());
+  ASSERT_TRUE(ey.read({{hy, 0, *ry, 0, 1024}}).wait().ok());
+  std::vector<sluice::Future> fx;
+  for (int i = 0; i < kDeep; ++i) fx.push_back(ex.read({{ha, i * 1024ull, *rx, i * 1024ull, 1024}}));
+  sluice::Future fy = ey.read({{hy, 0, *ry, 0, my.size()}});
+  ASSERT_TRUE(fy.wait_for(30s));
+  EXPECT_TRUE(fy.status().ok()) << fy.status().message;
+  int pending = 0;
+  for (auto& f : fx) pending += !f.test();
+  EXPECT_GE(pending, kDeep / 2) << "y's read waited for " << kDeep - pending << " of x's " << kDeep
+                                << " queued reads (endpoints must take turns on the pool)";
+  for (auto& f : fx) EXPECT_TRUE(f.wait().ok());
+  EXPECT_EQ(std::memcmp(my.data(), ly.data(), my.size()), 0);
 }
