@@ -19,7 +19,7 @@ struct SLUICE_API EngineConfig {
   // Transports this engine may use, by name ("shm", "tcp", "rdma", "nvlink").
   // Empty = every transport available on this host.       env SLUICE_TRANSPORTS=tcp,shm
   std::vector<std::string> transports;
-  // Channels per peer: TCP connections, shm workers, RDMA queue pairs.  env SLUICE_CHANNELS
+  // Channels per peer: TCP connections, RDMA queue pairs (shm copies run on a per-engine pool).  env SLUICE_CHANNELS
   int channels = 2;
   // Handshake listener. Port 0 picks a free port.   env SLUICE_LISTEN=host:port
   std::string listen_host = "127.0.0.1";

@@ -107,7 +107,7 @@ const bool kFieldsDeclared[] = {
     field("transports", "SLUICE_TRANSPORTS", "transports this engine may use, comma-separated; empty = every one that runs here",
           [](const EngineConfig& c) { return join(c.transports); },
           [](EngineConfig& c, const std::string&, const std::string& t) { c.transports = split_list(t); }),
-    field("channels", "SLUICE_CHANNELS", "channels per peer (tcp connections, shm workers, rdma queue pairs), 1..64",
+    field("channels", "SLUICE_CHANNELS", "channels per peer (tcp connections, rdma queue pairs), 1..64",
           u64_show(&EngineConfig::channels), int_parse(&EngineConfig::channels, 1, 64)),
     field("listen", "SLUICE_LISTEN", "handshake listener host:port; port 0 picks a free one",
           [](const EngineConfig& c) { return c.listen_host + ":" + std::to_string(c.listen_port); },

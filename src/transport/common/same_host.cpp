@@ -251,6 +251,65 @@ void Service::stop() {
   listen_.close();
 }
 
+bool recv_some(int fd, std::string& buf, int* fd_slot) {
+  for (;;) {
+    size_t want = 4;
+    if (buf.size() >= 4) {
+      uint32_t n = uint32_t(uint8_t(buf[0])) | uint32_t(uint8_t(buf[1])) << 8 | uint32_t(uint8_t(buf[2])) << 16 |
+                   uint32_t(uint8_t(buf[3])) << 24;
+      if (n > kMaxMessage) throw Error(ErrorCode::kProtocol, "same-host message of " + std::to_string(n) + " bytes (limit 64 KiB)");
+      want = 4 + n;
+    }
+    if (buf.size() >= 4 && buf.size() == want) return true;
+    char chunk[4096];
+    iovec iov{chunk, std::min(sizeof(chunk), want - buf.size())};
+    alignas(cmsghdr) char cbuf[CMSG_SPACE(sizeof(int) * 4)];
+    msghdr msg{};
+    msg.msg_iov = &iov;
+    msg.msg_iovlen = 1;
+    const bool first = buf.empty();
+    if (first) {
+      msg.msg_control = cbuf;
+      msg.msg_controllen = sizeof(cbuf);
+    }
+    ssize_t r = ::recvmsg(fd, &msg, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
+    if (r < 0) {
+      if (errno == EINTR) continue;
+      if (errno == EAGAIN || errno == EWOULDBLOCK) return false;
+      throw Error(ErrorCode::kPeerLost, "same-host socket: " + net::errno_text(errno));
+    }
+    if (r == 0) throw Error(ErrorCode::kPeerLost, "same-host socket closed before the whole message arrived");
+    if (first) take_descriptors(msg, fd_slot);
+    buf.append(chunk, static_cast<size_t>(r));
+  }
+}
+
+nlohmann::json parse_message(const std::string& buf) {
+  auto j = nlohmann::json::parse(buf.begin() + 4, buf.end(), nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded() || !j.is_object()) throw Error(ErrorCode::kProtocol, "same-host message is not a JSON object");
+  return j;
+}
+
+net::Socket ask_start(const std::string& name, pid_t pid, const nlohmann::json& req) {
+  // Non-blocking: a blocking Unix connect waits while the listener's backlog is full (a
+  // stalled peer), and the caller is a reactor that must not wait.
+  sockaddr_un a;
+  socklen_t len = abstract_addr(name, &a);
+  net::Socket sock(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
+  if (!sock.valid()) throw Error(ErrorCode::kSystem, "socket(AF_UNIX): " + net::errno_text(errno));
+  if (::connect(sock.fd(), reinterpret_cast<sockaddr*>(&a), len) != 0) {
+    const int err = errno;
+    if (err == EAGAIN)
+      throw Error(ErrorCode::kTimeout, "the peer's same-host socket accepts no more connections (a stalled peer?)");
+    throw Error(ErrorCode::kUnsupported, "cannot reach the peer's same-host socket (another host or network "
+                                         "namespace, or the peer is gone): " + net::errno_text(err));
+  }
+  if (peer_cred(sock.fd()).pid != pid)
+    throw Error(ErrorCode::kPeerLost, "the peer's same-host socket is now served by another process");
+  send(sock.fd(), req);
+  return sock;
+}
+
 namespace {
 
 // A connection whose one request is still arriving. Many can be pending at once, each with its
@@ -267,39 +326,7 @@ struct Pending {
 };
 constexpr size_t kMaxPending = 64;
 
-// Reads what has arrived without blocking; true once the whole message is in p.buf.
-bool pull(Pending& p) {
-  for (;;) {
-    size_t want = 4;
-    if (p.buf.size() >= 4) {
-      uint32_t n = uint32_t(uint8_t(p.buf[0])) | uint32_t(uint8_t(p.buf[1])) << 8 | uint32_t(uint8_t(p.buf[2])) << 16 |
-                   uint32_t(uint8_t(p.buf[3])) << 24;
-      if (n > kMaxMessage) throw Error(ErrorCode::kProtocol, "same-host message of " + std::to_string(n) + " bytes (limit 64 KiB)");
-      want = 4 + n;
-    }
-    if (p.buf.size() >= 4 && p.buf.size() == want) return true;
-    char chunk[4096];
-    iovec iov{chunk, std::min(sizeof(chunk), want - p.buf.size())};
-    alignas(cmsghdr) char cbuf[CMSG_SPACE(sizeof(int) * 4)];
-    msghdr msg{};
-    msg.msg_iov = &iov;
-    msg.msg_iovlen = 1;
-    const bool first = p.buf.empty();
-    if (first) {
-      msg.msg_control = cbuf;
-      msg.msg_controllen = sizeof(cbuf);
-    }
-    ssize_t r = ::recvmsg(p.sock.fd(), &msg, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
-    if (r < 0) {
-      if (errno == EINTR) continue;
-      if (errno == EAGAIN || errno == EWOULDBLOCK) return false;
-      throw Error(ErrorCode::kPeerLost, "same-host socket: " + net::errno_text(errno));
-    }
-    if (r == 0) throw Error(ErrorCode::kPeerLost, "same-host client closed the connection");
-    if (first) take_descriptors(msg, &p.fd);
-    p.buf.append(chunk, static_cast<size_t>(r));
-  }
-}
+bool pull(Pending& p) { return recv_some(p.sock.fd(), p.buf, &p.fd); }
 
 }  // namespace
 
@@ -357,8 +384,7 @@ void Service::loop() {
     // Requests are handled here, one after another; handlers answer at once.
     for (auto& p : ready) {
       try {
-        auto j = nlohmann::json::parse(p->buf.begin() + 4, p->buf.end(), nullptr, /*allow_exceptions=*/false);
-        if (j.is_discarded() || !j.is_object()) throw Error(ErrorCode::kProtocol, "same-host message is not a JSON object");
+        nlohmann::json j = parse_message(p->buf);
         handler_(p->sock, p->cred, j, std::exchange(p->fd, -1));
       } catch (const std::exception& e) {
         SLUICE_LOG(kDebug, "same-host socket " << name_ << ": dropped a request: " << e.what());

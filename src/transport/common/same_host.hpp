@@ -82,6 +82,15 @@ Proof prove(const std::string& name, uint64_t token, const std::string& engine_i
 nlohmann::json ask(const std::string& name, pid_t pid, const nlohmann::json& req, Clock::time_point deadline,
                    int* fd_out = nullptr);
 
+// ask() in steps, for a caller that must not block (a reactor): ask_start() connects (a Unix
+// connect never waits for the peer), checks that `pid` serves the name and sends req; then
+// recv_some() reads what has arrived without blocking, true once the whole message is in buf
+// (a descriptor that came with its first byte lands in *fd_slot, the caller's to close);
+// parse_message() gives the body. Throw Error like ask().
+net::Socket ask_start(const std::string& name, pid_t pid, const nlohmann::json& req);
+bool recv_some(int fd, std::string& buf, int* fd_slot);
+nlohmann::json parse_message(const std::string& buf);
+
 // One listening abstract socket and the thread that serves it. Each connection carries one
 // request, read within a short deadline and handled on the service thread (handlers answer
 // at once and never block on the network), so a local client that stalls costs at most that

@@ -10,6 +10,7 @@
 #include "core/params.hpp"
 #include "transport/common/control_frames.hpp"
 #include "transport/common/cma.hpp"
+#include "transport/shm/shm_test_describe.hpp"
 
 namespace sluice::detail::shm {
 namespace {
@@ -24,7 +25,7 @@ const Param<int> kCopyDelayMs{"shm.test_copy_delay_ms", "SLUICE_SHM_TEST_COPY_DE
                               ParamScope::kTest};
 
 // What this thread submitted on an endpoint since its last wait (the last endpoint it used):
-// whether an answer will come over the control channel, and whether only copy workers
+// whether an answer will come over the control channel, and whether only copy pool
 // complete its ops (see ShmEndpoint::drive). Only a hint: any completion reaches a waiter.
 struct SubmitHint {
   const void* endpoint = nullptr;
@@ -32,6 +33,15 @@ struct SubmitHint {
   bool workers = false;
 };
 thread_local SubmitHint tls_hint;
+
+// The endpoint whose job this pool thread runs now (close() from inside it must not wait
+// for itself).
+thread_local const void* tls_running = nullptr;
+struct RunningMark {
+  const void* saved;
+  explicit RunningMark(const void* ep) : saved(tls_running) { tls_running = ep; }
+  ~RunningMark() { tls_running = saved; }
+};
 
 struct FdGuard {
   int fd;
@@ -96,12 +106,10 @@ ShmEndpoint::ShmEndpoint(const EndpointSetup& s, Host& host, std::string peer_so
       host_(host),
       active_(s.active),
       token_(s.token),
-      nworkers_(s.channels),
       peer_socket_(std::move(peer_socket)),
       timeout_(s.config.connect_timeout),
       copy_delay_ms_(kCopyDelayMs.read()) {
   pending_.set_post_handler([this](const std::shared_ptr<TransferOp>& op, const Status& st) { on_post_done(op, st); });
-  for (int i = 0; i < nworkers_; ++i) workers_.emplace_back([this] { work(); });
 }
 
 ShmEndpoint::~ShmEndpoint() { close({ErrorCode::kCancelled, "endpoint destroyed"}); }
@@ -161,53 +169,13 @@ nlohmann::json ShmEndpoint::describe_local(uint64_t id, const same_host::PeerCre
   Status st;
   // Pinned while we answer: a memfd is closed only after its region's pins drain, so the
   // descriptor we duplicate is the region's and not a number reused by another open().
+  wait_while_test_describes_held();  // test only: a stalled peer
   RegionPin pin = host_.registry().pin(id, 0, 1, &st, "target");
   if (!pin) throw Error(st.code, st.message);
   const RegionEntry* e = pin.get();
   if (!e->location.is_host()) throw Error(ErrorCode::kUnsupported, "region " + std::to_string(id) + " is " + e->location.to_string() + " memory");
   if (e->memfd >= 0) *fd_out = ::fcntl(e->memfd, F_DUPFD_CLOEXEC, 0);
   return {{"addr", reinterpret_cast<uint64_t>(e->base)}, {"length", e->length}, {"slot", e->lease_slot}};
-}
-
-Status ShmEndpoint::remote(uint64_t id, RemoteRegion* out) {
-  {
-    std::lock_guard<std::mutex> lk(map_mu_);
-    auto it = regions_.find(id);
-    if (it != regions_.end()) {
-      *out = it->second;
-      return Status::Ok();
-    }
-  }
-  try {
-    int fd = -1;
-    nlohmann::json r = same_host::ask(peer_socket_, pid_.load(),
-                                      {{"op", "describe"}, {"token", token_}, {"to_passive", active_}, {"region", id}},
-                                      same_host::Clock::now() + timeout_, &fd);
-    FdGuard guard{fd};
-    if (r.contains("error"))
-      return {ErrorCode::kUnknownHandle, "peer region " + std::to_string(id) + ": " + r["error"].get<std::string>()};
-    RemoteRegion rr;
-    if (!r["addr"].is_number_unsigned() || !r["length"].is_number_unsigned() || !r["slot"].is_number_unsigned())
-      return {ErrorCode::kProtocol, "shm: malformed region description from the peer"};
-    rr.addr = r["addr"].get<uint64_t>();
-    rr.length = r["length"].get<uint64_t>();
-    uint64_t slot = r["slot"].get<uint64_t>();
-    rr.slot = slot > kNoLease ? kNoLease : static_cast<uint32_t>(slot);
-    if (fd >= 0 && same_host::is_memfd(fd, rr.length) && rr.length > 0) {
-      void* p = ::mmap(nullptr, rr.length, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-      if (p != MAP_FAILED) {
-        rr.map = std::make_shared<Mapping>();
-        rr.map->base = static_cast<uint8_t*>(p);
-        rr.map->length = rr.length;
-      }
-    }
-    std::lock_guard<std::mutex> lk(map_mu_);
-    auto [it, fresh] = regions_.emplace(id, rr);
-    *out = it->second;
-    return Status::Ok();
-  } catch (const Error& e) {
-    return e.status();
-  }
 }
 
 bool ShmEndpoint::mapped_locked(uint64_t id) const {
@@ -222,7 +190,7 @@ void ShmEndpoint::note_submit(bool control) {
 
 bool ShmEndpoint::drive(const std::atomic<bool>& done, std::chrono::steady_clock::time_point deadline) {
   auto lend = [&](StreamChannel** lent, int) {
-    // A thread whose ops all went to the copy workers would only be interrupted by them (an
+    // A thread whose ops all went to the copy pool would only be interrupted by them (an
     // eventfd write and a poll wake-up instead of the future's own wake-up, plus taking the
     // socket from the reactor and giving it back): it waits on its future instead.
     const bool mine = tls_hint.endpoint == this;
@@ -246,9 +214,15 @@ void ShmEndpoint::install(net::Socket sock) {
 
 void ShmEndpoint::enqueue(Job job) {
   std::lock_guard<std::mutex> lk(mu_);
-  if (stop_) return;
+  if (stop_) return;  // stop_io() ran: fail_all() fails the op
   jobs_.push_back(std::move(job));
-  cv_.notify_one();
+  schedule_locked();
+}
+
+void ShmEndpoint::schedule_locked() {
+  if (scheduled_ || stop_ || (jobs_.empty() && post_count_ == 0)) return;
+  scheduled_ = true;
+  host_.copy_pool().schedule(weak_from_this());
 }
 
 void ShmEndpoint::submit(std::shared_ptr<TransferOp> op) {
@@ -268,12 +242,7 @@ void ShmEndpoint::submit(std::shared_ptr<TransferOp> op) {
     }
     // Learn about regions in the background: a memfd region is written through its mapping
     // from then on (no round trip to the owner).
-    for (uint64_t id : unknown) {
-      Job j;
-      j.kind = Job::kDescribe;
-      j.region = id;
-      enqueue(std::move(j));
-    }
+    for (uint64_t id : unknown) start_describe(id);
     if (!local) {
       note_submit(true);
       post_pull(op, token);
@@ -281,7 +250,7 @@ void ShmEndpoint::submit(std::shared_ptr<TransferOp> op) {
     }
   }
   note_submit(false);
-  // The lanes run on the copy workers; a write_with_imm's imm goes after its last lane
+  // The lanes run on the copy pool; a write_with_imm's imm goes after its last lane
   // (EndpointBase::lane_finished, send_imm).
   track_lanes(token, *op);
   for (size_t l = 0; l < op->lanes.size(); ++l)
@@ -370,8 +339,13 @@ void ShmEndpoint::close(const Status& why) {
     ch = control_.get();
   }
   if (ch) ch->join();
-  for (auto& t : workers_)
-    if (t.joinable() && t.get_id() != std::this_thread::get_id()) t.join();
+  {
+    // No job of ours runs on the pool once we return (stop_io() keeps new ones from starting),
+    // except the one this thread may be running itself.
+    std::unique_lock<std::mutex> lk(mu_);
+    const int self = tls_running == this ? 1 : 0;
+    idle_cv_.wait(lk, [&] { return running_ <= self; });
+  }
   host_.forget(token_);
 }
 
@@ -455,52 +429,63 @@ Status ShmEndpoint::take_ack(const FrameHeader& h, PayloadReader& payload) {
   return Status::Ok();
 }
 
-void ShmEndpoint::work() {
-  for (;;) {
-    Job job;
-    std::shared_ptr<TransferOp> post;
-    {
-      std::unique_lock<std::mutex> lk(mu_);
-      cv_.wait(lk, [&] { return stop_ || !jobs_.empty() || post_count_ > 0; });
-      if (stop_) return;
-      if (post_count_ > 0) {
-        post = std::move(post_ring_[post_head_]);
-        post_head_ = (post_head_ + 1) % post_ring_.size();
-        --post_count_;
-      } else {
-        job = std::move(jobs_.front());
-        jobs_.pop_front();
-      }
+void ShmEndpoint::run_one() {
+  Job job;
+  std::shared_ptr<TransferOp> post;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    scheduled_ = false;
+    if (stop_) return;
+    if (post_count_ > 0) {
+      post = std::move(post_ring_[post_head_]);
+      post_head_ = (post_head_ + 1) % post_ring_.size();
+      --post_count_;
+    } else if (!jobs_.empty()) {
+      job = std::move(jobs_.front());
+      jobs_.pop_front();
+    } else {
+      return;
     }
+    ++running_;
+    // Back at the end of the pool's list if more is queued: endpoints take turns job by job,
+    // and another pool thread may run our next job meanwhile.
+    schedule_locked();
+  }
+  {
+    RunningMark mark(this);
     if (post) {
       const auto& p = static_cast<const PostOp&>(*post);
       Status st = run_post_write(p);
       pending_.touch();
       moved();
       pending_.lane_done(p.token, st);
-      continue;
+    } else {
+      run_job(job);
     }
-    if (job.kind == Job::kDescribe) {
-      RemoteRegion r;
-      (void)remote(job.region, &r);
-      std::lock_guard<std::mutex> lk(map_mu_);
-      describing_.erase(job.region);
-      continue;
-    }
-    if (job.kind == Job::kServe) {
-      serve_pull(job);
-      pending_.touch();
-      continue;
-    }
-    Status st = failed() ? Status{ErrorCode::kCancelled, "endpoint closed"} : run_lane(*job.op, job.op->lanes[job.lane]);
-    pending_.touch();
-    moved();
-    if (st.code == ErrorCode::kPeerLost) {
-      fail(st, true);
-      continue;
-    }
-    lane_finished(job.token, st);
+    post.reset();
+    job = Job{};  // drop the op before close() may go on
   }
+  std::lock_guard<std::mutex> lk(mu_);
+  if (--running_ == 0) idle_cv_.notify_all();
+}
+
+void ShmEndpoint::run_job(Job& job) {
+  if (job.kind == Job::kServe) {
+    serve_pull(job);
+    pending_.touch();
+    return;
+  }
+  if (!failed() && job.error.ok() && job.op->kind == OpKind::kRead && park_if_undescribed(job)) return;
+  Status st = failed()            ? Status{ErrorCode::kCancelled, "endpoint closed"}
+              : !job.error.ok() ? job.error
+                                : run_lane(*job.op, job.op->lanes[job.lane]);
+  pending_.touch();
+  moved();
+  if (st.code == ErrorCode::kPeerLost) {
+    fail(st, true);
+    return;
+  }
+  lane_finished(job.token, st);
 }
 
 void ShmEndpoint::send_imm(uint64_t token, const std::shared_ptr<TransferOp>& op) {
@@ -521,9 +506,19 @@ Status ShmEndpoint::run_lane(const TransferOp& op, const Lane& lane) {
 
 Status ShmEndpoint::run_read(const TransferOp& op, const Lane& lane) {
   std::vector<RemoteRegion> where(lane.pieces.size());
+  {
+    // Described before the lane ran (park_if_undescribed); forgotten since only when a lease
+    // showed the region gone.
+    std::lock_guard<std::mutex> lk(map_mu_);
+    for (size_t i = 0; i < lane.pieces.size(); ++i) {
+      auto it = regions_.find(lane.pieces[i].remote_id);
+      if (it == regions_.end())
+        return {ErrorCode::kUnknownHandle, "peer region " + std::to_string(lane.pieces[i].remote_id) + " is no longer registered"};
+      where[i] = it->second;
+    }
+  }
   for (size_t i = 0; i < lane.pieces.size(); ++i) {
     const Piece& p = lane.pieces[i];
-    if (Status st = remote(p.remote_id, &where[i]); !st.ok()) return st;
     if (!in_bounds(p.remote_offset, p.length, where[i].length))
       return {ErrorCode::kOutOfRange, "peer region " + std::to_string(p.remote_id) + " is " +
                                           std::to_string(where[i].length) + " bytes on its same-host socket"};
@@ -685,11 +680,16 @@ void ShmEndpoint::stop_io() {
     jobs_.clear();
     for (; post_count_ > 0; --post_count_, post_head_ = (post_head_ + 1) % post_ring_.size())
       post_ring_[post_head_].reset();
-    cv_.notify_all();
     // EndpointBase::fail() fails the ops next: no copy may still be writing into their memory
-    // then. The workers are not joined (this may run on one of them, which is never inside a
-    // copy here); copies that began are waited for, and no new one begins (begin_copy).
+    // then. Running jobs are not waited for here (this may run on a pool thread, inside one
+    // of ours, which is never inside a copy here); copies that began are waited for, and no
+    // new one begins (begin_copy). close() waits for the running jobs.
     idle_cv_.wait(lk, [&] { return copies_ == 0; });
+  }
+  {
+    // Lanes waiting for a region description: their ops are failed with the others.
+    std::lock_guard<std::mutex> lk(map_mu_);
+    parked_.clear();
   }
   std::lock_guard<std::mutex> lk(track_mu_);
   pulls_.clear();

@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "transport/common/lease_table.hpp"
+#include "transport/shm/copy_pool.hpp"
 #include "transport/common/endpoint_base.hpp"
 #include "transport/common/same_host.hpp"
 #include "transport/common/same_host_endpoints.hpp"
@@ -46,6 +47,7 @@ class Host {
   virtual const std::string& engine_id() const = 0;
   virtual int lease_fd() const = 0;  // this engine's lease table (shared with peers), or -1
   virtual void forget(uint64_t token) = 0;
+  virtual CopyPool& copy_pool() = 0;  // runs the copy jobs of every endpoint (copy_pool.hpp)
 };
 
 // A peer's memfd region mapped into this process.
@@ -78,6 +80,7 @@ class ShmEndpoint final : public EndpointBase,
                           public StreamChannel::Handler,
                           public same_host::ProvenEndpoint,
                           public ProgressSource,
+                          public CopyClient,
                           public std::enable_shared_from_this<ShmEndpoint> {
  public:
   ShmEndpoint(const EndpointSetup& s, Host& host, std::string peer_socket);
@@ -86,9 +89,9 @@ class ShmEndpoint final : public EndpointBase,
   // ProgressSource: a thread that waits for one of our futures receives on the control
   // channel itself (WaiterReceive): the ACK of a PULL_WRITE, a SEND_ACK, is read and its op
   // completed on the waiter's own thread, with no reactor wake-up and no reactor-to-waiter
-  // hand-off. Not when the thread's ops since its last wait all went to the copy workers
+  // hand-off. Not when the thread's ops since its last wait all went to the copy pool
   // (mapped writes, reads): their completion never comes over the socket, and the waiter
-  // then sleeps on its future as before. A completion made elsewhere (a copy worker, a
+  // then sleeps on its future as before. A completion made elsewhere (a copy pool job, a
   // failure, the watchdog) interrupts the driving waiter.
   std::shared_ptr<ProgressSource> progress_source() override { return shared_from_this(); }
   bool progress() override { return false; }
@@ -102,7 +105,7 @@ class ShmEndpoint final : public EndpointBase,
   bool adopt(int index, net::Socket sock) override;
   void submit(std::shared_ptr<TransferOp> op) override;
   void send(std::shared_ptr<MessageOp> op) override;
-  // The thin post path: writes go as mapped copies (on the copy workers) or PULL_WRITEs, so
+  // The thin post path: writes go as mapped copies (on the copy pool) or PULL_WRITEs, so
   // they finish out of order; sequencer_ holds each signal until the writes before it finished.
   Status post_write(PostWrite&& w, std::chrono::milliseconds timeout) override;
   Status post_signal(const PostSignal& s, std::chrono::milliseconds timeout) override;
@@ -124,21 +127,36 @@ class ShmEndpoint final : public EndpointBase,
   // Answers the authenticated peer's question about one of our regions (*fd_out: its memfd).
   nlohmann::json describe_local(uint64_t id, const same_host::PeerCred& cred, int* fd_out) const override;
 
+  // CopyClient: a pool thread runs one of our jobs.
+  void run_one() override;
+  // The answer to start_describe(id) (a reactor thread, or the caller when the ask could not
+  // start): keeps the description and re-queues the jobs parked on it, with `st` if it failed.
+  void described(uint64_t id, const Status& st, const nlohmann::json& reply, int fd);
+  Host& host() const { return host_; }
+
  private:
   struct Job {
-    enum Kind { kLane, kServe, kDescribe } kind = kLane;
+    enum Kind { kLane, kServe } kind = kLane;
     std::shared_ptr<TransferOp> op;
     uint64_t token = 0;
     size_t lane = 0;
     // kServe: a peer's PULL_WRITE
     FrameHeader hdr{};
     std::vector<PullPiece> pull;
-    uint64_t region = 0;  // kDescribe
+    Status error;  // kLane: the region description it was parked on could not be had
   };
 
   void install(net::Socket sock);
   void enqueue(Job job);
-  void work();
+  // mu_ held: puts this endpoint in the pool's ready list if it has work and is not there.
+  void schedule_locked();
+  void run_job(Job& job);
+  // Asks the peer to describe its region `id` without waiting (shm_describe.cpp); the caller
+  // put id into describing_. The answer comes to described().
+  void start_describe(uint64_t id);
+  // A read lane needs the descriptions of the peer's regions it reads: true if one is still
+  // unknown, and then the job waits in parked_ (and its description was asked for).
+  bool park_if_undescribed(Job& job);
   Status run_lane(const TransferOp& op, const Lane& lane);
   Status run_read(const TransferOp& op, const Lane& lane);
   Status run_mapped_write(const TransferOp& op, const Lane& lane);
@@ -147,8 +165,6 @@ class ShmEndpoint final : public EndpointBase,
   Status serve_rts(StreamChannel& ch, const FrameHeader& h, PayloadReader& payload);
   Status take_pull(const FrameHeader& h, PayloadReader& payload);
   Status take_ack(const FrameHeader& h, PayloadReader& payload);
-  // The peer's region `id` as it described it (asks it over its socket the first time).
-  Status remote(uint64_t id, RemoteRegion* out);
   bool mapped_locked(uint64_t id) const;
   // EndpointBase: shuts the control channel and the job queue, then waits until no copy
   // into an op's memory is running (see begin_copy).
@@ -160,7 +176,7 @@ class ShmEndpoint final : public EndpointBase,
   bool begin_copy();
   void end_copy();
   // Remember, for this thread's next wait, whether an op's answer comes over the control
-  // channel (PULL_WRITE, SEND_RTS) or from a copy worker (see drive()).
+  // channel (PULL_WRITE, SEND_RTS) or from the copy pool (see drive()).
   void note_submit(bool control);
 
   // Thin post path.
@@ -174,7 +190,6 @@ class ShmEndpoint final : public EndpointBase,
   Host& host_;
   const bool active_;
   const uint64_t token_;
-  const int nworkers_;
   const std::string peer_socket_;
   const std::chrono::milliseconds timeout_;
   std::atomic<pid_t> pid_{0};  // set once the peer proved itself
@@ -187,16 +202,16 @@ class ShmEndpoint final : public EndpointBase,
   const int copy_delay_ms_;  // test only (shm.test_copy_delay_ms): a copy waits this long first
 
   std::mutex mu_;
-  std::condition_variable cv_;
-  std::condition_variable idle_cv_;  // copies_ fell
+  std::condition_variable idle_cv_;  // copies_ or running_ fell
   std::deque<Job> jobs_;
-  // Mapped post writes waiting for a worker: a ring that only grows, so that queueing a post
-  // allocates nothing in the steady state (a Job in jobs_ would).
+  // Mapped post writes waiting for a pool thread: a ring that only grows, so that queueing a
+  // post allocates nothing in the steady state (a Job in jobs_ would).
   std::vector<std::shared_ptr<TransferOp>> post_ring_;
   size_t post_head_ = 0, post_count_ = 0;
   bool stop_ = false;
   int copies_ = 0;  // copies between begin_copy() and end_copy()
-  std::vector<std::thread> workers_;
+  bool scheduled_ = false;  // in the pool's ready list
+  int running_ = 0;         // our jobs running on pool threads now (close() waits for them)
 
   // Post ops for reuse; one is free again once only this list holds it.
   std::mutex post_ops_mu_;
@@ -207,6 +222,7 @@ class ShmEndpoint final : public EndpointBase,
   PeerLeases leases_;
   std::unordered_map<uint64_t, RemoteRegion> regions_;  // peer region id -> description
   std::unordered_set<uint64_t> describing_;             // descriptions being fetched
+  std::unordered_map<uint64_t, std::vector<Job>> parked_;  // read lanes waiting for one
 
   std::mutex imm_mu_;
   std::unordered_map<uint64_t, std::pair<uint32_t, bool>> imm_;  // owner side: lanes seen, failed

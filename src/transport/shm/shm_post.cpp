@@ -1,7 +1,7 @@
 // The shm thin post path (TransportEndpoint::post_write / post_signal; the contract is the
 // comment above post_write in transport/transport.hpp).
 // - A write into a peer region this side has mapped (engine-allocated memfd memory) is a
-//   memcpy on a copy worker; any other write is a PULL_WRITE that the owner executes and acks.
+//   memcpy on the copy pool; any other write is a PULL_WRITE that the owner executes and acks.
 //   Both finish out of order, so sequencer_ holds each signal until the writes before it are
 //   done.
 // - A signal to a counter this side has mapped is an atomic add (release) on the mapping; any
@@ -64,10 +64,7 @@ Status ShmEndpoint::post_write(PostWrite&& w, std::chrono::milliseconds timeout)
   if (describe) {
     // Learn about the region in the background (once): a memfd region is written through its
     // mapping from then on.
-    Job j;
-    j.kind = Job::kDescribe;
-    j.region = id;
-    enqueue(std::move(j));
+    start_describe(id);
   }
   op->by_peer = !mapped;
   if (!mapped)
@@ -107,7 +104,7 @@ void ShmEndpoint::push_post_job(std::shared_ptr<TransferOp> op) {
   }
   post_ring_[(post_head_ + post_count_) % post_ring_.size()] = std::move(op);
   ++post_count_;
-  cv_.notify_one();
+  schedule_locked();
 }
 
 Status ShmEndpoint::run_post_write(const PostOp& op) {

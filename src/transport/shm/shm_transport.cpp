@@ -11,6 +11,7 @@
 #include <unordered_set>
 
 #include "core/log.hpp"
+#include "core/params.hpp"
 #include "cuda/staging.hpp"
 #include "transport/common/same_host.hpp"
 #include "transport/common/same_host_endpoints.hpp"
@@ -27,6 +28,18 @@ namespace {
 // told only over the authenticated socket).
 alignas(64) volatile uint64_t g_probe_word = 0;
 
+// Copies are memory-bandwidth bound: a few threads saturate what one host can move, and before
+// the pool each endpoint had 2 copy workers (channels), so min(4, cores) keeps one peer's
+// parallelism and bounds hundreds of peers' threads.
+const Param<int> kCopyThreads{"shm.copy_threads", "SLUICE_SHM_COPY_THREADS", 0, int_in(0, 64),
+                              "threads of the engine's shm copy pool (every shm endpoint's copies); 0 = min(4, cores)"};
+
+int copy_threads(const EngineConfig& config) {
+  int n = kCopyThreads.get(config);
+  if (n > 0) return n;
+  return static_cast<int>(std::min(4u, std::max(1u, std::thread::hardware_concurrency())));
+}
+
 std::mutex g_test_stager_mu;
 std::shared_ptr<Stager> g_test_stager;  // set_test_stager()
 
@@ -37,7 +50,8 @@ std::shared_ptr<Stager> test_stager() {
 
 class ShmTransport final : public Transport, public Host {
  public:
-  explicit ShmTransport(const EngineContext& ctx) : host_id_(ctx.host_id), engine_id_(ctx.engine_id), registry_(ctx.registry) {
+  explicit ShmTransport(const EngineContext& ctx)
+      : host_id_(ctx.host_id), engine_id_(ctx.engine_id), registry_(ctx.registry), copy_pool_(copy_threads(*ctx.config)) {
     if (g_probe_word == 0) g_probe_word = std::random_device{}() | 1;
     endpoints_.start("sluice-shm", engine_id_, [] {
       return nlohmann::json{{"probe_addr", reinterpret_cast<uint64_t>(&g_probe_word)},
@@ -109,11 +123,13 @@ class ShmTransport final : public Transport, public Host {
   const std::string& engine_id() const override { return engine_id_; }
   int lease_fd() const override { return registry_->leases().ok() ? registry_->leases().memfd() : -1; }
   void forget(uint64_t) override { endpoints_.forget(); }
+  CopyPool& copy_pool() override { return copy_pool_; }
 
  private:
   std::string host_id_;
   std::string engine_id_;
   const Registry* registry_;
+  CopyPool copy_pool_;  // outlives the endpoints' jobs: destroyed after endpoints_ stops
   same_host::Endpoints endpoints_;
 };
 
