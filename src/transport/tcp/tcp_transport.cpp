@@ -1,7 +1,12 @@
 // tcp: N persistent connections per endpoint. Requests and responses are frames (see
 // transport/common/frame.hpp); payloads move between the socket and registered memory with
 // no intermediate copy. Both sides of an endpoint may issue operations on the same sockets.
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <sys/socket.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -9,6 +14,7 @@
 #include <vector>
 
 #include "core/log.hpp"
+#include "core/params.hpp"
 #include "cuda/staging.hpp"
 #include "transport/common/control_frames.hpp"
 #include "transport/common/endpoint_base.hpp"
@@ -19,6 +25,28 @@
 
 namespace sluice::detail {
 namespace {
+
+#ifndef TCP_RTO_MAX_MS
+#define TCP_RTO_MAX_MS 44  // Linux >= 6.15 (include/uapi/linux/tcp.h)
+#endif
+
+// The kernel accepts 1000..120000 ms (its floor is 1 s); 0 leaves its default (120 s).
+Parser<int> rto_max_ms() {
+  return [](const std::string& where, const std::string& text) {
+    int v = int_in(0, 120000)(where, text);
+    if (v != 0 && v < 1000) param_error(where, text, "must be 0 or 1000..120000 (the kernel's range)");
+    return v;
+  };
+}
+
+// Why: during an outage TCP backs its retransmission timeout off (200, 400, 800, 1600 ms, ...)
+// and nothing retransmits when the link comes back, so a surviving connection resumes only
+// at its next retransmission, up to one (doubled) interval after link-up. Capping the
+// interval bounds that wait (docs/cluster.md, "Measured recovery").
+const Param<int> kRtoMaxMs{"tcp.rto_max_ms", "SLUICE_TCP_RTO_MAX_MS", 1000, rto_max_ms(),
+                           "cap on a channel's TCP retransmission back-off (TCP_RTO_MAX_MS, Linux >= 6.15; "
+                           "0 or 1000..120000 ms): after an outage the next retransmission comes at most this "
+                           "long after the link is back; 0 = the kernel's (net.ipv4.tcp_rto_max_ms, 120 s)"};
 
 struct ReadPiece {
   uint64_t token;
@@ -75,7 +103,8 @@ class TcpEndpoint final : public EndpointBase,
         answered_(new std::atomic<Clock::rep>[s.channels]),
         channels_(s.channels),
         reads_(s.channels),
-        read_mu_(s.channels) {
+        read_mu_(s.channels),
+        rto_max_ms_(kRtoMaxMs.get(s.config)) {
     pending_.set_post_handler([this](const std::shared_ptr<TransferOp>& op, const Status& st) { post_finished(op, st); });
   }
   ~TcpEndpoint() override { close({ErrorCode::kCancelled, "endpoint destroyed"}); }
@@ -313,10 +342,19 @@ class TcpEndpoint final : public EndpointBase,
 
   // Callers hold attach_mu_, which also guards fail()'s walk over channels_.
   void install(int index, net::Socket sock) {
+    cap_rto(sock.fd());
     channels_[index] = std::make_unique<StreamChannel>(std::move(sock), this, index);
     channels_[index]->start();
     // fail() or close() ran before this channel existed
     if (failed() || closing_.load()) channels_[index]->shutdown();
+  }
+
+  void cap_rto(int fd) const {
+    if (rto_max_ms_ == 0) return;
+    int v = rto_max_ms_;
+    if (::setsockopt(fd, IPPROTO_TCP, TCP_RTO_MAX_MS, &v, sizeof(v)) != 0)
+      SLUICE_LOG(kDebug, "tcp: TCP_RTO_MAX_MS " << v << " not set (" << net::errno_text(errno)
+                                                << "; kernel older than 6.15?): retransmissions back off to its default cap");
   }
 
   // EndpointBase::fail: shut the channels down (never join: fail() may run on a channel's
@@ -623,6 +661,7 @@ class TcpEndpoint final : public EndpointBase,
   std::atomic<bool> closing_{false};  // close() began: it fails the ops after the join
   std::mutex imm_mu_;
   std::unordered_map<uint64_t, ImmProgress> imm_;
+  const int rto_max_ms_;  // tcp.rto_max_ms, 0 = kernel default
 };
 
 bool TcpEndpoint::drive(const std::atomic<bool>& done, Clock::time_point deadline) {
