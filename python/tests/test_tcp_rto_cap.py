@@ -1,7 +1,9 @@
 """tcp.rto_max_ms (docs/cluster.md, "Measured recovery"): every tcp channel's socket, on both
 sides of an endpoint, carries the cap on TCP's retransmission back-off (TCP_RTO_MAX_MS), so
-that a connection that survives a link outage resumes within the cap once the link is back;
-0 leaves the kernel's default. Checked on the sockets themselves, not by timing."""
+that a connection that survives a link outage resumes within the cap once the link is back,
+and a TCP_USER_TIMEOUT that keeps the kernel's give-up time what it was without the cap (the
+kernel models it on the back-off); 0 leaves both at the kernel's defaults. Checked on the
+sockets themselves, not by timing."""
 import os
 import socket
 
@@ -10,6 +12,23 @@ import pytest
 import sluice
 
 TCP_RTO_MAX_MS = 44  # Linux >= 6.15
+
+
+def _sysctl(name, fallback):
+    try:
+        with open("/proc/sys/net/ipv4/" + name) as f:
+            return int(f.read()) or fallback
+    except (OSError, ValueError):
+        return fallback
+
+
+def _uncapped_give_up_ms():
+    # The kernel's tcp_model_timeout with rto_min 200 ms and its default cap.
+    retries, rto_max = _sysctl("tcp_retries2", 15), _sysctl("tcp_rto_max_ms", 120000)
+    thresh = (rto_max // 200).bit_length() - 1
+    if retries <= thresh:
+        return ((2 << retries) - 1) * 200
+    return ((2 << thresh) - 1) * 200 + (retries - thresh) * rto_max
 
 
 def _kernel_cap_ms():
@@ -26,7 +45,7 @@ pytestmark = pytest.mark.skipif(_kernel_cap_ms() is None, reason="kernel without
 
 
 def _channel_caps(port):
-    """TCP_RTO_MAX_MS of this process's connected tcp sockets with `port` at either end: an
+    """(TCP_RTO_MAX_MS, TCP_USER_TIMEOUT) of this process's connected tcp sockets with `port` at either end: an
     engine's channels to (or accepted by) the listener on `port`."""
     caps = []
     for name in os.listdir("/proc/self/fd"):
@@ -42,7 +61,8 @@ def _channel_caps(port):
             except OSError:
                 continue  # a listener
             if port in (peer[1], s.getsockname()[1]):
-                caps.append(s.getsockopt(socket.IPPROTO_TCP, TCP_RTO_MAX_MS))
+                caps.append((s.getsockopt(socket.IPPROTO_TCP, TCP_RTO_MAX_MS),
+                             s.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT)))
     return caps
 
 
@@ -56,7 +76,10 @@ def test_every_channel_socket_carries_the_cap(option, want):
         port = int(b.listen_address.rsplit(":", 1)[1])
         caps = _channel_caps(port)
         assert len(caps) == 6, caps  # 3 channels, each seen from both ends
-        assert caps == [kernel_default if want == "kernel" else want] * 6
+        if want == "kernel":
+            assert caps == [(kernel_default, 0)] * 6
+        else:
+            assert caps == [(want, _uncapped_give_up_ms())] * 6
 
 
 @pytest.mark.parametrize("bad", [500, 999, 120001, -1])

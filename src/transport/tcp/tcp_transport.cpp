@@ -7,6 +7,8 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdint>
+#include <fstream>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -46,7 +48,31 @@ Parser<int> rto_max_ms() {
 const Param<int> kRtoMaxMs{"tcp.rto_max_ms", "SLUICE_TCP_RTO_MAX_MS", 1000, rto_max_ms(),
                            "cap on a channel's TCP retransmission back-off (TCP_RTO_MAX_MS, Linux >= 6.15; "
                            "0 or 1000..120000 ms): after an outage the next retransmission comes at most this "
-                           "long after the link is back; 0 = the kernel's (net.ipv4.tcp_rto_max_ms, 120 s)"};
+                           "long after the link is back (a TCP_USER_TIMEOUT keeps the kernel's give-up time); 0 = the "
+                           "kernel's (net.ipv4.tcp_rto_max_ms, 120 s)"};
+
+int sysctl_int(const char* path, int fallback) {
+  std::ifstream in(path);
+  int v = 0;
+  return in >> v && v > 0 ? v : fallback;
+}
+
+// How long the kernel lets data stay unacknowledged before it drops the connection, without
+// the cap: tcp_retries2 retransmissions backing off from 200 ms to net.ipv4.tcp_rto_max_ms,
+// as the kernel models it (tcp_model_timeout; about 924.6 s with the defaults, 15 and 120 s).
+// The model uses the socket's own cap, so the cap alone would cut this to about 14 s (a 20 s
+// outage dropped the connection 14.8 s in, "Connection timed out"); TCP_USER_TIMEOUT set to
+// it keeps the kernel's give-up time what it was. op_timeout is the engine's own limit.
+int uncapped_give_up_ms() {
+  const int64_t retries = sysctl_int("/proc/sys/net/ipv4/tcp_retries2", 15);
+  const int64_t rto_max = sysctl_int("/proc/sys/net/ipv4/tcp_rto_max_ms", 120000);
+  constexpr int64_t kRtoMin = 200;
+  int64_t thresh = 0;
+  while ((kRtoMin << (thresh + 1)) <= rto_max) ++thresh;  // ilog2(rto_max / kRtoMin)
+  int64_t ms = retries <= thresh ? ((int64_t{2} << retries) - 1) * kRtoMin
+                                 : ((int64_t{2} << thresh) - 1) * kRtoMin + (retries - thresh) * rto_max;
+  return static_cast<int>(std::min<int64_t>(ms, INT32_MAX));
+}
 
 struct ReadPiece {
   uint64_t token;
@@ -104,7 +130,8 @@ class TcpEndpoint final : public EndpointBase,
         channels_(s.channels),
         reads_(s.channels),
         read_mu_(s.channels),
-        rto_max_ms_(kRtoMaxMs.get(s.config)) {
+        rto_max_ms_(kRtoMaxMs.get(s.config)),
+        give_up_ms_(rto_max_ms_ ? uncapped_give_up_ms() : 0) {
     pending_.set_post_handler([this](const std::shared_ptr<TransferOp>& op, const Status& st) { post_finished(op, st); });
   }
   ~TcpEndpoint() override { close({ErrorCode::kCancelled, "endpoint destroyed"}); }
@@ -352,9 +379,15 @@ class TcpEndpoint final : public EndpointBase,
   void cap_rto(int fd) const {
     if (rto_max_ms_ == 0) return;
     int v = rto_max_ms_;
-    if (::setsockopt(fd, IPPROTO_TCP, TCP_RTO_MAX_MS, &v, sizeof(v)) != 0)
+    if (::setsockopt(fd, IPPROTO_TCP, TCP_RTO_MAX_MS, &v, sizeof(v)) != 0) {
       SLUICE_LOG(kDebug, "tcp: TCP_RTO_MAX_MS " << v << " not set (" << net::errno_text(errno)
                                                 << "; kernel older than 6.15?): retransmissions back off to its default cap");
+      return;
+    }
+    unsigned int give_up = static_cast<unsigned int>(give_up_ms_);  // see uncapped_give_up_ms()
+    if (::setsockopt(fd, IPPROTO_TCP, TCP_USER_TIMEOUT, &give_up, sizeof(give_up)) != 0)
+      SLUICE_LOG(kWarn, "tcp: TCP_USER_TIMEOUT " << give_up << " not set (" << net::errno_text(errno)
+                                                 << "): the kernel may drop a connection after about 14 s of outage");
   }
 
   // EndpointBase::fail: shut the channels down (never join: fail() may run on a channel's
@@ -662,6 +695,7 @@ class TcpEndpoint final : public EndpointBase,
   std::mutex imm_mu_;
   std::unordered_map<uint64_t, ImmProgress> imm_;
   const int rto_max_ms_;  // tcp.rto_max_ms, 0 = kernel default
+  const int give_up_ms_;  // TCP_USER_TIMEOUT with the cap (uncapped_give_up_ms), else 0
 };
 
 bool TcpEndpoint::drive(const std::atomic<bool>& done, Clock::time_point deadline) {
