@@ -22,13 +22,21 @@ def _sysctl(name, fallback):
         return fallback
 
 
-def _uncapped_give_up_ms():
-    # The kernel's tcp_model_timeout with rto_min 200 ms and its default cap.
-    retries, rto_max = _sysctl("tcp_retries2", 15), _sysctl("tcp_rto_max_ms", 120000)
-    thresh = (rto_max // 200).bit_length() - 1
+def _model_ms(retries, cap):
+    # The kernel's tcp_model_timeout: `retries` back-offs from 200 ms up to `cap`.
+    thresh = (cap // 200).bit_length() - 1
     if retries <= thresh:
         return ((2 << retries) - 1) * 200
-    return ((2 << thresh) - 1) * 200 + (retries - thresh) * rto_max
+    return ((2 << thresh) - 1) * 200 + (retries - thresh) * cap
+
+
+def _uncapped_give_up_ms():
+    return _model_ms(_sysctl("tcp_retries2", 15), _sysctl("tcp_rto_max_ms", 120000))
+
+
+def _auto_cap_ms(op_timeout_ms):
+    # tcp.rto_max_ms -1: the smallest cap whose tcp_retries2 window probes last 1.5 x op_timeout.
+    return next(c for c in range(1000, 120000, 100) if _model_ms(_sysctl("tcp_retries2", 15), c) >= op_timeout_ms * 3 // 2)
 
 
 def _kernel_cap_ms():
@@ -66,9 +74,14 @@ def _channel_caps(port):
     return caps
 
 
-@pytest.mark.parametrize("option,want", [(None, 1000), (3000, 3000), (0, "kernel")])
-def test_every_channel_socket_carries_the_cap(option, want):
-    kw = {} if option is None else {"tcp.rto_max_ms": option}
+@pytest.mark.parametrize("kw,want", [
+    ({}, _auto_cap_ms(30000)),                  # auto, the default op_timeout: 3600 with the default sysctls
+    ({"op_timeout": 5}, 1000),                  # auto: the kernel's floor
+    ({"op_timeout": 10}, _auto_cap_ms(10000)),  # auto: just above it (1100)
+    ({"tcp.rto_max_ms": 3000}, 3000),
+    ({"tcp.rto_max_ms": 0}, "kernel"),
+])
+def test_every_channel_socket_carries_the_cap(kw, want):
     kernel_default = _kernel_cap_ms()  # a fresh socket: the sysctl net.ipv4.tcp_rto_max_ms
     with sluice.Engine(transports="tcp", channels=3, **kw) as a, sluice.Engine(transports="tcp", channels=3, **kw) as b:
         a.connect(b.listen_address)
@@ -82,7 +95,7 @@ def test_every_channel_socket_carries_the_cap(option, want):
             assert caps == [(want, _uncapped_give_up_ms())] * 6
 
 
-@pytest.mark.parametrize("bad", [500, 999, 120001, -1])
+@pytest.mark.parametrize("bad", [500, 999, 120001, -2])
 def test_out_of_the_kernels_range_is_refused(bad):
     with pytest.raises(sluice.InvalidArgumentError, match="tcp.rto_max_ms"):
         sluice.Engine(transports="tcp", **{"tcp.rto_max_ms": bad})
