@@ -9,9 +9,12 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <vector>
 
+#include "core/params.hpp"
 #include "sluice/error.hpp"
 
 namespace sluice::net {
@@ -52,34 +55,92 @@ addrinfo* resolve(const std::string& host, uint16_t port, bool passive) {
 
 }  // namespace
 
+namespace {
+
+// Connected (or definitely not) after `pfd` reported: 0, else the socket's error.
+int connect_error(int fd) {
+  int err = 0;
+  socklen_t len = sizeof(err);
+  if (::getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len) != 0) return errno;
+  return err;
+}
+
+const detail::Param<int> kRetryMs{
+    "connect.retry_ms", "SLUICE_CONNECT_RETRY_MS", 200, detail::int_in(0, 60000),
+    "a TCP connection attempt to a peer's listener not established after this long is joined by a fresh one "
+    "(a lost SYN is resent by the kernel only after 1 s); 0 = one attempt per address",
+    detail::ParamScope::kProcess};
+
+// Attempts to one address run side by side, at most this many (each holds a socket).
+constexpr size_t kMaxAttempts = 8;
+
+// One address, for `timeout`. A lost SYN is resent by the kernel only after 1 s (then 3,
+// 7 s), so with `retry_after` > 0 an attempt still pending after it is joined by a fresh
+// socket, whose SYN leaves at once; the first to connect wins and the others are closed (a
+// listener that accepted one sees it close before any request). A refusal or other error
+// ends the address: no new attempt is started after one.
+Socket dial(const addrinfo* ai, std::chrono::milliseconds timeout, std::chrono::milliseconds retry_after,
+            std::string* last, ErrorCode* code) {
+  using Clock = std::chrono::steady_clock;
+  const auto deadline = Clock::now() + timeout;
+  std::vector<Socket> pending;
+  bool refused = false;
+  auto next_start = Clock::now();
+  for (;;) {
+    auto now = Clock::now();
+    if (!refused && now >= next_start && pending.size() < kMaxAttempts && (pending.empty() || retry_after.count() > 0)) {
+      Socket s(::socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK, ai->ai_protocol));
+      if (!s.valid()) {
+        *last = errno_text(errno);
+        refused = true;
+      } else if (::connect(s.fd(), ai->ai_addr, ai->ai_addrlen) == 0) {
+        return s;
+      } else if (errno == EINPROGRESS) {
+        pending.push_back(std::move(s));
+      } else {
+        *last = errno_text(errno);
+        refused = true;
+      }
+      next_start = now + retry_after;
+    }
+    if (pending.empty()) return Socket();
+    if (now >= deadline) {
+      *last = "timed out after " + std::to_string(timeout.count()) + " ms";
+      *code = ErrorCode::kTimeout;
+      return Socket();
+    }
+    auto until = deadline;
+    if (!refused && retry_after.count() > 0 && pending.size() < kMaxAttempts) until = std::min(until, next_start);
+    auto wait = std::chrono::ceil<std::chrono::milliseconds>(until - now);
+    std::vector<pollfd> pfds;
+    for (const auto& s : pending) pfds.push_back({s.fd(), POLLOUT, 0});
+    int rc = ::poll(pfds.data(), pfds.size(), static_cast<int>(std::max<int64_t>(0, wait.count())));
+    if (rc <= 0) continue;  // EINTR, or time for the next attempt or the deadline
+    std::vector<Socket> still;
+    for (size_t i = 0; i < pending.size(); ++i) {
+      if (!pfds[i].revents) {
+        still.push_back(std::move(pending[i]));
+        continue;
+      }
+      int err = connect_error(pending[i].fd());
+      if (err == 0) return std::move(pending[i]);  // the rest close with `pending`
+      *last = errno_text(err);
+      refused = true;
+    }
+    pending.swap(still);
+  }
+}
+
+}  // namespace
+
 Socket connect_tcp(const std::string& host, uint16_t port, std::chrono::milliseconds timeout) {
+  const std::chrono::milliseconds retry_after(kRetryMs.read());
   addrinfo* res = resolve(host, port, false);
   std::string last = "no address";
   ErrorCode code = ErrorCode::kPeerLost;
   for (addrinfo* ai = res; ai; ai = ai->ai_next) {
-    Socket s(::socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK, ai->ai_protocol));
+    Socket s = dial(ai, timeout, retry_after, &last, &code);  // each address gets the whole timeout, as before
     if (!s.valid()) continue;
-    int rc = ::connect(s.fd(), ai->ai_addr, ai->ai_addrlen);
-    if (rc != 0 && errno == EINPROGRESS) {
-      pollfd pfd{s.fd(), POLLOUT, 0};
-      rc = ::poll(&pfd, 1, static_cast<int>(timeout.count()));
-      if (rc == 0) {
-        last = "timed out after " + std::to_string(timeout.count()) + " ms";
-        code = ErrorCode::kTimeout;
-        continue;
-      }
-      int err = 0;
-      socklen_t len = sizeof(err);
-      ::getsockopt(s.fd(), SOL_SOCKET, SO_ERROR, &err, &len);
-      if (err != 0) {
-        last = errno_text(err);
-        continue;
-      }
-      rc = 0;
-    } else if (rc != 0) {
-      last = errno_text(errno);
-      continue;
-    }
     int flags = ::fcntl(s.fd(), F_GETFL);
     ::fcntl(s.fd(), F_SETFL, flags & ~O_NONBLOCK);
     int one = 1;

@@ -30,6 +30,9 @@ class Socket {
   int fd_ = -1;
 };
 
+// Connects, giving each of host's addresses `timeout`. An attempt not connected after
+// connect.retry_ms is joined by a fresh one (a lost SYN would otherwise wait for the
+// kernel's 1 s resend); the first to connect wins.
 Socket connect_tcp(const std::string& host, uint16_t port, std::chrono::milliseconds timeout);
 Socket listen_tcp(const std::string& host, uint16_t port, int backlog = 128);
 uint16_t local_port(int fd);

@@ -1,7 +1,14 @@
 // tcp: N persistent connections per endpoint. Requests and responses are frames (see
 // transport/common/frame.hpp); payloads move between the socket and registered memory with
 // no intermediate copy. Both sides of an endpoint may issue operations on the same sockets.
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <sys/socket.h>
+
 #include <algorithm>
+#include <cerrno>
+#include <cstdint>
+#include <fstream>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -9,6 +16,7 @@
 #include <vector>
 
 #include "core/log.hpp"
+#include "core/params.hpp"
 #include "cuda/staging.hpp"
 #include "transport/common/control_frames.hpp"
 #include "transport/common/endpoint_base.hpp"
@@ -19,6 +27,73 @@
 
 namespace sluice::detail {
 namespace {
+
+#ifndef TCP_RTO_MAX_MS
+#define TCP_RTO_MAX_MS 44  // Linux >= 6.15 (include/uapi/linux/tcp.h)
+#endif
+
+// -1 = auto (below); 0 = the kernel's default; else 1000..120000 ms (the kernel's floor is 1 s).
+Parser<int> rto_max_ms() {
+  return [](const std::string& where, const std::string& text) {
+    int v = int_in(-1, 120000)(where, text);
+    if (v > 0 && v < 1000) param_error(where, text, "must be -1 (auto), 0 or 1000..120000 (the kernel's range)");
+    return v;
+  };
+}
+
+// Why: during an outage TCP backs its retransmission timeout off (200, 400, 800, 1600 ms, ...)
+// and nothing retransmits when the link comes back, so a surviving connection resumes only
+// at its next retransmission, up to one (doubled) interval after link-up. Capping the
+// interval bounds that wait (docs/cluster.md, "Measured recovery").
+const Param<int> kRtoMaxMs{"tcp.rto_max_ms", "SLUICE_TCP_RTO_MAX_MS", -1, rto_max_ms(),
+                           "cap on a channel's TCP retransmission back-off (TCP_RTO_MAX_MS, Linux >= 6.15): after "
+                           "an outage the next retransmission comes at most this long after the link is back. "
+                           "-1 = auto: the smallest cap >= 1000 ms with which the kernel still gives a stalled "
+                           "connection 1.5 x op_timeout; 0 = the kernel's (net.ipv4.tcp_rto_max_ms, 120 s)"};
+
+int sysctl_int(const char* path, int fallback) {
+  std::ifstream in(path);
+  int v = 0;
+  return in >> v && v > 0 ? v : fallback;
+}
+
+// How long the kernel lets data stay unacknowledged before it drops the connection, without
+// the cap: tcp_retries2 retransmissions backing off from 200 ms to net.ipv4.tcp_rto_max_ms,
+// as the kernel models it (tcp_model_timeout; about 924.6 s with the defaults, 15 and 120 s).
+// The model uses the socket's own cap, so the cap alone would cut this to about 14 s (a 20 s
+// outage dropped the connection 14.8 s in, "Connection timed out"); TCP_USER_TIMEOUT set to
+// it keeps the kernel's give-up time what it was. op_timeout is the engine's own limit.
+// tcp_model_timeout: `retries` retransmissions (or window probes) backing off from 200 ms up
+// to `cap` ms, in ms.
+int64_t model_ms(int64_t retries, int64_t cap) {
+  constexpr int64_t kRtoMin = 200;
+  int64_t thresh = 0;
+  while ((kRtoMin << (thresh + 1)) <= cap) ++thresh;  // ilog2(cap / kRtoMin)
+  return retries <= thresh ? ((int64_t{2} << retries) - 1) * kRtoMin
+                           : ((int64_t{2} << thresh) - 1) * kRtoMin + (retries - thresh) * cap;
+}
+
+// tcp.rto_max_ms -1. TCP_USER_TIMEOUT (below) lengthens the give-up time of retransmissions,
+// not of window probes (tcp_probe_timer stops after tcp_retries2 of them whatever the user
+// timeout), and probes back off under the same cap: about 14 s with a 1 s cap. A 20 s
+// outage with op_timeout 60 s and a 1 s cap reset 2 of 7 connections, most likely so (the
+// peer whose link was down had probed; not verified). So the cap is the smallest that
+// leaves tcp_retries2 back-offs 1.5 x op_timeout:
+// 1000 ms up to op_timeout 9.6 s, 3600 ms for the default 30 s, 7800 ms for 60 s.
+int auto_rto_max_ms(std::chrono::milliseconds op_timeout) {
+  if (op_timeout.count() <= 0) return 0;
+  const int64_t retries = sysctl_int("/proc/sys/net/ipv4/tcp_retries2", 15);
+  const int64_t want = op_timeout.count() * 3 / 2;
+  for (int64_t cap = 1000; cap < 120000; cap += 100)
+    if (model_ms(retries, cap) >= want) return static_cast<int>(cap);
+  return 0;
+}
+
+int uncapped_give_up_ms() {
+  const int64_t retries = sysctl_int("/proc/sys/net/ipv4/tcp_retries2", 15);
+  const int64_t ms = model_ms(retries, sysctl_int("/proc/sys/net/ipv4/tcp_rto_max_ms", 120000));
+  return static_cast<int>(std::min<int64_t>(ms, INT32_MAX));
+}
 
 struct ReadPiece {
   uint64_t token;
@@ -75,7 +150,9 @@ class TcpEndpoint final : public EndpointBase,
         answered_(new std::atomic<Clock::rep>[s.channels]),
         channels_(s.channels),
         reads_(s.channels),
-        read_mu_(s.channels) {
+        read_mu_(s.channels),
+        rto_max_ms_(kRtoMaxMs.get(s.config) < 0 ? auto_rto_max_ms(s.config.op_timeout) : kRtoMaxMs.get(s.config)),
+        give_up_ms_(rto_max_ms_ ? uncapped_give_up_ms() : 0) {
     pending_.set_post_handler([this](const std::shared_ptr<TransferOp>& op, const Status& st) { post_finished(op, st); });
   }
   ~TcpEndpoint() override { close({ErrorCode::kCancelled, "endpoint destroyed"}); }
@@ -313,10 +390,25 @@ class TcpEndpoint final : public EndpointBase,
 
   // Callers hold attach_mu_, which also guards fail()'s walk over channels_.
   void install(int index, net::Socket sock) {
+    cap_rto(sock.fd());
     channels_[index] = std::make_unique<StreamChannel>(std::move(sock), this, index);
     channels_[index]->start();
     // fail() or close() ran before this channel existed
     if (failed() || closing_.load()) channels_[index]->shutdown();
+  }
+
+  void cap_rto(int fd) const {
+    if (rto_max_ms_ == 0) return;
+    int v = rto_max_ms_;
+    if (::setsockopt(fd, IPPROTO_TCP, TCP_RTO_MAX_MS, &v, sizeof(v)) != 0) {
+      SLUICE_LOG(kDebug, "tcp: TCP_RTO_MAX_MS " << v << " not set (" << net::errno_text(errno)
+                                                << "; kernel older than 6.15?): retransmissions back off to its default cap");
+      return;
+    }
+    unsigned int give_up = static_cast<unsigned int>(give_up_ms_);  // see uncapped_give_up_ms()
+    if (::setsockopt(fd, IPPROTO_TCP, TCP_USER_TIMEOUT, &give_up, sizeof(give_up)) != 0)
+      SLUICE_LOG(kWarn, "tcp: TCP_USER_TIMEOUT " << give_up << " not set (" << net::errno_text(errno)
+                                                 << "): the kernel may drop a connection after about 14 s of outage");
   }
 
   // EndpointBase::fail: shut the channels down (never join: fail() may run on a channel's
@@ -623,6 +715,8 @@ class TcpEndpoint final : public EndpointBase,
   std::atomic<bool> closing_{false};  // close() began: it fails the ops after the join
   std::mutex imm_mu_;
   std::unordered_map<uint64_t, ImmProgress> imm_;
+  const int rto_max_ms_;  // tcp.rto_max_ms resolved (auto_rto_max_ms), 0 = kernel default
+  const int give_up_ms_;  // TCP_USER_TIMEOUT with the cap (uncapped_give_up_ms), else 0
 };
 
 bool TcpEndpoint::drive(const std::atomic<bool>& done, Clock::time_point deadline) {
