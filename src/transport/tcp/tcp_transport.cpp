@@ -1,14 +1,17 @@
 // tcp: N persistent connections per endpoint. Requests and responses are frames (see
 // transport/common/frame.hpp); payloads move between the socket and registered memory with
 // no intermediate copy. Both sides of an endpoint may issue operations on the same sockets.
+#include <fcntl.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <sys/socket.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
+#include <climits>
 #include <cstdint>
-#include <fstream>
+#include <cstdlib>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -51,10 +54,20 @@ const Param<int> kRtoMaxMs{"tcp.rto_max_ms", "SLUICE_TCP_RTO_MAX_MS", -1, rto_ma
                            "-1 = auto: the smallest cap >= 1000 ms with which the kernel still gives a stalled "
                            "connection 1.5 x op_timeout; 0 = the kernel's (net.ipv4.tcp_rto_max_ms, 120 s)"};
 
+// A positive number in a /proc/sys file, else `fallback`. read(2) and strtol, not iostreams:
+// the torch backend links the engine's objects into a module that torch's process loads, and
+// there `std::ifstream >> int` crashed (SIGSEGV in the locale's number parsing) on the H100
+// machine's image, in every tcp connect.
 int sysctl_int(const char* path, int fallback) {
-  std::ifstream in(path);
-  int v = 0;
-  return in >> v && v > 0 ? v : fallback;
+  int fd = ::open(path, O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return fallback;
+  char buf[32] = {};
+  ssize_t n = ::read(fd, buf, sizeof(buf) - 1);
+  ::close(fd);
+  if (n <= 0) return fallback;
+  char* end = nullptr;
+  long v = std::strtol(buf, &end, 10);
+  return end != buf && v > 0 && v <= INT32_MAX ? static_cast<int>(v) : fallback;
 }
 
 // How long the kernel lets data stay unacknowledged before it drops the connection, without
