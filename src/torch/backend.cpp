@@ -10,6 +10,7 @@
 #include "core/engine_impl.hpp"
 #include "host_staging.hpp"
 #include "store_directory.hpp"
+#include "transport/transport.hpp"
 #include "work.hpp"
 
 namespace sluice::torch_backend {
@@ -114,6 +115,13 @@ SluiceBackend::SluiceBackend(const c10::intrusive_ptr<c10d::Store>& store, int r
   // user-visible recv with the group timeout instead of the engine's recv timeout.
   base.recv_timeout = std::chrono::milliseconds(0);
   base.op_timeout = timeout;
+  // Every transport but nvlink. The backend moves host memory only (CUDA tensors go through
+  // host copies, host_staging.hpp), and nvlink, which the engine ranks first on a GPU host,
+  // moves host memory through the copy engine: on the H100 machine an 8-byte send/recv took
+  // 130-230 us over it against about 50 us for gloo (docs/torch.md). SLUICE_TRANSPORTS (applied
+  // by the Engine on top of this) still chooses; SLUICE_TORCH_TRANSPORT forces one per endpoint.
+  for (const auto& f : detail::transport_factories())
+    if (f.name != "nvlink") base.transports.push_back(f.name);
   engine_ = std::make_unique<Engine>(base);
   auto dir = std::make_shared<StoreDirectory>(store, rank);
   engine_->impl().use_directory(dir);
