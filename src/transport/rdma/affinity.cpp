@@ -1,22 +1,37 @@
 #include "transport/rdma/affinity.hpp"
 
 #include <dlfcn.h>
+#include <fcntl.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
 #include <climits>
 #include <cstdlib>
-#include <fstream>
 #include <sstream>
 
 namespace sluice::detail::rdma {
 namespace {
 
+// A small sysfs file's text (at most 4 KiB). read(2), not iostreams: this also runs inside
+// the torch backend's module, where `std::ifstream >> int` crashed on the H100 machine's image
+// (tcp_transport.cpp, sysctl_int).
+std::string read_text(const std::string& path) {
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return "";
+  std::string out(4096, '\0');
+  ssize_t n = ::read(fd, out.data(), out.size());
+  ::close(fd);
+  out.resize(n > 0 ? static_cast<size_t>(n) : 0);
+  return out;
+}
+
+// The file's first whitespace-separated word.
 std::string read_word(const std::string& path) {
-  std::ifstream in(path);
-  std::string s;
-  in >> s;
-  return s;
+  const std::string t = read_text(path);
+  const size_t b = t.find_first_not_of(" \t\r\n");
+  if (b == std::string::npos) return "";
+  const size_t e = t.find_first_of(" \t\r\n", b);
+  return t.substr(b, e == std::string::npos ? std::string::npos : e - b);
 }
 
 std::string resolve(const std::string& path) {
@@ -97,10 +112,16 @@ int numa_node_of(const void* addr) {
 
 int numa_distance(const std::string& root, int from, int to) {
   if (from < 0 || to < 0) return -1;
-  std::ifstream in(root + "/devices/system/node/node" + std::to_string(from) + "/distance");
+  const std::string t = read_text(root + "/devices/system/node/node" + std::to_string(from) + "/distance");
   std::vector<int> d;
-  int x;
-  while (in >> x) d.push_back(x);
+  const char* p = t.c_str();
+  for (;;) {  // the integers up to the first thing that is not one
+    char* end = nullptr;
+    long x = std::strtol(p, &end, 10);
+    if (end == p) break;
+    d.push_back(static_cast<int>(x));
+    p = end;
+  }
   if (to < static_cast<int>(d.size())) return d[to];
   return from == to ? 10 : -1;
 }
