@@ -38,6 +38,15 @@ struct ConnectOptions {
   // fastest one both sides have.
   std::string transport;
   std::optional<std::chrono::milliseconds> timeout;  // default: EngineConfig::connect_timeout
+  // After the endpoint failed because its peer was lost or stopped answering (kPeerLost,
+  // kTimeout), the next operation submitted on it first connects again to the same target
+  // (the name through the directory, or the address), on the caller's thread, within
+  // `timeout`. Operations pending at the failure still fail with it: none is retried. A peer
+  // that restarted is a new engine: its regions have new handles (remote_region(name)), and
+  // those of the old one are refused (kUnknownHandle), never mapped onto the new one's.
+  // Failures of other kinds (kProtocol, a local close) are never reconnected. Endpoints from
+  // accept() do not reconnect: their peer dials again. See docs/cluster.md.
+  bool reconnect = true;
 };
 
 class SLUICE_API Engine {

@@ -44,6 +44,7 @@ struct EndpointMetrics {
   uint64_t in_flight = 0;           // started and not yet ended: the endpoint's queue depth
   uint64_t timeouts = 0;            // ended with kTimeout
   uint64_t peer_lost = 0;           // ended with kPeerLost
+  uint64_t reconnects = 0;          // times the endpoint connected again (ConnectOptions::reconnect)
   uint64_t posts = 0, post_bytes = 0, post_signals = 0;  // the thin post path (port channels)
   LatencyHistogram latency;
 

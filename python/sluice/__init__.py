@@ -457,7 +457,8 @@ class Endpoint:
     def metrics(self) -> dict:
         """Counters of this endpoint's operations so far (docs/metrics.md): per kind
         (``ops["write"]["completed"]``, ``["failed"]``, ``["bytes"]``, ...), ``in_flight``,
-        ``timeouts``, ``peer_lost``, thin-path ``posts``, and a ``latency`` histogram."""
+        ``timeouts``, ``peer_lost``, ``reconnects``, thin-path ``posts``, and a ``latency``
+        histogram."""
         return self._ep.metrics()
 
     def close(self) -> None:
@@ -711,15 +712,23 @@ class Engine:
         return self._need().metrics_text()
 
     def connect(self, blob_or_addr: str, transport: Optional[str] = None,
-                timeout: Optional[float] = None) -> Endpoint:
-        """Connect to a peer given its :meth:`local_info` blob or its "host:port"."""
+                timeout: Optional[float] = None, reconnect: bool = True) -> Endpoint:
+        """Connect to a peer given its :meth:`local_info` blob, its "host:port" or its
+        directory name.
+
+        ``reconnect`` (default on): once the endpoint failed because its peer was lost or
+        stopped answering, the next operation connects again to the same target first
+        (operations pending at the failure still fail; a restarted peer's regions have new
+        handles). ``False`` keeps a failed endpoint failed (docs/cluster.md)."""
         core = self._need()
         if not isinstance(blob_or_addr, str):
             raise InvalidArgumentError(
                 f"connect: expected an info blob or 'host:port' str, got {_describe_value(blob_or_addr)}")
         transport = _opt_str(transport, "connect: transport")
         timeout = _seconds(timeout, "connect: timeout", forever_ok=False)
-        return Endpoint(core.connect(blob_or_addr, transport, timeout), self)
+        if not isinstance(reconnect, bool):
+            raise InvalidArgumentError(f"connect: reconnect must be a bool, got {_describe_value(reconnect)}")
+        return Endpoint(core.connect(blob_or_addr, transport, timeout, reconnect), self)
 
     def accept(self, timeout: Optional[float] = None) -> Optional[Endpoint]:
         """The next endpoint a peer opened to us; ``None`` if none arrives within ``timeout``

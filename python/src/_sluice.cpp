@@ -588,10 +588,12 @@ PYBIND11_MODULE(_sluice, m) {
       .def("metrics_text", [](PyEngine& pe) { return pe.e()->metrics_text(); })
       .def("channels", [](PyEngine& pe) { return pe.e()->config().channels; })
       .def("connect",
-           [](PyEngine& pe, const std::string& target, const std::string& transport, std::optional<double> timeout) {
+           [](PyEngine& pe, const std::string& target, const std::string& transport, std::optional<double> timeout,
+              bool reconnect) {
              auto e = pe.e();
              sluice::ConnectOptions co;
              co.transport = transport;
+             co.reconnect = reconnect;
              if (timeout) co.timeout = std::chrono::milliseconds(static_cast<int64_t>(*timeout * 1000));
              NoGil nogil;
              return PyEndpoint{e->connect(target, co)};

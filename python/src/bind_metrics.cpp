@@ -29,6 +29,7 @@ py::dict metrics_dict(const sluice::EndpointMetrics& m) {
   d["in_flight"] = m.in_flight;
   d["timeouts"] = m.timeouts;
   d["peer_lost"] = m.peer_lost;
+  d["reconnects"] = m.reconnects;
   d["posts"] = m.posts;
   d["post_bytes"] = m.post_bytes;
   d["post_signals"] = m.post_signals;

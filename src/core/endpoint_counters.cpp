@@ -39,6 +39,7 @@ void EndpointCounters::snapshot(EndpointMetrics& out) const {
   }
   out.timeouts = timeouts_.load(std::memory_order_relaxed);
   out.peer_lost = peer_lost_.load(std::memory_order_relaxed);
+  out.reconnects = reconnects_.load(std::memory_order_relaxed);
   out.posts = posts_.load(std::memory_order_relaxed);
   out.post_bytes = post_bytes_.load(std::memory_order_relaxed);
   out.post_signals = post_signals_.load(std::memory_order_relaxed);

@@ -21,6 +21,7 @@ class EndpointCounters {
     post_bytes_.fetch_add(bytes, std::memory_order_relaxed);
   }
   void signalled() { post_signals_.fetch_add(1, std::memory_order_relaxed); }
+  void reconnected() { reconnects_.fetch_add(1, std::memory_order_relaxed); }
   // Everything but the endpoint's identity (peer, transport, channels, connected).
   void snapshot(EndpointMetrics& out) const;
 
@@ -33,7 +34,7 @@ class EndpointCounters {
   Slot& slot(OpKind kind) { return ops_[std::min<size_t>(static_cast<size_t>(kind), ops_.size() - 1)]; }
 
   std::array<Slot, 5> ops_;  // by OpKind, imm_recv excluded (EndpointMetrics::ops)
-  std::atomic<uint64_t> timeouts_{0}, peer_lost_{0};
+  std::atomic<uint64_t> timeouts_{0}, peer_lost_{0}, reconnects_{0};
   std::atomic<uint64_t> posts_{0}, post_bytes_{0}, post_signals_{0};
   std::array<std::atomic<uint64_t>, LatencyHistogram::kBuckets> latency_{};
   std::atomic<uint64_t> latency_sum_ns_{0};

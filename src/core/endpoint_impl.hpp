@@ -15,6 +15,7 @@
 #include "core/engine_info.hpp"
 #include "core/message_matcher.hpp"
 #include "sluice/endpoint.hpp"
+#include "sluice/engine.hpp"
 #include "transport/transport.hpp"
 
 namespace sluice::detail {
@@ -23,7 +24,9 @@ class EngineImpl;
 
 class EndpointImpl final : public EndpointEvents, public std::enable_shared_from_this<EndpointImpl> {
  public:
-  EndpointImpl(std::shared_ptr<EngineImpl> engine, const Transport* kind, EngineInfo peer, uint64_t token, int channels);
+  // `counters`: those of the endpoint this one replaces (reconnection), else fresh ones.
+  EndpointImpl(std::shared_ptr<EngineImpl> engine, const Transport* kind, EngineInfo peer, uint64_t token, int channels,
+               std::shared_ptr<EndpointCounters> counters = nullptr);
   ~EndpointImpl() override;
 
   void set_transport(std::shared_ptr<TransportEndpoint> t) {
@@ -46,8 +49,11 @@ class EndpointImpl final : public EndpointEvents, public std::enable_shared_from
   std::vector<RegionInfo> remote_regions() const;
   void set_peer(EngineInfo peer);
   // Asks the engine's directory for the peer's current info (on the caller's thread: the
-  // application asked for it) and hands it to the transport through peer_updated().
-  void refresh();
+  // application asked for it) and hands it to the transport through peer_updated(). Throws
+  // kPeerLost if the target now names another engine; with `fail_if_moved` this endpoint
+  // fails with it first (its peer no longer answers to the target: a reconnecting endpoint
+  // then moves to the new engine).
+  void refresh(bool fail_if_moved = false);
   // What refresh() asks the directory for: the target this side connected to (for the
   // listener directory the "host:port" it dialed, never the "listen" address a peer's info
   // names: a hostile peer could name a third party).
@@ -55,6 +61,31 @@ class EndpointImpl final : public EndpointEvents, public std::enable_shared_from
     std::lock_guard<std::mutex> lk(peer_mu_);
     peer_ref_ = std::move(ref);
   }
+
+  // Reconnection (ConnectOptions::reconnect; endpoint_reconnect.cpp). The Endpoint handle
+  // holds the endpoint connect() returned, its "head"; after a failure the head connects
+  // again and keeps the new endpoint as its successor, to which the handle's calls go from
+  // then on. Set by EngineImpl::connect before the endpoint is handed out.
+  void enable_reconnect(const ConnectOptions& options) {
+    reconnect_options_ = options;
+    reconnect_options_.reconnect = false;  // a successor does not chain its own
+    reconnect_ = true;
+  }
+  // The endpoint the handle's calls go to: this one, or its successor (kept alive by `hold`).
+  // With `connect_again`, a current endpoint that failed with a reconnectable error is first
+  // replaced by a new connection (on this thread, within the connect timeout), or Error is
+  // thrown naming both failures.
+  EndpointImpl& live(std::shared_ptr<EndpointImpl>& hold, bool connect_again) {
+    if (!has_successor_.load(std::memory_order_acquire) &&
+        (!reconnect_ || failed_code_.load(std::memory_order_acquire) == 0))
+      return *this;
+    return live_slow(hold, connect_again);
+  }
+  // The thin post path reports a failure through flush(): posts made since the last flush
+  // block reconnection until flush() has thrown it (so that it is never lost).
+  void note_posts() { unflushed_posts_.store(true, std::memory_order_relaxed); }
+  void note_flushed() { unflushed_posts_.store(false, std::memory_order_relaxed); }
+  bool reconnects() const { return reconnect_; }
 
   const std::string& transport_name() const { return transport_name_; }
   Capabilities capabilities() const { return kind_->capabilities(); }
@@ -67,6 +98,8 @@ class EndpointImpl final : public EndpointEvents, public std::enable_shared_from
   // Engine::close(): the transport is closed exactly once (see close_transport()).
   void close(const Status& why);
   void engine_forget();
+  // Endpoint::close(): this endpoint and its successor, and no reconnection after it.
+  void close_chain(const Status& why);
   // Watchdog: per-operation deadlines (an op with no progress of its own for `timeout` fails
   // and the peer is declared lost), receive deadlines (recv_timeout) and stalled writers.
   void check_progress(std::chrono::milliseconds timeout);
@@ -77,6 +110,7 @@ class EndpointImpl final : public EndpointEvents, public std::enable_shared_from
   void on_failure(const Status& why) override;
 
  private:
+  EndpointImpl& live_slow(std::shared_ptr<EndpointImpl>& hold, bool connect_again);
   void check_usable() const;
   // Throws (kInvalidArgument, kUnsupported) unless this transport can honour `options` on an
   // op of `kind`; the message names the transport and the missing capability.
@@ -102,7 +136,7 @@ class EndpointImpl final : public EndpointEvents, public std::enable_shared_from
   std::shared_ptr<TransportEndpoint> transport_;
   std::weak_ptr<ProgressSource> progress_;
   MessageMatcher matcher_;
-  std::shared_ptr<EndpointCounters> counters_ = std::make_shared<EndpointCounters>();
+  std::shared_ptr<EndpointCounters> counters_;
 
   mutable std::mutex peer_mu_;
   EngineInfo peer_;
@@ -122,6 +156,18 @@ class EndpointImpl final : public EndpointEvents, public std::enable_shared_from
   std::condition_variable close_cv_;
   enum class CloseState { kOpen, kClosing, kClosed } close_state_ = CloseState::kOpen;
   std::thread::id closer_;  // the thread running transport_->close()
+
+  // Reconnection state, on the head only (see enable_reconnect()).
+  bool reconnect_ = false;
+  ConnectOptions reconnect_options_;
+  std::atomic<bool> has_successor_{false};
+  std::atomic<bool> unflushed_posts_{false};
+  std::mutex reconnect_mu_;  // guards what follows; held while connecting again
+  std::shared_ptr<EndpointImpl> successor_;
+  std::chrono::steady_clock::time_point last_attempt_{};
+  std::chrono::steady_clock::duration last_attempt_took_{};
+  std::string last_attempt_error_;  // empty: the last attempt succeeded (or none was made)
+  bool user_closed_ = false;
 };
 
 }  // namespace sluice::detail

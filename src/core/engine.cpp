@@ -353,7 +353,8 @@ EngineImpl::Exchange EngineImpl::open_exchange(const std::string& host, uint16_t
   return x;
 }
 
-std::shared_ptr<EndpointImpl> EngineImpl::connect(const std::string& target, const ConnectOptions& options) {
+std::shared_ptr<EndpointImpl> EngineImpl::connect(const std::string& target, const ConnectOptions& options,
+                                                  std::shared_ptr<EndpointCounters> counters) {
   {
     std::lock_guard<std::mutex> lk(mu_);
     if (closed_) throw Error(ErrorCode::kClosed, "connect: engine is closed");
@@ -384,8 +385,9 @@ std::shared_ptr<EndpointImpl> EngineImpl::connect(const std::string& target, con
   Transport* t = choose_transport(peer, options.transport);
   const uint64_t token = random_u64();
   const int channels = config_.channels;
-  auto ep = std::make_shared<EndpointImpl>(shared_from_this(), t, peer, token, channels);
+  auto ep = std::make_shared<EndpointImpl>(shared_from_this(), t, peer, token, channels, std::move(counters));
   ep->set_peer_ref(ref);
+  if (options.reconnect) ep->enable_reconnect(options);
   EndpointSetup setup{true, token, channels, peer, ep.get(), config_};
   ep->set_transport(t->create_endpoint(setup));
 

@@ -41,7 +41,9 @@ class EngineImpl : public std::enable_shared_from_this<EngineImpl> {
   Allocation allocate(uint64_t length, Location location, const std::string& name);
   void free(const Allocation& a);
 
-  std::shared_ptr<EndpointImpl> connect(const std::string& target, const ConnectOptions& options);
+  // `counters`: an endpoint that reconnects passes its own, so that its metrics go on.
+  std::shared_ptr<EndpointImpl> connect(const std::string& target, const ConnectOptions& options,
+                                        std::shared_ptr<EndpointCounters> counters = nullptr);
   std::shared_ptr<EndpointImpl> accept(std::chrono::milliseconds timeout);
   // The peer `ref` names, through the engine's directory (the listener INFO query unless
   // use_directory() chose another).

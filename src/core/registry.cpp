@@ -1,5 +1,7 @@
 #include "core/registry.hpp"
 
+#include <sys/random.h>
+
 #include <string>
 
 namespace sluice::detail {
@@ -36,6 +38,19 @@ void RegionPin::release() {
     entry_->drained.notify_all();
   }
   entry_.reset();
+}
+
+// Region ids start at a random point of [2^20, 2^51) (a multiple of 2^20): a peer that
+// restarts is a new engine whose regions must not answer to the old one's handles. An
+// endpoint that reconnects (ConnectOptions::reconnect), or a program that keeps a
+// RemoteHandle across a peer's restart, would otherwise reach the new engine's region with
+// the same small id, another buffer, and write into it. Below 2^53 so that JSON readers that
+// hold numbers as doubles keep them exact.
+Registry::Registry() {
+  uint64_t r = 0;
+  while (r == 0)
+    if (::getrandom(&r, sizeof(r), 0) != static_cast<ssize_t>(sizeof(r))) r = 0;
+  next_id_ = ((r % ((uint64_t{1} << 31) - 1)) + 1) << 20;
 }
 
 MemoryHandle Registry::add(void* ptr, uint64_t length, Location location, const std::string& name, int memfd,

@@ -56,6 +56,7 @@ class RegionPin {
 
 class Registry {
  public:
+  Registry();
   MemoryHandle add(void* ptr, uint64_t length, Location location, const std::string& name, int memfd = -1,
                    bool owned = false);
   // Removes the handle (new lookups fail) and waits until every pin is released, local ones
@@ -83,7 +84,7 @@ class Registry {
   mutable std::shared_mutex mu_;
   std::unordered_map<uint64_t, std::shared_ptr<RegionEntry>> regions_;
   std::unordered_map<std::string, uint64_t> names_;
-  uint64_t next_id_ = 1;
+  uint64_t next_id_;  // random start (Registry()): handles are not reused across incarnations
   LeaseTable leases_;
   std::chrono::milliseconds lease_timeout_{30000};
   std::atomic<int64_t> pin_timeout_ms_{35000};  // EngineConfig's default op_timeout + 5 s

@@ -131,6 +131,9 @@ SluiceBackend::SluiceBackend(const c10::intrusive_ptr<c10d::Store>& store, int r
   // Peers start at different times: the Store lookup waits for them, up to the group timeout
   // (SLUICE_TORCH_CONNECT_TIMEOUT_MS shortens it).
   co.timeout = std::min(timeout, env_ms("SLUICE_TORCH_CONNECT_TIMEOUT_MS", timeout));
+  // A lost rank fails the group (as with gloo and NCCL): a new connection would restart the
+  // pair's message sequence under operations the peer never matches.
+  co.reconnect = false;
   const auto deadline = std::chrono::steady_clock::now() + *co.timeout;
 
   std::vector<Endpoint> peers(size), data(size);

@@ -12,82 +12,12 @@
 #include <thread>
 #include <vector>
 
-#include "fake_transport.hpp"
-#include "sluice/sluice.hpp"
+#include "core_with_fake.hpp"
 
 namespace sluice::detail::fake {
 namespace {
 
 using namespace std::chrono_literals;
-
-constexpr uint64_t kLen = 16 << 10;
-constexpr uint64_t kGuard = 4096;  // bytes either side of the target region, never registered
-constexpr uint8_t kGuardByte = 0xEE;
-
-class CoreWithFake : public ::testing::Test {
- protected:
-  void TearDown() override {
-    net().clear();
-    ep_ = Endpoint();
-    peer_ = Endpoint();
-    a_.reset();
-    b_.reset();
-  }
-
-  // channels 4 with 4 KiB pieces and striping always on: a 16 KiB transfer is 4 lanes.
-  void start(int channels, std::chrono::milliseconds op_timeout = 30s) {
-    net().clear();
-    EngineConfig c;
-    c.transports = {"fake"};
-    c.channels = channels;
-    c.op_timeout = op_timeout;
-    c.connect_timeout = 5s;
-    c.chunk_size = 4096;
-    c.stripe_threshold = 0;
-    a_ = std::make_unique<Engine>(c);
-    b_ = std::make_unique<Engine>(c);
-    la_.assign(kLen, 0);
-    for (size_t i = 0; i < la_.size(); ++i) la_[i] = static_cast<uint8_t>(i * 7 + 1);
-    lb_.assign(kGuard + kLen + kGuard, kGuardByte);
-    ha_ = a_->register_memory(la_.data(), la_.size(), Location::host(), "a");
-    hb_ = b_->register_memory(lb_.data() + kGuard, kLen, Location::host(), "b");
-    ep_ = a_->connect(b_->listen_address());
-    auto p = b_->accept(5s);
-    ASSERT_TRUE(p.has_value());
-    peer_ = *p;
-    ASSERT_EQ(ep_.transport(), "fake");
-    auto r = ep_.remote_region("b");
-    ASSERT_TRUE(r.has_value());
-    rb_ = *r;
-  }
-
-  Future write(uint64_t len = 4096, uint64_t off = 0) { return ep_.write({{ha_, off, rb_, off, len}}); }
-  // The target region's bytes [off, off + len) hold what a wrote there.
-  bool landed(uint64_t off, uint64_t len) const {
-    for (uint64_t i = off; i < off + len; ++i)
-      if (lb_[kGuard + i] != la_[i]) return false;
-    return true;
-  }
-  bool untouched() const {
-    for (uint8_t v : lb_)
-      if (v != kGuardByte) return false;
-    return true;
-  }
-  static ErrorCode code_of_write(Endpoint& ep, MemoryHandle h, RemoteHandle r) {
-    try {
-      ep.write({{h, 0, r, 0, 4096}});
-    } catch (const Error& e) {
-      return e.code();
-    }
-    return ErrorCode::kOk;
-  }
-
-  std::unique_ptr<Engine> a_, b_;
-  std::vector<uint8_t> la_, lb_;
-  MemoryHandle ha_, hb_;
-  RemoteHandle rb_;
-  Endpoint ep_, peer_;
-};
 
 TEST_F(CoreWithFake, DeliveredWriteLandsThroughTheTargetRegistry) {
   start(1);
@@ -112,7 +42,7 @@ TEST_F(CoreWithFake, DeliveredWriteLandsThroughTheTargetRegistry) {
 // Watchdog: an op nobody answers fails with kTimeout once op_timeout passed without progress,
 // and the endpoint is declared lost.
 TEST_F(CoreWithFake, HeldOpTimesOutAndTheEndpointIsLost) {
-  start(1, 200ms);
+  start(1, 200ms, /*reconnect=*/false);
   Future f = write();
   ASSERT_TRUE(net().wait_queued(1));
   ASSERT_TRUE(f.wait_for(5s)) << "the watchdog never timed the held op out";
@@ -169,7 +99,7 @@ TEST_F(CoreWithFake, FailedOpCompletesWithItsStatusAndOthersAreUnaffected) {
 // The transport lost its peer: every pending op and posted recv fails with its status, and
 // new ops are refused at submit.
 TEST_F(CoreWithFake, LostPeerFailsEverythingPendingAndRefusesNewOps) {
-  start(1);
+  start(1, 30s, /*reconnect=*/false);
   std::vector<Future> fs;
   for (int i = 0; i < 3; ++i) fs.push_back(write(4096, 4096u * i));
   Future rv = ep_.recv(ha_, 0, 64);

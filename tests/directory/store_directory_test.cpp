@@ -355,10 +355,14 @@ TEST_P(StoreDirectoryTest, ServerRestartLookupsFailClearlyThenWorkAgain) {
   EXPECT_EQ(dst, src);
 }
 
+// Without reconnection, an endpoint never mixes a new incarnation's regions into its table:
+// refresh says the peer restarted, and a new connect by name reaches the new engine.
 TEST_P(StoreDirectoryTest, RestartedPeerIsANewIncarnation) {
   Engine a(config("client"));
   auto b = std::make_unique<Engine>(config("server"));
-  Endpoint ep = a.connect("server");
+  ConnectOptions no_reconnect;
+  no_reconnect.reconnect = false;
+  Endpoint ep = a.connect("server", no_reconnect);
   const std::string old_id = b->impl().info().engine_id;
   b.reset();
   Engine b2(config("server"));  // same name, new engine
@@ -368,6 +372,23 @@ TEST_P(StoreDirectoryTest, RestartedPeerIsANewIncarnation) {
   // A new connect by name reaches the new incarnation.
   Endpoint ep2 = a.connect("server");
   EXPECT_EQ(ep2.peer_engine_id(), b2.impl().info().engine_id);
+}
+
+// With reconnection (the default), the endpoint moves to the new incarnation by name:
+// refresh_remote_regions() connects again, whether or not the old connection's loss was seen
+// yet, and the table is the new engine's.
+TEST_P(StoreDirectoryTest, ReconnectingEndpointMovesToTheNewIncarnation) {
+  Engine a(config("client"));
+  auto b = std::make_unique<Engine>(config("server"));
+  Endpoint ep = a.connect("server");
+  b.reset();
+  Engine b2(config("server"));
+  std::vector<uint8_t> buf(4096);
+  b2.register_memory(buf.data(), buf.size(), Location::host(), "fresh");
+  ep.refresh_remote_regions();
+  EXPECT_EQ(ep.peer_engine_id(), b2.impl().info().engine_id);
+  EXPECT_TRUE(ep.remote_region("fresh").has_value());
+  EXPECT_EQ(ep.metrics().reconnects, 1u);
 }
 
 TEST_P(StoreDirectoryTest, UnreachableServerFailsTheEngineClearly) {

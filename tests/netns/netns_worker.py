@@ -166,8 +166,8 @@ class Worker:
                 self.stream_log.append(rec)
                 seq += 1
                 if not rec["ok"]:
-                    # The endpoint failed for good (it is never reconnected in place): stop, as a
-                    # caller would. A checker error ends the stream the same way.
+                    # The endpoint failed (the next op would connect again: `again` measures
+                    # that): stop, as a caller would. A checker error ends the stream too.
                     if not ep.connected or rec["type"] in ("AssertionError", "HangError"):
                         return
 
@@ -187,6 +187,26 @@ class Worker:
         done = bool(self.stream_thread and not self.stream_thread.is_alive())
         oks = [r["t1"] for r in self.stream_log if r["ok"]]
         return {"ops": len(self.stream_log), "oks": len(oks), "last_ok_t1": max(oks, default=None), "ended": done}
+
+    def again(self, target: int, lslot: int, rslot: int, until: float, op_wait: float) -> Dict[str, Any]:
+        """Runs checked ops on the stream's own endpoint (after its failure: each op first
+        connects again, docs/cluster.md "Reconnection"), retrying until one succeeds or `until`."""
+        ep = self.peers[target]
+        tries, last = 0, None
+        seq = 1 << 21
+        while time.monotonic() < until:
+            tries += 1
+            t0 = time.monotonic()
+            try:
+                self._checked_op(ep, seq, lslot, rslot, op_wait)
+                return {"success": True, "t_ok": time.monotonic(), "t_try": t0, "tries": tries,
+                        "peer_engine_id": ep.peer_engine_id, "reconnects": ep.metrics()["reconnects"],
+                        "last_error": last}
+            except Exception as e:  # noqa: BLE001
+                last = _err(e)
+                seq += 1
+                time.sleep(0.01)
+        return {"success": False, "tries": tries, "last_error": last}
 
     def fresh(self, addr: str, lslot: int, rslot: int, until: float, op_wait: float) -> Dict[str, Any]:
         """Connects anew and runs one checked op, retrying until one succeeds or `until`.
@@ -231,7 +251,7 @@ def main() -> None:
                 break
             fn = {"connect": w.connect, "prepare": w.prepare, "alltoall": w.alltoall, "verify": w.verify,
                   "stream_start": w.stream_start, "stream_stop": w.stream_stop_, "stream_status": w.stream_status,
-                  "fresh": w.fresh}[op]
+                  "fresh": w.fresh, "again": w.again}[op]
             reply({"ok": True, **fn(**cmd)})
         except Exception as e:  # noqa: BLE001
             reply({"ok": False, **_err(e), "trace": traceback.format_exc()})

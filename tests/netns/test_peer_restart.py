@@ -1,9 +1,9 @@
 """Scenario 3: a peer process killed (SIGKILL) while another engine streams checked writes and
 reads to it, then restarted in its namespace under the same name, through a real
 redis-server directory running in the hub namespace. The old endpoint's pending operation
-fails with PeerLost naming the peer (nothing hangs, no wrong bytes), and connect(name)
-afterwards reaches the new incarnation. Transparent reconnect is not built: the caller
-connects again. Reported: re-registration -> first successful operation."""
+fails with PeerLost naming the peer (nothing hangs, no wrong bytes). The same endpoint's
+next operations connect again by name (reconnection) and reach the new incarnation, and so
+does a fresh connect(name). Reported: re-registration -> first successful operation, both ways."""
 from __future__ import annotations
 
 import secrets
@@ -58,23 +58,30 @@ def test_peer_killed_and_restarted_under_its_name(topology, report):
         t_failed = last["t1"]
 
         # (b2) Restart under the same name. Its registration is refused while the dead
-        # engine's entry lives (TTL), so the worker retries; a connects by name meanwhile.
-        a.send("fresh", addr="peer-b", lslot=2, rslot=3, until=now() + 30, op_wait=OP_TIMEOUT + 5)
+        # engine's entry lives (TTL), so the worker retries; meanwhile a keeps submitting on
+        # the failed endpoint, each op connecting again by name (refused by the dead listener
+        # until the new engine registers).
+        a.send("again", target=1, lslot=2, rslot=3, until=now() + 30, op_wait=OP_TIMEOUT + 5)
         b2 = WorkerProc(b_host, 1, 4, name="peer-b", register_within=TTL_MS / 1000 + 15, **common)
         workers.append(b2)
         b2.ready(40)
-        fresh = a.reply("fresh", 45)
-        assert fresh["success"], f"connect('peer-b') never reached the new incarnation: {fresh}"
+        again = a.reply("again", 45)
         new_id = b2.hello["info"]["engine_id"]
         assert new_id != old_id
+        assert again["success"], f"the endpoint never reached the new incarnation: {again}"
+        assert again["peer_engine_id"] == new_id, (again, new_id)
+        assert again["reconnects"] == 1, again
+        # A fresh connect by name reaches it too.
+        fresh = a.call("fresh", 45, addr="peer-b", lslot=2, rslot=3, until=now() + 30, op_wait=OP_TIMEOUT + 5)
+        assert fresh["success"], f"connect('peer-b') never reached the new incarnation: {fresh}"
         assert fresh["peer_engine_id"] == new_id, (fresh, new_id)
 
         report("peer_restart", directory="redis (hub namespace)", ttl_ms=TTL_MS, op_timeout_s=OP_TIMEOUT,
                error=f"{last['type']}: {last['message'][:200]}",
                kill_to_error_s=round(t_failed - t_kill, 3),
                kill_to_reregistered_s=round(b2.hello["t_up"] - t_kill, 3),
-               reregistered_to_first_ok_s=round(fresh["t_ok"] - b2.hello["t_up"], 3),
-               connect_tries=fresh["tries"], last_error_before=fresh["last_error"])
+               reregistered_to_first_ok_s=round(again["t_ok"] - b2.hello["t_up"], 3),
+               op_tries=again["tries"], last_error_before=again["last_error"])
     finally:
         stop_all(workers)
         redis.kill()

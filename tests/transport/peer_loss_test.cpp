@@ -47,7 +47,11 @@ class PeerLoss : public ::testing::TestWithParam<std::string> {
     ASSERT_FALSE(victim_->blob().empty());
     ASSERT_FALSE(bystander_->blob().empty());
     engine_ = std::make_unique<Engine>(engine_config(GetParam(), 2, op_timeout));
-    ep_ = engine_->connect(victim_->blob());
+    // Without reconnection: these tests check that a failed endpoint stays failed and
+    // refuses new work at once (reconnection: reconnect_test.cpp).
+    ConnectOptions no_reconnect;
+    no_reconnect.reconnect = false;
+    ep_ = engine_->connect(victim_->blob(), no_reconnect);
     other_ = engine_->connect(bystander_->blob());
     ASSERT_EQ(ep_.transport(), GetParam());
     vheap_ = *ep_.remote_region("heap");

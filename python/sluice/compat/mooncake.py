@@ -597,7 +597,9 @@ class TransferEngine:
                 if peer is not None and peer.ep.connected:
                     return peer
             try:
-                ep = engine.connect(target)
+                # Reconnection is _drop()'s (a new _Peer, its handles looked up again), not
+                # the endpoint's.
+                ep = engine.connect(target, reconnect=False)
             except sluice.SluiceError as e:
                 raise _Fail(f"cannot reach {target}: {e}", ERR_SOCKET if probe else ERR_INVALID_ARGUMENT)
             peer = _Peer(target, ep)

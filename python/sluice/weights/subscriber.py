@@ -224,7 +224,9 @@ class WeightSubscriber:
         if left <= 0:
             raise TrainerLostError(f"trainer {self._ref!r}: no time left to connect")
         try:
-            ep = self._engine.connect(self._ref, timeout=left)
+            # Reconnection is ours (this method, with the region table reloaded), not the
+            # endpoint's: a restarted trainer must be met by _load_regions().
+            ep = self._engine.connect(self._ref, timeout=left, reconnect=False)
         except ClosedError:
             raise
         except SluiceError as e:

@@ -1,0 +1,93 @@
+// Reconnection over the real transports (tcp, shm), in one process: the peer engine closes
+// and a new one starts on the same address; the endpoint's next operation connects to the new
+// engine, and the bytes land in its memory, not anywhere the old handles pointed.
+// The rules one by one are in tests/core/reconnect_test.cpp (fake transport).
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <string>
+#include <thread>
+
+#include "loopback.hpp"
+#include "test_util.hpp"
+#include "transports_under_test.hpp"
+
+using namespace sluice;
+using namespace sluice_test;
+
+namespace {
+
+class ReconnectOver : public ::testing::TestWithParam<std::string> {
+ protected:
+  void TearDown() override {
+    ep_ = {};
+    if (a_) a_->close();
+    if (b_) b_->close();
+  }
+  uint16_t port_of(const Engine& e) {
+    const std::string addr = e.listen_address();
+    return static_cast<uint16_t>(std::stoi(addr.substr(addr.rfind(':') + 1)));
+  }
+  // Waits (bounded) until ep_ reports its connection lost.
+  bool wait_lost(std::chrono::milliseconds limit) {
+    auto until = std::chrono::steady_clock::now() + limit;
+    while (ep_.connected()) {
+      if (std::chrono::steady_clock::now() > until) return false;
+      std::this_thread::sleep_for(10ms);
+    }
+    return true;
+  }
+
+  std::unique_ptr<Engine> a_, b_;
+  Endpoint ep_;
+};
+
+TEST_P(ReconnectOver, PeerRestartedOnTheSameAddress) {
+  constexpr uint64_t kBytes = 1 << 20;
+  EngineConfig c = engine_config(GetParam(), 2, 10s);
+  a_ = std::make_unique<Engine>(c);
+  b_ = std::make_unique<Engine>(c);
+  std::vector<uint8_t> src(kBytes), old_dst(kBytes, 0), new_dst(kBytes, 0);
+  fill_pattern(src.data(), src.size(), 5);
+  MemoryHandle hs = a_->register_memory(src.data(), src.size(), Location::host(), "src");
+  b_->register_memory(old_dst.data(), old_dst.size(), Location::host(), "dst");
+  ep_ = a_->connect(b_->listen_address());
+  ASSERT_EQ(ep_.transport(), GetParam());
+  RemoteHandle old_r = *ep_.remote_region("dst");
+  ASSERT_TRUE(ep_.write({{hs, 0, old_r, 0, kBytes}}).wait_for(10s));
+  const std::string old_id = ep_.peer_engine_id();
+
+  const uint16_t port = port_of(*b_);
+  b_->close();
+  b_.reset();
+  ASSERT_TRUE(wait_lost(10s)) << "the endpoint never noticed that its peer closed";
+  EngineConfig cb = c;
+  cb.listen_port = port;
+  b_ = std::make_unique<Engine>(cb);
+  b_->register_memory(new_dst.data(), new_dst.size(), Location::host(), "dst");
+
+  // The old handle: connected again, to a new engine that never advertised it.
+  std::string msg;
+  EXPECT_EQ(code_of([&] { ep_.write({{hs, 0, old_r, 0, kBytes}}); }, &msg), ErrorCode::kUnknownHandle) << msg;
+  EXPECT_TRUE(ep_.connected());
+  EXPECT_NE(ep_.peer_engine_id(), old_id);
+  EXPECT_EQ(ep_.transport(), GetParam());
+  EXPECT_EQ(ep_.metrics().reconnects, 1u);
+  auto r = ep_.remote_region("dst");
+  ASSERT_TRUE(r.has_value());
+  Future f = ep_.write({{hs, 0, *r, 0, kBytes}});
+  ASSERT_TRUE(f.wait_for(10s));
+  ASSERT_TRUE(f.status().ok()) << f.status().to_string();
+  EXPECT_EQ(new_dst, src);
+  // Read back over the new connection too.
+  std::vector<uint8_t> back(kBytes, 0);
+  MemoryHandle hb = a_->register_memory(back.data(), back.size(), Location::host(), "back");
+  Future g = ep_.read({{hb, 0, *r, 0, kBytes}});
+  ASSERT_TRUE(g.wait_for(10s));
+  ASSERT_TRUE(g.status().ok()) << g.status().to_string();
+  EXPECT_EQ(back, src);
+}
+
+INSTANTIATE_TEST_SUITE_P(Conformance, ReconnectOver, ::testing::ValuesIn(transports_under_test()), transport_name);
+
+}  // namespace
