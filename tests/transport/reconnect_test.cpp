@@ -88,6 +88,47 @@ TEST_P(ReconnectOver, PeerRestartedOnTheSameAddress) {
   EXPECT_EQ(back, src);
 }
 
+// Posts have no Future: their failure is reported by flush(). An endpoint with posts not yet
+// flushed does not reconnect (the failure would be lost with the old connection) until
+// flush() has thrown it; then the next operation reconnects.
+TEST_P(ReconnectOver, UnflushedPostsHoldReconnectionUntilFlushReportsTheFailure) {
+  EngineConfig c = engine_config(GetParam(), 2, 10s);
+  a_ = std::make_unique<Engine>(c);
+  b_ = std::make_unique<Engine>(c);
+  std::vector<uint8_t> src(4096, 7), dst(4096, 0);
+  MemoryHandle hs = a_->register_memory(src.data(), src.size(), Location::host(), "src");
+  b_->register_memory(dst.data(), dst.size(), Location::host(), "dst");
+  ep_ = a_->connect(b_->listen_address());
+  if (!ep_.capabilities().rma_post) GTEST_SKIP() << GetParam() << " has no thin post path";
+  RemoteHandle r = *ep_.remote_region("dst");
+  ep_.post_write(hs, 0, r, 0, 4096);
+  ep_.flush();
+  EXPECT_EQ(dst, src);
+  const uint16_t port = port_of(*b_);
+  ep_.post_write(hs, 0, r, 0, 4096);  // may or may not reach the peer before it closes
+  b_->close();
+  b_.reset();
+  ASSERT_TRUE(wait_lost(10s));
+  EngineConfig cb = c;
+  cb.listen_port = port;
+  b_ = std::make_unique<Engine>(cb);
+  std::string msg;
+  EXPECT_NE(code_of([&] { ep_.write({{hs, 0, r, 0, 4096}}); }, &msg), ErrorCode::kOk);
+  EXPECT_NE(msg.find("flush()"), std::string::npos) << msg;
+  EXPECT_EQ(ep_.metrics().reconnects, 0u);
+  // flush() reports the loss (or nothing, if the post had landed before it), then the next
+  // operation reconnects to the new engine.
+  code_of([&] { ep_.flush(); });
+  std::vector<uint8_t> dst2(4096, 0);
+  b_->register_memory(dst2.data(), dst2.size(), Location::host(), "dst");
+  ep_.refresh_remote_regions();
+  EXPECT_EQ(ep_.metrics().reconnects, 1u);
+  Future f = ep_.write({{hs, 0, *ep_.remote_region("dst"), 0, 4096}});
+  ASSERT_TRUE(f.wait_for(10s));
+  EXPECT_TRUE(f.status().ok()) << f.status().to_string();
+  EXPECT_EQ(dst2, src);
+}
+
 INSTANTIATE_TEST_SUITE_P(Conformance, ReconnectOver, ::testing::ValuesIn(transports_under_test()), transport_name);
 
 }  // namespace
