@@ -1,34 +1,28 @@
-"""Scenario 4: the directory server (redis-server in the hub namespace) killed and restarted
-empty while one engine streams checked operations to another it found by name. The data path
+"""Scenario 4: the directory server (redis-server or etcd, in the hub namespace) killed and
+restarted empty while one engine streams checked operations to another it found by name. The data path
 does not go through the store, so the stream goes on without a failure. Both engines publish
 themselves again on their next heartbeat, and a new connect by name reaches the same engine.
 Reported: restart -> both entries back, restart -> first successful connect by name."""
 from __future__ import annotations
 
-import secrets
-import subprocess
 import time
 from typing import List
 
-import netns
+import pytest
+
 from driver import WorkerError, WorkerProc, now, stop_all
-from redis_server import start_redis
+from store_server import KINDS, StoreServer
 
 OP_TIMEOUT = 5.0
 TTL_MS = 2000
 
 
-def _keys(hub: str, password: str) -> List[str]:
-    r = subprocess.run(["ip", "netns", "exec", hub, "redis-cli", "-h", netns.HUB_IP, "--no-auth-warning", "-a", password,
-                        "--scan", "--pattern", "netns/*"], capture_output=True, text=True, timeout=10)
-    return sorted(r.stdout.split())
-
-
-def test_directory_restarted_empty_during_traffic(topology, report):
+@pytest.mark.parametrize("store", KINDS)
+def test_directory_restarted_empty_during_traffic(topology, report, store):
     topo = topology(2, tag="dir")
-    password = secrets.token_hex(8)
-    redis = start_redis(topo.hub, password)
-    url = f"redis://:{password}@{netns.HUB_IP}:6379/0?prefix=netns"
+    server = StoreServer(store, topo.hub)
+    server.start()
+    url = server.url("netns")
     common = dict(slot=1 << 20, transports="tcp", op_timeout=OP_TIMEOUT, connect_timeout=10.0, directory=url,
                   options={"directory.ttl_ms": TTL_MS})
     workers: List[WorkerProc] = []
@@ -38,25 +32,24 @@ def test_directory_restarted_empty_during_traffic(topology, report):
         workers += [a, b]
         a.ready()
         b.ready()
-        assert _keys(topo.hub, password) == ["netns/peer-b", "netns/writer-a"]
+        assert server.keys("netns") == ["netns/peer-b", "netns/writer-a"]
         a.call("stream_start", target=1, addr="peer-b", wait=OP_TIMEOUT + 5)
         deadline = now() + 30
         while a.call("stream_status", 10)["oks"] < 5:
             assert now() < deadline, "no 5 checked ops before the restart"
             time.sleep(0.05)
 
-        redis.kill()
-        redis.wait(10)
-        redis = start_redis(topo.hub, password)  # empty: no persistence
+        server.kill()
+        server.start(wipe=True)  # empty: every entry and lease lost
         t_restart = now()
         fresh = a.call("fresh", timeout=40, addr="peer-b", lslot=2, rslot=3, until=t_restart + 30,
                        op_wait=OP_TIMEOUT + 5)
         t_keys = None
         while t_keys is None:
-            if _keys(topo.hub, password) == ["netns/peer-b", "netns/writer-a"]:
+            if server.keys("netns") == ["netns/peer-b", "netns/writer-a"]:
                 t_keys = now()
             elif now() > t_restart + 30:
-                raise WorkerError(f"the engines did not publish themselves again: keys {_keys(topo.hub, password)}")
+                raise WorkerError(f"the engines did not publish themselves again: keys {server.keys('netns')}")
             else:
                 time.sleep(0.05)
         # The stream must have gone on past the restart.
@@ -70,11 +63,10 @@ def test_directory_restarted_empty_during_traffic(topology, report):
         assert fresh["success"], f"connect('peer-b') never succeeded after the store restarted: {fresh}"
         assert fresh["peer_engine_id"] == b.hello["info"]["engine_id"]
 
-        report("directory_restart", directory="redis (hub namespace), restarted empty", ttl_ms=TTL_MS,
+        report("directory_restart", directory=f"{store} (hub namespace), restarted empty", ttl_ms=TTL_MS,
                stream_ops=len(log), stream_failures=len(failed),
                restart_to_both_entries_back_s=round(t_keys - t_restart, 3),
                restart_to_first_connect_by_name_ok_s=round(fresh["t_ok"] - t_restart, 3), connect_tries=fresh["tries"])
     finally:
         stop_all(workers)
-        redis.kill()
-        redis.wait(10)
+        server.close()

@@ -1,31 +1,32 @@
 """Scenario 3: a peer process killed (SIGKILL) while another engine streams checked writes and
-reads to it, then restarted in its namespace under the same name, through a real
-redis-server directory running in the hub namespace. The old endpoint's pending operation
+reads to it, then restarted in its namespace under the same name, through a real directory
+server (redis-server, etcd) running in the hub namespace. The old endpoint's pending operation
 fails with PeerLost naming the peer (nothing hangs, no wrong bytes). The same endpoint's
 next operations connect again by name (reconnection) and reach the new incarnation, and so
 does a fresh connect(name). Reported: re-registration -> first successful operation, both ways."""
 from __future__ import annotations
 
-import secrets
 import time
 from typing import List
 
 
 import netns
 from driver import WorkerProc, now, stop_all
-from redis_server import start_redis
+import pytest
+from store_server import KINDS, StoreServer
 
 OP_TIMEOUT = 5.0
 TTL_MS = 2000
 SLOT = 1 << 20
 
 
-def test_peer_killed_and_restarted_under_its_name(topology, report):
+@pytest.mark.parametrize("store", KINDS)
+def test_peer_killed_and_restarted_under_its_name(topology, report, store):
     topo = topology(2, tag="kill")
     a_host, b_host = topo.hosts
-    password = secrets.token_hex(8)
-    redis = start_redis(topo.hub, password)
-    url = f"redis://:{password}@{netns.HUB_IP}:6379/0?prefix=netns"
+    server = StoreServer(store, topo.hub)
+    server.start()
+    url = server.url("netns")
     common = dict(slot=SLOT, transports="tcp", op_timeout=OP_TIMEOUT, connect_timeout=10.0, directory=url,
                   options={"directory.ttl_ms": TTL_MS})
     workers: List[WorkerProc] = []
@@ -76,7 +77,7 @@ def test_peer_killed_and_restarted_under_its_name(topology, report):
         assert fresh["success"], f"connect('peer-b') never reached the new incarnation: {fresh}"
         assert fresh["peer_engine_id"] == new_id, (fresh, new_id)
 
-        report("peer_restart", directory="redis (hub namespace)", ttl_ms=TTL_MS, op_timeout_s=OP_TIMEOUT,
+        report("peer_restart", directory=f"{store} (hub namespace)", ttl_ms=TTL_MS, op_timeout_s=OP_TIMEOUT,
                error=f"{last['type']}: {last['message'][:200]}",
                kill_to_error_s=round(t_failed - t_kill, 3),
                kill_to_reregistered_s=round(b2.hello["t_up"] - t_kill, 3),
@@ -84,5 +85,4 @@ def test_peer_killed_and_restarted_under_its_name(topology, report):
                op_tries=again["tries"], last_error_before=again["last_error"])
     finally:
         stop_all(workers)
-        redis.kill()
-        redis.wait(10)
+        server.close()
