@@ -57,6 +57,10 @@ class EndpointImpl final : public EndpointEvents, public std::enable_shared_from
   // What refresh() asks the directory for: the target this side connected to (for the
   // listener directory the "host:port" it dialed, never the "listen" address a peer's info
   // names: a hostile peer could name a third party).
+  std::string peer_ref() const {
+    std::lock_guard<std::mutex> lk(peer_mu_);
+    return peer_ref_;
+  }
   void set_peer_ref(std::string ref) {
     std::lock_guard<std::mutex> lk(peer_mu_);
     peer_ref_ = std::move(ref);

@@ -107,6 +107,7 @@ void EngineImpl::start() {
                   config_.max_handshakes, config_.connect_timeout);
   watchdog_ = std::thread([this] { watchdog(); });
   publish();
+  if (directory()->watch_period().count() > 0) name_watch_ = std::thread([this] { watch_names(); });
   SLUICE_LOG(kInfo, "engine " << engine_id_ << " listening on " << listen_address());
 }
 
@@ -151,6 +152,7 @@ void EngineImpl::close() {
   directory()->withdraw(engine_id_);
   listener_.stop();
   if (watchdog_.joinable()) watchdog_.join();
+  if (name_watch_.joinable()) name_watch_.join();
   {
     std::lock_guard<std::mutex> lk(mu_);
     eps.swap(endpoints_);

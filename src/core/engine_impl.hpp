@@ -114,6 +114,10 @@ class EngineImpl : public std::enable_shared_from_this<EngineImpl> {
   std::unordered_map<uint64_t, Passive> passive_;  // token -> said hello, channels not all attached
   std::deque<std::shared_ptr<EndpointImpl>> accept_queue_;
   std::thread watchdog_;
+  // Checks that the names our endpoints dialed still lead to their engines (engine_watch.cpp);
+  // started only for a directory with a watch_period().
+  void watch_names();
+  std::thread name_watch_;
   bootstrap::LogLimiter refusal_log_;
 };
 

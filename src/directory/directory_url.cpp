@@ -1,5 +1,6 @@
 #include "directory/directory_url.hpp"
 
+#include <algorithm>
 #include <cctype>
 #include <charconv>
 
@@ -21,6 +22,14 @@ const Param<int> kTtl{"directory.ttl_ms", "SLUICE_DIRECTORY_TTL_MS", 10000, int_
 const Param<int> kRequestTimeout{"directory.request_timeout_ms", "SLUICE_DIRECTORY_REQUEST_TIMEOUT_MS", 2000,
                                  int_in(10, 600 * 1000),
                                  "one request to the directory store (per etcd endpoint tried)"};
+
+// -1 = a third of the TTL: a replaced peer's name changes hands at the earliest one TTL after
+// it stopped heartbeating, so checking more often gains little. Each check is one store read
+// per distinct name the engine dialed (docs/cluster.md, "Watching names").
+const Param<int> kWatch{"directory.watch_ms", "SLUICE_DIRECTORY_WATCH_MS", -1, int_in(-1, 3600 * 1000),
+                        "how often an engine checks that the names it connected to still lead to the same "
+                        "engine, and drops endpoints whose peer was replaced (-1 = a third of directory.ttl_ms, "
+                        "0 = never)"};
 
 [[noreturn]] void bad(const std::string& url, const std::string& why) {
   throw Error(ErrorCode::kInvalidArgument, "directory '" + url + "': " + why +
@@ -148,6 +157,8 @@ std::shared_ptr<PeerDirectory> make_directory(const EngineConfig& config) {
   opt.ttl = std::chrono::milliseconds(kTtl.get(config));
   opt.request_timeout = std::chrono::milliseconds(kRequestTimeout.get(config));
   opt.register_timeout = config.connect_timeout;
+  const int watch = kWatch.get(config);
+  opt.watch = watch < 0 ? opt.ttl / 3 : std::chrono::milliseconds(std::max(watch, watch > 0 ? 10 : 0));
   auto backend = make_store_backend(url, opt.ttl, opt.request_timeout);
   return std::make_shared<StoreDirectory>(std::move(backend), std::move(opt));
 }

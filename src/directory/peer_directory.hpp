@@ -4,6 +4,7 @@
 #pragma once
 
 #include <chrono>
+#include <optional>
 #include <string>
 
 #include "core/engine_info.hpp"
@@ -30,6 +31,17 @@ class PeerDirectory {
   // False when the directory reads the engine live (the listener answers INFO from the
   // engine itself), so publish() on every change would only cost time.
   virtual bool wants_updates() const { return true; }
+
+  // Watching (EngineImpl::watch_names): every watch_period() the engine asks owner_of() for
+  // each name its endpoints dialed, and drops an endpoint whose name now leads to another
+  // engine (its peer was replaced: a hung one whose entry expired, a restart the connection
+  // did not show). 0 = this directory is not watched.
+  virtual std::chrono::milliseconds watch_period() const { return {}; }
+  // The engine id that `ref` leads to now, in one request bounded by `deadline`; nullopt
+  // when it is not a name, is absent, or the directory did not answer (none means "replaced").
+  virtual std::optional<std::string> owner_of(const std::string& ref, Clock::time_point deadline) {
+    return std::nullopt;
+  }
 };
 
 }  // namespace sluice::detail

@@ -254,6 +254,18 @@ void StoreDirectory::withdraw(const std::string& engine_id) {
   }
 }
 
+std::optional<std::string> StoreDirectory::owner_of(const std::string& ref, Clock::time_point deadline) {
+  if (ref.empty() || ref.find(':') != std::string::npos) return std::nullopt;  // an address
+  try {
+    const std::string key = key_for(ref);
+    auto value = backend_->get(key, request_deadline(deadline));
+    if (!value) return std::nullopt;
+    return decode(key, *value).engine_id;
+  } catch (const Error&) {
+    return std::nullopt;  // unreachable or malformed: the next watch asks again
+  }
+}
+
 EngineInfo StoreDirectory::lookup(const std::string& ref, Clock::time_point deadline) {
   // A listener address still works with a store directory configured: names have no ':'.
   if (ref.find(':') != std::string::npos) return ListenerDirectory().lookup(ref, deadline);

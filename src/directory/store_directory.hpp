@@ -46,6 +46,7 @@ struct StoreDirectoryOptions {
   std::chrono::milliseconds ttl{10000};
   std::chrono::milliseconds request_timeout{2000};   // one store request
   std::chrono::milliseconds register_timeout{5000};  // the first publish, retries included
+  std::chrono::milliseconds watch{0};                // watch_period(); 0 = not watched
 };
 
 class StoreDirectory : public PeerDirectory {
@@ -65,6 +66,8 @@ class StoreDirectory : public PeerDirectory {
   // name is absent or the store unreachable, until `deadline` (then kTimeout saying which).
   EngineInfo lookup(const std::string& ref, Clock::time_point deadline) override;
   std::string ref_for(const EngineInfo& peer) const override;
+  std::chrono::milliseconds watch_period() const override { return opt_.watch; }
+  std::optional<std::string> owner_of(const std::string& ref, Clock::time_point deadline) override;
 
   const std::string& display() const { return opt_.display; }
   // Tests: heartbeats sent since the start (a stopped heartbeat shows as no progress).

@@ -41,19 +41,6 @@ uint64_t rss_bytes() {
   return static_cast<uint64_t>(resident) * static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
 }
 
-// Sends all of buf, without SIGPIPE; false once the victim has closed the connection.
-bool send_all(int fd, const void* buf, size_t n) {
-  auto* p = static_cast<const char*>(buf);
-  while (n) {
-    ssize_t w = ::send(fd, p, n, MSG_NOSIGNAL);
-    if (w < 0 && errno == EINTR) continue;
-    if (w <= 0) return false;
-    p += w;
-    n -= static_cast<size_t>(w);
-  }
-  return true;
-}
-
 // Reads and drops whatever arrives until `stop` or the victim closes the connection.
 void drain(int fd, const std::atomic<bool>& stop) {
   char buf[65536];

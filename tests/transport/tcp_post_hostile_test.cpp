@@ -15,6 +15,7 @@
 #include "loopback.hpp"
 #include "raw_peer.hpp"
 #include "sluice/version.hpp"
+#include "test_util.hpp"
 #include "transport/common/frame.hpp"
 
 using namespace sluice;
@@ -28,18 +29,6 @@ namespace boot = sluice::bootstrap;
 namespace {
 
 constexpr uint64_t kBytes = 4096;
-
-bool send_all(int fd, const void* buf, size_t n) {
-  auto* p = static_cast<const char*>(buf);
-  while (n) {
-    ssize_t w = ::send(fd, p, n, MSG_NOSIGNAL);
-    if (w < 0 && errno == EINTR) continue;
-    if (w <= 0) return false;
-    p += w;
-    n -= static_cast<size_t>(w);
-  }
-  return true;
-}
 
 bool recv_all(int fd, void* buf, size_t n) {
   auto* p = static_cast<char*>(buf);

@@ -2,8 +2,11 @@
 // definition, so the tests also build as a unity build (CI batches sources to save compile time).
 #pragma once
 
+#include <sys/socket.h>
 #include <unistd.h>
 
+#include <cerrno>
+#include <cstddef>
 #include <cstdint>
 
 namespace sluice_test {
@@ -22,5 +25,18 @@ struct Fd {
     if (fd >= 0) ::close(fd);
   }
 };
+
+// Sends all of buf, without SIGPIPE; false once the peer has closed the connection.
+inline bool send_all(int fd, const void* buf, size_t n) {
+  auto* p = static_cast<const char*>(buf);
+  while (n) {
+    ssize_t w = ::send(fd, p, n, MSG_NOSIGNAL);
+    if (w < 0 && errno == EINTR) continue;
+    if (w <= 0) return false;
+    p += w;
+    n -= static_cast<size_t>(w);
+  }
+  return true;
+}
 
 }  // namespace sluice_test
