@@ -291,6 +291,7 @@ class RdmaEndpoint final : public EndpointBase,
   std::atomic<bool> closed_{false};
   std::atomic<bool> sleeping_{false};  // in poll() with the CQs armed
   std::atomic<bool> ready_{false};     // every QP is in RTS and the progress thread runs
+  int min_mtu_ = 0;                    // rdma.min_mtu: the smallest path MTU we accept (0 = any)
   uint32_t fault_rkey_xor_ = 0;        // test-only fault injection (SLUICE_RDMA_FAULT_RKEY_XOR)
   std::atomic<std::chrono::steady_clock::rep> last_submit_{0};
   std::chrono::microseconds spin_{50};
