@@ -208,13 +208,17 @@ QpAddress RdmaEndpoint::local_qp_address(int index) const {
   return a;
 }
 
-void RdmaEndpoint::bring_up(int index, const QpAddress& r) {
+Negotiated RdmaEndpoint::negotiate_with(int index, int rail, const QpAddress& r) const {
+  // Refuses (naming both ports) what cannot work before a QP is pointed at the peer: otherwise
+  // a mismatch shows only as an unnamed modify_qp error or a retry-exceeded first operation.
+  Negotiated n = negotiate(rails_->at(rail).desc(), r, min_mtu_);
+  SLUICE_LOG(kInfo, "rdma: channel " << index << " to " << setup_.peer.engine_id << ": " << n.summary);
+  return n;
+}
+
+void RdmaEndpoint::bring_up(int index, const QpAddress& r, const Negotiated& n) {
   Chan& ch = *chans_[index];
   const Device& d = rails_->at(ch.rail);
-  // Refuses (naming both ports) what cannot work, before the QP is pointed at the peer:
-  // otherwise a mismatch shows only as a retry-exceeded error on the first operation.
-  const Negotiated n = negotiate(d.desc(), r, min_mtu_);
-  SLUICE_LOG(kInfo, "rdma: channel " << index << " to " << setup_.peer.engine_id << ": " << n.summary);
   ibv_gid dgid{};
   std::memcpy(dgid.raw, r.port.gid.data(), 16);
   const int rd_atom = std::max(1, std::min(16, d.attr().max_qp_rd_atom));
@@ -327,8 +331,10 @@ void RdmaEndpoint::connect(const ChannelOpener& open) {
     create_qp(i, i % local, i % peer);
     auto [sock, reply] = open(i, {{"rdma", hello_body(i)}});
     if (!reply.contains("rdma")) throw Error(ErrorCode::kProtocol, "rdma: channel reply without queue pair address");
+    const QpAddress addr = QpAddress::from_json(reply["rdma"]);
+    const Negotiated n = negotiate_with(i, chans_[i]->rail, addr);
     take_peer(reply["rdma"]);
-    bring_up(i, QpAddress::from_json(reply["rdma"]));
+    bring_up(i, addr, n);
     chans_[i]->sock = std::move(sock);
     chans_[i]->sock_live = true;
   }
@@ -346,9 +352,12 @@ json RdmaEndpoint::attach(int index, const json& hello) {
   if (rail < 0 || rail >= rails_->size() || peer_rail < 0)
     throw Error(ErrorCode::kProtocol, "rdma: channel hello names rail " + std::to_string(rail) + " of " +
                                           std::to_string(rails_->size()));
+  // Checked before anything is allocated for the channel: a refused hello leaves no QP behind.
+  const QpAddress addr = QpAddress::from_json(h);
+  const Negotiated n = negotiate_with(index, rail, addr);
   create_qp(index, rail, peer_rail);
   take_peer(h);
-  bring_up(index, QpAddress::from_json(h));
+  bring_up(index, addr, n);
   return {{"rdma", hello_body(index)}};
 }
 

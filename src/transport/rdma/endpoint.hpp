@@ -178,7 +178,9 @@ class RdmaEndpoint final : public EndpointBase,
   // endpoint.cpp
   RailCq& cq_for(int rail);
   void create_qp(int index, int rail, int peer_rail);
-  void bring_up(int index, const QpAddress& remote);
+  // Checks the peer's address against our port on `rail` (negotiate.hpp); throws naming both.
+  Negotiated negotiate_with(int index, int rail, const QpAddress& remote) const;
+  void bring_up(int index, const QpAddress& remote, const Negotiated& n);
   QpAddress local_qp_address(int index) const;
   nlohmann::json hello_body(int index);
   void take_peer(const nlohmann::json& j);
