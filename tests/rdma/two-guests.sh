@@ -6,7 +6,8 @@
 # multi-piece batches over 2 QPs, send/recv both ways. Round 2 repeats it with `netem loss 1%`
 # on B's NIC (when the guest kernel has sch_netem), so rxe retransmits; round 3 with
 # `netem delay 5ms` there. Each round prints its measured 64 B write latency and 1 MiB write
-# rate (reported, not judged).
+# rate (reported, not judged). A's netdev has MTU 9000 and B's 1500, so the QPs run at the
+# smaller path MTU; before the rounds B checks that rdma.min_mtu 2048 is refused by name.
 #
 # Usage: tests/rdma/two-guests.sh [BUILD_DIR]   (default $SLUICE_BUILD_DIR or build-rdma)
 # Needs BUILD_DIR/tests/rdma/rdma_wire_peer (run.sh builds it). Env: WIRE_NETEM=0 skips the
@@ -62,7 +63,10 @@ cleanup() { [ -n "$APID" ] && pkill -TERM -P "$APID" 2>/dev/null; rm -rf "$OUT";
 trap cleanup EXIT
 trap 'exit 130' INT TERM
 set +e
-( "$HERE/rxe-guest.sh" "${common[@]}" --socket-net "listen:$QPORT" --ip 10.0.0.1 \
+# Guest A's netdev at MTU 9000 (RDMA active_mtu 4096), B's at 1500 (1024): the QPs must
+# run at the path MTU both can carry (1024), and B checks that a minimum above it is refused
+# naming both ports (wire-guest.sh). WIRE_A_MTU=1500 gives both the same MTU.
+( "$HERE/rxe-guest.sh" "${common[@]}" --socket-net "listen:$QPORT" --ip 10.0.0.1 --mtu "${WIRE_A_MTU:-9000}" \
     -- bash "$HERE/wire-guest.sh" server "$B" 10.0.0.2 $WPORT > >(sed -u 's/^/[A] /') 2>&1
   echo $? > "$OUT/a.rc" ) &
 APID=$!

@@ -10,7 +10,9 @@
 # Round "delay": `netem delay 5ms` on the same egress (every packet of the client, ACKs and
 # read requests included, 5 ms late: 5 ms more round trip; netem's queue raised to 10000
 # packets so the delay line itself drops nothing). Every round prints the client's measured
-# 64 B write latency and 1 MiB write rate (rdma_wire_peer's "measure" line).
+# 64 B write latency and 1 MiB write rate (rdma_wire_peer's "measure" line). Before the
+# rounds the client checks that rdma.min_mtu above the path MTU is refused by name
+# (WIRE_MTU_CHECK=0 skips it).
 set -u
 ROLE=${1:?role}; B=${2:?build dir}; PEER=${3:?peer ip}; PORT=${4:?port}
 P=$B/tests/rdma/rdma_wire_peer
@@ -41,6 +43,19 @@ check_rnr() {  # round rnr_before err_before
   echo "guest $ROLE: RNR NAKs sent this round: $rnr (transmit failures: $err)"
 }
 rc=0; n=0
+# MTU negotiation across the wire: the client's port has active_mtu 1024; a minimum of 2048
+# must be refused at connect, naming the minimum and both ports (kUnsupported: exit 2), not
+# connect and not hang. Two QPs, so the refusal (on channel 0's reply) leaves the server's
+# half-open endpoint unaccepted and round 1's client is the one the server serves.
+if [ "$ROLE" = client ] && [ "${WIRE_MTU_CHECK:-1}" != 0 ]; then
+  out=$(SLUICE_RDMA_MIN_MTU=2048 SLUICE_CHANNELS=2 "$P" client --connect "$PEER:$PORT" --bind "$RXE_IP" \
+        --seconds 0 --timeout 30 2>&1); r=$?
+  echo "$out" | grep -m1 "min_mtu" | sed 's/^/guest client: rdma.min_mtu=2048: /'
+  if [ $r != 2 ] || ! grep -q "below rdma.min_mtu 2048: ours $RXE_DEV:1 has active_mtu" <<< "$out" \
+     || ! grep -q "the peer's [A-Za-z0-9_]*:1 [0-9]" <<< "$out"; then
+    echo "guest client: FAIL: rdma.min_mtu=2048 was not refused by name (exit $r)"; echo "$out" | tail -5; exit 1
+  fi
+fi
 for round in ${WIRE_ROUNDS:-plain}; do
   port=$((PORT + n)); n=$((n + 1))
   netem=
