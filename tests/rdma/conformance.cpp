@@ -18,6 +18,8 @@
 #include <vector>
 
 #include <fstream>
+#include <map>
+#include <utility>
 
 #include <nlohmann/json.hpp>
 
@@ -806,6 +808,145 @@ TEST(RdmaDevice, HcaFilterExcludingEveryDeviceMeansNoDevice) {
   auto info = nlohmann::json::parse(one.local_info());
   ASSERT_EQ(info["transports"]["rdma"]["rails"].size(), 1u);
   EXPECT_EQ(info["transports"]["rdma"]["rails"][0]["dev"], dev ? dev : "rxe0");
+}
+
+// The handshake's negotiation against the real device (the logic itself is unit-tested in
+// tests/transport/rdma/negotiate_test.cpp): a deliberate mismatch is a named error at
+// connect (or engine creation), never a connected endpoint whose first operation hangs.
+std::string dev_under_test() {
+  const char* dev = std::getenv("RXE_DEV");
+  return dev ? dev : "rxe0";
+}
+
+std::string sysfs_line(const std::string& path) {
+  std::ifstream in(path);
+  std::string s;
+  std::getline(in, s);
+  return s;
+}
+
+// GID table entry N of port 1 of the device under test, as sysfs prints it ("" past its end).
+std::string sysfs_gid(int n) {
+  return sysfs_line("/sys/class/infiniband/" + dev_under_test() + "/ports/1/gids/" + std::to_string(n));
+}
+
+// Connects a to b and returns the error (kOk if it connected).
+Error connect_error(Engine& a, Engine& b) {
+  const auto t0 = std::chrono::steady_clock::now();
+  try {
+    Endpoint ep = a.connect(b.local_info());
+    return Error(ErrorCode::kOk, "connected over " + ep.transport());
+  } catch (const Error& e) {
+    std::printf("      refused after %.2f s: [%s] %s\n",
+                std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(),
+                std::string(to_string(e.code())).c_str(), e.what());
+    return e;
+  }
+}
+
+class RdmaNegotiation : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    std::string why;
+    if (g_transport != "rdma" || !rdma_available(&why)) GTEST_SKIP() << why;
+    // One rail, so the device named in the errors is the one whose sysfs we read.
+    sel_ = "=" + dev_under_test() + ":1";
+  }
+  EngineConfig one_rail(std::map<std::string, std::string> options = {}) {
+    EngineConfig c = cfg(1);
+    c.options["rdma.hca"] = sel_;
+    for (auto& [k, v] : options) c.options[k] = v;
+    return c;
+  }
+  std::string sel_;
+};
+
+TEST_F(RdmaNegotiation, PathMtuBelowRdmaMinMtuIsRefusedNamingBothPorts) {
+  Engine b(one_rail());
+  const int mtu = nlohmann::json::parse(b.local_info())["transports"]["rdma"]["rails"][0]["mtu"].get<int>();
+  if (mtu >= 5) GTEST_SKIP() << "active MTU is already 4096: no larger minimum to refuse";
+  const std::string above = std::to_string(256 << mtu), exact = std::to_string(128 << mtu);
+  const std::string port = dev_under_test() + ":1";
+  // The active side refuses the peer's reply ...
+  Engine strict(one_rail({{"rdma.min_mtu", above}}));
+  Error e = connect_error(strict, b);
+  EXPECT_EQ(e.code(), ErrorCode::kUnsupported) << e.what();
+  EXPECT_NE(std::string(e.what()).find("below rdma.min_mtu " + above), std::string::npos) << e.what();
+  EXPECT_NE(std::string(e.what()).find("ours " + port), std::string::npos) << e.what();
+  EXPECT_NE(std::string(e.what()).find("the peer's " + port), std::string::npos) << e.what();
+  // ... the passive side refuses the hello, and the active side gets its reason.
+  Engine plain(one_rail());
+  e = connect_error(plain, strict);
+  EXPECT_EQ(e.code(), ErrorCode::kUnsupported) << e.what();
+  EXPECT_NE(std::string(e.what()).find("below rdma.min_mtu " + above), std::string::npos) << e.what();
+  // A minimum that the path meets connects, and the endpoint moves bytes.
+  Engine met(one_rail({{"rdma.min_mtu", exact}}));
+  std::vector<uint8_t> src(4096, 7), dst(4096, 0);
+  auto hs = met.register_memory(src.data(), src.size(), Location::host(), "src");
+  b.register_memory(dst.data(), dst.size(), Location::host(), "dst");
+  Endpoint ep = met.connect(b.local_info());
+  ASSERT_TRUE(ep.write({{hs, 0, *ep.remote_region("dst"), 0, src.size()}}).wait().ok());
+  EXPECT_EQ(src, dst);
+  // A value that is not an MTU is refused when the engine starts, naming the option.
+  try {
+    Engine bad(one_rail({{"rdma.min_mtu", "1500"}}));
+    ADD_FAILURE() << "engine created with rdma.min_mtu=1500";
+  } catch (const Error& err) {
+    EXPECT_EQ(err.code(), ErrorCode::kInvalidArgument) << err.what();
+    EXPECT_NE(std::string(err.what()).find("rdma.min_mtu"), std::string::npos) << err.what();
+  }
+}
+
+TEST_F(RdmaNegotiation, GidsOfDifferentFamiliesAreRefusedNamingBoth) {
+  // An IPv6 GID of the device (the link-local one of its netdev) against the default
+  // IPv4-mapped RoCE v2 GID of the other engine.
+  int v6 = -1;
+  for (int i = 0; i < 16 && v6 < 0; ++i) {
+    std::string g = sysfs_gid(i);
+    if (!g.empty() && g.rfind("0000:0000:0000:0000:0000:ffff:", 0) != 0 && g != "0000:0000:0000:0000:0000:0000:0000:0000")
+      v6 = i;
+  }
+  if (v6 < 0) GTEST_SKIP() << "no IPv6 GID on " << dev_under_test();
+  Engine ipv6(one_rail({{"rdma.gid_index", std::to_string(v6)}}));
+  Engine ipv4(one_rail());
+  for (auto [a, b] : {std::pair<Engine*, Engine*>{&ipv6, &ipv4}, {&ipv4, &ipv6}}) {
+    Error e = connect_error(*a, *b);
+    EXPECT_EQ(e.code(), ErrorCode::kUnsupported) << e.what();
+    EXPECT_NE(std::string(e.what()).find("GID families differ"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("GID index " + std::to_string(v6) + " fe80:"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("::ffff:"), std::string::npos) << e.what();
+  }
+}
+
+TEST_F(RdmaNegotiation, AnEmptyOrMissingGidIndexIsRefusedWhenTheEngineStarts) {
+  const std::string zero = "0000:0000:0000:0000:0000:0000:0000:0000";
+  int empty = -1;
+  for (int i = 0; i < 256 && empty < 0; ++i) {
+    std::string g = sysfs_gid(i);
+    if (g.empty()) break;
+    if (g == zero) empty = i;
+  }
+  const std::string port = dev_under_test() + ":1";
+  if (empty >= 0) {
+    try {
+      Engine e(one_rail({{"rdma.gid_index", std::to_string(empty)}}));
+      ADD_FAILURE() << "engine created on the empty GID index " << empty;
+    } catch (const Error& err) {
+      std::printf("      rdma.gid_index=%d -> %s\n", empty, err.what());
+      EXPECT_EQ(err.code(), ErrorCode::kNoDevice) << err.what();
+      EXPECT_NE(std::string(err.what()).find(port + "(GID index " + std::to_string(empty) + " is empty: all-zero GID)"),
+                std::string::npos) << err.what();
+    }
+  }
+  try {
+    Engine e(one_rail({{"rdma.gid_index", "65535"}}));
+    ADD_FAILURE() << "engine created on GID index 65535";
+  } catch (const Error& err) {
+    std::printf("      rdma.gid_index=65535 -> %s\n", err.what());
+    EXPECT_EQ(err.code(), ErrorCode::kNoDevice) << err.what();
+    EXPECT_NE(std::string(err.what()).find(port + "(GID index 65535 is beyond its table of "), std::string::npos)
+        << err.what();
+  }
 }
 
 }  // namespace

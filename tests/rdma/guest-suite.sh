@@ -18,6 +18,7 @@ step() {  # name, command...
 echo "guest: $(uname -r), device $RXE_DEV on $RXE_NETDEV $RXE_IP, RoCE v2 GID index $RXE_GID_INDEX"
 step devices ibv_devinfo -d "$RXE_DEV"
 step hca-filter "$B/tests/rdma/rdma_hca_filter_test" --gtest_brief=1
+step negotiate "$B/tests/rdma/rdma_negotiate_test" --gtest_brief=1
 step no-libibverbs env SLUICE_IBVERBS_LIB=/nonexistent/libibverbs.so.1 "$B/tests/rdma/rdma_conformance" --expect-unavailable "libibverbs not found"
 DEVS=${RXE_DEVS:-$RXE_DEV}
 ALL=$(echo $DEVS | tr ' ' ',')

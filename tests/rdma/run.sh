@@ -11,7 +11,7 @@ ROOT=$(cd "$HERE/../.." && pwd)
 B=${SLUICE_BUILD_DIR:-$ROOT/build-rdma}
 if [ "${SLUICE_RDMA_SKIP_BUILD:-0}" != 1 ]; then
   [ -f "$B/CMakeCache.txt" ] || cmake -S "$ROOT" -B "$B" -DCMAKE_BUILD_TYPE=RelWithDebInfo ${SLUICE_CMAKE_ARGS:-} >/dev/null
-  cmake --build "$B" -j "${SLUICE_BUILD_JOBS:-2}" --target sluice rdma_hca_filter_test rdma_affinity_test rdma_conformance \
+  cmake --build "$B" -j "${SLUICE_BUILD_JOBS:-2}" --target sluice rdma_hca_filter_test rdma_negotiate_test rdma_affinity_test rdma_conformance \
     sluice_loopback_tests sluice_multiprocess_tests sluice_port_channel_tests \
     $(cmake --build "$B" --target help 2>/dev/null | grep rdma_wire_peer >/dev/null && echo rdma_wire_peer)
 fi

@@ -4,12 +4,15 @@
 # `rdma_wire_peer server`, guest B `rdma_wire_peer client` (wire-guest.sh): random-size
 # write/read-back checked by both sides, write_with_imm ordering and exactly-once, striped
 # multi-piece batches over 2 QPs, send/recv both ways. Round 2 repeats it with `netem loss 1%`
-# on B's NIC (when the guest kernel has sch_netem), so rxe retransmits.
+# on B's NIC (when the guest kernel has sch_netem), so rxe retransmits; round 3 with
+# `netem delay 5ms` there. Each round prints its measured 64 B write latency and 1 MiB write
+# rate (reported, not judged). A's netdev has MTU 9000 and B's 1500, so the QPs run at the
+# smaller path MTU; before the rounds B checks that rdma.min_mtu 2048 is refused by name.
 #
 # Usage: tests/rdma/two-guests.sh [BUILD_DIR]   (default $SLUICE_BUILD_DIR or build-rdma)
 # Needs BUILD_DIR/tests/rdma/rdma_wire_peer (run.sh builds it). Env: WIRE_NETEM=0 skips the
-# loss round; WIRE_SECONDS (default 4) / WIRE_NETEM_SECONDS (2): client random write/read
-# time per round; RXE_TIMEOUT: per-guest limit (default 240 s); SLUICE_CHANNELS: QPs (2).
+# loss and delay rounds; WIRE_ROUNDS overrides the list ("plain netem delay"); WIRE_SECONDS
+# (default 4) / WIRE_NETEM_SECONDS (2): client random write/read time per plain / netem round; RXE_TIMEOUT: per-guest limit (default 240 s); SLUICE_CHANNELS: QPs (2).
 # Exit status: the client's (or the server's, if only the server failed); 124 = timeout.
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
@@ -24,14 +27,15 @@ start=$(date +%s)
 shares=(-s "$ROOT")
 case "$B/" in "$ROOT"/*) ;; *) shares+=(-s "$B") ;; esac
 
-# Loss round only when the guest kernel has netem (the guest's modules are the host's
+ROUNDS_SET=${WIRE_ROUNDS:-}
+# Loss and delay rounds only when the guest kernel has netem (the guest's modules are the host's
 # /lib/modules/<guest kernel>, visible through the shared root) and the host has tc.
 ROUNDS=plain
 if [ "${WIRE_NETEM:-1}" != 0 ]; then
   if command -v tc >/dev/null && ls /lib/modules/*/kernel/net/sched/sch_netem.ko* >/dev/null 2>&1; then
-    ROUNDS="plain netem"
+    ROUNDS="plain netem delay"
   else
-    echo "two-guests.sh: sch_netem or tc not available: the loss round is skipped"
+    echo "two-guests.sh: sch_netem or tc not available: the loss and delay rounds are skipped"
   fi
 fi
 
@@ -42,6 +46,7 @@ for _ in $(seq 50); do
   p=$((20000 + RANDOM % 30000))
   in_use $p || { QPORT=$p; break; }
 done
+[ -z "$ROUNDS_SET" ] || ROUNDS=$ROUNDS_SET
 [ -n "$QPORT" ] || { echo "two-guests.sh: no free port" >&2; exit 125; }
 WPORT=18515   # rdma_wire_peer's listener inside guest A (round k uses WPORT+k-1)
 
@@ -58,7 +63,10 @@ cleanup() { [ -n "$APID" ] && pkill -TERM -P "$APID" 2>/dev/null; rm -rf "$OUT";
 trap cleanup EXIT
 trap 'exit 130' INT TERM
 set +e
-( "$HERE/rxe-guest.sh" "${common[@]}" --socket-net "listen:$QPORT" --ip 10.0.0.1 \
+# Guest A's netdev at MTU 9000 (RDMA active_mtu 4096), B's at 1500 (1024): the QPs must
+# run at the path MTU both can carry (1024), and B checks that a minimum above it is refused
+# naming both ports (wire-guest.sh). WIRE_A_MTU=1500 gives both the same MTU.
+( "$HERE/rxe-guest.sh" "${common[@]}" --socket-net "listen:$QPORT" --ip 10.0.0.1 --mtu "${WIRE_A_MTU:-9000}" \
     -- bash "$HERE/wire-guest.sh" server "$B" 10.0.0.2 $WPORT > >(sed -u 's/^/[A] /') 2>&1
   echo $? > "$OUT/a.rc" ) &
 APID=$!

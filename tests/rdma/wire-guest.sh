@@ -2,10 +2,17 @@
 # Runs INSIDE one of the two guests of two-guests.sh: the rdma_wire_peer server or client
 # against the other guest, over rxe0 on the virtio NIC of the QEMU socket network.
 # Usage: wire-guest.sh server|client BUILD_DIR PEER_IP PORT
-# Env: WIRE_ROUNDS ("plain" or "plain netem"), WIRE_SECONDS (client's random write/read
-# time per round), WIRE_PEER_TIMEOUT (each rdma_wire_peer's total timeout).
+# Env: WIRE_ROUNDS (of "plain", "netem", "delay"; e.g. "plain netem delay"), WIRE_SECONDS
+# (client's random write/read time in a plain round), WIRE_NETEM_SECONDS (in the others),
+# WIRE_PEER_TIMEOUT (each rdma_wire_peer's total timeout).
 # Round "netem": the client guest adds `netem loss 1%` to its NIC's egress first, so the rxe
 # retransmission path (NAK / timeout and go-back-N) runs; the rxe retry counters are printed.
+# Round "delay": `netem delay 5ms` on the same egress (every packet of the client, ACKs and
+# read requests included, 5 ms late: 5 ms more round trip; netem's queue raised to 10000
+# packets so the delay line itself drops nothing). Every round prints the client's measured
+# 64 B write latency and 1 MiB write rate (rdma_wire_peer's "measure" line). Before the
+# rounds the client checks that rdma.min_mtu above the path MTU is refused by name
+# (WIRE_MTU_CHECK=0 skips it).
 set -u
 ROLE=${1:?role}; B=${2:?build dir}; PEER=${3:?peer ip}; PORT=${4:?port}
 P=$B/tests/rdma/rdma_wire_peer
@@ -36,11 +43,26 @@ check_rnr() {  # round rnr_before err_before
   echo "guest $ROLE: RNR NAKs sent this round: $rnr (transmit failures: $err)"
 }
 rc=0; n=0
+# MTU negotiation across the wire: the client's port has active_mtu 1024; a minimum of 2048
+# must be refused at connect, naming the minimum and both ports (kUnsupported: exit 2), not
+# connect and not hang. Two QPs, so the refusal (on channel 0's reply) leaves the server's
+# half-open endpoint unaccepted and round 1's client is the one the server serves.
+if [ "$ROLE" = client ] && [ "${WIRE_MTU_CHECK:-1}" != 0 ]; then
+  out=$(SLUICE_RDMA_MIN_MTU=2048 SLUICE_CHANNELS=2 "$P" client --connect "$PEER:$PORT" --bind "$RXE_IP" \
+        --seconds 0 --timeout 30 2>&1); r=$?
+  echo "$out" | grep -m1 "min_mtu" | sed 's/^/guest client: rdma.min_mtu=2048: /'
+  if [ $r != 2 ] || ! grep -q "below rdma.min_mtu 2048: ours $RXE_DEV:1 has active_mtu" <<< "$out" \
+     || ! grep -q "the peer's [A-Za-z0-9_]*:1 [0-9]" <<< "$out"; then
+    echo "guest client: FAIL: rdma.min_mtu=2048 was not refused by name (exit $r)"; echo "$out" | tail -5; exit 1
+  fi
+fi
 for round in ${WIRE_ROUNDS:-plain}; do
   port=$((PORT + n)); n=$((n + 1))
-  if [ "$round" = netem ] && [ "$ROLE" = client ]; then
-    modprobe sch_netem && tc qdisc add dev "$RXE_NETDEV" root netem loss 1% \
-      || { echo "guest client: FAIL: cannot add netem loss on $RXE_NETDEV"; rc=1; break; }
+  netem=
+  case $round in netem) netem="loss 1%";; delay) netem="delay 5ms limit 10000";; esac
+  if [ -n "$netem" ] && [ "$ROLE" = client ]; then
+    modprobe sch_netem && tc qdisc add dev "$RXE_NETDEV" root netem $netem \
+      || { echo "guest client: FAIL: cannot add netem $netem on $RXE_NETDEV"; rc=1; break; }
     echo "guest client: $(tc qdisc show dev "$RXE_NETDEV")"
   fi
   rnr0=$(cnt send_rnr_err); err0=$(cnt send_err)
@@ -49,11 +71,11 @@ for round in ${WIRE_ROUNDS:-plain}; do
   if [ "$ROLE" = server ]; then
     "$P" server --listen "$RXE_IP:$port" --timeout "$T"; r=$?
   else
-    secs=${WIRE_SECONDS:-4}; [ "$round" = netem ] && secs=${WIRE_NETEM_SECONDS:-2}
+    secs=${WIRE_SECONDS:-4}; [ "$round" != plain ] && secs=${WIRE_NETEM_SECONDS:-2}
     "$P" client --connect "$PEER:$port" --bind "$RXE_IP" --seconds "$secs" --timeout "$T"; r=$?
   fi
   printf '=== round %d (%s) %s: rc=%d (%.1fs)\n' $n "$round" "$ROLE" $r "$(echo "$(date +%s.%N) - $t0" | bc)"
-  if [ "$round" = netem ] && [ "$ROLE" = client ]; then
+  if [ -n "$netem" ] && [ "$ROLE" = client ]; then
     echo "guest client: $(tc -s qdisc show dev "$RXE_NETDEV" | tr -s ' \n' ' ')"
     tc qdisc del dev "$RXE_NETDEV" root 2>/dev/null
   fi

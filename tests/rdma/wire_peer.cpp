@@ -4,7 +4,8 @@
 // Only the public C++ API is used.
 //
 //   wire_peer server --listen 10.0.0.1:PORT [--timeout S]
-//   wire_peer client --connect 10.0.0.1:PORT [--bind IP] [--seconds S] [--timeout S] [--seed N]
+//   wire_peer client --connect 10.0.0.1:PORT [--bind IP] [--seconds S] [--measure-seconds S]
+//                    [--timeout S] [--seed N]
 //
 // The server registers a 16 MiB region named "wire" (the client finds it with
 // Endpoint::remote_region("wire")) and serves one client: it receives commands by send/recv
@@ -17,7 +18,8 @@
 //   SEND   send one message per piece (gen(seed)) to the client
 //   QUIT   no imm beyond the ones announced may arrive (exactly once), then exit
 // The client, forced to rdma (EngineConfig::transports and ConnectOptions::transport), runs:
-// random-size (1 B - 4 MiB) random-offset write + read-back + server CHECK for --seconds,
+// random-size (1 B - 4 MiB) random-offset write + read-back + server CHECK for --seconds, a
+// measurement (64 B write latency, 1 MiB write rate for --measure-seconds; printed, not judged),
 // server FILL + client read, single-lane write_with_imm batches (ordered, exactly one imm
 // each), striped multi-piece batches over the endpoint's QPs (SLUICE_CHANNELS, default 2)
 // with write, read and write_with_imm (also several at once: imms in submission order), and
@@ -426,6 +428,45 @@ struct Client {
     std::printf("wire_peer client: random write/read: %d rounds, %.1f MiB moved\n", i, bytes / 1048576.0);
   }
 
+  // What the round's wire costs (reported, never asserted: the guests are emulated and share
+  // a noisy host): the latency of a 64 B write (median and p90 of 200 waited one at a time)
+  // and the rate of 1 MiB writes, 4 in flight, for about `seconds`; the bytes of the last
+  // 4 MiB written are checked by the server.
+  void measure(double seconds) {
+    check("measure: 64 B latency, 1 MiB rate", [&] {
+      std::vector<double> us;
+      gen(src(0), 64, rng());
+      for (int i = 0; i < 200; ++i) {
+        auto t = Clock::now();
+        must(ep.write({{hm, 0, wire, 0, 64}}), "write 64 B");
+        us.push_back(std::chrono::duration<double, std::micro>(Clock::now() - t).count());
+      }
+      std::sort(us.begin(), us.end());
+      constexpr uint64_t kPiece = 1 << 20, kSpan = 4 * kPiece;
+      const uint64_t seed = rng();
+      gen(src(0), kSpan, seed);
+      std::vector<Future> inflight;
+      uint64_t n = 0;
+      const auto t0 = Clock::now();
+      const auto until = t0 + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
+      while (Clock::now() < until || n % 4 != 0) {
+        if (inflight.size() == 4) {
+          must(inflight.front(), "write 1 MiB");
+          inflight.erase(inflight.begin());
+        }
+        const uint64_t off = (n++ % 4) * kPiece;
+        inflight.push_back(ep.write({{hm, off, wire, off, kPiece}}));
+      }
+      for (auto& f : inflight) must(f, "write 1 MiB");
+      const double secs = std::chrono::duration<double>(Clock::now() - t0).count();
+      command(kCheck, {{0, kSpan, seed, 0}});
+      std::printf("wire_peer client: measure: 64 B write latency median %.0f us, p90 %.0f us; "
+                  "1 MiB writes (4 in flight): %.1f MiB/s (%" PRIu64 " MiB in %.2f s)\n",
+                  us[us.size() / 2], us[us.size() * 9 / 10], n / secs, n, secs);
+      std::fflush(stdout);
+    });
+  }
+
   void imm_single_lane() {
     // 64 single-lane batches (small: below the stripe threshold) submitted back to back:
     // imms must arrive in submission order, exactly once, each after its batch's bytes.
@@ -539,7 +580,8 @@ struct Client {
   }
 };
 
-int run_client(const std::string& connect, const std::string& bind, double seconds, int timeout_s, uint64_t seed) {
+int run_client(const std::string& connect, const std::string& bind, double seconds, double measure_s, int timeout_s,
+               uint64_t seed) {
   start_watchdog(timeout_s, "client");
   auto t0 = Clock::now();
   Engine engine(make_config(bind, 0));
@@ -578,6 +620,7 @@ int run_client(const std::string& connect, const std::string& bind, double secon
   } else {
     try {
       c.random_write_read(seconds);
+      c.measure(measure_s);
       c.imm_single_lane();
       c.striped();
       c.imm_striped_concurrent();
@@ -610,7 +653,7 @@ int run_client(const std::string& connect, const std::string& bind, double secon
 [[noreturn]] void usage() {
   std::fprintf(stderr,
                "usage: wire_peer server --listen IP:PORT [--timeout S]\n"
-               "       wire_peer client --connect IP:PORT [--bind IP] [--seconds S] [--timeout S] [--seed N]\n");
+               "       wire_peer client --connect IP:PORT [--bind IP] [--seconds S] [--measure-seconds S] [--timeout S] [--seed N]\n");
   std::exit(2);
 }
 
@@ -621,6 +664,7 @@ int main(int argc, char** argv) {
   if (argc < 2) usage();
   std::string role = argv[1], listen, connect, bind = "0.0.0.0";
   double seconds = 4;
+  double measure_s = 1;
   int timeout_s = 150;
   uint64_t seed = static_cast<uint64_t>(std::chrono::system_clock::now().time_since_epoch().count());
   for (int i = 2; i < argc; ++i) {
@@ -633,6 +677,7 @@ int main(int argc, char** argv) {
     else if (a == "--connect") connect = val();
     else if (a == "--bind") bind = val();
     else if (a == "--seconds") seconds = std::atof(val().c_str());
+    else if (a == "--measure-seconds") measure_s = std::atof(val().c_str());
     else if (a == "--timeout") timeout_s = std::atoi(val().c_str());
     else if (a == "--seed") seed = std::strtoull(val().c_str(), nullptr, 0);
     else usage();
@@ -640,7 +685,7 @@ int main(int argc, char** argv) {
   if (timeout_s <= 0) usage();
   try {
     if (role == "server" && !listen.empty()) return run_server(listen, timeout_s);
-    if (role == "client" && !connect.empty()) return run_client(connect, bind, seconds, timeout_s, seed);
+    if (role == "client" && !connect.empty()) return run_client(connect, bind, seconds, measure_s, timeout_s, seed);
   } catch (const std::exception& e) {
     std::printf("wire_peer %s: FAIL: %s\n", role.c_str(), e.what());
     return 2;

@@ -38,37 +38,27 @@ int find_roce_v2_ipv4_gid(const std::string& dev, int port, int table_len) {
 
 }  // namespace
 
-nlohmann::json QpAddress::to_json() const { return {{"qpn", qpn}, {"psn", psn}, {"gid", gid}, {"lid", lid}, {"mtu", mtu}}; }
+static_assert(kMtu256 == IBV_MTU_256 && kMtu4096 == IBV_MTU_4096, "negotiate.hpp's MTU values are enum ibv_mtu's");
 
-QpAddress QpAddress::from_json(const nlohmann::json& j) {
-  QpAddress a;
-  try {
-    a.qpn = j.at("qpn").get<uint32_t>();
-    a.psn = j.at("psn").get<uint32_t>();
-    a.gid = j.at("gid").get<std::string>();
-    a.lid = j.at("lid").get<uint16_t>();
-    a.mtu = j.at("mtu").get<int>();
-  } catch (const std::exception& e) {
-    throw Error(ErrorCode::kProtocol, std::string("rdma: malformed queue pair address: ") + e.what());
-  }
-  if (a.mtu < IBV_MTU_256 || a.mtu > IBV_MTU_4096) throw Error(ErrorCode::kProtocol, "rdma: peer sent a bad MTU");
-  return a;
+namespace {
+Gid to_gid(const ibv_gid& g) {
+  Gid out;
+  std::memcpy(out.data(), g.raw, 16);
+  return out;
 }
+}  // namespace
 
-std::string Device::gid_text(const ibv_gid& g) {
-  char buf[33];
-  for (int i = 0; i < 16; ++i) std::snprintf(buf + 2 * i, 3, "%02x", g.raw[i]);
-  return buf;
-}
-
-bool Device::parse_gid(const std::string& s, ibv_gid* g) {
-  if (s.size() != 32) return false;
-  for (int i = 0; i < 16; ++i) {
-    unsigned v;
-    if (std::sscanf(s.c_str() + 2 * i, "%2x", &v) != 1) return false;
-    g->raw[i] = static_cast<uint8_t>(v);
-  }
-  return true;
+PortDesc Device::desc() const {
+  PortDesc p;
+  p.dev = name_;
+  p.port = port_;
+  p.ethernet = ethernet();
+  p.gid_index = gid_index_;
+  p.gid = to_gid(gid_);
+  p.roce_version = roce_version_;
+  p.lid = lid_;
+  p.mtu = mtu_;
+  return p;
 }
 
 Device::Context::~Context() {
@@ -152,9 +142,24 @@ std::vector<std::shared_ptr<Device>> Device::open_all(const Verbs* v, const std:
           continue;
         }
       }
+      if (d->gid_index_ >= pa.gid_tbl_len) {
+        seen += where + "(GID index " + std::to_string(d->gid_index_) + " is beyond its table of " +
+                std::to_string(pa.gid_tbl_len) + ")";
+        continue;
+      }
       if (v->query_gid(c->ctx, static_cast<uint8_t>(p), d->gid_index_, &d->gid_) != 0) {
         seen += where + "(cannot read GID " + std::to_string(d->gid_index_) + ")";
         continue;
+      }
+      if (d->ethernet()) {
+        // An unpopulated entry reads as all zeros: a QP would send from no address and the
+        // peer could never answer (a hang until the retry limit), so refuse it here.
+        if (gid_zero(to_gid(d->gid_))) {
+          seen += where + "(GID index " + std::to_string(d->gid_index_) + " is empty: all-zero GID)";
+          continue;
+        }
+        d->roce_version_ = roce_version_of(read_line("/sys/class/infiniband/" + name + "/ports/" + std::to_string(p) +
+                                                     "/gid_attrs/types/" + std::to_string(d->gid_index_)));
       }
       if (!d->ethernet() && d->lid_ == 0) {
         seen += where + "(IB port without a LID)";
@@ -171,7 +176,9 @@ std::vector<std::shared_ptr<Device>> Device::open_all(const Verbs* v, const std:
   }
   for (auto& d : out)
     SLUICE_LOG(kInfo, "rdma: rail " << d->name_ << ":" << d->port_ << " (" << (d->ethernet() ? "RoCE" : "InfiniBand")
-                                    << ", gid index " << d->gid_index_ << ", active_mtu " << (128 << d->mtu_) << ", numa "
+                                    << ", gid index " << d->gid_index_ << " "
+                                    << gid_readable(to_gid(d->gid_))
+                                    << (d->roce_version_ ? " RoCE v" + std::to_string(d->roce_version_) : std::string()) << ", active_mtu " << (128 << d->mtu_) << ", numa "
                                     << d->locality_.numa << ")");
   return out;
 }
@@ -179,7 +186,7 @@ std::vector<std::shared_ptr<Device>> Device::open_all(const Verbs* v, const std:
 Device::~Device() = default;
 
 nlohmann::json Device::address() const {
-  return {{"dev", name_}, {"port", port_}, {"link", ethernet() ? "eth" : "ib"}, {"gid", gid_text(gid_)},
+  return {{"dev", name_}, {"port", port_}, {"link", ethernet() ? "eth" : "ib"}, {"gid", gid_hex(to_gid(gid_))},
           {"lid", lid_}, {"mtu", mtu_}};
 }
 

@@ -11,6 +11,7 @@
 #include "core/registry.hpp"
 #include "sluice/error.hpp"
 #include "transport/rdma/affinity.hpp"
+#include "transport/rdma/negotiate.hpp"
 #include "transport/rdma/verbs_loader.hpp"
 
 namespace sluice::detail::rdma {
@@ -19,17 +20,6 @@ constexpr int kAccess = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_A
 // Regions and queue pairs also take remote atomics (post_signal's fetch-and-add on a counter
 // in a registered region) on devices that have them.
 constexpr int kAccessAtomic = kAccess | IBV_ACCESS_REMOTE_ATOMIC;
-
-// What the peer needs to reach one of our queue pairs.
-struct QpAddress {
-  uint32_t qpn = 0;
-  uint32_t psn = 0;
-  std::string gid;  // 32 hex digits
-  uint16_t lid = 0;
-  int mtu = 0;      // enum ibv_mtu value (1=256 .. 5=4096)
-  nlohmann::json to_json() const;
-  static QpAddress from_json(const nlohmann::json& j);
-};
 
 // One opened RDMA device port (a "rail"): context, protection domain, address (GID / LID /
 // MTU) and where it sits (NUMA node, PCIe position). Rails (rails.hpp) holds the set an engine
@@ -51,6 +41,8 @@ class Device {
   bool ethernet() const { return link_layer_ == IBV_LINK_LAYER_ETHERNET; }
   int gid_index() const { return gid_index_; }
   const ibv_gid& gid() const { return gid_; }
+  // 1 or 2 for a RoCE GID whose type sysfs names; 0 on InfiniBand or where sysfs says nothing.
+  int roce_version() const { return roce_version_; }
   uint16_t lid() const { return lid_; }
   int active_mtu() const { return mtu_; }
   uint64_t max_msg_sz() const { return max_msg_sz_; }
@@ -59,13 +51,12 @@ class Device {
   int access() const { return attr().atomic_cap == IBV_ATOMIC_NONE ? kAccess : kAccessAtomic; }
   const Locality& locality() const { return locality_; }
   nlohmann::json address() const;
+  // This port as the handshake describes it to the peer (negotiate.hpp).
+  PortDesc desc() const;
 
   // Registers [base, base+len) with this device's protection domain (GPU memory through a
   // dma-buf where possible). nullptr with *st on failure.
   ibv_mr* register_range(uint8_t* base, uint64_t len, const Location& loc, Status* st) const;
-
-  static std::string gid_text(const ibv_gid& g);
-  static bool parse_gid(const std::string& s, ibv_gid* g);
 
  private:
   // Ports of one device share its context and protection domain.
@@ -84,6 +75,7 @@ class Device {
   int link_layer_ = IBV_LINK_LAYER_INFINIBAND;
   int gid_index_ = 0;
   ibv_gid gid_{};
+  int roce_version_ = 0;
   uint16_t lid_ = 0;
   int mtu_ = IBV_MTU_1024;
   uint64_t max_msg_sz_ = 1ull << 31;

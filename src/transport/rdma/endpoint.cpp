@@ -23,6 +23,20 @@ const Param<int> kBusyMs{"rdma.busy_ms", "SLUICE_RDMA_BUSY_MS", 20, int_in(0, 60
                          "the progress thread busy-polls while ops are outstanding, up to this long without a completion; 0 = off"};
 const Param<int> kPollUs{"rdma.poll_us", "SLUICE_RDMA_POLL_US", 20000, int_in(0, 10000000),
                          "a waiter polls the CQs itself up to this long without a completion before it sleeps; 0 = never"};
+// A fabric whose ports differ in MTU still connects at the smaller one; where that would be
+// a misconfiguration worth failing on (a jumbo-frame fabric with one port left at 1500), a
+// minimum makes it a named error at connect instead of a slow endpoint.
+const Param<int> kMinMtu{"rdma.min_mtu", "SLUICE_RDMA_MIN_MTU", 0,
+                         [](const std::string& where, const std::string& text) {
+                           int v = -1;
+                           auto [p, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
+                           if (ec != std::errc() || p != text.data() + text.size() ||
+                               (v != 0 && v != 256 && v != 512 && v != 1024 && v != 2048 && v != 4096))
+                             param_error(where, text, "is not 0, 256, 512, 1024, 2048 or 4096");
+                           return v;
+                         },
+                         "smallest path MTU (bytes) an endpoint accepts; connecting over a smaller one fails "
+                         "naming both ports; 0 = any"};
 // Test-only knobs: read from the environment when an endpoint is created (ParamScope::kTest),
 // so a test can give one endpoint of an engine a different shape or a fault.
 const Param<uint64_t> kMaxWrBytesParam{"rdma.max_wr_bytes", "SLUICE_RDMA_MAX_WR_BYTES", rdma::kMaxWrBytes,
@@ -66,6 +80,7 @@ RdmaEndpoint::RdmaEndpoint(std::shared_ptr<Rails> rails, const Registry* reg, co
   spin_ = std::chrono::microseconds(kSpinUs.get(s.config));
   busy_ = std::chrono::milliseconds(kBusyMs.get(s.config));
   poll_budget_ = std::chrono::microseconds(kPollUs.get(s.config));
+  min_mtu_ = kMinMtu.get(s.config);
   fault_rkey_xor_ = static_cast<uint32_t>(kFaultRkeyXor.read());
   max_wr_bytes_ = kMaxWrBytesParam.read();
   max_sge_ = kMaxSgeParam.read();
@@ -185,25 +200,31 @@ void RdmaEndpoint::create_qp(int index, int rail, int peer_rail) {
 
 QpAddress RdmaEndpoint::local_qp_address(int index) const {
   const Chan& ch = *chans_[index];
-  const Device& d = rails_->at(ch.rail);
   QpAddress a;
   a.qpn = ch.qp->qp_num;
   a.psn = (a.qpn * 2654435761u) & 0xffffff;
-  a.gid = Device::gid_text(d.gid());
-  a.lid = d.lid();
-  a.mtu = d.active_mtu();
+  a.port = rails_->at(ch.rail).desc();
+  a.described = true;
   return a;
 }
 
-void RdmaEndpoint::bring_up(int index, const QpAddress& r) {
+Negotiated RdmaEndpoint::negotiate_with(int index, int rail, const QpAddress& r) const {
+  // Refuses (naming both ports) what cannot work before a QP is pointed at the peer: otherwise
+  // a mismatch shows only as an unnamed modify_qp error or a retry-exceeded first operation.
+  Negotiated n = negotiate(rails_->at(rail).desc(), r, min_mtu_);
+  SLUICE_LOG(kInfo, "rdma: channel " << index << " to " << setup_.peer.engine_id << ": " << n.summary);
+  return n;
+}
+
+void RdmaEndpoint::bring_up(int index, const QpAddress& r, const Negotiated& n) {
   Chan& ch = *chans_[index];
   const Device& d = rails_->at(ch.rail);
   ibv_gid dgid{};
-  if (!Device::parse_gid(r.gid, &dgid)) throw Error(ErrorCode::kProtocol, "rdma: peer sent a malformed GID");
+  std::memcpy(dgid.raw, r.port.gid.data(), 16);
   const int rd_atom = std::max(1, std::min(16, d.attr().max_qp_rd_atom));
   ibv_qp_attr at{};
   at.qp_state = IBV_QPS_RTR;
-  at.path_mtu = static_cast<ibv_mtu>(std::min(d.active_mtu(), r.mtu));
+  at.path_mtu = static_cast<ibv_mtu>(n.path_mtu);
   at.dest_qp_num = r.qpn;
   at.rq_psn = r.psn;
   at.max_dest_rd_atomic = static_cast<uint8_t>(rd_atom);
@@ -215,7 +236,7 @@ void RdmaEndpoint::bring_up(int index, const QpAddress& r) {
     at.ah_attr.grh.sgid_index = static_cast<uint8_t>(d.gid_index());
     at.ah_attr.grh.hop_limit = 64;
   } else {
-    at.ah_attr.dlid = r.lid;  // IB: route by the remote LID
+    at.ah_attr.dlid = r.port.lid;  // IB: route by the remote LID
   }
   int rc = v_.modify_qp(ch.qp, &at,
                         IBV_QP_STATE | IBV_QP_AV | IBV_QP_PATH_MTU | IBV_QP_DEST_QPN | IBV_QP_RQ_PSN |
@@ -310,8 +331,10 @@ void RdmaEndpoint::connect(const ChannelOpener& open) {
     create_qp(i, i % local, i % peer);
     auto [sock, reply] = open(i, {{"rdma", hello_body(i)}});
     if (!reply.contains("rdma")) throw Error(ErrorCode::kProtocol, "rdma: channel reply without queue pair address");
+    const QpAddress addr = QpAddress::from_json(reply["rdma"]);
+    const Negotiated n = negotiate_with(i, chans_[i]->rail, addr);
     take_peer(reply["rdma"]);
-    bring_up(i, QpAddress::from_json(reply["rdma"]));
+    bring_up(i, addr, n);
     chans_[i]->sock = std::move(sock);
     chans_[i]->sock_live = true;
   }
@@ -329,9 +352,12 @@ json RdmaEndpoint::attach(int index, const json& hello) {
   if (rail < 0 || rail >= rails_->size() || peer_rail < 0)
     throw Error(ErrorCode::kProtocol, "rdma: channel hello names rail " + std::to_string(rail) + " of " +
                                           std::to_string(rails_->size()));
+  // Checked before anything is allocated for the channel: a refused hello leaves no QP behind.
+  const QpAddress addr = QpAddress::from_json(h);
+  const Negotiated n = negotiate_with(index, rail, addr);
   create_qp(index, rail, peer_rail);
   take_peer(h);
-  bring_up(index, QpAddress::from_json(h));
+  bring_up(index, addr, n);
   return {{"rdma", hello_body(index)}};
 }
 

@@ -178,7 +178,9 @@ class RdmaEndpoint final : public EndpointBase,
   // endpoint.cpp
   RailCq& cq_for(int rail);
   void create_qp(int index, int rail, int peer_rail);
-  void bring_up(int index, const QpAddress& remote);
+  // Checks the peer's address against our port on `rail` (negotiate.hpp); throws naming both.
+  Negotiated negotiate_with(int index, int rail, const QpAddress& remote) const;
+  void bring_up(int index, const QpAddress& remote, const Negotiated& n);
   QpAddress local_qp_address(int index) const;
   nlohmann::json hello_body(int index);
   void take_peer(const nlohmann::json& j);
@@ -291,6 +293,7 @@ class RdmaEndpoint final : public EndpointBase,
   std::atomic<bool> closed_{false};
   std::atomic<bool> sleeping_{false};  // in poll() with the CQs armed
   std::atomic<bool> ready_{false};     // every QP is in RTS and the progress thread runs
+  int min_mtu_ = 0;                    // rdma.min_mtu: the smallest path MTU we accept (0 = any)
   uint32_t fault_rkey_xor_ = 0;        // test-only fault injection (SLUICE_RDMA_FAULT_RKEY_XOR)
   std::atomic<std::chrono::steady_clock::rep> last_submit_{0};
   std::chrono::microseconds spin_{50};
