@@ -9,21 +9,12 @@
 #include <cstdlib>
 #include <sstream>
 
+#include "transport/rdma/sysfs.hpp"
+
 namespace sluice::detail::rdma {
 namespace {
 
-// A small sysfs file's text (at most 4 KiB). read(2), not iostreams: this also runs inside
-// the torch backend's module, where `std::ifstream >> int` crashed on the H100 machine's image
-// (tcp_transport.cpp, sysctl_int).
-std::string read_text(const std::string& path) {
-  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return "";
-  std::string out(4096, '\0');
-  ssize_t n = ::read(fd, out.data(), out.size());
-  ::close(fd);
-  out.resize(n > 0 ? static_cast<size_t>(n) : 0);
-  return out;
-}
+std::string read_text(const std::string& path) { return read_sysfs_text(path); }
 
 // The file's first whitespace-separated word.
 std::string read_word(const std::string& path) {

@@ -5,20 +5,15 @@
 
 #include <cstdio>
 #include <cstring>
-#include <fstream>
 
 #include "core/log.hpp"
 #include "transport/rdma/hca_filter.hpp"
+#include "transport/rdma/sysfs.hpp"
 
 namespace sluice::detail::rdma {
 namespace {
 
-std::string read_line(const std::string& path) {
-  std::ifstream in(path);
-  std::string s;
-  std::getline(in, s);
-  return s;
-}
+std::string read_line(const std::string& path) { return read_sysfs_line(path); }
 
 // The RoCE v2 GID of the netdev's IPv4 address: ::ffff:a.b.c.d with type "RoCE v2".
 // Read from sysfs (querying 1024 entries through verbs is slow on some providers).
