@@ -566,6 +566,9 @@ void EngineImpl::handle_channel(net::Socket& sock, const json& body, bootstrap::
     }
   }
   if (!ep && replace) throw Error(ErrorCode::kProtocol, "channel replace: field 'token' names no live endpoint");
+  if (replace && !ep->transport().replaces_channels())
+    throw Error(ErrorCode::kUnsupported, "channel replace: the endpoint's transport (" + ep->transport_name() +
+                                             ") does not replace channels");
   if (!ep) throw Error(ErrorCode::kProtocol, "channel attach: field 'token' names no endpoint awaiting channels");
   if (index >= static_cast<uint64_t>(ep->channels()))
     throw Error(ErrorCode::kProtocol, "channel attach: field 'index' must be 0.." + std::to_string(ep->channels() - 1) +

@@ -135,6 +135,11 @@ class TransportEndpoint {
   virtual std::shared_ptr<ProgressSource> progress_source() { return nullptr; }
   // Operations submitted and not yet completed.
   virtual size_t pending() const = 0;
+  // Whether attach() takes a CHANNEL with "replace" (tcp channel failover); the engine refuses
+  // one for endpoints whose transport says no.
+  virtual bool replaces_channels() const { return false; }
+  // Channel failover (EndpointMetrics): channels replaced, operations sent again.
+  virtual std::pair<uint64_t, uint64_t> failover_counts() const { return {0, 0}; }
   // When the peer last showed progress (for the engine's watchdog).
   virtual std::chrono::steady_clock::time_point last_progress() const = 0;
   // Watchdog: fail (kTimeout) what is overdue at `now` and return how many problems were found

@@ -65,7 +65,8 @@ const Param<int> kRtoMaxMs{"tcp.rto_max_ms", "SLUICE_TCP_RTO_MAX_MS", -1, rto_ma
 // (up to 1 s with tcp.rto_max_ms at its floor).
 const Param<int> kFailoverMs{"tcp.failover_ms", "SLUICE_TCP_FAILOVER_MS", 300, int_in(0, 600000),
                              "a tcp channel that owes answers to our requests and has moved no byte for this long "
-                             "(and, when an op on it may not be retried, whose socket is retransmitting) is replaced "
+                             "(when an op on it may not be retried: and whose socket is retransmitting, or silent for "
+                             "op_timeout / 2) is replaced "
                              "by a fresh connection, dialed by the side that connected; 0 = never"};
 const Param<bool> kRetryRma{"tcp.retry_rma", "SLUICE_TCP_RETRY_RMA", true, boolean(),
                             "reads and writes caught on a replaced tcp channel are sent again on the new one "
@@ -406,8 +407,8 @@ class TcpEndpoint final : public EndpointBase,
     if (first) fail(why, /*notify=*/false);
   }
 
-  uint64_t channels_replaced() const { return replaced_.load(); }
-  uint64_t ops_retried() const { return retried_.load(); }
+  bool replaces_channels() const override { return true; }
+  std::pair<uint64_t, uint64_t> failover_counts() const override { return {replaced_.load(), retried_.load()}; }
 
   // StreamChannel::Handler
   Status on_frame(StreamChannel& ch, const FrameHeader& h, PayloadReader& payload) override {

@@ -83,6 +83,11 @@ TEST_F(TcpFailover, ReadsAndWritesOnAStalledChannelAreRetried) {
   EXPECT_EQ(0, std::memcmp(la_.data(), want.data(), kBytes)) << "the read's bytes are wrong";
   EXPECT_TRUE(ep_.connected());
   EXPECT_TRUE(peer_.connected());
+  // Each op had a lane on channel 1, replaced once per op_timeout: one replacement, the
+  // write sent again (the read went on the new channel).
+  EndpointMetrics m = ep_.metrics();
+  EXPECT_EQ(m.channels_replaced, 1u);
+  EXPECT_EQ(m.retries, 1u);
   // The replacement carries new ops too, in both directions.
   fill_pattern(la_.data(), la_.size(), 34);
   ASSERT_TRUE(ep_.write(whole()).wait().ok());
