@@ -596,6 +596,9 @@ TEST_F(HostileBootstrap, ChannelReplaceNeedsTheLiveEndpointsTokenAndAValidIndex)
   const uint64_t token = 0x5eed'f00d'1234'5678ull;
   net::Socket live = forged_endpoint(token);
   ASSERT_TRUE(live.valid());
+  // Live (in the engine's list) once accept() returns it; the reply may come a little before.
+  auto accepted = victim_->accept(5s);
+  ASSERT_TRUE(accepted.has_value());
   auto replace = [&](uint64_t t, uint64_t index, std::string* why) {
     net::Socket s = dial();
     boot::send_msg(s.fd(), boot::MsgKind::kChannel,

@@ -1,11 +1,13 @@
 #include "transport/tcp/redialer.hpp"
 
+#include <unistd.h>
+
 #include "core/log.hpp"
 
 namespace sluice::detail {
 
 Redialer::~Redialer() {
-  std::thread t;
+  std::unique_ptr<std::thread> t;
   {
     std::lock_guard<std::mutex> lk(st_->mu);
     st_->stop = true;
@@ -13,18 +15,27 @@ Redialer::~Redialer() {
     t = std::move(thread_);
   }
   st_->cv.notify_all();
-  if (!t.joinable()) return;
-  if (t.get_id() == std::this_thread::get_id())
-    t.detach();
+  if (!t) return;
+  if (pid_ != ::getpid()) {
+    // A forked child's copy: the thread is not in this process; the handle is left alone.
+    (void)t.release();
+    return;
+  }
+  if (t->get_id() == std::this_thread::get_id())
+    t->detach();
   else
-    t.join();
+    t->join();
 }
 
 void Redialer::post(std::function<void()> job) {
   std::lock_guard<std::mutex> lk(st_->mu);
   if (st_->stop) return;
   st_->jobs.push_back(std::move(job));
-  if (!thread_.joinable()) thread_ = std::thread(loop, st_);
+  if (!thread_ || pid_ != ::getpid()) {  // first job (or first in a forked child)
+    if (thread_) (void)thread_.release();
+    thread_ = std::make_unique<std::thread>(loop, st_);
+    pid_ = ::getpid();
+  }
   st_->cv.notify_one();
 }
 

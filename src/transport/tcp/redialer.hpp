@@ -37,7 +37,8 @@ class Redialer {
   static void loop(std::shared_ptr<State> st);
 
   std::shared_ptr<State> st_ = std::make_shared<State>();
-  std::thread thread_;  // under st_->mu
+  std::unique_ptr<std::thread> thread_;  // under st_->mu
+  int pid_ = 0;                          // the process that started it (fork: see ~Redialer)
 };
 
 }  // namespace sluice::detail

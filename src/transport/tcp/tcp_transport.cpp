@@ -572,6 +572,9 @@ class TcpEndpoint final : public EndpointBase,
       replacing_[c] = false;
       down = channels_[c] && channels_[c]->down();
     }
+    // Under replace_mu_, which close() takes after setting closing_: once close() returned,
+    // nothing here touches events_.
+    std::lock_guard<std::recursive_mutex> rl(replace_mu_);
     if (down && !closing_.load())
       fail({ErrorCode::kPeerLost, "tcp channel " + std::to_string(c) + " lost and not replaced: " + last.message},
            /*notify=*/true);
@@ -602,7 +605,9 @@ class TcpEndpoint final : public EndpointBase,
   // applied them in part. A send still unacknowledged on channel 0 fails the endpoint (its
   // recv may have been caught mid-message).
   void replace_channel(int c, net::Socket sock) {
-    std::lock_guard<std::recursive_mutex> rl(replace_mu_);
+    // One replacement at a time, held across the join; close() does not take this one (a
+    // close() on a reactor thread must not wait for a join that needs that reactor).
+    std::lock_guard<std::mutex> serial(replace_serial_mu_);
     StreamChannel* old = nullptr;
     {
       std::lock_guard<std::mutex> lk(attach_mu_);
@@ -612,6 +617,8 @@ class TcpEndpoint final : public EndpointBase,
     old->shutdown();
     old->join();
     cap_rto(sock.fd());
+    // From here on nothing waits for a reactor; close() waits for this part (see close()).
+    std::lock_guard<std::recursive_mutex> rl(replace_mu_);
     std::vector<uint64_t> failing;
     std::string failing_why;
     bool send_caught = false;
@@ -649,7 +656,9 @@ class TcpEndpoint final : public EndpointBase,
         ++retried;
         if (op->kind == OpKind::kRead) continue;  // posted above
         if (!op->future) {
-          post_post_frames(ch, token, op->lanes[0].pieces[0], false, 0);
+          // Copied: the post may be acked (and its op cleared for reuse) before its last frame is queued.
+          const Piece p = op->lanes[0].pieces[0];
+          post_post_frames(ch, token, p, false, 0);
         } else {
           uint32_t nlanes = 0;
           for (auto& lane : op->lanes) nlanes += lane.pieces.empty() ? 0 : 1;
@@ -1018,7 +1027,9 @@ class TcpEndpoint final : public EndpointBase,
   std::vector<Clock::time_point> replaced_at_;     // under attach_mu_
   std::vector<std::unique_ptr<StreamChannel>> retired_;  // under attach_mu_; kept for stale pointers
   ChannelOpener opener_;                                 // under attach_mu_ (connect())
-  std::recursive_mutex replace_mu_;  // one replacement at a time; close() waits for it
+  std::mutex replace_serial_mu_;      // one replace_channel() at a time
+  std::recursive_mutex replace_mu_;   // its install part; close() waits for it (recursive:
+                                      // a failed op's callback there may close the endpoint)
   std::atomic<uint64_t> replaced_{0}, retried_{0};
 
   const int nchan_;
