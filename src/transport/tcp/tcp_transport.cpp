@@ -70,7 +70,7 @@ const Param<int> kFailoverMs{"tcp.failover_ms", "SLUICE_TCP_FAILOVER_MS", 300, i
                              "by a fresh connection, dialed by the side that connected; 0 = never"};
 const Param<bool> kRetryRma{"tcp.retry_rma", "SLUICE_TCP_RETRY_RMA", true, boolean(),
                             "reads and writes caught on a replaced tcp channel are sent again on the new one "
-                            "(counted as retries); off: they fail. send and write_with_imm never are"};
+                            "(counted as retries); off: they fail. send, write_with_imm and post_signal never are"};
 
 const Param<int> kTestMuteChannel{"tcp.test_mute_channel", "SLUICE_TCP_TEST_MUTE_CHANNEL", -1, int_in(-1, 63),
                                   "test only: on accepted endpoints, the first connection of this channel reads the "
