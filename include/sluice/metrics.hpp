@@ -46,6 +46,9 @@ struct EndpointMetrics {
   uint64_t peer_lost = 0;           // ended with kPeerLost
   uint64_t reconnects = 0;          // times the endpoint connected again (ConnectOptions::reconnect)
   uint64_t posts = 0, post_bytes = 0, post_signals = 0;  // the thin post path (port channels)
+  // Channel failover (tcp, docs/cluster.md): channels moved to a fresh connection, and
+  // operations sent again on one (tcp.retry_rma).
+  uint64_t channels_replaced = 0, retries = 0;
   LatencyHistogram latency;
 
   const OpCounters& of(OpKind k) const { return ops.at(static_cast<size_t>(k)); }

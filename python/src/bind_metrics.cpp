@@ -33,6 +33,8 @@ py::dict metrics_dict(const sluice::EndpointMetrics& m) {
   d["posts"] = m.posts;
   d["post_bytes"] = m.post_bytes;
   d["post_signals"] = m.post_signals;
+  d["channels_replaced"] = m.channels_replaced;
+  d["retries"] = m.retries;
   py::list bounds, counts;
   for (int i = 0; i < sluice::LatencyHistogram::kBuckets; ++i) {
     const uint64_t b = sluice::LatencyHistogram::bound_ns(i);

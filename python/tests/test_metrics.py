@@ -62,3 +62,35 @@ def test_prometheus_text(tcp_pair):
     want = f'peer="{peer}",transport="tcp",kind="write"}} '
     assert any(l.startswith("sluice_endpoint_bytes_total{") and want in l and l.endswith(" 4096") for l in lines)
     assert any(l.startswith("sluice_endpoint_op_latency_seconds_count{") and l.endswith(" 1") for l in lines)
+
+
+def test_a_replaced_channel_and_its_retry_are_counted(monkeypatch):
+    """tcp channel failover (docs/cluster.md): b's first connection of channel 0 never answers
+    (the test-only SLUICE_TCP_TEST_MUTE_CHANNEL, read as b's endpoint is made); a replaces the
+    channel, sends the write again, and counts both, in metrics() and in the Prometheus text."""
+    import sluice
+
+    a = sluice.Engine(transports="tcp", channels=1, op_timeout_ms=20000, **{"tcp.failover_ms": 200})
+    b = sluice.Engine(transports="tcp", channels=1)
+    try:
+        monkeypatch.setenv("SLUICE_TCP_TEST_MUTE_CHANNEL", "0")
+        ep = a.connect(b.listen_address)
+        peer = b.accept(timeout=10)
+        monkeypatch.delenv("SLUICE_TCP_TEST_MUTE_CHANNEL")
+        assert peer is not None
+        src = pattern(64 << 10)
+        dst = np.zeros(64 << 10, np.uint8)
+        hs = a.register(src)
+        b.register(dst, name="dst")
+        ep.refresh_remote_regions()
+        ep.write([(hs, 0, ep.remote_region("dst"), 0, 64 << 10)]).result(15)
+        assert np.array_equal(src, dst)
+        m = ep.metrics()
+        assert (m["channels_replaced"], m["retries"]) == (1, 1), m
+        assert m["ops"]["write"]["failed"] == 0
+        text = a.metrics_text()
+        assert re.search(r"^sluice_endpoint_channels_replaced_total\{[^}]*\} 1$", text, re.M), text
+        assert re.search(r"^sluice_endpoint_retries_total\{[^}]*\} 1$", text, re.M), text
+    finally:
+        a.close()
+        b.close()

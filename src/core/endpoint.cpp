@@ -316,6 +316,11 @@ EndpointMetrics EndpointImpl::metrics() const {
   m.transport = transport_name_;
   m.channels = channels_;
   m.connected = connected();
+  if (transport_) {
+    auto [replaced, retries] = transport_->failover_counts();
+    m.channels_replaced = replaced;
+    m.retries = retries;
+  }
   return m;
 }
 

@@ -65,6 +65,11 @@ class EndpointImpl final : public EndpointEvents, public std::enable_shared_from
     std::lock_guard<std::mutex> lk(peer_mu_);
     peer_ref_ = std::move(ref);
   }
+  // The peer dialed this endpoint (no ref of ours): the side a channel replace may name.
+  bool accepted() const {
+    std::lock_guard<std::mutex> lk(peer_mu_);
+    return peer_ref_.empty();
+  }
 
   // Reconnection (ConnectOptions::reconnect; endpoint_reconnect.cpp). The Endpoint handle
   // holds the endpoint connect() returned, its "head"; after a failure the head connects

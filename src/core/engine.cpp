@@ -393,8 +393,12 @@ std::shared_ptr<EndpointImpl> EngineImpl::connect(const std::string& target, con
   EndpointSetup setup{true, token, channels, peer, ep.get(), config_};
   ep->set_transport(t->create_endpoint(setup));
 
-  auto opener = [&, name = t->name()](int index, const json& hello) {
-    Exchange x = open_exchange(host, port, timeout);
+  // Captures by value: a transport keeps it to dial replacement channels later (tcp's
+  // channel failover), from its own thread, possibly after this engine began closing.
+  auto opener = [host, port, token, timeout, name = t->name()](int index, const json& hello) {
+    Exchange x;
+    x.deadline = bootstrap::Clock::now() + timeout;
+    x.sock = net::connect_tcp(host, port, timeout);
     // The transport's own socket I/O after the attach uses the socket's timeout.
     net::set_io_timeout(x.sock.fd(), timeout);
     json body = hello;
@@ -525,7 +529,9 @@ void EngineImpl::handle_hello(net::Socket& sock, const json& body) {
   {
     std::lock_guard<std::mutex> lk(mu_);
     if (closed_) throw Error(ErrorCode::kClosed, "engine is closing");
-    if (passive_.count(token)) throw Error(ErrorCode::kProtocol, "hello: endpoint token reused");
+    if (passive_.count(token) ||
+        std::any_of(endpoints_.begin(), endpoints_.end(), [&](auto& e) { return e->token() == token && e->accepted(); }))
+      throw Error(ErrorCode::kProtocol, "hello: endpoint token reused");
     check_accept_room();
     passive_[token] = {ep, std::chrono::steady_clock::now()};
   }
@@ -544,12 +550,29 @@ void EngineImpl::check_accept_room() const {
 void EngineImpl::handle_channel(net::Socket& sock, const json& body, bootstrap::Clock::time_point deadline) {
   uint64_t token = bootstrap::require_u64(body, "token", "channel attach");
   uint64_t index = bootstrap::require_u64(body, "index", "channel attach");
+  // A replacement (tcp channel failover) names a live endpoint we accepted, by the token its
+  // peer chose: 64 random bits that only the two engines know.
+  const bool replace = body.is_object() && body.contains("replace") && body["replace"] == true;
   std::shared_ptr<EndpointImpl> ep;
   {
     std::lock_guard<std::mutex> lk(mu_);
-    auto it = passive_.find(token);
-    if (it != passive_.end()) ep = it->second.ep;
+    if (replace) {
+      // Only an endpoint the peer dialed (its dialer replaces channels); handle_hello keeps
+      // their tokens unique.
+      for (auto& e : endpoints_)
+        if (e->token() == token && e->accepted() && e->connected()) {
+          if (ep) throw Error(ErrorCode::kProtocol, "channel replace: field 'token' names more than one endpoint");
+          ep = e;
+        }
+    } else {
+      auto it = passive_.find(token);
+      if (it != passive_.end()) ep = it->second.ep;
+    }
   }
+  if (!ep && replace) throw Error(ErrorCode::kProtocol, "channel replace: field 'token' names no live endpoint");
+  if (replace && !ep->transport().replaces_channels())
+    throw Error(ErrorCode::kUnsupported, "channel replace: the endpoint's transport (" + ep->transport_name() +
+                                             ") does not replace channels");
   if (!ep) throw Error(ErrorCode::kProtocol, "channel attach: field 'token' names no endpoint awaiting channels");
   if (index >= static_cast<uint64_t>(ep->channels()))
     throw Error(ErrorCode::kProtocol, "channel attach: field 'index' must be 0.." + std::to_string(ep->channels() - 1) +
@@ -560,6 +583,7 @@ void EngineImpl::handle_channel(net::Socket& sock, const json& body, bootstrap::
   json reply = ep->transport().attach(static_cast<int>(index), body);
   bootstrap::send_msg(sock.fd(), MsgKind::kReply, reply, deadline);
   if (!ep->transport().adopt(static_cast<int>(index), std::move(sock))) return;
+  if (replace) return;
   std::lock_guard<std::mutex> lk(mu_);
   passive_.erase(token);
   if (closed_) return;

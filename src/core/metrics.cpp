@@ -105,7 +105,12 @@ std::string prometheus_text(const std::string& engine, const std::vector<Endpoin
         Plain{"sluice_endpoint_post_bytes_total", "counter", "Bytes of thin-path writes posted.",
               &EndpointMetrics::post_bytes},
         Plain{"sluice_endpoint_post_signals_total", "counter", "Thin-path signals posted.",
-              &EndpointMetrics::post_signals}}) {
+              &EndpointMetrics::post_signals},
+        Plain{"sluice_endpoint_channels_replaced_total", "counter",
+              "Channels moved to a fresh connection after they stalled (tcp failover).",
+              &EndpointMetrics::channels_replaced},
+        Plain{"sluice_endpoint_retries_total", "counter",
+              "Operations sent again on a replacement channel (tcp.retry_rma).", &EndpointMetrics::retries}}) {
     w.family(p.name, p.type, p.help);
     for (const auto& e : endpoints) w.sample(p.name, e, "", e.*p.field);
   }

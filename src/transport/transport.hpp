@@ -3,6 +3,7 @@
 // never names a transport.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <functional>
 #include <memory>
@@ -43,6 +44,11 @@ struct TransferOp {
   bool signal = false;
   uint64_t signal_add = 0;
   Status post_error;  // PendingOps::note_error on a post
+  // Channel failover (tcp): bit c set once lane c's frames were handed to channel c, and
+  // once lane c finished (PendingOps::lane_done with a lane). A lane posted and not done when
+  // its channel is replaced is retried or failed (PendingOps::open_on).
+  std::atomic<uint64_t> posted_lanes{0};
+  uint64_t done_lanes = 0;  // under PendingOps' lock
 };
 
 // The thin post path (Capabilities::rma_post): what a proxy posts, one request per call.
@@ -129,6 +135,11 @@ class TransportEndpoint {
   virtual std::shared_ptr<ProgressSource> progress_source() { return nullptr; }
   // Operations submitted and not yet completed.
   virtual size_t pending() const = 0;
+  // Whether attach() takes a CHANNEL with "replace" (tcp channel failover); the engine refuses
+  // one for endpoints whose transport says no.
+  virtual bool replaces_channels() const { return false; }
+  // Channel failover (EndpointMetrics): channels replaced, operations sent again.
+  virtual std::pair<uint64_t, uint64_t> failover_counts() const { return {0, 0}; }
   // When the peer last showed progress (for the engine's watchdog).
   virtual std::chrono::steady_clock::time_point last_progress() const = 0;
   // Watchdog: fail (kTimeout) what is overdue at `now` and return how many problems were found

@@ -28,7 +28,8 @@ class WorkerProc:
         self.host, self.index = host, index
         self.cfg = {"index": index, "engines": engines, "slot": slot, "addr": host.addr, **cfg}
         e = dict(os.environ)
-        e["PYTHONPATH"] = str(HERE)
+        # Ours first, then the caller's (a sluice package built but not installed, for example).
+        e["PYTHONPATH"] = os.pathsep.join([str(HERE)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []))
         # Each namespace is its own host: without this every engine would claim the machine's
         # hostname and boot id (see docs/cluster.md, "Many hosts on one machine").
         e["SLUICE_HOST_ID"] = f"netns-{host.ns}"
@@ -108,6 +109,8 @@ class WorkerProc:
             except (OSError, subprocess.TimeoutExpired):
                 self.kill()
         self._stderr.close()
+        if os.environ.get("NETNS_KEEP_LOGS"):  # the engines' log lines (SLUICE_LOG_LEVEL=info)
+            return
         try:
             self.stderr_path.unlink()
         except OSError:

@@ -1,8 +1,11 @@
 """Scenario 2: a link taken down for 2 s under a stream of checked writes and reads, then
 brought back. Every operation either completes with the right bytes or fails with PeerLost or
 Timeout naming the peer, within op_timeout (plus the progress checker's slack); nothing hangs.
-The recovery time (link up -> first successful operation, on the surviving endpoint and on a
-fresh connect) is measured and reported, never asserted (the issue's bar is <= 1 s)."""
+With op_timeout 5 s the endpoint must survive (every operation succeeds): its stalled tcp
+channels are replaced by fresh connections (tcp.failover_ms) or, with that off, resume at the
+kernel's next retransmission. The recovery time (link up -> first successful operation, on the
+surviving endpoint and on a fresh connect) is measured and reported, never asserted (the
+issue's bar is <= 1 s)."""
 from __future__ import annotations
 
 import time
@@ -68,6 +71,8 @@ def test_link_down_2s(topology, report, op_timeout: float):
 
         ok_after = [r for r in log if r["ok"] and r["t1"] > t_up]
         survived = not failed
+        if op_timeout > DOWN_S:
+            assert survived, f"the endpoint did not survive a {DOWN_S} s flap with op_timeout {op_timeout} s: {failed}"
         first_ok = min((r["t1"] for r in ok_after), default=None)
         report("link_flap", op_timeout_s=op_timeout, down_s=round(t_up - t_down, 2),
                endpoint_survived=survived, ops=len(log), failed_ops=len(failed),

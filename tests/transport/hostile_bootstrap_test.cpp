@@ -586,3 +586,44 @@ TEST_F(HostileBootstrap, ConnectAndRefreshUseTheDialedAddress) {
   EXPECT_EQ(third.accepted(), 0) << "connect or refresh followed the peer's advertised listen address";
   victim_->close();  // before vbuf and wbuf go away
 }
+
+// tcp channel failover: a channel "replace" names a live endpoint the listener accepted by its
+// token (64 random bits only the two engines know) and a channel index. A wrong token or an
+// index out of range is refused with an error saying which, and the live endpoint keeps its
+// channel; the right token and index stop the old channel (it is hung up) and install the new.
+TEST_F(HostileBootstrap, ChannelReplaceNeedsTheLiveEndpointsTokenAndAValidIndex) {
+  start(config_);
+  const uint64_t token = 0x5eed'f00d'1234'5678ull;
+  net::Socket live = forged_endpoint(token);
+  ASSERT_TRUE(live.valid());
+  // Live (in the engine's list) once accept() returns it; the reply may come a little before.
+  auto accepted = victim_->accept(5s);
+  ASSERT_TRUE(accepted.has_value());
+  auto replace = [&](uint64_t t, uint64_t index, std::string* why) {
+    net::Socket s = dial();
+    boot::send_msg(s.fd(), boot::MsgKind::kChannel,
+                   {{"token", t}, {"index", index}, {"transport", "tcp"}, {"replace", true}});
+    ErrorCode c = code_of([&] { boot::expect_reply(s.fd(), "replace"); }, why);
+    return std::make_pair(c, std::move(s));
+  };
+  auto hung_up = [](int fd) {
+    pollfd p{fd, POLLIN, 0};
+    if (::poll(&p, 1, 300) <= 0) return false;  // still open and silent
+    char c;
+    return ::recv(fd, &c, 1, MSG_DONTWAIT) == 0 || (p.revents & (POLLHUP | POLLERR));
+  };
+  std::string why;
+  auto [c1, s1] = replace(token ^ 1, 0, &why);
+  EXPECT_EQ(c1, ErrorCode::kProtocol);
+  EXPECT_NE(why.find("channel replace: field 'token' names no live endpoint"), std::string::npos) << why;
+  auto [c2, s2] = replace(token, 1, &why);
+  EXPECT_EQ(c2, ErrorCode::kProtocol);
+  EXPECT_NE(why.find("field 'index' must be 0..0, got 1"), std::string::npos) << why;
+  EXPECT_FALSE(hung_up(live.fd())) << "a refused replace stopped the live endpoint's channel";
+  expect_still_serving();
+  // The real one: the old connection is hung up, the new one is the channel now.
+  auto [c3, s3] = replace(token, 0, &why);
+  EXPECT_EQ(c3, ErrorCode::kOk) << why;
+  EXPECT_TRUE(hung_up(live.fd())) << "the replaced channel's connection is still open";
+  EXPECT_FALSE(hung_up(s3.fd()));
+}

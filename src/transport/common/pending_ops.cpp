@@ -77,12 +77,13 @@ void PendingOps::finish(const std::shared_ptr<TransferOp>& op, const Status& st)
   if (post_handler_) post_handler_(op, op->post_error.ok() ? st : op->post_error);
 }
 
-bool PendingOps::lane_done(uint64_t token, const Status& st) {
+bool PendingOps::lane_done(uint64_t token, const Status& st, int lane) {
   std::shared_ptr<FutureState> future;  // fail_all() may drop the op meanwhile
   {
     std::unique_lock<std::mutex> lk(mu_);
     Slot* s = slot_locked(token);
     if (!s) return false;
+    if (lane >= 0 && lane < 64) s->op->done_lanes |= uint64_t{1} << lane;
     s->last = Clock::now();  // a lane finished: the op's own progress
     if (!s->op->future) {
       // A post: one lane, so its first lane_done is its last.
@@ -195,6 +196,24 @@ size_t PendingOps::expire(Clock::time_point now, std::chrono::milliseconds timeo
   for (auto& op : ops) finish(op, {ErrorCode::kTimeout, describe(op->future ? std::string(to_string(op->kind)).c_str() : "post")});
   for (auto& op : sends) op->future->complete({ErrorCode::kTimeout, describe("send")});
   return n;
+}
+
+std::vector<std::pair<uint64_t, std::shared_ptr<TransferOp>>> PendingOps::open_on(int lane) {
+  std::vector<std::pair<uint64_t, std::shared_ptr<TransferOp>>> out;
+  if (lane < 0 || lane >= 64) return out;
+  const uint64_t bit = uint64_t{1} << lane;
+  std::lock_guard<std::mutex> lk(mu_);
+  for (uint32_t i = 0; i < slots_.size(); ++i) {
+    const Slot& s = slots_[i];
+    if (s.op && (s.op->posted_lanes.load(std::memory_order_acquire) & bit) && !(s.op->done_lanes & bit))
+      out.emplace_back(token_of(i, s.gen), s.op);
+  }
+  return out;
+}
+
+size_t PendingOps::sends() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return sends_.size();
 }
 
 std::shared_ptr<MessageOp> PendingOps::take_send(uint64_t seq) {

@@ -25,7 +25,8 @@ class PendingOps {
   std::shared_ptr<TransferOp> find(uint64_t token);
   // One lane of `token` finished; completes and forgets the op after its last lane.
   // Returns false if the token is unknown (a forged or stale response).
-  bool lane_done(uint64_t token, const Status& st);
+  // `lane` (>= 0): which lane, noted in the op's done_lanes (channel failover, open_on).
+  bool lane_done(uint64_t token, const Status& st, int lane = -1);
   bool note_error(uint64_t token, const Status& st);
   std::shared_ptr<MessageOp> take_send(uint64_t seq);
   // Fail everything now and everything added later.
@@ -35,6 +36,11 @@ class PendingOps {
   // its lane done, expire(), fail_all(). Set once, before the first post is added.
   using PostHandler = std::function<void(const std::shared_ptr<TransferOp>&, const Status&)>;
   void set_post_handler(PostHandler handler) { post_handler_ = std::move(handler); }
+
+  // Channel failover: the ops (with their tokens) whose lane `lane` was posted and has not
+  // finished (in slot order); and how many sends await their ack.
+  std::vector<std::pair<uint64_t, std::shared_ptr<TransferOp>>> open_on(int lane);
+  size_t sends() const;
 
   size_t size() const { return count_.load(std::memory_order_relaxed); }
   // Endpoint-level stamp: the peer did something (kept for transports' own bookkeeping; it no

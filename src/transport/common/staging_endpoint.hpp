@@ -54,6 +54,8 @@ class StagingEndpoint final : public TransportEndpoint {
   void peer_updated(const EngineInfo& peer) override { inner_->peer_updated(peer); }
   std::shared_ptr<ProgressSource> progress_source() override { return inner_->progress_source(); }
   size_t pending() const override { return inner_->pending(); }
+  std::pair<uint64_t, uint64_t> failover_counts() const override { return inner_->failover_counts(); }
+  bool replaces_channels() const override { return inner_->replaces_channels(); }
   std::chrono::steady_clock::time_point last_progress() const override { return inner_->last_progress(); }
   size_t expire_ops(std::chrono::steady_clock::time_point now, std::chrono::milliseconds timeout,
                     std::string* what) override {

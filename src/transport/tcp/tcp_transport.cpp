@@ -12,9 +12,11 @@
 #include <climits>
 #include <cstdint>
 #include <cstdlib>
+#include <deque>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <unordered_map>
 #include <vector>
 
@@ -26,6 +28,7 @@
 #include "transport/common/signal_target.hpp"
 #include "transport/common/staging_endpoint.hpp"
 #include "transport/common/stream_channel.hpp"
+#include "transport/tcp/redialer.hpp"
 #include "transport/transport.hpp"
 
 namespace sluice::detail {
@@ -53,6 +56,26 @@ const Param<int> kRtoMaxMs{"tcp.rto_max_ms", "SLUICE_TCP_RTO_MAX_MS", -1, rto_ma
                            "an outage the next retransmission comes at most this long after the link is back. "
                            "-1 = auto: the smallest cap >= 1000 ms with which the kernel still gives a stalled "
                            "connection 1.5 x op_timeout; 0 = the kernel's (net.ipv4.tcp_rto_max_ms, 120 s)"};
+
+// Channel failover (docs/cluster.md, "Channel failover"). Why 300 ms: a healthy LAN peer
+// answers in well under a millisecond, and even a loaded one (2 shared cores, sanitizers)
+// rarely stays silent 300 ms with answers owed; after a link flap the replacement is dialed
+// at once and its SYN leaves every connect.retry_ms (200 ms), so recovery is bounded by
+// about that SYN interval plus a round trip, not by the kernel's backed-off retransmission
+// (up to 1 s with tcp.rto_max_ms at its floor).
+const Param<int> kFailoverMs{"tcp.failover_ms", "SLUICE_TCP_FAILOVER_MS", 300, int_in(0, 600000),
+                             "a tcp channel that owes answers to our requests and has moved no byte for this long "
+                             "(when an op on it may not be retried: and whose socket is retransmitting, or silent for "
+                             "op_timeout / 2) is replaced "
+                             "by a fresh connection, dialed by the side that connected; 0 = never"};
+const Param<bool> kRetryRma{"tcp.retry_rma", "SLUICE_TCP_RETRY_RMA", true, boolean(),
+                            "reads and writes caught on a replaced tcp channel are sent again on the new one "
+                            "(counted as retries); off: they fail. send, write_with_imm and post_signal never are"};
+
+const Param<int> kTestMuteChannel{"tcp.test_mute_channel", "SLUICE_TCP_TEST_MUTE_CHANNEL", -1, int_in(-1, 63),
+                                  "test only: on accepted endpoints, the first connection of this channel reads the "
+                                  "peer's requests and never answers them (a stall without a link to break); -1 = off",
+                                  ParamScope::kTest};
 
 // A positive number in a /proc/sys file, else `fallback`. read(2) and strtol, not iostreams:
 // the torch backend links the engine's objects into a module that torch's process loads, and
@@ -113,6 +136,8 @@ struct ReadPiece {
   uint8_t* dest;
   uint64_t length;
   bool lane_end;
+  uint64_t remote_id;      // what to ask again when the channel is replaced
+  uint64_t remote_offset;
 };
 
 struct ImmProgress {
@@ -156,17 +181,27 @@ class TcpEndpoint final : public EndpointBase,
                           public std::enable_shared_from_this<TcpEndpoint> {
  public:
   using Clock = std::chrono::steady_clock;
-  explicit TcpEndpoint(const EndpointSetup& s)
+  TcpEndpoint(const EndpointSetup& s, std::shared_ptr<Redialer> redialer)
       : EndpointBase(s),
+        redialer_(std::move(redialer)),
+        active_(s.active),
+        peer_id_(s.peer.engine_id),
+        op_timeout_(s.config.op_timeout),
+        failover_(kFailoverMs.get(s.config)),
+        retry_rma_(kRetryRma.get(s.config)),
+        mute_index_(s.active ? -1 : kTestMuteChannel.read()),
+        replacing_(new std::atomic<bool>[s.channels]),
+        replaced_at_(s.channels),
         nchan_(s.channels),
         max_queued_(static_cast<size_t>(std::max(1, s.config.max_queued_responses))),
         answered_(new std::atomic<Clock::rep>[s.channels]),
         channels_(s.channels),
         reads_(s.channels),
-        read_mu_(s.channels),
+        lane_mu_(s.channels),
         rto_max_ms_(kRtoMaxMs.get(s.config) < 0 ? auto_rto_max_ms(s.config.op_timeout) : kRtoMaxMs.get(s.config)),
         give_up_ms_(rto_max_ms_ ? uncapped_give_up_ms() : 0) {
     pending_.set_post_handler([this](const std::shared_ptr<TransferOp>& op, const Status& st) { post_finished(op, st); });
+    for (int c = 0; c < nchan_; ++c) replacing_[c] = false;
   }
   ~TcpEndpoint() override { close({ErrorCode::kCancelled, "endpoint destroyed"}); }
 
@@ -183,6 +218,10 @@ class TcpEndpoint final : public EndpointBase,
   bool drive(const std::atomic<bool>& done, Clock::time_point deadline) override;
 
   void connect(const ChannelOpener& open) override {
+    {
+      std::lock_guard<std::mutex> lk(attach_mu_);
+      opener_ = open;  // replacement channels are dialed with it (redial)
+    }
     for (int i = 0; i < nchan_; ++i) {
       auto [sock, reply] = open(i, nlohmann::json::object());
       std::lock_guard<std::mutex> lk(attach_mu_);
@@ -190,7 +229,8 @@ class TcpEndpoint final : public EndpointBase,
     }
   }
 
-  nlohmann::json attach(int index, const nlohmann::json&) override {
+  nlohmann::json attach(int index, const nlohmann::json& hello) override {
+    if (hello.is_object() && hello.value("replace", false)) return attach_replacement(index);
     std::lock_guard<std::mutex> lk(attach_mu_);
     if (claimed_[index]) throw Error(ErrorCode::kProtocol, "channel " + std::to_string(index) + " attached twice");
     claimed_[index] = true;
@@ -198,9 +238,16 @@ class TcpEndpoint final : public EndpointBase,
   }
 
   bool adopt(int index, net::Socket sock) override {
-    std::lock_guard<std::mutex> lk(attach_mu_);
-    install(index, std::move(sock));
-    return ++attached_ == nchan_;
+    {
+      std::lock_guard<std::mutex> lk(attach_mu_);
+      if (attached_ < nchan_) {
+        install(index, std::move(sock));
+        return ++attached_ == nchan_;
+      }
+    }
+    // Every channel was attached: this is a replacement (attach_replacement said yes).
+    replace_channel(index, std::move(sock));
+    return false;
   }
 
   void submit(std::shared_ptr<TransferOp> op) override {
@@ -218,34 +265,43 @@ class TcpEndpoint final : public EndpointBase,
     for (size_t c = 0; c < keep->lanes.size(); ++c) {
       auto& pieces = keep->lanes[c].pieces;
       if (pieces.empty()) continue;
+      // Held until the lane is posted: responses come back in request order per channel, so
+      // concurrent submitters must not reorder requests against reads_; and a replacement
+      // (replace_channel) swaps the channel under it, so a lane goes wholly to the old channel
+      // (marked posted: the replacement retries or fails it) or wholly to the new one.
+      std::lock_guard<std::mutex> lane_lk(lane_mu_[c]);
       StreamChannel* ch = channels_[c].get();
-      std::unique_lock<std::mutex> read_lk;
-      if (is_read) {
-        // Responses come back in request order per channel; remember where each one goes
-        // before any request can be answered. The lock is held until the requests are
-        // posted, so that concurrent submitters cannot reorder requests against the queue.
-        read_lk = std::unique_lock<std::mutex>(read_mu_[c]);
+      if (is_read)
         for (size_t i = 0; i < pieces.size(); ++i)
-          reads_[c].push_back({token, pieces[i].local, pieces[i].length, i + 1 == pieces.size()});
+          reads_[c].push_back({token, pieces[i].local, pieces[i].length, i + 1 == pieces.size(),
+                               pieces[i].remote_id, pieces[i].remote_offset});
+      keep->posted_lanes.fetch_or(uint64_t{1} << c, std::memory_order_release);
+      post_lane(*ch, token, *keep, c, nlanes);
+    }
+  }
+
+  // The frames of lane `c` of a read / write / write_with_imm (the caller holds lane_mu_[c]
+  // and queued a read's pieces in reads_[c]).
+  static void post_lane(StreamChannel& ch, uint64_t token, const TransferOp& op, size_t c, uint32_t nlanes) {
+    const bool is_read = op.kind == OpKind::kRead;
+    const auto& pieces = op.lanes[c].pieces;
+    for (size_t i = 0; i < pieces.size(); ++i) {
+      const Piece& p = pieces[i];
+      const bool last = i + 1 == pieces.size();
+      uint8_t flags = last ? kLaneEnd : 0;
+      if (last && op.kind == OpKind::kWriteImm) flags |= kImmPart;
+      OutFrame f;
+      if (is_read) {
+        // A request has no payload; the wanted length rides in imm (low) and aux (high).
+        f.hdr = make_frame(FrameType::kReadReq, token, p.remote_id, p.remote_offset, 0, flags,
+                           static_cast<uint32_t>(p.length), static_cast<uint32_t>(p.length >> 32));
+      } else {
+        const bool imm = op.kind == OpKind::kWriteImm;
+        f.hdr = make_frame(FrameType::kWrite, token, p.remote_id, p.remote_offset, p.length, flags,
+                           imm ? op.imm : 0, imm ? nlanes : 0);
+        f.data = p.local;
       }
-      for (size_t i = 0; i < pieces.size(); ++i) {
-        const Piece& p = pieces[i];
-        const bool last = i + 1 == pieces.size();
-        uint8_t flags = last ? kLaneEnd : 0;
-        if (last && keep->kind == OpKind::kWriteImm) flags |= kImmPart;
-        OutFrame f;
-        if (is_read) {
-          // A request has no payload; the wanted length rides in imm (low) and aux (high).
-          f.hdr = make_frame(FrameType::kReadReq, token, p.remote_id, p.remote_offset, 0, flags,
-                             static_cast<uint32_t>(p.length), static_cast<uint32_t>(p.length >> 32));
-        } else {
-          const bool imm = keep->kind == OpKind::kWriteImm;
-          f.hdr = make_frame(FrameType::kWrite, token, p.remote_id, p.remote_offset, p.length, flags,
-                             imm ? keep->imm : 0, imm ? nlanes : 0);
-          f.data = p.local;
-        }
-        ch->post(std::move(f));
-      }
+      ch.post(std::move(f));
     }
   }
 
@@ -255,6 +311,7 @@ class TcpEndpoint final : public EndpointBase,
     f.hdr = make_frame(FrameType::kSend, op->seq, 0, 0, op->length);
     f.data = op->ptr;  // host memory (StagingEndpoint staged a cuda message)
     note_submit(1);
+    std::lock_guard<std::mutex> lane_lk(lane_mu_[0]);  // see submit(): a replacement swaps channels under it
     channels_[0]->post(std::move(f));  // one channel keeps messages in order
   }
 
@@ -310,6 +367,8 @@ class TcpEndpoint final : public EndpointBase,
       return false;
     };
     size_t n = pending_.expire(now, timeout, what, /*fail=*/false, alive);
+    if (active_ && failover_.count() > 0 && pending_.size() > 0 && !failed() && !closing_.load())
+      find_stalls(now);
     std::lock_guard<std::mutex> lk(attach_mu_);
     for (const auto& ch : channels_) {
       if (!ch) continue;
@@ -342,11 +401,26 @@ class TcpEndpoint final : public EndpointBase,
         }
     }
     for (auto* ch : chans) ch->join();
+    // A replacement under way finishes (or sees closing_) before the ops fail: it may be
+    // re-posting them, and it must not touch events_ after we return.
+    std::lock_guard<std::recursive_mutex> rl(replace_mu_);
     if (first) fail(why, /*notify=*/false);
   }
 
+  bool replaces_channels() const override { return true; }
+  std::pair<uint64_t, uint64_t> failover_counts() const override { return {replaced_.load(), retried_.load()}; }
+
   // StreamChannel::Handler
   Status on_frame(StreamChannel& ch, const FrameHeader& h, PayloadReader& payload) override {
+    if (&ch == muted_) [[unlikely]] {  // tcp.test_mute_channel: requests vanish (payload discarded)
+      switch (static_cast<FrameType>(h.type)) {
+        case FrameType::kWrite:
+        case FrameType::kReadReq:
+        case FrameType::kSignal:
+        case FrameType::kSend: return Status::Ok();
+        default: break;
+      }
+    }
     pending_.touch();
     switch (static_cast<FrameType>(h.type)) {
       case FrameType::kReadResp:
@@ -360,7 +434,7 @@ class TcpEndpoint final : public EndpointBase,
       case FrameType::kReadReq: return serve_read(ch, h);
       case FrameType::kReadResp: return take_read(ch, h, payload, Status::Ok());
       case FrameType::kAck:
-        if (!(h.flags & kLaneEnd) || !pending_.lane_done(h.op_id, Status::Ok()))
+        if (!(h.flags & kLaneEnd) || !pending_.lane_done(h.op_id, Status::Ok(), ch.index()))
           return {ErrorCode::kProtocol, "ack for an unknown operation"};
         return Status::Ok();
       case FrameType::kNack: return take_nack(ch, h, payload);
@@ -372,8 +446,15 @@ class TcpEndpoint final : public EndpointBase,
     }
   }
 
-  void on_channel_down(StreamChannel&, const Status& why) override {
-    if (!closing_.load()) fail(why, /*notify=*/true);
+  // A channel being replaced, or retired by a replacement, going down is expected.
+  void on_channel_down(StreamChannel& ch, const Status& why) override {
+    if (closing_.load()) return;
+    {
+      std::lock_guard<std::mutex> lk(attach_mu_);
+      const int c = ch.index();
+      if (channels_[c].get() != &ch || replacing_[c].load()) return;
+    }
+    fail(why, /*notify=*/true);
   }
 
   // Bytes of our own request frames left: progress of their op (not of the peer's ops that
@@ -401,10 +482,217 @@ class TcpEndpoint final : public EndpointBase,
     answered_[ch.index()].store(Clock::now().time_since_epoch().count(), std::memory_order_relaxed);
   }
 
+  // ---- Channel failover (docs/cluster.md, "Channel failover") ----
+
+  // Watchdog (dialing side): a channel that owes answers to our requests and moved no byte
+  // for failover_ is replaced. When an op on it could not be retried (a send, a
+  // write_with_imm, a signal, or tcp.retry_rma off), a short silence is not enough (a slow
+  // peer is not a broken link): its socket must also be retransmitting (TCP_INFO), or the
+  // silence last half of op_timeout (what is lost may be the peer's data, after our request
+  // was acknowledged: then only the peer's socket retransmits). A channel is
+  // replaced at most once per op_timeout, so a peer that stops reading cannot keep its ops
+  // alive by making us replace channels; its stall then fails the endpoint as before.
+  void find_stalls(Clock::time_point now) {
+    for (int c = 0; c < nchan_; ++c) {
+      if (replacing_[c].load()) continue;
+      int fd = -1;
+      Clock::time_point last;
+      {
+        std::lock_guard<std::mutex> lk(attach_mu_);
+        if (!channels_[c]) continue;
+        if (replaced_at_[c] != Clock::time_point{} && now - replaced_at_[c] < op_timeout_) continue;
+        last = std::max(channels_[c]->last_io(),
+                        Clock::time_point(Clock::duration(answered_[c].load(std::memory_order_relaxed))));
+        fd = channels_[c]->fd();
+      }
+      if (now - last < failover_) continue;
+      auto open = pending_.open_on(c);
+      const bool sends = c == 0 && pending_.sends() > 0;
+      if (open.empty() && !sends) continue;
+      bool all_retry = !sends;
+      for (const auto& [token, op] : open) all_retry = all_retry && retryable(*op);
+      if (!all_retry && now - last < op_timeout_ / 2 && !retransmitting(fd)) continue;
+      start_replacement(c, now, std::chrono::duration_cast<std::chrono::milliseconds>(now - last));
+    }
+  }
+
+  bool retryable(const TransferOp& op) const {
+    if (!retry_rma_) return false;
+    if (!op.future) return !op.signal;  // a post: writes yes, signals (additions) no
+    return op.kind == OpKind::kRead || op.kind == OpKind::kWrite;
+  }
+
+  // Our data on the socket is unacknowledged and the kernel is retransmitting it.
+  static bool retransmitting(int fd) {
+    struct tcp_info ti{};
+    socklen_t len = sizeof(ti);
+    if (fd < 0 || ::getsockopt(fd, IPPROTO_TCP, TCP_INFO, &ti, &len) != 0) return false;
+    return ti.tcpi_unacked > 0 && (ti.tcpi_retransmits > 0 || ti.tcpi_backoff > 0);
+  }
+
+  void start_replacement(int c, Clock::time_point now, std::chrono::milliseconds silent) {
+    ChannelOpener open;
+    {
+      std::lock_guard<std::mutex> lk(attach_mu_);
+      if (!opener_ || !redialer_ || replacing_[c].exchange(true)) return;
+      open = opener_;
+    }
+    SLUICE_LOG(kInfo, "tcp: channel " << c << " to " << peer_id_ << " owes answers and moved nothing for "
+                                      << silent.count() << " ms: dialing a replacement");
+    // The stall began `silent` ago; past op_timeout from then the watchdog fails the endpoint anyway.
+    const auto give_up = now - silent + op_timeout_;
+    std::weak_ptr<TcpEndpoint> weak = weak_from_this();
+    redialer_->post([weak, c, give_up, open = std::move(open)] {
+      if (auto self = weak.lock()) self->redial(c, give_up, open);
+    });
+  }
+
+  // Redialer thread: dial the peer's listener until the replacement is in, the endpoint
+  // ends, or give_up. Each dial is bounded by the connect timeout and sends a SYN every
+  // connect.retry_ms (net::connect_tcp), so after a link flap one gets through at once.
+  void redial(int c, Clock::time_point give_up, const ChannelOpener& open) {
+    Status last;
+    while (!failed() && !closing_.load()) {
+      try {
+        auto [sock, reply] = open(c, nlohmann::json{{"replace", true}});
+        replace_channel(c, std::move(sock));
+        return;
+      } catch (const Error& e) {
+        last = e.status();
+        SLUICE_LOG(kDebug, "tcp: replacement for channel " << c << " to " << peer_id_ << " failed: " << e.what());
+      }
+      if (Clock::now() >= give_up) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));  // a refusal comes back at once
+    }
+    // Given up: the old channel goes on as it can. If it went down meanwhile (on_channel_down
+    // ignored it), the endpoint fails now.
+    bool down = false;
+    {
+      std::lock_guard<std::mutex> lk(attach_mu_);
+      replacing_[c] = false;
+      down = channels_[c] && channels_[c]->down();
+    }
+    // Under replace_mu_, which close() takes after setting closing_: once close() returned,
+    // nothing here touches events_.
+    std::lock_guard<std::recursive_mutex> rl(replace_mu_);
+    if (down && !closing_.load())
+      fail({ErrorCode::kPeerLost, "tcp channel " + std::to_string(c) + " lost and not replaced: " + last.message},
+           /*notify=*/true);
+  }
+
+  // Listener thread (accepting side): the peer replaces channel `index`. The endpoint is the
+  // live one the engine found by its token (a secret of 64 random bits); the old channel is
+  // stopped before the reply leaves, so nothing of it lands after the peer resends.
+  nlohmann::json attach_replacement(int index) {
+    StreamChannel* old = nullptr;
+    {
+      std::lock_guard<std::mutex> lk(attach_mu_);
+      if (active_) throw Error(ErrorCode::kProtocol, "channel replace: this side dialed the endpoint");
+      if (attached_ < nchan_) throw Error(ErrorCode::kProtocol, "channel replace: the endpoint's channels are not all attached");
+      if (failed() || closing_.load()) throw Error(ErrorCode::kPeerLost, "channel replace: the endpoint is closed");
+      replacing_[index] = true;
+      old = channels_[index].get();
+    }
+    old->shutdown();
+    old->join();
+    return nlohmann::json::object();
+  }
+
+  // Both sides, once the new socket is connected and the handshake done: stop the old
+  // channel (shutdown + join: none of its bytes lands anywhere after this), install the new
+  // one, and deal with our ops that had a lane on the old one: reads and writes (and post
+  // writes) are sent again when tcp.retry_rma allows; the rest fail, since the peer may have
+  // applied them in part. A send still unacknowledged on channel 0 fails the endpoint (its
+  // recv may have been caught mid-message).
+  void replace_channel(int c, net::Socket sock) {
+    // One replacement at a time, held across the join; close() does not take this one (a
+    // close() on a reactor thread must not wait for a join that needs that reactor).
+    std::lock_guard<std::mutex> serial(replace_serial_mu_);
+    StreamChannel* old = nullptr;
+    {
+      std::lock_guard<std::mutex> lk(attach_mu_);
+      if (failed() || closing_.load()) return;
+      old = channels_[c].get();
+    }
+    old->shutdown();
+    old->join();
+    cap_rto(sock.fd());
+    // From here on nothing waits for a reactor; close() waits for this part (see close()).
+    std::lock_guard<std::recursive_mutex> rl(replace_mu_);
+    std::vector<uint64_t> failing;
+    std::string failing_why;
+    bool send_caught = false;
+    size_t retried = 0;
+    {
+      std::lock_guard<std::mutex> lk(attach_mu_);
+      std::lock_guard<std::mutex> lane_lk(lane_mu_[c]);
+      if (failed() || closing_.load()) return;
+      retired_.push_back(std::move(channels_[c]));  // a submitter may still hold a pointer
+      channels_[c] = std::make_unique<StreamChannel>(std::move(sock), this, c);
+      StreamChannel& ch = *channels_[c];
+      ch.start();
+      answered(ch);
+      std::deque<ReadPiece> old_reads;
+      old_reads.swap(reads_[c]);
+      std::unordered_map<uint64_t, std::shared_ptr<TransferOp>> open;
+      for (auto& [token, op] : pending_.open_on(c)) open.emplace(token, std::move(op));
+      send_caught = c == 0 && pending_.sends() > 0;
+      // Reads first, in their old order: responses come back in request order.
+      for (const ReadPiece& rp : old_reads) {
+        auto it = open.find(rp.token);
+        if (it == open.end() || !retryable(*it->second)) continue;
+        reads_[c].push_back(rp);
+        OutFrame f;
+        f.hdr = make_frame(FrameType::kReadReq, rp.token, rp.remote_id, rp.remote_offset, 0, rp.lane_end ? kLaneEnd : 0,
+                           static_cast<uint32_t>(rp.length), static_cast<uint32_t>(rp.length >> 32));
+        ch.post(std::move(f));
+      }
+      for (auto& [token, op] : open) {
+        if (!retryable(*op)) {
+          failing.push_back(token);
+          if (failing_why.empty()) failing_why = std::string(op->future ? to_string(op->kind) : op->signal ? "post_signal" : "post_write");
+          continue;
+        }
+        ++retried;
+        if (op->kind == OpKind::kRead) continue;  // posted above
+        if (!op->future) {
+          // Copied: the post may be acked (and its op cleared for reuse) before its last frame is queued.
+          const Piece p = op->lanes[0].pieces[0];
+          post_post_frames(ch, token, p, false, 0);
+        } else {
+          uint32_t nlanes = 0;
+          for (auto& lane : op->lanes) nlanes += lane.pieces.empty() ? 0 : 1;
+          post_lane(ch, token, *op, c, nlanes);
+        }
+      }
+      replacing_[c] = false;
+      replaced_at_[c] = Clock::now();
+    }
+    replaced_.fetch_add(1);
+    retried_.fetch_add(retried);
+    SLUICE_LOG(kInfo, "tcp: channel " << c << " to " << peer_id_ << " replaced by a fresh connection; " << retried
+                                      << " op(s) sent again, " << failing.size() << " failed"
+                                      << (send_caught ? ", a send was caught: the endpoint fails" : ""));
+    const std::string where = "tcp channel " + std::to_string(c) + " to peer " + peer_id_ + " stalled and was replaced: ";
+    for (uint64_t token : failing) {
+      auto op = pending_.find(token);
+      std::string what = op ? (op->future ? std::string(to_string(op->kind)) : op->signal ? "post_signal" : "post_write") : failing_why;
+      Status st{ErrorCode::kPeerLost, where + what +
+                                          (retry_rma_ || what == "write_with_imm" || what == "post_signal"
+                                               ? " not retried: may have been partly delivered"
+                                               : " not retried (tcp.retry_rma is off)")};
+      pending_.lane_done(token, st, c);
+    }
+    if (send_caught)
+      fail({ErrorCode::kPeerLost, where + "a send was unacknowledged on it: not retried: may have been partly delivered"},
+           /*notify=*/false);
+  }
+
   // Callers hold attach_mu_, which also guards fail()'s walk over channels_.
   void install(int index, net::Socket sock) {
     cap_rto(sock.fd());
     channels_[index] = std::make_unique<StreamChannel>(std::move(sock), this, index);
+    if (index == mute_index_) muted_ = channels_[index].get();  // before start(): its fiber reads it
     channels_[index]->start();
     // fail() or close() ran before this channel existed
     if (failed() || closing_.load()) channels_[index]->shutdown();
@@ -443,6 +731,8 @@ class TcpEndpoint final : public EndpointBase,
         if (!op->busy.load(std::memory_order_acquire) && op.use_count() == 1) {
           op->busy.store(true, std::memory_order_relaxed);
           op->post_error = Status::Ok();
+          op->posted_lanes.store(0, std::memory_order_relaxed);
+          op->done_lanes = 0;
           return op;
         }
       }
@@ -474,14 +764,21 @@ class TcpEndpoint final : public EndpointBase,
     const Piece p = op->lanes[0].pieces[0];
     const bool signal = op->signal;
     const uint64_t add = op->signal_add;
+    TransferOp* raw = op.get();  // alive while in the table; posted_lanes is atomic
     uint64_t token = pending_.add(std::move(op));
     if (!token) return;  // the endpoint failed: add() completed the post through post_finished
-    StreamChannel* ch = channels_[0].get();
+    std::lock_guard<std::mutex> lane_lk(lane_mu_[0]);  // see submit()
+    raw->posted_lanes.fetch_or(1, std::memory_order_release);
+    post_post_frames(*channels_[0], token, p, signal, add);
+  }
+
+  // The frames of a post (caller holds lane_mu_[0]).
+  static void post_post_frames(StreamChannel& ch, uint64_t token, const Piece& p, bool signal, uint64_t add) {
     if (signal) {
       OutFrame f;
       f.hdr = make_frame(FrameType::kSignal, token, p.remote_id, p.remote_offset, 0, kLaneEnd,
                          static_cast<uint32_t>(add), static_cast<uint32_t>(add >> 32));
-      ch->post(std::move(f));
+      ch.post(std::move(f));
       return;
     }
     for (uint64_t off = 0; off < p.length;) {
@@ -490,7 +787,7 @@ class TcpEndpoint final : public EndpointBase,
       f.hdr = make_frame(FrameType::kWrite, token, p.remote_id, p.remote_offset + off, n,
                          off + n == p.length ? kLaneEnd : 0);
       f.data = p.local + off;
-      ch->post(std::move(f));
+      ch.post(std::move(f));
       off += n;
     }
   }
@@ -632,7 +929,7 @@ class TcpEndpoint final : public EndpointBase,
   Status take_read(StreamChannel& ch, const FrameHeader& h, PayloadReader& payload, const Status& refused) {
     ReadPiece rp;
     {
-      std::lock_guard<std::mutex> lk(read_mu_[ch.index()]);
+      std::lock_guard<std::mutex> lk(lane_mu_[ch.index()]);
       auto& q = reads_[ch.index()];
       if (q.empty() || q.front().token != h.op_id) return {ErrorCode::kProtocol, "read response out of order"};
       rp = q.front();
@@ -643,12 +940,16 @@ class TcpEndpoint final : public EndpointBase,
     if (refused.ok()) {
       if (h.length != rp.length) return {ErrorCode::kProtocol, "read response of the wrong length"};
       if (!payload.read(rp.dest, rp.length)) {
+        // Asked again if the channel is being replaced (replace_channel takes reads_ after
+        // this fiber ended); otherwise the endpoint fails.
+        std::lock_guard<std::mutex> lk(lane_mu_[ch.index()]);
+        reads_[ch.index()].push_front(rp);
         return {ErrorCode::kPeerLost, "connection lost mid-read"};
       }
       if (!rp.lane_end) pending_.progress(rp.token);
     }
     if (rp.lane_end)
-      pending_.lane_done(rp.token, refused);
+      pending_.lane_done(rp.token, refused, ch.index());
     else if (!refused.ok())
       pending_.note_error(rp.token, refused);
     return Status::Ok();
@@ -660,7 +961,7 @@ class TcpEndpoint final : public EndpointBase,
     auto op = pending_.find(h.op_id);
     if (!op) return {ErrorCode::kProtocol, "nack for an unknown operation"};
     if (op->kind == OpKind::kRead) return take_read(ch, h, payload, st);
-    if (h.flags & kLaneEnd) pending_.lane_done(h.op_id, st);
+    if (h.flags & kLaneEnd) pending_.lane_done(h.op_id, st, ch.index());
     else pending_.note_error(h.op_id, st);
     return Status::Ok();
   }
@@ -713,12 +1014,32 @@ class TcpEndpoint final : public EndpointBase,
 
   WaiterReceive waiter_;  // drive() and interrupt()
 
+  // Channel failover (find_stalls, replace_channel).
+  const std::shared_ptr<Redialer> redialer_;  // the transport's; null in tests without one
+  const bool active_;                         // we dialed: we dial replacements
+  const std::string peer_id_;
+  const std::chrono::milliseconds op_timeout_;
+  const std::chrono::milliseconds failover_;  // tcp.failover_ms
+  const bool retry_rma_;                      // tcp.retry_rma
+  const int mute_index_;                      // tcp.test_mute_channel (accepted endpoints), -1 = off
+  const StreamChannel* muted_ = nullptr;      // set before that channel starts
+  std::unique_ptr<std::atomic<bool>[]> replacing_;  // per channel: a replacement is under way
+  std::vector<Clock::time_point> replaced_at_;     // under attach_mu_
+  std::vector<std::unique_ptr<StreamChannel>> retired_;  // under attach_mu_; kept for stale pointers
+  ChannelOpener opener_;                                 // under attach_mu_ (connect())
+  std::mutex replace_serial_mu_;      // one replace_channel() at a time
+  std::recursive_mutex replace_mu_;   // its install part; close() waits for it (recursive:
+                                      // a failed op's callback there may close the endpoint)
+  std::atomic<uint64_t> replaced_{0}, retried_{0};
+
   const int nchan_;
   const size_t max_queued_;
   std::unique_ptr<std::atomic<Clock::rep>[]> answered_;  // per channel, see answered()
   std::vector<std::unique_ptr<StreamChannel>> channels_;
   std::vector<std::deque<ReadPiece>> reads_;
-  std::vector<std::mutex> read_mu_;
+  // Per channel: guards reads_[c], posting a lane on channel c and swapping channels_[c]
+  // (replace_channel). Order: attach_mu_, then lane_mu_[c].
+  std::vector<std::mutex> lane_mu_;
   mutable std::mutex attach_mu_;
   std::vector<bool> claimed_ = std::vector<bool>(static_cast<size_t>(nchan_));  // attach() said yes
   int attached_ = 0;
@@ -764,10 +1085,16 @@ class TcpTransport final : public Transport {
   }
   nlohmann::json local_address() const override { return nlohmann::json::object(); }  // the listener itself
   bool can_reach(const EngineInfo&, std::string*) override { return true; }
+
+ private:
+  // Dials replacement channels of this engine's tcp endpoints (one thread, started on first use).
+  std::shared_ptr<Redialer> redialer_ = std::make_shared<Redialer>();
+
+ public:
   // Our own cuda pieces are staged by the adapter; without staging no cuda region reaches
   // us (supports()), so the adapter's indirection is left out.
   std::shared_ptr<TransportEndpoint> create_endpoint(const EndpointSetup& setup) override {
-    auto ep = std::make_shared<TcpEndpoint>(setup);
+    auto ep = std::make_shared<TcpEndpoint>(setup, redialer_);
     if (!staging::available()) return ep;
     return std::make_shared<StagingEndpoint>(std::move(ep), cuda_stager());
   }
