@@ -33,7 +33,9 @@ void Redialer::post(std::function<void()> job) {
   st_->jobs.push_back(std::move(job));
   if (!thread_ || pid_ != ::getpid()) {  // first job (or first in a forked child)
     if (thread_) (void)thread_.release();
-    thread_ = std::make_unique<std::thread>(loop, st_);
+    // A lambda, not (loop, st_): the thread state type is then local to this library (hidden);
+    // with a function pointer it was exported (tests/consumer checks the exports).
+    thread_ = std::make_unique<std::thread>([st = st_] { loop(st); });
     pid_ = ::getpid();
   }
   st_->cv.notify_one();
