@@ -50,6 +50,12 @@ def test_link_down_2s(topology, report, op_timeout: float):
         time.sleep(DOWN_S)
         b_host.link(True)
         t_up = now()
+        # (c) an endpoint that failed during the outage (op_timeout shorter than it): its next
+        # operations connect again (reconnection), tried as soon as the link is back.
+        again = None
+        if a.call("stream_status", 10)["ended"]:
+            again = a.call("again", timeout=40, target=1, lslot=2, rslot=3, until=t_up + 30,
+                           op_wait=op_timeout + SLACK_S)
         # (b) a fresh connect from the same engine, started as soon as the link is back. Its
         # slots differ from the stream's, which may still be running.
         fresh = a.call("fresh", timeout=40, addr=b.listen, lslot=2, rslot=3, until=t_up + 30,
@@ -67,6 +73,9 @@ def test_link_down_2s(topology, report, op_timeout: float):
             # The error must say which peer: its address or engine id.
             assert b.listen in r["message"] or b.hello["info"]["engine_id"] in r["message"], r
         assert fresh["success"], f"no fresh connect succeeded within 30 s of link up: {fresh}"
+        if again is not None:
+            assert again["success"], f"the failed endpoint did not reconnect within 30 s of link up: {again}"
+            assert again["reconnects"] == 1, again
         assert fresh["transport"] == "tcp"
 
         ok_after = [r for r in log if r["ok"] and r["t1"] > t_up]
@@ -79,6 +88,7 @@ def test_link_down_2s(topology, report, op_timeout: float):
                failures=sorted({f"{r['type']}: {r['message'][:160]}" for r in failed}),
                recovery_same_endpoint_s=None if first_ok is None or not survived else round(first_ok - t_up, 3),
                recovery_fresh_connect_s=round(fresh["t_ok"] - t_up, 3), fresh_connect_tries=fresh["tries"],
+               recovery_reconnected_endpoint_s=None if again is None else round(again["t_ok"] - t_up, 3),
                longest_op_s=round(max(r["t1"] - r["t0"] for r in log), 3))
     finally:
         stop_all(workers)
