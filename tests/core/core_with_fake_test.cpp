@@ -48,6 +48,8 @@ TEST_F(CoreWithFake, HeldOpTimesOutAndTheEndpointIsLost) {
   ASSERT_TRUE(f.wait_for(5s)) << "the watchdog never timed the held op out";
   EXPECT_EQ(f.status().code, ErrorCode::kTimeout) << f.status().to_string();
   EXPECT_GE(f.elapsed(), 200ms) << "timed out before op_timeout";
+  // Issue 19: a timeout names the operation and its channel (the peer: below, from the core).
+  EXPECT_NE(f.status().message.find("write on channel 0 saw no progress"), std::string::npos) << f.status().to_string();
   EXPECT_FALSE(ep_.connected());
   EXPECT_EQ(code_of_write(ep_, ha_, rb_), ErrorCode::kTimeout) << "a new op on a timed-out endpoint must be refused";
   EXPECT_EQ(net().queued(), 0u) << "the transport was not closed";

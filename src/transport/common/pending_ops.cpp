@@ -134,6 +134,24 @@ void PendingOps::progress_send(uint64_t seq) {
   if (it != sends_.end()) it->second.last = Clock::now();
 }
 
+namespace {
+// What a timeout names (issue 19: the peer, the channel and the operation; the core adds the
+// peer): "write on channel 1", "read on channels 0, 2", "post on channel 0". The channels are
+// the op's lanes not known to be done (transports that report lanes: tcp), else all it used.
+// Call under PendingOps' lock (done_lanes).
+std::string op_label(const TransferOp& op) {
+  std::string s = op.future ? std::string(to_string(op.kind)) : "post";
+  std::string chans;
+  int count = 0;
+  for (size_t c = 0; c < op.lanes.size(); ++c) {
+    if (op.lanes[c].pieces.empty() || (c < 64 && (op.done_lanes >> c & 1))) continue;
+    chans += (count++ ? ", " : "") + std::to_string(c);
+  }
+  if (count) s += (count == 1 ? " on channel " : " on channels ") + chans;
+  return s;
+}
+}  // namespace
+
 size_t PendingOps::expire(Clock::time_point now, std::chrono::milliseconds timeout, std::string* what, bool fail,
                           const Alive& alive) {
   auto overdue = [&](const TransferOp* op, Clock::time_point last) {
@@ -141,16 +159,17 @@ size_t PendingOps::expire(Clock::time_point now, std::chrono::milliseconds timeo
   };
   std::vector<std::shared_ptr<TransferOp>> ops;
   std::vector<std::shared_ptr<MessageOp>> sends;
+  std::vector<std::string> labels;  // op_label of each of `ops`, taken under the lock
   Clock::duration worst{};
   {
     std::lock_guard<std::mutex> lk(mu_);
     if (count_.load(std::memory_order_relaxed) == 0) return 0;
     if (!fail) {
       size_t n = 0;
-      OpKind kind = OpKind::kSend;
+      std::string label = "send";
       for (const Slot& s : slots_)
         if (s.op && overdue(s.op.get(), s.last)) {
-          if (n++ == 0 || now - s.last > worst) kind = s.op->kind;
+          if (n++ == 0 || now - s.last > worst) label = op_label(*s.op);
           worst = std::max(worst, now - s.last);
         }
       for (const auto& [seq, s] : sends_)
@@ -159,8 +178,7 @@ size_t PendingOps::expire(Clock::time_point now, std::chrono::milliseconds timeo
           worst = std::max(worst, now - s.last);
         }
       if (n && what)
-        *what = std::to_string(n) + " operation(s) timed out: " + std::string(to_string(kind)) +
-                " saw no progress from the peer for " +
+        *what = std::to_string(n) + " operation(s) timed out: " + label + " saw no progress from the peer for " +
                 std::to_string(std::chrono::duration_cast<std::chrono::milliseconds>(worst).count()) +
                 " ms (op_timeout " + std::to_string(timeout.count()) + " ms)";
       return n;
@@ -169,6 +187,7 @@ size_t PendingOps::expire(Clock::time_point now, std::chrono::milliseconds timeo
       Slot& s = slots_[i];
       if (!s.op || !overdue(s.op.get(), s.last)) continue;
       worst = std::max(worst, now - s.last);
+      labels.push_back(op_label(*s.op));
       ops.push_back(std::move(s.op));
       free_.push_back(i);
       count_.fetch_sub(1, std::memory_order_relaxed);
@@ -187,13 +206,13 @@ size_t PendingOps::expire(Clock::time_point now, std::chrono::milliseconds timeo
   const size_t n = ops.size() + sends.size();
   if (n == 0) return 0;
   const auto idle_ms = std::chrono::duration_cast<std::chrono::milliseconds>(worst).count();
-  auto describe = [&](const char* kind) {
-    return std::string(kind) + " saw no progress from the peer for " + std::to_string(idle_ms) + " ms (op_timeout " +
+  auto describe = [&](const std::string& label) {
+    return label + " saw no progress from the peer for " + std::to_string(idle_ms) + " ms (op_timeout " +
            std::to_string(timeout.count()) + " ms)";
   };
-  Status why{ErrorCode::kTimeout, ops.empty() ? describe("a send") : describe(std::string(to_string(ops.front()->kind)).c_str())};
+  Status why{ErrorCode::kTimeout, ops.empty() ? describe("a send") : describe(labels.front())};
   if (what) *what = std::to_string(n) + " operation(s) timed out: " + why.message;
-  for (auto& op : ops) finish(op, {ErrorCode::kTimeout, describe(op->future ? std::string(to_string(op->kind)).c_str() : "post")});
+  for (size_t i = 0; i < ops.size(); ++i) finish(ops[i], {ErrorCode::kTimeout, describe(labels[i])});
   for (auto& op : sends) op->future->complete({ErrorCode::kTimeout, describe("send")});
   return n;
 }
