@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "fake_transport.hpp"
@@ -31,8 +32,9 @@ class CoreWithFake : public ::testing::Test {
 
   // channels 4 with 4 KiB pieces and striping always on: a 16 KiB transfer is 4 lanes.
   // `reconnect`: ConnectOptions::reconnect of ep_ (off where a test checks that a failed
-  // endpoint stays failed).
-  void start(int channels, std::chrono::milliseconds op_timeout = std::chrono::seconds(30), bool reconnect = true) {
+  // endpoint stays failed); `b_name`: engine b's name (its metrics' label).
+  void start(int channels, std::chrono::milliseconds op_timeout = std::chrono::seconds(30), bool reconnect = true,
+             const std::string& b_name = "") {
     net().clear();
     EngineConfig c;
     c.transports = {"fake"};
@@ -43,6 +45,7 @@ class CoreWithFake : public ::testing::Test {
     c.stripe_threshold = 0;
     cfg_ = c;
     a_ = std::make_unique<Engine>(c);
+    c.name = b_name;
     b_ = std::make_unique<Engine>(c);
     la_.assign(kLen, 0);
     for (size_t i = 0; i < la_.size(); ++i) la_[i] = static_cast<uint8_t>(i * 7 + 1);

@@ -12,52 +12,21 @@
 #include <vector>
 
 #include "core/endpoint_counters.hpp"
-#include "fake_transport.hpp"
-#include "sluice/sluice.hpp"
+#include "core_with_fake.hpp"
 
 namespace sluice::detail::fake {
 namespace {
 
 using namespace std::chrono_literals;
 
-constexpr uint64_t kRegionLen = 16 << 10;
+constexpr uint64_t kRegionLen = kLen;
 
-class Metrics : public ::testing::Test {
+// The core-over-fake fixture with one channel, and b named (the Prometheus label).
+class Metrics : public CoreWithFake {
  protected:
-  void TearDown() override {
-    net().clear();
-    ep_ = Endpoint();
-    peer_ = Endpoint();
-    a_.reset();
-    b_.reset();
-  }
   void start(std::chrono::milliseconds op_timeout = 30s) {
-    net().clear();
-    EngineConfig c;
-    c.transports = {"fake"};
-    c.channels = 1;
-    c.op_timeout = op_timeout;
-    c.connect_timeout = 5s;
-    a_ = std::make_unique<Engine>(c);
-    c.name = "engine-b";
-    b_ = std::make_unique<Engine>(c);
-    la_.assign(kRegionLen, 7);
-    lb_.assign(kRegionLen, 0);
-    ha_ = a_->register_memory(la_.data(), la_.size(), Location::host(), "a");
-    hb_ = b_->register_memory(lb_.data(), lb_.size(), Location::host(), "b");
-    ep_ = a_->connect(b_->listen_address());
-    auto p = b_->accept(5s);
-    ASSERT_TRUE(p.has_value());
-    peer_ = *p;
-    rb_ = *ep_.remote_region("b");
+    CoreWithFake::start(1, op_timeout, /*reconnect=*/true, "engine-b");
   }
-  Future write(uint64_t len, uint64_t off = 0) { return ep_.write({{ha_, off, rb_, off, len}}); }
-
-  std::unique_ptr<Engine> a_, b_;
-  std::vector<uint8_t> la_, lb_;
-  MemoryHandle ha_, hb_;
-  RemoteHandle rb_;
-  Endpoint ep_, peer_;
 };
 
 TEST(LatencyBuckets, UpperBoundsDoubleFromOneMicrosecond) {
