@@ -5,6 +5,8 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <cstdlib>
+#include <memory>
 #include <string>
 #include <thread>
 
@@ -24,9 +26,19 @@ class ReconnectOver : public ::testing::TestWithParam<std::string> {
     if (a_) a_->close();
     if (b_) b_->close();
   }
-  uint16_t port_of(const Engine& e) {
-    const std::string addr = e.listen_address();
-    return static_cast<uint16_t>(std::stoi(addr.substr(addr.rfind(':') + 1)));
+  // A new engine listening where `old_addr` was. SLUICE_LISTEN (the RDMA guest sets it to
+  // "<rxe ip>:0") overrides the config's listen address, so it is pointed there meanwhile.
+  std::unique_ptr<Engine> restart_at(EngineConfig c, const std::string& old_addr) {
+    const size_t colon = old_addr.rfind(':');
+    c.listen_host = old_addr.substr(0, colon);
+    c.listen_port = static_cast<uint16_t>(std::stoi(old_addr.substr(colon + 1)));
+    const char* env = std::getenv("SLUICE_LISTEN");
+    if (!env) return std::make_unique<Engine>(c);
+    const std::string saved = env;
+    ::setenv("SLUICE_LISTEN", old_addr.c_str(), 1);
+    auto e = std::make_unique<Engine>(c);
+    ::setenv("SLUICE_LISTEN", saved.c_str(), 1);
+    return e;
   }
   // Waits (bounded) until ep_ reports its connection lost.
   bool wait_lost(std::chrono::milliseconds limit) {
@@ -57,13 +69,11 @@ TEST_P(ReconnectOver, PeerRestartedOnTheSameAddress) {
   ASSERT_TRUE(ep_.write({{hs, 0, old_r, 0, kBytes}}).wait_for(10s));
   const std::string old_id = ep_.peer_engine_id();
 
-  const uint16_t port = port_of(*b_);
+  const std::string addr = b_->listen_address();
   b_->close();
   b_.reset();
   ASSERT_TRUE(wait_lost(10s)) << "the endpoint never noticed that its peer closed";
-  EngineConfig cb = c;
-  cb.listen_port = port;
-  b_ = std::make_unique<Engine>(cb);
+  b_ = restart_at(c, addr);
   b_->register_memory(new_dst.data(), new_dst.size(), Location::host(), "dst");
 
   // The old handle: connected again, to a new engine that never advertised it.
@@ -104,14 +114,12 @@ TEST_P(ReconnectOver, UnflushedPostsHoldReconnectionUntilFlushReportsTheFailure)
   ep_.post_write(hs, 0, r, 0, 4096);
   ep_.flush();
   EXPECT_EQ(dst, src);
-  const uint16_t port = port_of(*b_);
+  const std::string addr = b_->listen_address();
   ep_.post_write(hs, 0, r, 0, 4096);  // may or may not reach the peer before it closes
   b_->close();
   b_.reset();
   ASSERT_TRUE(wait_lost(10s));
-  EngineConfig cb = c;
-  cb.listen_port = port;
-  b_ = std::make_unique<Engine>(cb);
+  b_ = restart_at(c, addr);
   std::string msg;
   EXPECT_NE(code_of([&] { ep_.write({{hs, 0, r, 0, 4096}}); }, &msg), ErrorCode::kOk);
   EXPECT_NE(msg.find("flush()"), std::string::npos) << msg;
