@@ -52,6 +52,11 @@ if [ -x "$B/tests/port_channel/sluice_port_channel_tests" ]; then
 else
   step conformance-port-channel sh -c "echo '$B/tests/port_channel/sluice_port_channel_tests was not built'; false"
 fi
+# Queue-pair and rail failover: a queue pair broken under traffic, and each rail's netdev
+# taken down for 2 s and brought back (the rail tests need two devices; they skip otherwise).
+# Every rail's netdev is up again afterwards, whatever the test did.
+step failover env SLUICE_IB_HCA="=$ALL" "$B/tests/rdma/rdma_failover_test" --gtest_brief=1 ${SLUICE_RDMA_GTEST_ARGS:-}
+for nd in ${RXE_NETDEVS:-}; do ip link set "$nd" up; done
 if [ -n "${SLUICE_RDMA_TSAN_DIR:-}" ] && [ -x "$SLUICE_RDMA_TSAN_DIR/tests/rdma/rdma_conformance" ]; then
   step tsan bash "$(dirname "$0")/guest-tsan.sh" "$SLUICE_RDMA_TSAN_DIR"
 fi

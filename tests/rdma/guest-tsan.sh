@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs INSIDE the SoftRoCE guest (a step of guest-suite.sh): the rdma conformance suite built
 # with ThreadSanitizer (tests/rdma/run.sh builds it), on one rail and striped over every rail.
-# Fails on any ThreadSanitizer report. Tests that fork (a killed peer) are left out: TSan does
+# Then the failover test (both rails). Fails on any ThreadSanitizer report. Tests that fork (a killed peer) are left out: TSan does
 # not support fork() of a threaded process; 64 MiB messages are left out for time.
 # Usage: guest-tsan.sh TSAN_BUILD_DIR
 set -u
@@ -22,4 +22,21 @@ for hca in "=$RXE_DEV" "=$(echo $DEVS | tr ' ' ',')"; do
     rc=1
   fi
 done
+# Failover under TSan: the progress thread, the rails' monitor, the redialer and the listener
+# all touch a channel being replaced.
+if [ -x "$TB/tests/rdma/rdma_failover_test" ]; then
+  out=$(SLUICE_IB_HCA="=$(echo $DEVS | tr ' ' ',')" "$TB/tests/rdma/rdma_failover_test" --gtest_brief=1 2>&1)
+  st=$?
+  for nd in ${RXE_NETDEVS:-}; do ip link set "$nd" up; done
+  reports=$(grep -c "WARNING: ThreadSanitizer" <<< "$out")
+  echo "failover: exit $st, $reports ThreadSanitizer report(s); $(grep -E '^\[  (PASSED|FAILED) ' <<< "$out" | tr '\n' ' ')"
+  if [ "$st" != 0 ] || [ "$reports" != 0 ]; then
+    grep -A12 "WARNING: ThreadSanitizer" <<< "$out" | head -80
+    grep -E "FAILED|Failure" <<< "$out" | head -20
+    rc=1
+  fi
+else
+  echo "failover: $TB/tests/rdma/rdma_failover_test was not built"
+  rc=1
+fi
 exit $rc

@@ -11,7 +11,7 @@ ROOT=$(cd "$HERE/../.." && pwd)
 B=${SLUICE_BUILD_DIR:-$ROOT/build-rdma}
 if [ "${SLUICE_RDMA_SKIP_BUILD:-0}" != 1 ]; then
   [ -f "$B/CMakeCache.txt" ] || cmake -S "$ROOT" -B "$B" -DCMAKE_BUILD_TYPE=RelWithDebInfo ${SLUICE_CMAKE_ARGS:-} >/dev/null
-  cmake --build "$B" -j "${SLUICE_BUILD_JOBS:-2}" --target sluice rdma_hca_filter_test rdma_negotiate_test rdma_affinity_test rdma_conformance \
+  cmake --build "$B" -j "${SLUICE_BUILD_JOBS:-2}" --target sluice rdma_hca_filter_test rdma_negotiate_test rdma_affinity_test rdma_conformance rdma_failover_test \
     sluice_loopback_tests sluice_multiprocess_tests sluice_port_channel_tests \
     $(cmake --build "$B" --target help 2>/dev/null | grep rdma_wire_peer >/dev/null && echo rdma_wire_peer)
 fi
@@ -19,10 +19,10 @@ fi
 # and sweeper against a real verbs stack). SLUICE_RDMA_SKIP_TSAN=1 leaves it out.
 if [ "${SLUICE_RDMA_SKIP_TSAN:-0}" != 1 ]; then
   TB=$(realpath -m "${SLUICE_RDMA_TSAN_BUILD_DIR:-$ROOT/build-rdma-tsan}")
-  if [ "${SLUICE_RDMA_SKIP_BUILD:-0}" != 1 ] || [ ! -x "$TB/tests/rdma/rdma_conformance" ]; then
+  if [ "${SLUICE_RDMA_SKIP_BUILD:-0}" != 1 ] || [ ! -x "$TB/tests/rdma/rdma_conformance" ] || [ ! -x "$TB/tests/rdma/rdma_failover_test" ]; then
     [ -f "$TB/CMakeCache.txt" ] || cmake -S "$ROOT" -B "$TB" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DSLUICE_SANITIZE=thread \
       -DSLUICE_BUILD_TOOLS=OFF -DSLUICE_BUILD_PYTHON=OFF ${SLUICE_CMAKE_ARGS:-} >/dev/null
-    cmake --build "$TB" -j "${SLUICE_BUILD_JOBS:-2}" --target rdma_conformance
+    cmake --build "$TB" -j "${SLUICE_BUILD_JOBS:-2}" --target rdma_conformance rdma_failover_test
   fi
   export SLUICE_RDMA_TSAN_DIR=$TB
 fi

@@ -73,6 +73,12 @@ Status RdmaEndpoint::post(int c, Wr* wrs, size_t n) {
   return post_locked(ch, c, wrs, n);
 }
 
+bool RdmaEndpoint::post_gen_locked(Chan& ch, int c, uint32_t gen, Wr* wrs, size_t n, Status* st) {
+  if (ch.broken || ch.gen != gen) return false;
+  *st = post_locked(ch, c, wrs, n);
+  return true;
+}
+
 Status RdmaEndpoint::post_locked(Chan& ch, int c, Wr* wrs, size_t n) {
   if (failed()) return Status::Ok();  // fail() completed (or will complete) the op
   // Number the thin path's posts in queue order (the backlog keeps it): a WR's completion
@@ -105,7 +111,7 @@ const std::vector<int>& RdmaEndpoint::chans_near(uint32_t mask) {
   if (it != near_.end()) return it->second;
   std::vector<int> v;
   for (int c = 0; c < nchan_; ++c)
-    if (mask >> chans_[c]->rail & 1) v.push_back(c);
+    if (mask >> chans_[c]->home_rail & 1) v.push_back(c);  // fixed at connect (failover moves rail)
   if (v.empty()) v = all_chans_;  // no channel on a near rail (fewer channels than rails)
   return near_.emplace(mask, std::move(v)).first->second;
 }
@@ -124,7 +130,6 @@ void RdmaEndpoint::submit(std::shared_ptr<TransferOp> op) {
   const uint64_t token = pending_.add(std::move(op));
   if (!token) return;
   wake_for_submit();
-  const bool is_read = keep->kind == OpKind::kRead;
   const bool imm = keep->kind == OpKind::kWriteImm;
   InlineVec<int, 2> lanes;  // per-op containers stay off the heap for one- and two-lane batches
   for (size_t l = 0; l < keep->lanes.size(); ++l)
@@ -142,117 +147,172 @@ void RdmaEndpoint::submit(std::shared_ptr<TransferOp> op) {
   // A single-lane imm batch chains its imm behind its data on QP 0 (RC ordering) when QP 0 is
   // near enough; otherwise the imm follows the data's completion.
   const bool chain_imm = imm && lanes.size() == 1 && std::find(near.begin(), near.end(), 0) != near.end();
-  if (chain_imm) chan[0] = 0;
-  // Resolve every key first so that a failure transfers nothing.
-  InlineVec<InlineVec<Wr, 1>, 2> chains(lanes.size());
-  const RegionEntry* last_region = keep->pins.front().get();
-  const RegionKeys* keys = first_keys;
-  // A WR carries at most the devices' message size, and never more than the planner's chunk
-  // (a completion per chunk keeps progress visible to the op timeout on slow links).
-  const uint64_t merge_limit = std::min<uint64_t>(max_wr_bytes_, std::max<uint64_t>(setup_.config.chunk_size, 1));
-  for (size_t li = 0; li < lanes.size(); ++li) {
-    const Chan& ch = *chans_[chan[li]];
-    auto& wrs = chains[li];
-    uint64_t open_bytes = 0, open_end = 0;  // the last WR's size and remote end
-    for (const Piece& p : keep->lanes[lanes[li]].pieces) {
-      if (!last_region || p.local < last_region->base || p.local + p.length > last_region->base + last_region->length) {
-        last_region = nullptr;
-        for (auto& pin : keep->pins) {
-          const RegionEntry* e = pin.get();
-          if (p.local >= e->base && p.local + p.length <= e->base + e->length) {
-            last_region = e;
-            break;
-          }
-        }
-        keys = last_region ? rails_->keys_for(*reg_, last_region, &st) : nullptr;
-        if (!last_region) st = {ErrorCode::kInternal, "rdma: piece outside its pinned regions"};
-      }
-      uint32_t rkey = 0;
-      if (keys && !rkey_for(p.remote_id, ch.peer_rail, &rkey))
-        st = {ErrorCode::kUnknownHandle, "rdma: peer " + setup_.peer.engine_id + " unregistered region " +
-                                             std::to_string(p.remote_id) + " (or advertised no memory key for it)"};
-      if (!keys || !st.ok()) {
-        fail_op(token, st);
-        return;
-      }
-      const uint32_t lkey = keys->mrs[ch.rail]->lkey;
-      if (fault_rkey_xor_ != 0) [[unlikely]]  // test-only fault injection, 0 in production
-        rkey ^= fault_rkey_xor_;
-      // Pieces that continue the previous one on the remote side join its WR, as one more
-      // gather entry (or by growing the last entry when they continue it locally too), up to
-      // the devices' max_sge and merge_limit bytes; the rest start a new WR.
-      for (uint64_t off = 0; off < p.length;) {
-        const uintptr_t addr = reinterpret_cast<uintptr_t>(p.local + off);
-        if (!wrs.empty()) {
-          Wr& w = wrs.back();
-          ibv_sge& last = w.sges[w.nsge - 1];
-          const uint64_t room = merge_limit - open_bytes;
-          if (room > 0 && w.wr.wr.rdma.rkey == rkey && open_end == p.remote_addr + off) {
-            const uint64_t n = std::min(room, p.length - off);
-            const bool grows = last.lkey == lkey && last.addr + last.length == addr;
-            if (grows || w.nsge < (is_read ? max_sge_rd_ : max_sge_)) {
-              if (grows)
-                last.length += static_cast<uint32_t>(n);
-              else
-                w.sges[w.nsge++] = {addr, static_cast<uint32_t>(n), lkey};
-              open_bytes += n;
-              open_end += n;
-              off += n;
-              continue;
-            }
-          }
-        }
-        const uint64_t n = std::min(merge_limit, p.length - off);
-        Wr w;
-        w.sges[0] = {addr, static_cast<uint32_t>(n), lkey};
-        w.nsge = 1;
-        w.wr.opcode = is_read ? IBV_WR_RDMA_READ : IBV_WR_RDMA_WRITE;
-        w.wr.wr.rdma.remote_addr = p.remote_addr + off;
-        w.wr.wr.rdma.rkey = rkey;
-        w.token = token;
-        wrs.push_back(w);
-        open_bytes = n;
-        open_end = p.remote_addr + off + n;
-        off += n;
-      }
-    }
-    // Inline data is copied by the CPU inside ibv_post_send: host memory only (a device
-    // pointer of cuda memory is not readable there).
-    bool host_src = true;
-    for (auto& pin : keep->pins) host_src = host_src && pin.get()->location.is_host();
-    if (!is_read && host_src)
-      for (Wr& w : wrs) {
-        uint64_t bytes = 0;
-        for (int i = 0; i < w.nsge; ++i) bytes += w.sges[i].length;
-        if (bytes <= max_inline_) w.wr.send_flags |= IBV_SEND_INLINE;
-      }
-    wrs.back().signal = true;
-    wrs.back().kind = imm ? CtxKind::kImmLaneEnd : CtxKind::kLaneEnd;
-  }
   if (imm) {
     std::unique_lock<std::mutex> lk(imm_mu_);
     if (chain_imm && imm_order_.empty() && imm_credits_ > 0) {
-      Wr& last = chains[0].back();
-      last.wr.opcode = IBV_WR_RDMA_WRITE_WITH_IMM;
-      last.wr.imm_data = htonl(keep->imm);
-      last.kind = CtxKind::kImmChainEnd;
       imm_credits_--;
-      st = post(0, chains[0].data(), chains[0].size());  // under imm_mu_: imms reach QP 0 in submission order
+      // Under imm_mu_: imms reach QP 0 in submission order. QP 0 is never replaced.
+      Status op_err;
+      (void)post_lane(keep, token, lanes[0], 0, /*chain_imm=*/true, &op_err);
       lk.unlock();
-      if (!st.ok()) fail(st, true);
+      if (!op_err.ok()) fail_op(token, op_err);
       return;
     }
     const auto n = static_cast<uint32_t>(lanes.size());
     imm_batches_[token] = {keep->imm, n, n};
     imm_order_.push_back(token);
   }
-  for (size_t li = 0; li < lanes.size(); ++li) {
-    st = post(chan[li], chains[li].data(), chains[li].size());
-    if (!st.ok()) {
-      fail(st, true);
+  for (size_t li = 0; li < lanes.size(); ++li) place_lane(keep, token, lanes[li], chan[li], first_keys->near);
+}
+
+void RdmaEndpoint::place_lane(const std::shared_ptr<TransferOp>& op, uint64_t token, int lane, int c,
+                              uint32_t near_mask) {
+  // A channel that broke (or is being moved home) takes no new lanes: the next usable one,
+  // near ones first, QP 0 last (it is never replaced, so the loop ends there).
+  auto usable = [&](int k) { return chans_[k]->usable.load(std::memory_order_acquire); };
+  for (int attempt = 0; attempt <= nchan_ + 1; ++attempt) {
+    if (c < 0 || attempt > 0 || (unusable_.load(std::memory_order_acquire) > 0 && !usable(c))) {
+      const std::vector<int>& near = chans_near(near_mask);
+      int pick = -1;
+      for (size_t i = 0; i < near.size() && pick < 0; ++i)
+        if (usable(near[(lane + i) % near.size()])) pick = near[(lane + i) % near.size()];
+      for (int i = 0; i < nchan_ && pick < 0; ++i)
+        if (usable((lane + i) % nchan_)) pick = (lane + i) % nchan_;
+      c = pick < 0 || attempt == nchan_ + 1 ? 0 : pick;
+    }
+    Status op_err;
+    if (post_lane(op, token, lane, c, false, &op_err)) {
+      if (!op_err.ok()) fail_op(token, op_err);
       return;
     }
   }
+}
+
+bool RdmaEndpoint::post_lane(const std::shared_ptr<TransferOp>& op, uint64_t token, int lane, int c, bool chain_imm,
+                             Status* op_err) {
+  Status ignored;
+  if (!op_err) op_err = &ignored;
+  Chan& ch = *chans_[c];
+  int rail, peer_rail;
+  uint32_t gen;
+  {
+    std::lock_guard<std::mutex> lk(ch.mu);
+    if (ch.broken) return false;
+    rail = ch.rail;
+    peer_rail = ch.peer_rail;
+    gen = ch.gen;
+  }
+  const bool is_read = op->kind == OpKind::kRead;
+  const bool imm = op->kind == OpKind::kWriteImm;
+  // Resolve every key first so that a failure transfers nothing.
+  InlineVec<Wr, 1> wrs;
+  Status st;
+  const RegionEntry* last_region = nullptr;
+  const RegionKeys* keys = nullptr;
+  // A WR carries at most the devices' message size, and never more than the planner's chunk
+  // (a completion per chunk keeps progress visible to the op timeout on slow links).
+  const uint64_t merge_limit = std::min<uint64_t>(max_wr_bytes_, std::max<uint64_t>(setup_.config.chunk_size, 1));
+  uint64_t open_bytes = 0, open_end = 0;  // the last WR's size and remote end
+  for (const Piece& p : op->lanes[lane].pieces) {
+    if (!last_region || p.local < last_region->base || p.local + p.length > last_region->base + last_region->length) {
+      last_region = nullptr;
+      for (auto& pin : op->pins) {
+        const RegionEntry* e = pin.get();
+        if (p.local >= e->base && p.local + p.length <= e->base + e->length) {
+          last_region = e;
+          break;
+        }
+      }
+      keys = last_region ? rails_->keys_for(*reg_, last_region, &st) : nullptr;
+      if (!last_region) st = {ErrorCode::kInternal, "rdma: piece outside its pinned regions"};
+    }
+    uint32_t rkey = 0;
+    if (keys && !rkey_for(p.remote_id, peer_rail, &rkey))
+      st = {ErrorCode::kUnknownHandle, "rdma: peer " + setup_.peer.engine_id + " unregistered region " +
+                                           std::to_string(p.remote_id) + " (or advertised no memory key for it)"};
+    if (!keys || !st.ok()) {
+      *op_err = st;
+      return true;
+    }
+    const uint32_t lkey = keys->mrs[rail]->lkey;
+    if (fault_rkey_xor_ != 0) [[unlikely]]  // test-only fault injection, 0 in production
+      rkey ^= fault_rkey_xor_;
+    // Pieces that continue the previous one on the remote side join its WR, as one more
+    // gather entry (or by growing the last entry when they continue it locally too), up to
+    // the devices' max_sge and merge_limit bytes; the rest start a new WR.
+    for (uint64_t off = 0; off < p.length;) {
+      const uintptr_t addr = reinterpret_cast<uintptr_t>(p.local + off);
+      if (!wrs.empty()) {
+        Wr& w = wrs.back();
+        ibv_sge& last = w.sges[w.nsge - 1];
+        const uint64_t room = merge_limit - open_bytes;
+        if (room > 0 && w.wr.wr.rdma.rkey == rkey && open_end == p.remote_addr + off) {
+          const uint64_t n = std::min(room, p.length - off);
+          const bool grows = last.lkey == lkey && last.addr + last.length == addr;
+          if (grows || w.nsge < (is_read ? max_sge_rd_ : max_sge_)) {
+            if (grows)
+              last.length += static_cast<uint32_t>(n);
+            else
+              w.sges[w.nsge++] = {addr, static_cast<uint32_t>(n), lkey};
+            open_bytes += n;
+            open_end += n;
+            off += n;
+            continue;
+          }
+        }
+      }
+      const uint64_t n = std::min(merge_limit, p.length - off);
+      Wr w;
+      w.sges[0] = {addr, static_cast<uint32_t>(n), lkey};
+      w.nsge = 1;
+      w.wr.opcode = is_read ? IBV_WR_RDMA_READ : IBV_WR_RDMA_WRITE;
+      w.wr.wr.rdma.remote_addr = p.remote_addr + off;
+      w.wr.wr.rdma.rkey = rkey;
+      w.token = token;
+      wrs.push_back(w);
+      open_bytes = n;
+      open_end = p.remote_addr + off + n;
+      off += n;
+    }
+  }
+  // Inline data is copied by the CPU inside ibv_post_send: host memory only (a device
+  // pointer of cuda memory is not readable there).
+  bool host_src = true;
+  for (auto& pin : op->pins) host_src = host_src && pin.get()->location.is_host();
+  if (!is_read && host_src)
+    for (Wr& w : wrs) {
+      uint64_t bytes = 0;
+      for (int i = 0; i < w.nsge; ++i) bytes += w.sges[i].length;
+      if (bytes <= max_inline_) w.wr.send_flags |= IBV_SEND_INLINE;
+    }
+  Wr& last = wrs.back();
+  last.signal = true;
+  last.kind = imm ? CtxKind::kImmLaneEnd : CtxKind::kLaneEnd;
+  last.aux = static_cast<uint32_t>(lane);  // failover: which lane to send again
+  if (chain_imm) {
+    last.wr.opcode = IBV_WR_RDMA_WRITE_WITH_IMM;
+    last.wr.imm_data = htonl(op->imm);
+    last.kind = CtxKind::kImmChainEnd;
+  }
+  bool posted;
+  {
+    std::lock_guard<std::mutex> lk(ch.mu);
+    posted = post_gen_locked(ch, c, gen, wrs.data(), wrs.size(), &st);
+  }
+  if (!st.ok()) {
+    fail(st, true);
+    return true;
+  }
+  if (posted && c == test_break_chan_ && test_lanes_.fetch_add(1) + 1 == test_break_after_) [[unlikely]] {
+    // rdma.test_break_qp: the queue pair fails as a broken link would make it (its work
+    // requests complete with flush errors); the failover path must find out by itself.
+    std::lock_guard<std::mutex> lk(ch.mu);
+    ibv_qp_attr at{};
+    at.qp_state = IBV_QPS_ERR;
+    if (ch.qp) v_.modify_qp(ch.qp, &at, IBV_QP_STATE);
+    SLUICE_LOG(kInfo, "rdma: test fault: channel " << c << "'s queue pair moved to the error state");
+  }
+  return posted;
 }
 
 // imm_mu_ held. Posts the zero-length WRITE_WITH_IMM that completes a two-step imm batch.
@@ -295,7 +355,7 @@ void RdmaEndpoint::release_imms() {
   if (!failed.ok()) fail(failed, true);
 }
 
-void RdmaEndpoint::handle_send_completion(const ibv_wc& wc) {
+void RdmaEndpoint::handle_send_completion(const ibv_wc& wc, int rail) {
   const int c = static_cast<int>((wc.wr_id & ~kTagMask) >> 40);
   const uint64_t seq = wc.wr_id & kSeqMask;
   if (c < 0 || c >= nchan_) {
@@ -305,9 +365,14 @@ void RdmaEndpoint::handle_send_completion(const ibv_wc& wc) {
   Chan& ch = *chans_[c];
   WrCtx ctx;
   Status st;
+  bool broke = false;
   {
     std::lock_guard<std::mutex> lk(ch.mu);
-    if (ch.head == ch.tail || (ch.head & kSeqMask) != seq) {
+    // A replaced (or broken) queue pair's late completion: its lanes were taken back.
+    if (!ch.qp || ch.rail != rail || wc.qp_num != ch.qp->qp_num) return;
+    if (wc.status != IBV_WC_SUCCESS && link_error(c, wc)) {
+      broke = true;
+    } else if (ch.head == ch.tail || (ch.head & kSeqMask) != seq) {
       st = {ErrorCode::kInternal, "rdma: send completion out of order on QP " + std::to_string(ch.qp->qp_num)};
     } else {
       ctx = ch.ring[ch.head % ch.ring.size()];
@@ -318,6 +383,10 @@ void RdmaEndpoint::handle_send_completion(const ibv_wc& wc) {
         retire_posts(ch, ctx.post_mark, wc.status == IBV_WC_SUCCESS ? Status::Ok() : wc_status(v_, wc, "post"));
       st = drain(ch, c);
     }
+  }
+  if (broke) {  // the other channels carry on; this one is replaced (failover.cpp)
+    break_channel(c, wc_status(v_, wc, "transfer"), true);
+    return;
   }
   if (!st.ok()) {
     fail(st, true);

@@ -75,8 +75,17 @@ Status wc_status(const Verbs& v, const ibv_wc& wc, const std::string& what) {
                     ", vendor error 0x" + vendor + ")"};
 }
 
-RdmaEndpoint::RdmaEndpoint(std::shared_ptr<Rails> rails, const Registry* reg, const EndpointSetup& s)
-    : EndpointBase(s), rails_(std::move(rails)), v_(rails_->v()), reg_(reg), setup_(s), nchan_(s.channels), remote_(s.channels) {
+RdmaEndpoint::RdmaEndpoint(std::shared_ptr<Rails> rails, const Registry* reg, const EndpointSetup& s,
+                           std::shared_ptr<Redialer> redialer)
+    : EndpointBase(s),
+      rails_(std::move(rails)),
+      redialer_(std::move(redialer)),
+      v_(rails_->v()),
+      reg_(reg),
+      setup_(s),
+      nchan_(s.channels),
+      remote_(s.channels) {
+  configure_failover();
   spin_ = std::chrono::microseconds(kSpinUs.get(s.config));
   busy_ = std::chrono::milliseconds(kBusyMs.get(s.config));
   poll_budget_ = std::chrono::microseconds(kPollUs.get(s.config));
@@ -111,9 +120,11 @@ RdmaEndpoint::RdmaEndpoint(std::shared_ptr<Rails> rails, const Registry* reg, co
     if (wake_fd_ < 0) throw Error(ErrorCode::kSystem, std::string("rdma: eventfd: ") + std::strerror(errno));
     // + 1 slot: where post_signal's atomics return the old value (post_path.cpp)
     ctrl_mem_.assign(size_t(kRecvSlots + kCtrlSendSlots + 1) * kSlotBytes, 0);
-    ctrl_mr_ = v_.reg_mr(rails_->at(0).pd(), ctrl_mem_.data(), ctrl_mem_.size(), kAccess);
-    if (!ctrl_mr_) throw Error(ErrorCode::kSystem, std::string("rdma: cannot register control slots: ") + std::strerror(errno));
     for (uint32_t i = 0; i < kCtrlSendSlots; ++i) ctrl_free_.push_back(kRecvSlots + i);
+    // Failover may put a queue pair on any rail later: every rail's CQ exists before the
+    // progress thread starts (it walks cqs_ without a lock).
+    if (failover_)
+      for (int r = 0; r < rails_->size(); ++r) cq_for(r);
   } catch (...) {
     close({ErrorCode::kCancelled, "setup failed"});
     throw;
@@ -141,7 +152,8 @@ RailCq& RdmaEndpoint::cq_for(int rail) {
   c.comp = v_.create_comp_channel(d.ctx());
   if (!c.comp) throw Error(ErrorCode::kSystem, std::string("rdma: ibv_create_comp_channel: ") + std::strerror(errno));
   ::fcntl(c.comp->fd, F_SETFL, ::fcntl(c.comp->fd, F_GETFL) | O_NONBLOCK);
-  int depth = std::min(d.attr().max_cqe, nchan_ * sq_depth_ + kRecvSlots + 64);
+  // Room for a replaced queue pair's flushed work requests beside the live ones (failover).
+  int depth = std::min(d.attr().max_cqe, 2 * nchan_ * sq_depth_ + kRecvSlots + 64);
   c.cq = v_.create_cq(d.ctx(), depth, nullptr, c.comp, 0);
   if (!c.cq) {
     int err = errno;
@@ -154,6 +166,31 @@ RailCq& RdmaEndpoint::cq_for(int rail) {
 }
 
 void RdmaEndpoint::create_qp(int index, int rail, int peer_rail) {
+  const Device& d = rails_->at(rail);
+  if (index == 0) {
+    // The control slots live on QP 0's rail (messages, rendezvous, post_signal's scratch).
+    ctrl_mr_ = v_.reg_mr(d.pd(), ctrl_mem_.data(), ctrl_mem_.size(), kAccess);
+    if (!ctrl_mr_)
+      throw Error(ErrorCode::kSystem, std::string("rdma: cannot register control slots: ") + std::strerror(errno));
+  }
+  ibv_qp* qp = make_qp(index, rail);
+  Chan& ch = *chans_[index];
+  ch.qp = qp;
+  ch.rail = rail;
+  ch.peer_rail = peer_rail;
+  ch.free = sq_depth_;
+  ch.ring.assign(sq_depth_, WrCtx{});
+  if (index == 0) {
+    recv_posted_ = std::min<uint32_t>(std::min(kRecvSlots, d.attr().max_qp_wr), kRecvSlots);
+    if (recv_posted_ <= static_cast<uint32_t>(kCtrlReserve) + 4)
+      throw Error(ErrorCode::kSystem, "rdma: " + d.name() + " allows only " + std::to_string(recv_posted_) +
+                                          " receive WQEs per QP (need more than " + std::to_string(kCtrlReserve + 4) + ")");
+    credit_batch_ = std::max<uint32_t>(1, std::min<uint32_t>(64, (recv_posted_ - kCtrlReserve) / 4));
+    for (uint32_t i = 0; i < recv_posted_; ++i) post_recv_slot(i);
+  }
+}
+
+ibv_qp* RdmaEndpoint::make_qp(int index, int rail) {
   const Device& d = rails_->at(rail);
   ibv_cq* cq = cq_for(rail).cq;
   ibv_qp_init_attr ia{};
@@ -172,40 +209,38 @@ void RdmaEndpoint::create_qp(int index, int rail, int peer_rail) {
     if (qp) break;
   }
   if (!qp) throw Error(ErrorCode::kSystem, std::string("rdma: ibv_create_qp on ") + d.name() + ": " + std::strerror(errno));
-  Chan& ch = *chans_[index];
-  ch.qp = qp;
-  ch.rail = rail;
-  ch.peer_rail = peer_rail;
-  ch.free = sq_depth_;
-  ch.ring.assign(sq_depth_, WrCtx{});
-  max_inline_ = std::min(max_inline_, ia.cap.max_inline_data);
-  max_sge_ = std::max(1, std::min<int>(max_sge_, static_cast<int>(ia.cap.max_send_sge)));
-  max_sge_rd_ = std::max(1, std::min(max_sge_rd_, max_sge_));
+  if (!ready_.load()) {  // fixed once the endpoint runs: a replacement must fit what it had
+    max_inline_ = std::min(max_inline_, ia.cap.max_inline_data);
+    max_sge_ = std::max(1, std::min<int>(max_sge_, static_cast<int>(ia.cap.max_send_sge)));
+    max_sge_rd_ = std::max(1, std::min(max_sge_rd_, max_sge_));
+  } else if (ia.cap.max_inline_data < max_inline_ || static_cast<int>(ia.cap.max_send_sge) < max_sge_) {
+    v_.destroy_qp(qp);
+    throw Error(ErrorCode::kSystem, "rdma: a replacement queue pair on " + d.name() + " takes less than the endpoint's");
+  }
   ibv_qp_attr at{};
   at.qp_state = IBV_QPS_INIT;
   at.pkey_index = 0;
   at.port_num = static_cast<uint8_t>(d.port());
   at.qp_access_flags = d.access();  // remote atomics too where the device has them (post_signal)
-  if (int rc = v_.modify_qp(qp, &at, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS))
+  if (int rc = v_.modify_qp(qp, &at, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS)) {
+    v_.destroy_qp(qp);
     throw Error(ErrorCode::kSystem, std::string("rdma: QP to INIT: ") + std::strerror(rc));
-  if (index == 0) {
-    recv_posted_ = std::min<uint32_t>(ia.cap.max_recv_wr, kRecvSlots);
-    if (recv_posted_ <= static_cast<uint32_t>(kCtrlReserve) + 4)
-      throw Error(ErrorCode::kSystem, "rdma: " + d.name() + " allows only " + std::to_string(recv_posted_) +
-                                          " receive WQEs per QP (need more than " + std::to_string(kCtrlReserve + 4) + ")");
-    credit_batch_ = std::max<uint32_t>(1, std::min<uint32_t>(64, (recv_posted_ - kCtrlReserve) / 4));
-    for (uint32_t i = 0; i < recv_posted_; ++i) post_recv_slot(i);
   }
+  return qp;
+}
+
+QpAddress RdmaEndpoint::qp_address(const ibv_qp* qp, int rail) const {
+  QpAddress a;
+  a.qpn = qp->qp_num;
+  a.psn = (a.qpn * 2654435761u) & 0xffffff;
+  a.port = rails_->at(rail).desc();
+  a.described = true;
+  return a;
 }
 
 QpAddress RdmaEndpoint::local_qp_address(int index) const {
   const Chan& ch = *chans_[index];
-  QpAddress a;
-  a.qpn = ch.qp->qp_num;
-  a.psn = (a.qpn * 2654435761u) & 0xffffff;
-  a.port = rails_->at(ch.rail).desc();
-  a.described = true;
-  return a;
+  return qp_address(ch.qp, ch.rail);
 }
 
 Negotiated RdmaEndpoint::negotiate_with(int index, int rail, const QpAddress& r) const {
@@ -217,8 +252,12 @@ Negotiated RdmaEndpoint::negotiate_with(int index, int rail, const QpAddress& r)
 }
 
 void RdmaEndpoint::bring_up(int index, const QpAddress& r, const Negotiated& n) {
-  Chan& ch = *chans_[index];
-  const Device& d = rails_->at(ch.rail);
+  bring_up_qp(chans_[index]->qp, chans_[index]->rail, r, n);
+  remote_[index] = r;
+}
+
+void RdmaEndpoint::bring_up_qp(ibv_qp* qp, int rail, const QpAddress& r, const Negotiated& n) {
+  const Device& d = rails_->at(rail);
   ibv_gid dgid{};
   std::memcpy(dgid.raw, r.port.gid.data(), 16);
   const int rd_atom = std::max(1, std::min(16, d.attr().max_qp_rd_atom));
@@ -238,7 +277,7 @@ void RdmaEndpoint::bring_up(int index, const QpAddress& r, const Negotiated& n) 
   } else {
     at.ah_attr.dlid = r.port.lid;  // IB: route by the remote LID
   }
-  int rc = v_.modify_qp(ch.qp, &at,
+  int rc = v_.modify_qp(qp, &at,
                         IBV_QP_STATE | IBV_QP_AV | IBV_QP_PATH_MTU | IBV_QP_DEST_QPN | IBV_QP_RQ_PSN |
                             IBV_QP_MAX_DEST_RD_ATOMIC | IBV_QP_MIN_RNR_TIMER);
   if (rc) throw Error(ErrorCode::kSystem, std::string("rdma: QP to RTR: ") + std::strerror(rc));
@@ -247,13 +286,12 @@ void RdmaEndpoint::bring_up(int index, const QpAddress& r, const Negotiated& n) 
   rts.timeout = 14;  // 4.096 us * 2^14 = 67 ms per try
   rts.retry_cnt = 7;
   rts.rnr_retry = 7;  // the window accounting keeps RNR away; this is only a safety net
-  rts.sq_psn = local_qp_address(index).psn;
+  rts.sq_psn = qp_address(qp, rail).psn;
   rts.max_rd_atomic = static_cast<uint8_t>(rd_atom);
-  rc = v_.modify_qp(ch.qp, &rts,
+  rc = v_.modify_qp(qp, &rts,
                     IBV_QP_STATE | IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT | IBV_QP_RNR_RETRY | IBV_QP_SQ_PSN |
                         IBV_QP_MAX_QP_RD_ATOMIC);
   if (rc) throw Error(ErrorCode::kSystem, std::string("rdma: QP to RTS: ") + std::strerror(rc));
-  remote_[index] = r;
 }
 
 json RdmaEndpoint::hello_body(int index) {
@@ -274,6 +312,19 @@ int RdmaEndpoint::peer_rails() const {
   auto it = setup_.peer.transports.find("rdma");
   if (it == setup_.peer.transports.end() || !it->second.contains("rails") || !it->second["rails"].is_array()) return 1;
   return std::max<int>(1, static_cast<int>(it->second["rails"].size()));
+}
+
+int RdmaEndpoint::peer_rail_up(int preferred) const {
+  auto it = setup_.peer.transports.find("rdma");
+  if (it == setup_.peer.transports.end() || !it->second.contains("rails") || !it->second["rails"].is_array())
+    return preferred;
+  const json& rails = it->second["rails"];
+  const int n = static_cast<int>(rails.size());
+  for (int i = 0; i < n; ++i) {
+    const json& r = rails[(preferred + i) % n];
+    if (!(r.is_object() && r.value("down", false))) return (preferred + i) % n;
+  }
+  return preferred;  // all marked down: ask anyway (the peer picks one that is up, or refuses)
 }
 
 void RdmaEndpoint::peer_updated(const EngineInfo& peer) {
@@ -327,14 +378,23 @@ void RdmaEndpoint::connect(const ChannelOpener& open) {
   if (nchan_ < std::min(local, peer))
     SLUICE_LOG(kInfo, "rdma: " << nchan_ << " channel(s) use " << nchan_ << " of " << std::min(local, peer)
                                << " rails (raise SLUICE_CHANNELS to stripe over all)");
+  opener_ = open;  // failover dials replacement queue pairs with it
   for (int i = 0; i < nchan_; ++i) {
-    create_qp(i, i % local, i % peer);
+    // QP i belongs on our rail i % L and the peer's i % R; a rail that is down now (ours, or
+    // one the peer's info marks down) is skipped, and failover brings the QP home later.
+    const int rail = rails_->up_rail(i % local);
+    if (rail < 0) throw Error(ErrorCode::kNoDevice, "rdma: every rail of this engine is down");
+    chans_[i]->home_rail = i % local;
+    create_qp(i, rail, peer_rail_up(i % peer));
     auto [sock, reply] = open(i, {{"rdma", hello_body(i)}});
     if (!reply.contains("rdma")) throw Error(ErrorCode::kProtocol, "rdma: channel reply without queue pair address");
     const QpAddress addr = QpAddress::from_json(reply["rdma"]);
     const Negotiated n = negotiate_with(i, chans_[i]->rail, addr);
     take_peer(reply["rdma"]);
     bring_up(i, addr, n);
+    // The peer may have put its end on another of its rails (the one asked for is down).
+    const int src = reply["rdma"].value("src_rail", chans_[i]->peer_rail);
+    if (src >= 0 && src < peer) chans_[i]->peer_rail = src;
     chans_[i]->sock = std::move(sock);
     chans_[i]->sock_live = true;
   }
@@ -344,6 +404,11 @@ void RdmaEndpoint::connect(const ChannelOpener& open) {
 json RdmaEndpoint::attach(int index, const json& hello) {
   std::lock_guard<std::mutex> lk(attach_mu_);
   if (index < 0 || index >= nchan_) throw Error(ErrorCode::kProtocol, "rdma: channel index out of range");
+  if (hello.is_object() && hello.value("replace", false)) {
+    if (!hello.contains("rdma") || !hello["rdma"].is_object())
+      throw Error(ErrorCode::kProtocol, "rdma: channel replace without queue pair address");
+    return attach_replacement(index, hello["rdma"]);
+  }
   if (chans_[index]->qp) throw Error(ErrorCode::kProtocol, "channel " + std::to_string(index) + " attached twice");
   if (!hello.contains("rdma") || !hello["rdma"].is_object())
     throw Error(ErrorCode::kProtocol, "rdma: channel hello without queue pair address");
@@ -354,6 +419,9 @@ json RdmaEndpoint::attach(int index, const json& hello) {
                                           std::to_string(rails_->size()));
   // Checked before anything is allocated for the channel: a refused hello leaves no QP behind.
   const QpAddress addr = QpAddress::from_json(h);
+  chans_[index]->home_rail = rail;
+  if (!rails_->up(rail)) rail = rails_->up_rail(rail);  // ours is down: another (the reply says which)
+  if (rail < 0) throw Error(ErrorCode::kNoDevice, "rdma: every rail of this engine is down");
   const Negotiated n = negotiate_with(index, rail, addr);
   create_qp(index, rail, peer_rail);
   take_peer(h);
@@ -363,7 +431,12 @@ json RdmaEndpoint::attach(int index, const json& hello) {
 
 bool RdmaEndpoint::adopt(int index, net::Socket sock) {
   std::lock_guard<std::mutex> lk(attach_mu_);
+  if (attached_ >= nchan_) {  // a replacement queue pair (failover.cpp): its reply has left
+    adopt_replacement(index, std::move(sock));
+    return false;
+  }
   // The listener's socket stays open as a liveness probe of the peer.
+  std::lock_guard<std::mutex> sk(sock_mu_);
   chans_[index]->sock = std::move(sock);
   chans_[index]->sock_live = true;
   if (++attached_ == nchan_) {
@@ -397,14 +470,19 @@ void RdmaEndpoint::close(const Status& why) {
   fail(why, false);
   if (closed_.exchange(true)) return;
   stop_.store(true, std::memory_order_release);
+  { std::lock_guard<std::recursive_mutex> rl(replace_mu_); }  // a replacement under way finishes
   wake();
   if (thread_.joinable()) {
     if (thread_.get_id() == std::this_thread::get_id()) thread_.detach();
     else thread_.join();
   }
-  for (auto& ch : chans_) {
-    ch->sock.shutdown();
-    ch->sock.close();
+  {
+    std::lock_guard<std::mutex> sk(sock_mu_);
+    for (auto& ch : chans_) {
+      ch->sock.shutdown();
+      ch->sock.close();
+      ch->retired_sock.close();
+    }
   }
   // A completion callback run by a polling waiter closed us: that waiter is still inside
   // poll_locked(); the destructor releases the verbs objects instead.
@@ -421,11 +499,17 @@ void RdmaEndpoint::release() {
       if (r.stash_mr) v_.dereg_mr(r.stash_mr);
     rdv_.clear();
   }
-  for (auto& ch : chans_)
+  for (auto& ch : chans_) {
+    std::lock_guard<std::mutex> lk(ch->mu);  // a monitor's fail() may be in stop_io()
     if (ch->qp) {
       v_.destroy_qp(ch->qp);
       ch->qp = nullptr;
     }
+    if (ch->retired_qp) {
+      v_.destroy_qp(ch->retired_qp);
+      ch->retired_qp = nullptr;
+    }
+  }
   for (auto& c : cqs_) {
     if (c.events) v_.ack_cq_events(c.cq, c.events);
     v_.destroy_cq(c.cq);

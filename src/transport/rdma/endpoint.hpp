@@ -7,6 +7,7 @@
 //   messages.cpp   control messages on QP 0: SEND/RECV rendezvous, region-gone notices
 //   progress.cpp   completion polling (progress thread and polling waiters), failure
 //   post_path.cpp  the thin post path: post_write / post_signal / flush on QP 0
+//   failover.cpp   replacing a broken queue pair, moving off a rail that went down and back
 #pragma once
 
 #include <infiniband/verbs.h>
@@ -25,6 +26,7 @@
 #include <nlohmann/json.hpp>
 
 #include "transport/common/endpoint_base.hpp"
+#include "transport/common/redialer.hpp"
 #include "transport/rdma/rails.hpp"
 #include "transport/transport.hpp"
 
@@ -37,7 +39,7 @@ constexpr int kMaxSends = 128;    // RTS in flight per direction
 // answering our RTS (at most kMaxSends), GONE / GONE_ACK, and CREDIT messages. The rest is the
 // peer's imm credit: an imm write takes one, and the receiver gives them back (CREDIT, every
 // credit batch of reposted slots), so imm writes never find the receive queue empty.
-constexpr int kCtrlReserve = 2 * kMaxSends + 16 + 32;
+constexpr int kCtrlReserve = 2 * kMaxSends + 16 + 32 + 2 * 64;  // + MOVE requests (64 channels at most)
 constexpr int kCtrlSendSlots = 2 * kMaxSends + 64;
 constexpr int kSignalEvery = 64;
 constexpr uint64_t kMaxWrBytes = 1ull << 30;
@@ -75,7 +77,10 @@ struct Wr {
   bool post = false;       // the last WR of a thin-path post (post_write / post_signal)
 };
 
-enum CtrlType : uint32_t { kRts = 1, kFin = 2, kGone = 3, kGoneAck = 4, kCredit = 5 };
+// kMove: the accepting side asks the dialing side to replace channel `seq` (generation `addr`;
+// status 1: its queue pair broke, 0: move it back to its home rail), since only the dialer
+// dials replacements.
+enum CtrlType : uint32_t { kRts = 1, kFin = 2, kGone = 3, kGoneAck = 4, kCredit = 5, kMove = 6 };
 
 struct CtrlMsg {
   uint32_t type;
@@ -90,10 +95,22 @@ static_assert(sizeof(CtrlMsg) <= kSlotBytes);
 
 // One queue pair and its send-side state.
 struct Chan {
-  int rail = 0;       // our rail
+  int rail = 0;       // our rail (under mu once connected: failover moves it)
   int peer_rail = 0;  // the peer's rail it connects to
+  int home_rail = 0;  // where it belongs: failover brings it back here once the rail is up
   ibv_qp* qp = nullptr;
   std::mutex mu;
+  // Failover (failover.cpp; channels other than 0). gen counts the queue pairs this channel
+  // had (both sides agree: a replacement carries it); broken: the QP is in the error state and
+  // its work was taken back, a replacement is due; usable: lanes may be placed here (false
+  // from the break, or the start of a move back home, until the replacement is in).
+  uint32_t gen = 0;
+  bool broken = false;
+  bool replacing = false;            // a replacement job is queued or running (dialing side)
+  std::atomic<bool> usable{true};
+  ibv_qp* retired_qp = nullptr;      // the previous QP: kept until the next replacement, so its
+                                     // late completions never meet a reused QP number
+  net::Socket retired_sock;          // the previous liveness socket, likewise
   int free = 0;
   int unsig = 0;
   std::deque<Wr> backlog;  // WRs waiting for send-queue slots, in order
@@ -112,6 +129,12 @@ struct Chan {
   std::vector<RegionPin> post_pins;  // by post number % size: the source region, until retired
   std::condition_variable post_room;  // a poster waits here for room (posts in flight < bound)
   bool post_waiting = false;
+};
+
+// A lane whose work requests were on a channel that broke: sent again or failed.
+struct LaneRef {
+  uint64_t token = 0;
+  uint32_t lane = 0;
 };
 
 // A completion queue (and its channel) per rail this endpoint has queue pairs on.
@@ -138,10 +161,12 @@ Status wc_status(const Verbs& v, const ibv_wc& wc, const std::string& what);
 
 class RdmaEndpoint final : public EndpointBase,
                            public GoneListener,
+                           public RailListener,
                            public ProgressSource,
                            public std::enable_shared_from_this<RdmaEndpoint> {
  public:
-  RdmaEndpoint(std::shared_ptr<Rails> rails, const Registry* reg, const EndpointSetup& s);
+  RdmaEndpoint(std::shared_ptr<Rails> rails, const Registry* reg, const EndpointSetup& s,
+               std::shared_ptr<Redialer> redialer);
   ~RdmaEndpoint() override;
 
   // TransportEndpoint
@@ -167,6 +192,10 @@ class RdmaEndpoint final : public EndpointBase,
 
   // GoneListener
   void region_gone(uint64_t id) override;
+  // RailListener (failover.cpp)
+  void rail_changed(int rail, bool up) override;
+  bool replaces_channels() const override { return failover_; }
+  std::pair<uint64_t, uint64_t> failover_counts() const override { return {replaced_.load(), retried_.load()}; }
 
   // ProgressSource: a waiter polls the CQs itself (no hand-off from the progress thread).
   bool progress() override;
@@ -178,6 +207,10 @@ class RdmaEndpoint final : public EndpointBase,
   // endpoint.cpp
   RailCq& cq_for(int rail);
   void create_qp(int index, int rail, int peer_rail);
+  ibv_qp* make_qp(int index, int rail);  // a QP in INIT on `rail`, not yet the channel's
+  int peer_rail_up(int preferred) const;  // the peer's rail `preferred`, or one its info does not mark down
+  QpAddress qp_address(const ibv_qp* qp, int rail) const;
+  void bring_up_qp(ibv_qp* qp, int rail, const QpAddress& remote, const Negotiated& n);
   // Checks the peer's address against our port on `rail` (negotiate.hpp); throws naming both.
   Negotiated negotiate_with(int index, int rail, const QpAddress& remote) const;
   void bring_up(int index, const QpAddress& remote, const Negotiated& n);
@@ -193,12 +226,36 @@ class RdmaEndpoint final : public EndpointBase,
   // post_path.cpp
   Status post_admitted(Wr* wrs, size_t n, RegionPin&& pin, std::chrono::steady_clock::time_point deadline);
   void retire_posts(Chan& ch, uint64_t mark, const Status& st);  // ch.mu held
+  // failover.cpp
+  void configure_failover();  // rdma.failover, rdma.retry_rma, rdma.test_break_qp
+  std::vector<LaneRef> take_back(int c);  // ch.mu not held: retire c's QP, return its open lanes
+  void adopt_replacement(int index, net::Socket sock);
+  bool link_error(int c, const ibv_wc& wc) const;  // a completion error that breaks channel c only
+  // The channel whose live QP on `rail` is number qpn (QP numbers are per device); -1: none
+  // (a retired QP's).
+  int chan_of_qp(int rail, uint32_t qpn);
+  void break_channel(int c, const Status& why, bool tell_peer);
+  void resend(const std::vector<LaneRef>& lanes, const Status& why);
+  void schedule_replacement(int c, bool move_home);
+  void replace(int c, bool move_home);  // redialer thread (dialing side)
+  void install(int c, ibv_qp* qp, int rail, int peer_rail, uint32_t gen);
+  nlohmann::json attach_replacement(int index, const nlohmann::json& h);
+  void on_move(const CtrlMsg& m);
+  void ask_peer_to_move(int c, bool broken);
   // data_path.cpp
+  // Build lane `lane` of `op` for channel c (whose rails and generation the caller read under
+  // its lock) and post it; false when the channel was replaced or broke meanwhile.
+  [[nodiscard]] bool post_lane(const std::shared_ptr<TransferOp>& op, uint64_t token, int lane, int c, bool last_imm,
+                               Status* st);
+  // Post lane `lane` on a usable channel, preferring `c`, then the rails near `near_mask`.
+  void place_lane(const std::shared_ptr<TransferOp>& op, uint64_t token, int lane, int c, uint32_t near_mask);
   [[nodiscard]] Status post(int c, Wr* wrs, size_t n);
   [[nodiscard]] Status post(int c, std::vector<Wr>& wrs) { return post(c, wrs.data(), wrs.size()); }
   [[nodiscard]] Status post_locked(Chan& ch, int c, Wr* wrs, size_t n);  // ch.mu held
+  // ch.mu held: false (nothing posted) if channel c is no longer generation `gen` or broke.
+  [[nodiscard]] bool post_gen_locked(Chan& ch, int c, uint32_t gen, Wr* wrs, size_t n, Status* st);
   Status drain(Chan& ch, int c);                            // ch.mu held
-  void handle_send_completion(const ibv_wc& wc);
+  void handle_send_completion(const ibv_wc& wc, int rail);  // rail: whose CQ it came from
   bool rkey_for(uint64_t remote_id, int peer_rail, uint32_t* rkey);
   const std::vector<int>& chans_near(uint32_t rails_mask);
   void release_imms();
@@ -215,7 +272,7 @@ class RdmaEndpoint final : public EndpointBase,
   // progress.cpp
   void run();
   int poll_locked();  // poll_mu_ held: poll every CQ once; the count or -1
-  void handle(const ibv_wc& wc);
+  void handle(const ibv_wc& wc, int rail);
   bool arm_all();
   void sleep_on_events(int timeout_ms);
   void stop_io() override;  // EndpointBase::fail(): the queue pairs to the error state
@@ -223,6 +280,19 @@ class RdmaEndpoint final : public EndpointBase,
   void wake_for_submit();  // a submit: records it and wakes the thread if it must watch the CQs
 
   std::shared_ptr<Rails> rails_;
+  std::shared_ptr<Redialer> redialer_;
+  ChannelOpener opener_;     // dialing side: replacements are dialed with it
+  bool failover_ = true;     // rdma.failover
+  bool retry_rma_ = true;    // rdma.retry_rma
+  std::atomic<int> unusable_{0};  // channels with usable == false
+  std::atomic<uint64_t> replaced_{0}, retried_{0};
+  int test_break_chan_ = -1;        // rdma.test_break_qp: test-only fault injection
+  uint64_t test_break_after_ = 0;
+  std::atomic<uint64_t> test_lanes_{0};
+  std::mutex sock_mu_;  // the channels' liveness sockets (a replacement swaps one)
+  // Held by a replacement under way (it creates queue pairs on our CQs); close() takes it
+  // after stop_, so release() never runs under one. Recursive: fail() inside may call back.
+  std::recursive_mutex replace_mu_;
   const Verbs& v_;
   const Registry* reg_;
   EndpointSetup setup_;

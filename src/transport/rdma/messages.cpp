@@ -244,6 +244,8 @@ void RdmaEndpoint::handle_recv(const ibv_wc& wc) {
       return;
     }
     release_imms();
+  } else if (m.type == kMove) {
+    on_move(m);
   } else if (m.type == kGoneAck) {
     std::lock_guard<std::mutex> lk(gone_mu_);
     gone_acked_ = std::max<uint64_t>(gone_acked_, m.addr);

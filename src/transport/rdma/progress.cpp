@@ -54,26 +54,34 @@ int RdmaEndpoint::poll_locked() {
       return -1;
     }
     if (n > 0) pending_.touch();  // the peer shows progress
-    for (int i = 0; i < n; ++i) handle(wcs[i]);
+    for (int i = 0; i < n; ++i) handle(wcs[i], c.rail);
     total += n;
   }
   poll_owner_.store(std::thread::id(), std::memory_order_relaxed);
   return total;
 }
 
-void RdmaEndpoint::handle(const ibv_wc& wc) {
+void RdmaEndpoint::handle(const ibv_wc& wc, int rail) {
   const uint64_t tag = wc.wr_id & kTagMask;
   if (tag == kTagRecv) {
     handle_recv(wc);
   } else if (tag == kTagUnsig) {
     // Only errors come back for unsignalled WRs.
     if (wc.status == IBV_WC_SUCCESS) return;
+    if (failover_ && !failed()) {
+      const int c = chan_of_qp(rail, wc.qp_num);
+      if (c < 0) return;  // a replaced queue pair's: its lanes were taken back already
+      if (link_error(c, wc)) {
+        break_channel(c, wc_status(v_, wc, "transfer"), true);
+        return;
+      }
+    }
     uint64_t token = wc.wr_id & ~kTagMask;
     Status st = wc_status(v_, wc, "transfer");
     if (token && wc.status != IBV_WC_WR_FLUSH_ERR) fail_op(token, st);
-    fail({st.code, "QP in error state after: " + st.message}, true);
+    fail({st.code, "QP " + std::to_string(wc.qp_num) + " in error state after: " + st.message}, true);
   } else {
-    handle_send_completion(wc);
+    handle_send_completion(wc, rail);
   }
 }
 
@@ -145,11 +153,14 @@ void RdmaEndpoint::sleep_on_events(int timeout_ms) {
   const size_t nc = fds.size();
   fds.push_back({wake_fd_, POLLIN, 0});
   std::vector<int> which;
-  for (int c = 0; c < nchan_; ++c)
-    if (chans_[c]->sock_live && !failed()) {
-      fds.push_back({chans_[c]->sock.fd(), POLLIN, 0});
-      which.push_back(c);
-    }
+  {
+    std::lock_guard<std::mutex> sk(sock_mu_);  // a replacement swaps a channel's socket
+    for (int c = 0; c < nchan_; ++c)
+      if (chans_[c]->sock_live && !failed()) {
+        fds.push_back({chans_[c]->sock.fd(), POLLIN, 0});
+        which.push_back(c);
+      }
+  }
   int rc = ::poll(fds.data(), fds.size(), timeout_ms);
   if (rc <= 0) return;
   for (size_t i = 0; i < nc; ++i) {
@@ -167,19 +178,29 @@ void RdmaEndpoint::sleep_on_events(int timeout_ms) {
     uint64_t v;
     [[maybe_unused]] auto r = ::read(wake_fd_, &v, sizeof v);
   }
-  for (size_t i = 0; i < which.size(); ++i) {
-    if (!fds[nc + 1 + i].revents) continue;
-    char b;
-    ssize_t k = ::recv(fds[nc + 1 + i].fd, &b, 1, MSG_PEEK | MSG_DONTWAIT);
-    if (k == 0 || (k < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) {
-      chans_[which[i]]->sock_live = false;
-      fail({ErrorCode::kPeerLost, "rdma: peer " + setup_.peer.engine_id + " closed channel " + std::to_string(which[i]) +
-                                      " (process exited or endpoint closed)"},
-           true);
-    } else if (k > 0) {
-      chans_[which[i]]->sock_live = false;  // nothing is ever sent after the reply
+  int closed = -1;
+  {
+    std::lock_guard<std::mutex> sk(sock_mu_);
+    for (size_t i = 0; i < which.size() && closed < 0; ++i) {
+      if (!fds[nc + 1 + i].revents) continue;
+      // A socket retired by a replacement meanwhile: the peer closing it is expected (a
+      // retired socket stays open until the channel's next replacement).
+      if (chans_[which[i]]->sock.fd() != fds[nc + 1 + i].fd) continue;
+      char b;
+      ssize_t k = ::recv(fds[nc + 1 + i].fd, &b, 1, MSG_PEEK | MSG_DONTWAIT);
+      if (k == 0 || (k < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) {
+        chans_[which[i]]->sock_live = false;
+        closed = which[i];
+      } else if (k > 0) {
+        chans_[which[i]]->sock_live = false;  // nothing is ever sent after the reply
+      }
     }
   }
+  // Outside the lock: failing completes ops, whose callbacks may close the endpoint.
+  if (closed >= 0)
+    fail({ErrorCode::kPeerLost, "rdma: peer " + setup_.peer.engine_id + " closed channel " + std::to_string(closed) +
+                                    " (process exited or endpoint closed)"},
+         true);
 }
 
 void RdmaEndpoint::wake_for_submit() {

@@ -29,6 +29,15 @@ class GoneListener {
   virtual void region_gone(uint64_t id) = 0;
 };
 
+// Endpoints hear about a rail's port going down or coming back (ibv async events), to move
+// their queue pairs off it and back (rdma failover, docs/cluster.md).
+class RailListener {
+ public:
+  virtual ~RailListener() = default;
+  // Called on the rails' monitor thread; must not block on the network.
+  virtual void rail_changed(int rail, bool up) = 0;
+};
+
 // A region's registration on every rail.
 struct RegionKeys {
   std::vector<ibv_mr*> mrs;  // by rail
@@ -63,6 +72,15 @@ class Rails {
   size_t cached_regions();
   void add_listener(std::weak_ptr<GoneListener> l);
 
+  // Port health. A rail is up from open() (only ACTIVE ports are opened) until its port
+  // reports IBV_EVENT_PORT_ERR (or the device a fatal error), and up again on
+  // IBV_EVENT_PORT_ACTIVE. With two or more rails a monitor thread (one per engine) reads the
+  // devices' async events and tells the listeners; with one there is nowhere to move to.
+  bool up(int r) const { return r >= 0 && r < size() && mon_->up[r].load(std::memory_order_acquire); }
+  // `preferred` if it is up, else the next rail up after it (round robin); -1 if none is.
+  int up_rail(int preferred) const;
+  void add_rail_listener(std::weak_ptr<RailListener> l);
+
  private:
   struct Range {
     RegionKeys keys;
@@ -72,12 +90,29 @@ class Rails {
     std::pair<uintptr_t, uint64_t> key;
     const RegionKeys* keys = nullptr;  // in ranges_[key] (map nodes stay put): one lookup per op
   };
+  // The monitor's state, shared with its thread: the thread may outlive this object (a
+  // listener it notified dropped the last reference to the engine), so it holds the devices.
+  struct Monitor {
+    const Verbs* v = nullptr;
+    std::vector<std::shared_ptr<Device>> devs;
+    std::unique_ptr<std::atomic<bool>[]> up;
+    std::mutex mu;  // listeners
+    std::vector<std::weak_ptr<RailListener>> listeners;
+    std::atomic<bool> stop{false};
+    int wake_fd = -1;
+    ~Monitor();
+  };
+  static void monitor(std::shared_ptr<Monitor> m);
+  static void set_state(Monitor& m, int rail, bool up, const std::string& why);
   uint32_t near_rails(const RegionEntry& e) const;
   void deregister(RegionKeys& k);
 
   const Verbs* v_ = nullptr;
   std::vector<std::shared_ptr<Device>> devs_;
   std::vector<Locality> nics_;
+  std::shared_ptr<Monitor> mon_ = std::make_shared<Monitor>();
+  std::unique_ptr<std::thread> mon_thread_;
+  int mon_pid_ = 0;
   std::mutex listeners_mu_;
   std::vector<std::weak_ptr<GoneListener>> listeners_;
   std::mutex mu_;

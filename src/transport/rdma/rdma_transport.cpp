@@ -81,8 +81,9 @@ class RdmaTransport final : public Transport {
     return true;
   }
   std::shared_ptr<TransportEndpoint> create_endpoint(const EndpointSetup& setup) override {
-    auto ep = std::make_shared<rdma::RdmaEndpoint>(rails_, reg_, setup);
+    auto ep = std::make_shared<rdma::RdmaEndpoint>(rails_, reg_, setup, redialer_);
     rails_->add_listener(ep);
+    rails_->add_rail_listener(ep);
     return ep;
   }
 
@@ -90,6 +91,8 @@ class RdmaTransport final : public Transport {
   std::shared_ptr<Rails> rails_;
   const Registry* reg_;
   bool atomics_ = true;
+  // Dials replacement queue pairs (failover) for every endpoint of this engine.
+  std::shared_ptr<Redialer> redialer_ = std::make_shared<Redialer>();
 };
 
 }  // namespace

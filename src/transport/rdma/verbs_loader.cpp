@@ -67,6 +67,9 @@ const Verbs* Verbs::get(std::string* why) {
       bind(l, table.modify_qp, "ibv_modify_qp", &missing);
       bind(l, table.destroy_qp, "ibv_destroy_qp", &missing);
       bind(l, table.wc_status_str, "ibv_wc_status_str", &missing);
+      bind(l, table.get_async_event, "ibv_get_async_event", &missing);
+      bind(l, table.ack_async_event, "ibv_ack_async_event", &missing);
+      bind(l, table.event_type_str, "ibv_event_type_str", &missing);
       if (!missing.empty()) {
         error = "libibverbs not found (the loaded library lacks " + missing + ")";
         ::dlclose(table.lib);

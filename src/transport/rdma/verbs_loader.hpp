@@ -36,6 +36,10 @@ struct Verbs {
   decltype(&::ibv_modify_qp) modify_qp = nullptr;
   decltype(&::ibv_destroy_qp) destroy_qp = nullptr;
   decltype(&::ibv_wc_status_str) wc_status_str = nullptr;
+  // Port up/down events (Rails' health monitor).
+  decltype(&::ibv_get_async_event) get_async_event = nullptr;
+  decltype(&::ibv_ack_async_event) ack_async_event = nullptr;
+  decltype(&::ibv_event_type_str) event_type_str = nullptr;
 
   // The process-wide table, or nullptr with *why ("libibverbs not found: ...").
   // SLUICE_IBVERBS_LIB overrides the library name (tests use it to force the failure path).

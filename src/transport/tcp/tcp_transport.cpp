@@ -28,7 +28,7 @@
 #include "transport/common/signal_target.hpp"
 #include "transport/common/staging_endpoint.hpp"
 #include "transport/common/stream_channel.hpp"
-#include "transport/tcp/redialer.hpp"
+#include "transport/common/redialer.hpp"
 #include "transport/transport.hpp"
 
 namespace sluice::detail {

@@ -1,5 +1,5 @@
-// One thread per tcp transport (per engine) that dials replacement channels (channel
-// failover, docs/cluster.md): a dial blocks for up to the connect timeout while a link is
+// One thread per transport (per engine) that dials replacement channels (tcp channel and rdma
+// queue-pair failover, docs/cluster.md): a dial blocks for up to the connect timeout while a link is
 // down, so it runs neither on a channel's fiber, nor on the watchdog that notices the stall,
 // nor on a submitting thread; and not on a thread per connection. Jobs run one at a time in
 // the order they were queued; the thread starts with the first job.

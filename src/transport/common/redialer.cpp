@@ -1,4 +1,4 @@
-#include "transport/tcp/redialer.hpp"
+#include "transport/common/redialer.hpp"
 
 #include <unistd.h>
 
