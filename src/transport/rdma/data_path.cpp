@@ -370,7 +370,7 @@ void RdmaEndpoint::handle_send_completion(const ibv_wc& wc, int rail) {
     std::lock_guard<std::mutex> lk(ch.mu);
     // A replaced (or broken) queue pair's late completion: its lanes were taken back.
     if (!ch.qp || ch.rail != rail || wc.qp_num != ch.qp->qp_num) return;
-    if (wc.status != IBV_WC_SUCCESS && link_error(c, wc)) {
+    if (wc.status != IBV_WC_SUCCESS && link_error(c, rail, wc)) {
       broke = true;
     } else if (ch.head == ch.tail || (ch.head & kSeqMask) != seq) {
       st = {ErrorCode::kInternal, "rdma: send completion out of order on QP " + std::to_string(ch.qp->qp_num)};

@@ -230,7 +230,7 @@ class RdmaEndpoint final : public EndpointBase,
   void configure_failover();  // rdma.failover, rdma.retry_rma, rdma.test_break_qp
   std::vector<LaneRef> take_back(int c);  // ch.mu not held: retire c's QP, return its open lanes
   void adopt_replacement(int index, net::Socket sock);
-  bool link_error(int c, const ibv_wc& wc) const;  // a completion error that breaks channel c only
+  bool link_error(int c, int rail, const ibv_wc& wc) const;  // a completion error that breaks channel c only
   // The channel whose live QP on `rail` is number qpn (QP numbers are per device); -1: none
   // (a retired QP's).
   int chan_of_qp(int rail, uint32_t qpn);

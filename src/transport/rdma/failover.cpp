@@ -79,13 +79,18 @@ void RdmaEndpoint::configure_failover() {
   }
 }
 
-bool RdmaEndpoint::link_error(int c, const ibv_wc& wc) const {
+bool RdmaEndpoint::link_error(int c, int rail, const ibv_wc& wc) const {
   if (!failover_ || c == 0 || failed()) return false;
   // What a lost path does to a queue pair (the peer's port or the wire, or ours: our port's
   // event may come after the first error), and a flush we did not ask for (the QP was moved to
   // the error state under us: a fatal async event, or the test fault).
-  return wc.status == IBV_WC_RETRY_EXC_ERR || wc.status == IBV_WC_RNR_RETRY_EXC_ERR ||
-         wc.status == IBV_WC_WR_FLUSH_ERR;
+  if (wc.status == IBV_WC_RETRY_EXC_ERR || wc.status == IBV_WC_RNR_RETRY_EXC_ERR || wc.status == IBV_WC_WR_FLUSH_ERR)
+    return true;
+  // A local error on a port that is not active is the port's doing (SoftRoCE fails the send
+  // with it when its netdev went down, before the port event arrives); on an active port it
+  // is ours and fails the endpoint.
+  return (wc.status == IBV_WC_LOC_QP_OP_ERR || wc.status == IBV_WC_GENERAL_ERR) &&
+         !rails_->port_active_now(rail);
 }
 
 int RdmaEndpoint::chan_of_qp(int rail, uint32_t qpn) {
@@ -228,7 +233,10 @@ void RdmaEndpoint::replace(int c, bool move_home) {
   while (!stop_.load() && !failed()) {
     std::unique_lock<std::recursive_mutex> rl(replace_mu_);
     if (stop_.load()) break;
-    const int rail = rails_->up_rail(ch.home_rail);
+    // Home if its port is active (asked of the device: a MOVE from the peer may come before our
+    // own port event), else another rail that is up.
+    const int rail = rails_->up(ch.home_rail) || rails_->port_active_now(ch.home_rail) ? ch.home_rail
+                                                                                        : rails_->up_rail(ch.home_rail);
     if (rail < 0) {
       last = "every rail of this engine is down";
     } else {
@@ -343,7 +351,9 @@ json RdmaEndpoint::attach_replacement(int index, const json& h) {
                                           std::to_string(peer_rails()) + ")");
   int rail = static_cast<int>(std::min<int64_t>(field("rail"), INT32_MAX));
   if (rail >= rails_->size()) rail = ch.home_rail;
-  rail = rails_->up_rail(rail);
+  // The rail asked for, if its port is active now (the dialer may have heard that it is back
+  // before our monitor did: two rails that differ may not reach each other); else another.
+  if (!rails_->up(rail) && !rails_->port_active_now(rail)) rail = rails_->up_rail(rail);
   if (rail < 0) throw Error(ErrorCode::kNoDevice, "rdma: channel replace: every rail of this engine is down");
   const QpAddress addr = QpAddress::from_json(h);
   const Negotiated n = negotiate_with(index, rail, addr);

@@ -71,7 +71,7 @@ void RdmaEndpoint::handle(const ibv_wc& wc, int rail) {
     if (failover_ && !failed()) {
       const int c = chan_of_qp(rail, wc.qp_num);
       if (c < 0) return;  // a replaced queue pair's: its lanes were taken back already
-      if (link_error(c, wc)) {
+      if (link_error(c, rail, wc)) {
         break_channel(c, wc_status(v_, wc, "transfer"), true);
         return;
       }

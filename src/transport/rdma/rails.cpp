@@ -57,6 +57,13 @@ int Rails::up_rail(int preferred) const {
   return -1;
 }
 
+bool Rails::port_active_now(int r) const {
+  if (r < 0 || r >= size()) return false;
+  ibv_port_attr pa{};
+  if (v_->query_port(devs_[r]->ctx(), static_cast<uint8_t>(devs_[r]->port()), &pa) != 0) return up(r);
+  return pa.state == IBV_PORT_ACTIVE;
+}
+
 void Rails::add_rail_listener(std::weak_ptr<RailListener> l) {
   {
     std::lock_guard<std::mutex> lk(mon_->mu);

@@ -79,6 +79,9 @@ class Rails {
   bool up(int r) const { return r >= 0 && r < size() && mon_->up[r].load(std::memory_order_acquire); }
   // `preferred` if it is up, else the next rail up after it (round robin); -1 if none is.
   int up_rail(int preferred) const;
+  // The port's state asked of the device now (a system call), not the monitor's last word:
+  // for decisions that must not race the monitor's event.
+  bool port_active_now(int r) const;
   void add_rail_listener(std::weak_ptr<RailListener> l);
 
  private:
