@@ -8,7 +8,8 @@
 # sluice wheel built from this checkout; Open MPI with apt-get when it is missing and this
 # runs as root (PEERS_NO_APT=1 forbids that; MPI rows then say why). Results go to
 # bench/peers/results/ (every sample as CSV and JSON, peers.md, plots). A full run
-# (without --quick) also rewrites docs/peers.md, the peers section of docs/performance.md and
+# (without --quick, and without a subset: --only, --sizes, --ops, --shapes, --out) that
+# succeeded also rewrites docs/peers.md, the peers section of docs/performance.md and
 # docs/img/peers-*.png unless --no-docs. PEERS_SKIP_WHEEL=1 reuses the sluice already in the
 # venv (a re-run of the same checkout without the wheel build).
 set -euo pipefail
@@ -23,6 +24,8 @@ for a in "$@"; do
   case "$a" in
     --quick) quick=1; args+=("$a") ;;
     --no-docs) docs=0 ;;
+    # Only a full run rewrites the docs: a subset (or help) would replace the tables with part of them.
+    -h|--help|--only|--only=*|--sizes|--sizes=*|--ops|--ops=*|--shapes|--shapes=*|--out|--out=*) docs=0; args+=("$a") ;;
     *) args+=("$a") ;;
   esac
 done
@@ -70,7 +73,7 @@ fi
 say "running (python driver.py ${args[*]:-})"
 rc=0
 "$VPY" "$HERE/driver.py" "${args[@]}" || rc=$?
-if [ "$quick" = 0 ] && [ "$docs" = 1 ]; then
+if [ "$quick" = 0 ] && [ "$docs" = 1 ] && [ "$rc" = 0 ]; then
   "$VPY" "$HERE/report.py" "$HERE/results" --md "$HERE/results/peers-docs.md" --img "$ROOT/docs/img" --img-prefix img/ \
     --summary "$HERE/results/performance-docs.md"
   "$VPY" "$HERE/docs_section.py" "$HERE/results/peers-docs.md" "$ROOT/docs/peers.md"

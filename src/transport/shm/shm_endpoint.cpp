@@ -23,6 +23,12 @@ constexpr uint64_t kInlinePull = 64 << 10;  // PULL_WRITEs up to this many bytes
 const Param<int> kCopyDelayMs{"shm.test_copy_delay_ms", "SLUICE_SHM_TEST_COPY_DELAY_MS", 0, int_in(0, 60000),
                               "test only: each shm copy into an op's memory sleeps this many ms first",
                               ParamScope::kTest};
+// A lone small copy costs less than handing it to a pool thread and waking the waiter
+// afterwards (peers bench: a 4 KiB read took about 15 us through the pool, where Open MPI's
+// vader took 3); bigger ones go to the pool, whose threads copy lanes in parallel.
+const Param<uint64_t> kInlineMax{"shm.inline_max", "SLUICE_SHM_INLINE_MAX", 64 << 10, size_in(0, 1ull << 30),
+                                 "reads and writes into mapped memfd regions of at most this many bytes (the whole "
+                                 "operation) are copied on the submitting thread; 0 = always on the copy pool"};
 
 // What this thread submitted on an endpoint since its last wait (the last endpoint it used):
 // whether an answer will come over the control channel, and whether only copy pool
@@ -108,7 +114,8 @@ ShmEndpoint::ShmEndpoint(const EndpointSetup& s, Host& host, std::string peer_so
       token_(s.token),
       peer_socket_(std::move(peer_socket)),
       timeout_(s.config.connect_timeout),
-      copy_delay_ms_(kCopyDelayMs.read()) {
+      copy_delay_ms_(kCopyDelayMs.read()),
+      inline_max_(kInlineMax.get(s.config)) {
   pending_.set_post_handler([this](const std::shared_ptr<TransferOp>& op, const Status& st) { on_post_done(op, st); });
 }
 
@@ -249,9 +256,10 @@ void ShmEndpoint::submit(std::shared_ptr<TransferOp> op) {
       return;
     }
   }
-  note_submit(false);
-  // The lanes run on the copy pool; a write_with_imm's imm goes after its last lane
-  // (EndpointBase::lane_finished, send_imm).
+  // The lanes run on the copy pool (a small operation right here: shm.inline_max); a
+  // write_with_imm's imm goes after its last lane (EndpointBase::lane_finished, send_imm).
+  const bool here = op->bytes <= inline_max_;
+  if (!here) note_submit(false);
   track_lanes(token, *op);
   for (size_t l = 0; l < op->lanes.size(); ++l)
     if (!op->lanes[l].pieces.empty()) {
@@ -259,8 +267,26 @@ void ShmEndpoint::submit(std::shared_ptr<TransferOp> op) {
       j.op = op;
       j.token = token;
       j.lane = l;
-      enqueue(std::move(j));
+      if (here)
+        run_here(j);
+      else
+        enqueue(std::move(j));
     }
+}
+
+void ShmEndpoint::run_here(Job& job) {
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (stop_) return;  // stop_io() ran: fail_all() fails the op
+    ++running_;          // close() waits for it as for a pool thread's job
+  }
+  {
+    RunningMark mark(this);
+    run_job(job);
+    job = Job{};
+  }
+  std::lock_guard<std::mutex> lk(mu_);
+  if (--running_ == 0) idle_cv_.notify_all();
 }
 
 void ShmEndpoint::post_pull(const std::shared_ptr<TransferOp>& op, uint64_t token) {

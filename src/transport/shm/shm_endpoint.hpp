@@ -148,6 +148,7 @@ class ShmEndpoint final : public EndpointBase,
 
   void install(net::Socket sock);
   void enqueue(Job job);
+  void run_here(Job& job);  // a small operation's lane, on the submitting thread
   // mu_ held: puts this endpoint in the pool's ready list if it has work and is not there.
   void schedule_locked();
   void run_job(Job& job);
@@ -200,6 +201,7 @@ class ShmEndpoint final : public EndpointBase,
   std::atomic<std::chrono::steady_clock::rep> moving_{0};  // when work of ours last completed
   void moved() { moving_.store(std::chrono::steady_clock::now().time_since_epoch().count(), std::memory_order_relaxed); }
   const int copy_delay_ms_;  // test only (shm.test_copy_delay_ms): a copy waits this long first
+  const uint64_t inline_max_;  // shm.inline_max
 
   std::mutex mu_;
   std::condition_variable idle_cv_;  // copies_ or running_ fell

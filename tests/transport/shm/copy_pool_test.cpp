@@ -25,6 +25,7 @@ sluice::EngineConfig pool_config(int copy_threads) {
   sluice::EngineConfig c = engine_config("shm", 2, 60s);
   c.connect_timeout = 30s;  // also the describe deadline: longer than any hold below
   c.options["shm.copy_threads"] = std::to_string(copy_threads);
+  c.options["shm.inline_max"] = "0";  // every copy on the pool: these tests are about the pool
   return c;
 }
 
@@ -184,4 +185,38 @@ TEST(ShmCopyPool, DeepQueueDoesNotStarveAnotherEndpoint) {
                                 << " queued reads (endpoints must take turns on the pool)";
   for (auto& f : fx) EXPECT_TRUE(f.wait().ok());
   EXPECT_EQ(std::memcmp(my.data(), ly.data(), my.size()), 0);
+}
+
+// shm.inline_max: a small operation is copied on the submitting thread, so its future is done
+// when read() returns; a larger one (or any, with inline_max 0) goes to the pool, whose copy
+// the test knob holds for 1 s, so it is not done yet. No timing is asserted: only which
+// thread copied.
+TEST(ShmCopyPool, SmallOperationsAreCopiedOnTheSubmittingThread) {
+  for (const char* inline_max : {"65536", "0"}) {
+    SCOPED_TRACE(std::string("shm.inline_max ") + inline_max);
+    sluice::EngineConfig c = pool_config(1);
+    c.options["shm.inline_max"] = inline_max;
+    sluice::Engine a(c), b(c);
+    std::vector<uint8_t> remote(256 << 10), local(256 << 10, 0);
+    fill_pattern(remote.data(), remote.size(), 5);
+    auto h = a.register_memory(local.data(), local.size());
+    b.register_memory(remote.data(), remote.size(), sluice::Location::host(), "r");
+    ::setenv("SLUICE_SHM_TEST_COPY_DELAY_MS", "1000", 1);
+    sluice::Endpoint ep = a.connect(b.local_info());
+    ::unsetenv("SLUICE_SHM_TEST_COPY_DELAY_MS");
+    auto acc = b.accept(5s);
+    ASSERT_TRUE(acc);
+    auto r = ep.remote_region("r");
+    ASSERT_TRUE(r);
+    ASSERT_TRUE(ep.read({{h, 0, *r, 0, 4096}}).wait().ok());  // described: copies only from here
+    sluice::Future small = ep.read({{h, 0, *r, 0, 64 << 10}});
+    const bool small_done = small.test();
+    sluice::Future big = ep.read({{h, 64 << 10, *r, 64 << 10, 128 << 10}});
+    const bool big_done = big.test();
+    EXPECT_EQ(small_done, std::string(inline_max) != "0") << "64 KiB read done when read() returned";
+    EXPECT_FALSE(big_done) << "a 128 KiB read was copied on the submitting thread";
+    ASSERT_TRUE(small.wait().ok());
+    ASSERT_TRUE(big.wait().ok());
+    EXPECT_EQ(std::memcmp(local.data(), remote.data(), 192 << 10), 0);
+  }
 }
