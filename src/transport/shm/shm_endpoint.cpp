@@ -27,8 +27,8 @@ const Param<int> kCopyDelayMs{"shm.test_copy_delay_ms", "SLUICE_SHM_TEST_COPY_DE
 // afterwards (peers bench: a 4 KiB read took about 15 us through the pool, where Open MPI's
 // vader took 3); bigger ones go to the pool, whose threads copy lanes in parallel.
 const Param<uint64_t> kInlineMax{"shm.inline_max", "SLUICE_SHM_INLINE_MAX", 64 << 10, size_in(0, 1ull << 30),
-                                 "reads and writes into mapped memfd regions of at most this many bytes (the whole "
-                                 "operation) are copied on the submitting thread; 0 = always on the copy pool"};
+                                 "a read, or a write into a mapped memfd region, of at most this many bytes (the whole "
+                                 "operation) is copied on the submitting thread instead of the copy pool; 0 = never"};
 
 // What this thread submitted on an endpoint since its last wait (the last endpoint it used):
 // whether an answer will come over the control channel, and whether only copy pool
