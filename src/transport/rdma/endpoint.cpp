@@ -385,7 +385,9 @@ void RdmaEndpoint::connect(const ChannelOpener& open) {
     const int rail = rails_->up_rail(i % local);
     if (rail < 0) throw Error(ErrorCode::kNoDevice, "rdma: every rail of this engine is down");
     chans_[i]->home_rail = i % local;
-    create_qp(i, rail, peer_rail_up(i % peer));
+    // Rail i talks to rail i (rail-optimised fabrics route nothing else, or badly): with as
+    // many rails on both sides, the peer's rail of the same index as ours.
+    create_qp(i, rail, peer_rail_up(local == peer ? rail : i % peer));
     auto [sock, reply] = open(i, {{"rdma", hello_body(i)}});
     if (!reply.contains("rdma")) throw Error(ErrorCode::kProtocol, "rdma: channel reply without queue pair address");
     const QpAddress addr = QpAddress::from_json(reply["rdma"]);

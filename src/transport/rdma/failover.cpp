@@ -18,6 +18,7 @@
 #include <climits>
 #include <cstdint>
 #include <thread>
+#include <utility>
 
 #include "core/log.hpp"
 #include "core/params.hpp"
@@ -230,13 +231,16 @@ void RdmaEndpoint::replace(int c, bool move_home) {
   const auto t0 = std::chrono::steady_clock::now();
   const auto give_up = t0 + setup_.config.op_timeout;
   std::string last;
+  int align = -1;  // the peer answered from another rail than ours: ours follows, once
+  bool again_now = false;
   while (!stop_.load() && !failed()) {
     std::unique_lock<std::recursive_mutex> rl(replace_mu_);
     if (stop_.load()) break;
     // Home if its port is active (asked of the device: a MOVE from the peer may come before our
     // own port event), else another rail that is up.
-    const int rail = rails_->up(ch.home_rail) || rails_->port_active_now(ch.home_rail) ? ch.home_rail
-                                                                                        : rails_->up_rail(ch.home_rail);
+    const int rail = align >= 0                                                      ? align
+                     : rails_->up(ch.home_rail) || rails_->port_active_now(ch.home_rail) ? ch.home_rail
+                                                                                     : rails_->up_rail(ch.home_rail);
     if (rail < 0) {
       last = "every rail of this engine is down";
     } else {
@@ -244,7 +248,9 @@ void RdmaEndpoint::replace(int c, bool move_home) {
       try {
         qp = make_qp(c, rail);
         json h = qp_address(qp, rail).to_json();
-        h["rail"] = c % peer_rails();  // the peer's home rail for c: it picks another if that one is down
+        // The peer's rail of our rail's index (rail i talks to rail i; the peer picks another if
+        // that one is down there).
+        h["rail"] = rails_->size() == peer_rails() ? rail : c % peer_rails();
         h["src_rail"] = rail;
         h["gen"] = gen;
         auto [sock, reply] = opener_(c, {{"replace", true}, {"rdma", h}});
@@ -257,6 +263,17 @@ void RdmaEndpoint::replace(int c, bool move_home) {
         const int peer_rail = r.value("src_rail", -1);
         if (peer_rail < 0 || peer_rail >= peer_rails())
           throw Error(ErrorCode::kProtocol, "rdma: replacement reply names no rail of the peer");
+        if (peer_rail != rail && align < 0 && rails_->size() == peer_rails() &&
+            (rails_->up(peer_rail) || rails_->port_active_now(peer_rail))) {
+          // Its rail of our index is down there: two rails that differ may not reach each other
+          // (two fabrics), so ours moves to the peer's instead, with the next generation (the
+          // peer retires the pair it just made).
+          align = peer_rail;
+          gen++;
+          again_now = true;
+          throw Error(ErrorCode::kNoDevice, "the peer answered from rail " + std::to_string(peer_rail) +
+                                                ": aligning ours to it");
+        }
         {
           std::lock_guard<std::mutex> sk(sock_mu_);
           ch.retired_sock = std::move(ch.sock);  // the peer closes its end when it retires it
@@ -285,6 +302,7 @@ void RdmaEndpoint::replace(int c, bool move_home) {
       }
     }
     rl.unlock();
+    if (std::exchange(again_now, false)) continue;
     if (std::chrono::steady_clock::now() >= give_up) break;
     for (int i = 0; i < 10 && !stop_.load(); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
