@@ -228,7 +228,8 @@ class RdmaEndpoint final : public EndpointBase,
   void retire_posts(Chan& ch, uint64_t mark, const Status& st);  // ch.mu held
   // failover.cpp
   void configure_failover();  // rdma.failover, rdma.retry_rma, rdma.test_break_qp
-  std::vector<LaneRef> take_back(int c);  // ch.mu not held: retire c's QP, return its open lanes
+  // ch.mu not held: retire c's QP and return its open lanes; *first: this call broke it.
+  std::vector<LaneRef> take_back(int c, bool* first = nullptr);
   void adopt_replacement(int index, net::Socket sock);
   bool link_error(int c, int rail, const ibv_wc& wc) const;  // a completion error that breaks channel c only
   // The channel whose live QP on `rail` is number qpn (QP numbers are per device); -1: none

@@ -102,10 +102,11 @@ int RdmaEndpoint::chan_of_qp(int rail, uint32_t qpn) {
   return -1;
 }
 
-std::vector<LaneRef> RdmaEndpoint::take_back(int c) {
+std::vector<LaneRef> RdmaEndpoint::take_back(int c, bool* first) {
   std::vector<LaneRef> lanes;
   Chan& ch = *chans_[c];
   std::lock_guard<std::mutex> lk(ch.mu);
+  if (first) *first = !ch.broken;
   if (ch.usable.exchange(false)) unusable_.fetch_add(1);
   ch.broken = true;
   // Every lane with work requests in flight or queued here: its last WR carries its token and
@@ -139,16 +140,14 @@ void RdmaEndpoint::break_channel(int c, const Status& why, bool tell_peer) {
          true);
     return;
   }
-  {
-    std::lock_guard<std::mutex> lk(chans_[c]->mu);
-    if (chans_[c]->broken) return;
-  }
-  std::vector<LaneRef> lanes = take_back(c);
+  bool first = false;
+  std::vector<LaneRef> lanes = take_back(c, &first);
+  if (!first) return;  // another thread saw it break first (and took its lanes back)
   SLUICE_LOG(kWarn, "rdma: channel " << c << " to " << setup_.peer.engine_id << " broke (" << why.message << "); "
                                      << lanes.size() << " lane(s) in flight "
                                      << (retry_rma_ ? "sent again on the other channels" : "failed")
                                      << "; replacing its queue pair");
-  resend(lanes, {why.code, "channel " + std::to_string(c) + " broke: " + why.message});
+  resend(lanes, {why.code, "when channel " + std::to_string(c) + " broke: " + why.message});
   if (setup_.active)
     schedule_replacement(c, false);
   else if (tell_peer)
@@ -162,7 +161,7 @@ void RdmaEndpoint::resend(const std::vector<LaneRef>& lanes, const Status& why) 
     if (!retry_rma_) {
       // Parts of it may have reached the peer: reported, never silently repeated.
       fail_op(l.token, {ErrorCode::kPeerLost, "rdma: " + std::string(kind_name(op->kind)) + " to " +
-                                                  setup_.peer.engine_id + " was in flight on a " + why.message +
+                                                  setup_.peer.engine_id + " was in flight " + why.message +
                                                   " (rdma.retry_rma is off, so it was not sent again; part of it "
                                                   "may have been done)"});
       continue;
@@ -221,7 +220,7 @@ void RdmaEndpoint::replace(int c, bool move_home) {
       }
       std::this_thread::sleep_for(std::chrono::milliseconds(1));
     }
-    if (!was_broken) resend(take_back(c), {ErrorCode::kPeerLost, "channel " + std::to_string(c) + " moved home"});
+    if (!was_broken) resend(take_back(c), {ErrorCode::kPeerLost, "when channel " + std::to_string(c) + " moved home"});
   }
   uint32_t gen;
   {
@@ -381,7 +380,8 @@ json RdmaEndpoint::attach_replacement(int index, const json& h) {
     std::lock_guard<std::mutex> lk(ch.mu);
     was_broken = ch.broken;
   }
-  if (!was_broken) resend(take_back(index), {ErrorCode::kPeerLost, "channel " + std::to_string(index) + " replaced by the peer"});
+  if (!was_broken)
+    resend(take_back(index), {ErrorCode::kPeerLost, "when the peer replaced channel " + std::to_string(index)});
   ibv_qp* qp = make_qp(index, rail);
   try {
     bring_up_qp(qp, rail, addr, n);
