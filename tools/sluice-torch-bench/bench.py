@@ -1,5 +1,6 @@
-"""Time the same torch.distributed operation through `sluice` and `gloo` in one run,
-interleaved (sluice, gloo, sluice, ...), and print medians with their spread.
+"""Time the same torch.distributed operation through `sluice` and a baseline in one run,
+interleaved (sluice, baseline, sluice, ...), and print medians with their spread. The baseline
+is `gloo` on CPU tensors and `nccl` on CUDA tensors.
 
     torchrun --nproc_per_node=2 tools/sluice-torch-bench/bench.py [--ops sendrecv,all_reduce,all_gather]
         [--min-bytes 8] [--max-bytes 268435456] [--iters 20] [--markdown] [--device cpu|cuda]
@@ -7,10 +8,11 @@ interleaved (sluice, gloo, sluice, ...), and print medians with their spread.
 send/recv is a ping-pong between ranks 0 and 1 (one-way time = half the round trip); the
 collectives run on every rank. Rank 0 prints one row per (op, size): the median time of each
 backend with the spread of the samples (10th-90th percentile), the median bandwidth (bytes
-per rank / time), and sluice's speedup over gloo (median over median). --markdown prints
+per rank / time), and sluice's speedup over the baseline (median over median). --markdown prints
 the rows as a Markdown table (docs/torch.md). SLUICE_TORCH_TRANSPORT=tcp forces tcp.
 --device cuda times CUDA tensors (rank r on GPU r % count; every sample ends with
-torch.cuda.synchronize()); an op gloo refuses on CUDA tensors prints "n/a" for gloo.
+torch.cuda.synchronize()) against NCCL in the same processes (gloo's tcp pairs abort the process
+on CUDA tensors). NVLink multicast stays off (NCCL_NVLS_ENABLE=0 is set here).
 """
 from __future__ import annotations
 
@@ -61,18 +63,20 @@ def main() -> None:
     if args.device == "cuda":
         dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
         torch.cuda.set_device(dev)
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     dist.init_process_group("cpu:sluice" if args.device == "cpu" else "cpu:sluice,cuda:sluice")
     rank, world = dist.get_rank(), dist.get_world_size()
-    groups: Dict[str, dist.ProcessGroup] = {"sluice": dist.group.WORLD, "gloo": dist.new_group(backend="gloo")}
+    base = "gloo" if args.device == "cpu" else "nccl"
+    groups: Dict[str, dist.ProcessGroup] = {"sluice": dist.group.WORLD, base: dist.new_group(backend=base)}
     if rank == 0:
         print(f"# world={world} transport={st.backend_transport()} device={args.device} host cores={os.cpu_count()} "
               f"load={os.getloadavg()[0]:.1f}")
         if args.markdown:
-            print("| op | bytes | sluice us (p10-p90) | gloo us (p10-p90) | sluice GB/s | gloo GB/s | speedup |")
+            print(f"| op | bytes | sluice us (p10-p90) | {base} us (p10-p90) | sluice GB/s | {base} GB/s | speedup |")
             print("|---|---:|---:|---:|---:|---:|---:|")
         else:
-            print(f"{'op':<11}{'bytes':>11}{'sluice us':>12}{'p10-p90':>18}{'gloo us':>12}{'p10-p90':>18}"
-                  f"{'sluice GB/s':>13}{'gloo GB/s':>11}{'speedup':>9}")
+            print(f"{'op':<11}{'bytes':>11}{'sluice us':>12}{'p10-p90':>18}{base + ' us':>12}{'p10-p90':>18}"
+                  f"{'sluice GB/s':>13}{base + ' GB/s':>11}{'speedup':>9}")
     for op in args.ops.split(","):
         for nbytes in sizes(args.min_bytes, args.max_bytes):
             n = max(nbytes // 4, 1)
@@ -97,16 +101,16 @@ def main() -> None:
                 if dev.type == "cuda":
                     torch.cuda.synchronize()
 
-            times: Dict[str, List[float]] = {"sluice": [], "gloo": []}
+            times: Dict[str, List[float]] = {"sluice": [], base: []}
             live = dict(groups)
             for name, g in groups.items():
                 try:
                     run(g)  # warm up
-                except RuntimeError as e:  # gloo and CUDA tensors: not every op
+                except RuntimeError as e:  # a baseline that refuses this op
                     if name == "sluice":
                         raise
                     if rank == 0:
-                        print(f"# gloo {op} on {args.device} tensors: n/a ({str(e).splitlines()[0][:120]})")
+                        print(f"# {base} {op} on {args.device} tensors: n/a ({str(e).splitlines()[0][:120]})")
                     del live[name]
                     times[name] = [float("nan")]
             for _ in range(iters):
@@ -118,13 +122,13 @@ def main() -> None:
                 med = {k: statistics.median(v) for k, v in us.items()}
                 spread = {k: f"{pct(v, 10):.1f}-{pct(v, 90):.1f}" for k, v in us.items()}
                 gbs = {k: nbytes / v / 1e3 for k, v in med.items()}
-                speedup = med["gloo"] / med["sluice"]
+                speedup = med[base] / med["sluice"]
                 if args.markdown:
-                    print(f"| {op} | {nbytes} | {med['sluice']:.1f} ({spread['sluice']}) | {med['gloo']:.1f} "
-                          f"({spread['gloo']}) | {gbs['sluice']:.3f} | {gbs['gloo']:.3f} | {speedup:.2f} |", flush=True)
+                    print(f"| {op} | {nbytes} | {med['sluice']:.1f} ({spread['sluice']}) | {med[base]:.1f} "
+                          f"({spread[base]}) | {gbs['sluice']:.3f} | {gbs[base]:.3f} | {speedup:.2f} |", flush=True)
                 else:
-                    print(f"{op:<11}{nbytes:>11}{med['sluice']:>12.1f}{spread['sluice']:>18}{med['gloo']:>12.1f}"
-                          f"{spread['gloo']:>18}{gbs['sluice']:>13.3f}{gbs['gloo']:>11.3f}{speedup:>9.2f}", flush=True)
+                    print(f"{op:<11}{nbytes:>11}{med['sluice']:>12.1f}{spread['sluice']:>18}{med[base]:>12.1f}"
+                          f"{spread[base]:>18}{gbs['sluice']:>13.3f}{gbs[base]:>11.3f}{speedup:>9.2f}", flush=True)
     dist.destroy_process_group()
 
 
