@@ -231,7 +231,7 @@ class RdmaEndpoint final : public EndpointBase,
   // ch.mu not held: retire c's QP and return its open lanes; *first: this call broke it.
   std::vector<LaneRef> take_back(int c, bool* first = nullptr);
   void adopt_replacement(int index, net::Socket sock);
-  bool link_error(int c, int rail, const ibv_wc& wc) const;  // a completion error that breaks channel c only
+  bool link_error(int c, int rail, const ibv_wc& wc);  // a completion error that breaks channel c only
   // The channel whose live QP on `rail` is number qpn (QP numbers are per device); -1: none
   // (a retired QP's).
   int chan_of_qp(int rail, uint32_t qpn);
@@ -287,6 +287,7 @@ class RdmaEndpoint final : public EndpointBase,
   bool retry_rma_ = true;    // rdma.retry_rma
   std::atomic<int> unusable_{0};  // channels with usable == false
   std::atomic<uint64_t> replaced_{0}, retried_{0};
+  std::atomic<std::chrono::steady_clock::rep> local_error_at_{0};  // link_error(): the last excused local error
   int test_break_chan_ = -1;        // rdma.test_break_qp: test-only fault injection
   uint64_t test_break_after_ = 0;
   std::atomic<uint64_t> test_lanes_{0};

@@ -80,7 +80,7 @@ void RdmaEndpoint::configure_failover() {
   }
 }
 
-bool RdmaEndpoint::link_error(int c, int rail, const ibv_wc& wc) const {
+bool RdmaEndpoint::link_error(int c, int rail, const ibv_wc& wc) {
   if (!failover_ || c == 0 || failed()) return false;
   // What a lost path does to a queue pair (the peer's port or the wire, or ours: our port's
   // event may come after the first error), and a flush we did not ask for (the QP was moved to
@@ -88,10 +88,16 @@ bool RdmaEndpoint::link_error(int c, int rail, const ibv_wc& wc) const {
   if (wc.status == IBV_WC_RETRY_EXC_ERR || wc.status == IBV_WC_RNR_RETRY_EXC_ERR || wc.status == IBV_WC_WR_FLUSH_ERR)
     return true;
   // A local error on a port that is not active is the port's doing (SoftRoCE fails the send
-  // with it when its netdev went down, before the port event arrives); on an active port it
-  // is ours and fails the endpoint.
-  return (wc.status == IBV_WC_LOC_QP_OP_ERR || wc.status == IBV_WC_GENERAL_ERR) &&
-         !rails_->port_active_now(rail);
+  // with it when its netdev goes down). The port may still read active for a moment then (the
+  // send failed before the port went down), so one such error per op_timeout is taken as the
+  // path's too; a second one on an active port is ours and fails the endpoint (a replacement
+  // would only meet it again).
+  if (wc.status != IBV_WC_LOC_QP_OP_ERR && wc.status != IBV_WC_GENERAL_ERR) return false;
+  if (!rails_->port_active_now(rail)) return true;
+  const auto now = std::chrono::steady_clock::now().time_since_epoch().count();
+  auto last = local_error_at_.load();
+  const auto window = std::chrono::duration_cast<std::chrono::steady_clock::duration>(setup_.config.op_timeout).count();
+  return (last == 0 || now - last >= window) && local_error_at_.compare_exchange_strong(last, now);
 }
 
 int RdmaEndpoint::chan_of_qp(int rail, uint32_t qpn) {
