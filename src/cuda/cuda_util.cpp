@@ -295,10 +295,28 @@ nlohmann::json export_region(const void* ptr, uint64_t length, int* fd_out) {
     size = length;
   }
   uint64_t offset = reinterpret_cast<uintptr_t>(ptr) - base;
+  // The driver's id of this allocation: user memory freed and allocated again at the same
+  // base is a new buffer whose export must not be the old one's (the peer would map the
+  // freed memory). Engine allocations are dropped from the cache by release() as well.
+  unsigned long long buffer_id = 0;
+  if (d.pointerGetAttribute && d.pointerGetAttribute(&buffer_id, CU_POINTER_ATTRIBUTE_BUFFER_ID, base) != CUDA_SUCCESS)
+    buffer_id = 0;
   std::lock_guard<std::mutex> lk(g_mu);
   auto it = g_exports.find(base);
+  if (it != g_exports.end() && it->second.value("buffer_id", uint64_t(0)) != static_cast<uint64_t>(buffer_id)) {
+    auto f = g_export_fds.find(base);
+    if (f != g_export_fds.end()) {
+      ::close(f->second);
+      g_export_fds.erase(f);
+    }
+    g_exports.erase(it);
+    it = g_exports.end();
+  }
   if (it == g_exports.end()) {
-    nlohmann::json desc{{"device", dev}, {"base_size", static_cast<uint64_t>(size)}, {"base", static_cast<uint64_t>(base)}};
+    nlohmann::json desc{{"device", dev},
+                        {"base_size", static_cast<uint64_t>(size)},
+                        {"base", static_cast<uint64_t>(base)},
+                        {"buffer_id", static_cast<uint64_t>(buffer_id)}};
     bool done = false;
     // cuMem* memory exported as a POSIX fd (engine allocations, or user memory created with
     // that handle type).

@@ -385,7 +385,10 @@ namespace {
 
 // The peer process: engine on cuda:dev with an engine allocation "alloc" and a user
 // cudaMalloc buffer registered 1 MiB + 256 B into its allocation as "tensor". Prints its
-// info blob, then serves until stdin closes.
+// info blob, then serves until stdin closes. Each 'r' read from stdin unregisters "tensor",
+// frees its buffer, allocates one of the same size (the driver tends to reuse the address),
+// fills it with the round number, registers it as "tensor" again and prints "<same address
+// 0|1>" and the new info blob.
 int child_main(int dev) {
   EngineConfig c = quiet();
   Engine e(c);
@@ -395,7 +398,7 @@ int child_main(int dev) {
   if (cudaSetDevice(dev) != cudaSuccess || cudaMalloc(&p, 16 << 20) != cudaSuccess) return 3;
   cudaMemset(p, 0, 16 << 20);
   cudaDeviceSynchronize();
-  e.register_memory(static_cast<uint8_t*>(p) + (1 << 20) + 256, 4 << 20, Location::cuda(dev), "tensor");
+  MemoryHandle th = e.register_memory(static_cast<uint8_t*>(p) + (1 << 20) + 256, 4 << 20, Location::cuda(dev), "tensor");
   e.allocate(4 << 20, Location::host(), "hostalloc");  // memfd: nvlink maps it for host pieces
   static std::vector<uint8_t> plain(1 << 16);           // not a memfd: writes are pulled by us
   e.register_memory(plain.data(), plain.size(), Location::host(), "plain");
@@ -403,17 +406,34 @@ int child_main(int dev) {
   std::printf("%s\n", info.c_str());
   std::fflush(stdout);
   char ch;
-  while (::read(0, &ch, 1) > 0) {
+  for (int round = 1; ::read(0, &ch, 1) > 0;) {
+    if (ch != 'r') continue;
+    e.unregister_memory(th);
+    void* old = p;
+    if (cudaFree(p) != cudaSuccess || cudaMalloc(&p, 16 << 20) != cudaSuccess) return 4;
+    cudaMemset(p, round++, 16 << 20);
+    cudaDeviceSynchronize();
+    th = e.register_memory(static_cast<uint8_t*>(p) + (1 << 20) + 256, 4 << 20, Location::cuda(dev), "tensor");
+    std::printf("%d %s\n", p == old ? 1 : 0, e.local_info().c_str());
+    std::fflush(stdout);
   }
   return 0;
 }
 
 struct Child {
   pid_t pid = -1;
-  int to = -1;  // child's stdin
+  int to = -1;    // child's stdin
+  int from = -1;  // child's stdout
   std::string info;
+  std::string line() {
+    std::string l;
+    char ch;
+    while (::read(from, &ch, 1) == 1 && ch != '\n') l += ch;
+    return l;
+  }
   ~Child() {
     if (to >= 0) ::close(to);
+    if (from >= 0) ::close(from);
     if (pid > 0) {
       int st = 0;
       ::waitpid(pid, &st, 0);
@@ -440,9 +460,8 @@ std::unique_ptr<Child> spawn_child(int dev) {
   auto c = std::make_unique<Child>();
   c->pid = pid;
   c->to = in[1];
-  char ch;
-  while (::read(out[0], &ch, 1) == 1 && ch != '\n') c->info += ch;
-  ::close(out[0]);
+  c->from = out[0];
+  c->info = c->line();
   return c;
 }
 
@@ -451,6 +470,35 @@ __attribute__((unused)) void fill_on_stream(void* dst, uint8_t v, size_t n, cuda
 }
 
 }  // namespace
+
+// The owner frees a registered cudaMalloc buffer and allocates a new one at the same address:
+// reads of the new region must see the new buffer, never the old one through a cached export
+// or import (an export cached by base address handed out the freed buffer's IPC handle).
+TEST(Nvlink, ReallocatedBufferAtTheSameAddressIsTheNewOne) {
+  NEED_GPUS(1);
+  auto child = spawn_child(second_device());
+  ASSERT_TRUE(child && !child->info.empty()) << "child did not start";
+  Engine e(quiet());
+  auto ep = e.connect(child->info);
+  ASSERT_EQ(ep.transport(), "nvlink");
+  const size_t n = 1 << 20;
+  auto dst = e.allocate(n, Location::host());
+  std::vector<uint8_t> got(n);
+  int reused = 0;
+  for (int round = 0; round < 3; ++round) {
+    auto t = ep.remote_region("tensor");
+    ASSERT_TRUE(t);
+    ASSERT_TRUE(ep.read({{dst.handle, 0, *t, 4096, n}}).wait().ok()) << "round " << round;
+    std::memcpy(got.data(), dst.ptr, n);
+    EXPECT_EQ(got, std::vector<uint8_t>(n, static_cast<uint8_t>(round))) << "round " << round;
+    ASSERT_EQ(1, ::write(child->to, "r", 1));
+    std::string l = child->line();
+    ASSERT_GT(l.size(), 2u) << "the child did not reallocate";
+    reused += l[0] == '1';
+    ep.refresh_remote_regions();
+  }
+  std::printf("the new buffer came at the old address in %d of 3 rounds\n", reused);
+}
 
 TEST(Nvlink, CrossProcessOffsetsImmAndStreams) {
   NEED_GPUS(1);

@@ -138,6 +138,7 @@ struct HostMapping {
 // freed the allocation and made a new one at the same address).
 struct ImportRec {
   std::shared_ptr<cu::Import> imp;
+  uint64_t buffer_id = 0;  // the owner's driver id of the allocation imported
   std::vector<std::pair<uint32_t, uint64_t>> users;  // (lease slot, region id)
 };
 

@@ -204,8 +204,14 @@ uint8_t* NvlinkEndpoint::map_cuda(uint64_t id, const nlohmann::json& r, int fd, 
   ImportRec& rec = imports_[base];
   bool live = false;
   for (auto& [slot, rid] : rec.users) live |= leases_.still(slot, rid);
-  if (!rec.imp || !live) {
+  // A new allocation at the base of an old one (the owner freed and allocated again) is
+  // another buffer: never reached through the old one's mapping. Ops still holding the old
+  // mapping keep it (rv.keep) until they finish.
+  auto bid = ex.find("buffer_id");
+  const uint64_t buffer_id = bid != ex.end() && bid->is_number_unsigned() ? bid->get<uint64_t>() : 0;
+  if (!rec.imp || !live || rec.buffer_id != buffer_id) {
     rec = ImportRec{};
+    rec.buffer_id = buffer_id;
     rec.imp = cu::import_region(ex, fd, device);
     // cuMem imports get their access from the import; cudaIpc ones need peer access to the
     // device the memory is on (the owner's, as this process numbers devices).
