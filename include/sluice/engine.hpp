@@ -37,6 +37,10 @@ struct ConnectOptions {
   // Force a transport for this endpoint ("tcp", "shm", ...). Empty = the engine picks the
   // fastest one both sides have.
   std::string transport;
+  // Transports the engine does not pick for this endpoint when it chooses (ignored when
+  // `transport` forces one): e.g. a control channel of small host messages that should not
+  // go over nvlink, which the engine ranks first on a GPU host.
+  std::vector<std::string> avoid;
   std::optional<std::chrono::milliseconds> timeout;  // default: EngineConfig::connect_timeout
   // After the endpoint failed because its peer was lost or stopped answering (kPeerLost,
   // kTimeout), the next operation submitted on it first connects again to the same target

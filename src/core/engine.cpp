@@ -328,10 +328,15 @@ Transport* EngineImpl::find_transport(const std::string& name) const {
   return nullptr;
 }
 
-Transport* EngineImpl::choose_transport(const EngineInfo& peer, const std::string& forced) {
+Transport* EngineImpl::choose_transport(const EngineInfo& peer, const std::string& forced,
+                                        const std::vector<std::string>& avoid) {
   std::string why_not;
   for (const auto& t : transports_) {
     if (!forced.empty() && t->name() != forced) continue;
+    if (forced.empty() && std::find(avoid.begin(), avoid.end(), t->name()) != avoid.end()) {
+      why_not += "; " + t->name() + ": avoided for this endpoint";
+      continue;
+    }
     if (!peer.transports.count(t->name())) {
       why_not += "; " + t->name() + ": the peer does not run it";
       continue;
@@ -384,7 +389,7 @@ std::shared_ptr<EndpointImpl> EngineImpl::connect(const std::string& target, con
   const uint16_t port = peer.listen_port;
   if (peer.engine_id == engine_id_)
     SLUICE_LOG(kDebug, "connecting to our own engine " << engine_id_ << " (loopback endpoint)");
-  Transport* t = choose_transport(peer, options.transport);
+  Transport* t = choose_transport(peer, options.transport, options.avoid);
   const uint64_t token = random_u64();
   const int channels = config_.channels;
   auto ep = std::make_shared<EndpointImpl>(shared_from_this(), t, peer, token, channels, std::move(counters));

@@ -76,7 +76,7 @@ class EngineImpl : public std::enable_shared_from_this<EngineImpl> {
   // Throws kRemoteError when max_pending_accepts endpoints already wait; needs mu_.
   void check_accept_room() const;
   Transport* find_transport(const std::string& name) const;
-  Transport* choose_transport(const EngineInfo& peer, const std::string& forced);
+  Transport* choose_transport(const EngineInfo& peer, const std::string& forced, const std::vector<std::string>& avoid = {});
   void handle_connection(net::Socket sock);
   void handle_hello(net::Socket& sock, const nlohmann::json& body);
   void handle_channel(net::Socket& sock, const nlohmann::json& body, bootstrap::Clock::time_point deadline);

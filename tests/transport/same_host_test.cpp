@@ -297,6 +297,30 @@ TEST_F(SameHost, HonestPeersStillUseShm) {
   ep.close();
 }
 
+// ConnectOptions::avoid: the engine skips those transports when it chooses, says so when
+// nothing else is left, and a forced transport wins over it.
+TEST(ConnectAvoid, SkipsTheAvoidedTransportUnlessForced) {
+  EngineConfig c = engine_config("shm", 1, 10s);
+  c.transports = {"shm", "tcp"};
+  Engine a(c), b(c);
+  std::vector<uint8_t> m(4096, 7), back(4096);
+  b.register_memory(m.data(), m.size(), Location::host(), "m");
+  auto hb = a.register_memory(back.data(), back.size());
+  ConnectOptions co;
+  ASSERT_EQ(a.connect(b.local_info(), co).transport(), "shm");
+  co.avoid = {"shm"};
+  Endpoint ep = a.connect(b.local_info(), co);
+  EXPECT_EQ(ep.transport(), "tcp");
+  ASSERT_TRUE(ep.read({{hb, 0, *ep.remote_region("m"), 0, m.size()}}).wait().ok());
+  EXPECT_EQ(back, m);
+  co.avoid = {"shm", "tcp"};
+  std::string msg;
+  EXPECT_EQ(ErrorCode::kUnsupported, code_of([&] { a.connect(b.local_info(), co); }, &msg));
+  EXPECT_NE(std::string::npos, msg.find("shm: avoided for this endpoint")) << msg;
+  co.transport = "shm";
+  EXPECT_EQ(a.connect(b.local_info(), co).transport(), "shm");
+}
+
 }  // namespace
 
 namespace {
