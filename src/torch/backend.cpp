@@ -1,5 +1,7 @@
 #include "backend.hpp"
 
+#include <Python.h>
+
 #include <charconv>
 #include <cstdlib>
 #include <cstring>
@@ -210,7 +212,21 @@ void SluiceBackend::setTimeout(std::chrono::milliseconds timeout) {
   if (mailbox_) mailbox_->set_timeout(timeout);
 }
 
+namespace {
+// Shutting down waits for the worker and progress threads, whose callbacks may drop the last
+// reference to a tensor made in Python, which takes the GIL. A Python thread that destroys
+// the backend (destroy_process_group(), or its last reference dropped) holds the GIL: give it
+// up for the wait.
+struct WithoutGil {
+  PyThreadState* saved = Py_IsInitialized() && PyGILState_Check() ? PyEval_SaveThread() : nullptr;
+  ~WithoutGil() {
+    if (saved) PyEval_RestoreThread(saved);
+  }
+};
+}  // namespace
+
 void SluiceBackend::shutdown() {
+  WithoutGil nogil;
   {
     std::lock_guard<std::mutex> lk(mu_);
     if (stop_) return;

@@ -79,10 +79,12 @@ void Mailbox::unreg(MemoryHandle h) {
 }
 
 void Mailbox::post(std::function<void()> task) {
-  std::lock_guard<std::mutex> lk(mu_);
-  if (drained_) return;
-  tasks_.push_back(std::move(task));
-  cv_.notify_one();
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (drained_) return;  // `task` is destroyed below, outside the lock
+    tasks_.push_back(std::move(task));
+    cv_.notify_one();
+  }
 }
 
 void Mailbox::run() {
@@ -95,6 +97,10 @@ void Mailbox::run() {
     batch.swap(tasks_);
     lk.unlock();
     for (auto& t : batch) run_task(t);
+    // The tasks hold tensors (their callbacks capture them); dropping the last reference to
+    // a tensor made in Python takes the GIL. Never under mu_: a Python thread that holds the
+    // GIL while it destroys the backend waits for mu_ in close().
+    batch.clear();
     if (Clock::now() >= next_expiry) {
       expire();
       next_expiry = Clock::now() + std::chrono::milliseconds(100);
