@@ -25,6 +25,19 @@ SLUICE_API std::string unavailable_reason();
 // Whether this build of libsluice has CUDA support at all.
 SLUICE_API bool built_with_cuda();
 
+// The CUDA allocation that holds `ptr` (device memory only): its base, size, device and the
+// driver's buffer id, which a new allocation never repeats even at the same address. Code
+// that caches registrations per allocation (the torch backend) checks the id before reusing
+// one: an allocation freed and another made at its address is a different buffer. False when
+// `ptr` is not device memory (host memory, no GPU, or a build without CUDA).
+struct Allocation {
+  void* base = nullptr;
+  uint64_t size = 0;
+  int device = -1;
+  uint64_t buffer_id = 0;
+};
+SLUICE_API bool allocation_of(const void* ptr, Allocation* out);
+
 SLUICE_API Future read_on_stream(Endpoint& ep, const Batch& batch, void* stream);
 SLUICE_API Future write_on_stream(Endpoint& ep, const Batch& batch, void* stream);
 SLUICE_API Future write_with_imm_on_stream(Endpoint& ep, const Batch& batch, uint32_t imm, void* stream);

@@ -32,6 +32,30 @@ std::string unavailable_reason() {
 }
 bool built_with_cuda() { return true; }
 
+bool allocation_of(const void* ptr, Allocation* out) {
+  const int dev = d::pointer_device(ptr);
+  if (dev < 0) return false;
+  const d::Driver& drv = d::driver();
+  if (!drv.memGetAddressRange || !drv.pointerGetAttribute) return false;
+  // The driver calls need a current context on the pointer's device (any thread may ask).
+  int prev = 0;
+  if (cudaGetDevice(&prev) != cudaSuccess) prev = dev;
+  if (prev != dev && cudaSetDevice(dev) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  CUdeviceptr base = 0;
+  size_t size = 0;
+  unsigned long long id = 0;
+  const CUdeviceptr p = reinterpret_cast<CUdeviceptr>(ptr);
+  const bool ok = drv.memGetAddressRange(&base, &size, p) == CUDA_SUCCESS &&
+                  drv.pointerGetAttribute(&id, CU_POINTER_ATTRIBUTE_BUFFER_ID, p) == CUDA_SUCCESS;
+  if (prev != dev) cudaSetDevice(prev);
+  if (!ok) return false;
+  *out = {reinterpret_cast<void*>(base), static_cast<uint64_t>(size), dev, static_cast<uint64_t>(id)};
+  return true;
+}
+
 Future read_on_stream(Endpoint& ep, const Batch& batch, void* stream) {
   return ep.read(batch, on_stream(stream, "read_on_stream"));
 }

@@ -9,8 +9,13 @@
 
 #include <c10/util/Exception.h>
 
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+
 #include "core/engine_impl.hpp"
+#include "core/log.hpp"
+#include "cuda_registrations.hpp"
 #include "host_staging.hpp"
+#include "sluice/cuda.hpp"
 #include "store_directory.hpp"
 #include "transport/transport.hpp"
 #include "work.hpp"
@@ -112,24 +117,37 @@ SluiceBackend::SluiceBackend(const c10::intrusive_ptr<c10d::Store>& store, int r
   const uint64_t rndv_bytes = env_bytes("SLUICE_TORCH_RNDV_BYTES", 256 << 10);
   const uint64_t max_unexpected_bytes =
       env_bytes("SLUICE_TORCH_MAX_UNEXPECTED_BYTES", Mailbox::kDefaultMaxUnexpectedBytes);
+  // How CUDA tensors move: "auto" (default) sends and receives large ones directly between
+  // GPUs of a host (a device endpoint over nvlink per peer, see below); "host" always stages
+  // them through host memory (host_staging.hpp).
+  const char* path_env = std::getenv("SLUICE_TORCH_CUDA_PATH");
+  const std::string cuda_path = path_env && *path_env ? path_env : "auto";
+  if (cuda_path != "auto" && cuda_path != "host")
+    throw Error(ErrorCode::kInvalidArgument, "sluice: SLUICE_TORCH_CUDA_PATH must be 'auto' or 'host', got '" +
+                                                 cuda_path + "'");
   EngineConfig base;
   // Our own header recvs stay posted while the group is idle: the Mailbox bounds every
   // user-visible recv with the group timeout instead of the engine's recv timeout.
   base.recv_timeout = std::chrono::milliseconds(0);
   base.op_timeout = timeout;
-  // Every transport but nvlink. The backend moves host memory only (CUDA tensors go through
-  // host copies, host_staging.hpp), and nvlink, which the engine ranks first on a GPU host,
-  // moves host memory through the copy engine: on the H100 machine an 8-byte send/recv took
-  // 130-230 us over it against about 50 us for gloo (docs/torch.md). SLUICE_TRANSPORTS (applied
-  // by the Engine on top of this) still chooses; SLUICE_TORCH_TRANSPORT forces one per endpoint.
-  for (const auto& f : detail::transport_factories())
-    if (f.name != "nvlink") base.transports.push_back(f.name);
+  // nvlink runs only for the device endpoints (and only with the device path on). The
+  // control and data endpoints avoid it: they carry host memory, which nvlink moves through
+  // the copy engine (on the H100 machine an 8-byte send/recv took 130-230 us over it against
+  // about 50 us for gloo, docs/torch.md). SLUICE_TRANSPORTS (applied by the Engine on top of
+  // this) still chooses; SLUICE_TORCH_TRANSPORT forces one for the control and data endpoints.
+  bool has_nvlink = false;
+  for (const auto& f : detail::transport_factories()) {
+    if (f.name == "nvlink" && (cuda_path == "host" || cuda::device_count() == 0)) continue;
+    base.transports.push_back(f.name);
+  }
   engine_ = std::make_unique<Engine>(base);
+  for (const auto& t : engine_->transports()) has_nvlink |= t == "nvlink";
   auto dir = std::make_shared<StoreDirectory>(store, rank);
   engine_->impl().use_directory(dir);
 
   ConnectOptions co;
   if (const char* t = std::getenv("SLUICE_TORCH_TRANSPORT")) co.transport = t;
+  co.avoid = {"nvlink"};
   // Peers start at different times: the Store lookup waits for them, up to the group timeout
   // (SLUICE_TORCH_CONNECT_TIMEOUT_MS shortens it).
   co.timeout = std::min(timeout, env_ms("SLUICE_TORCH_CONNECT_TIMEOUT_MS", timeout));
@@ -138,11 +156,26 @@ SluiceBackend::SluiceBackend(const c10::intrusive_ptr<c10d::Store>& store, int r
   co.reconnect = false;
   const auto deadline = std::chrono::steady_clock::now() + *co.timeout;
 
-  std::vector<Endpoint> peers(size), data(size);
-  // The lower rank dials, the higher one accepts: exactly two endpoints per pair (control and
-  // data, see mailbox.hpp), used in both directions. The first message on each says which
-  // one it is (the accept order need not be the dial order).
-  uint8_t roles[2] = {0, 1};
+  std::vector<Endpoint> peers(size), data(size), dev(size);
+  // The lower rank dials, the higher one accepts: two endpoints per pair (control and data,
+  // see mailbox.hpp), used in both directions, and a third, the device endpoint, where both
+  // ranks run nvlink and it reaches (CUDA payloads). The first message on each says which one
+  // it is (the accept order need not be the dial order); the dialer tells the acceptor
+  // through the Store whether a device endpoint comes.
+  auto key = [](const std::string& what, int a, int b) {
+    return "sluice_torch/" + what + "/" + std::to_string(a) + (b >= 0 ? "/" + std::to_string(b) : "");
+  };
+  auto store_wait = [&](const std::string& k) {
+    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+    store->wait({k}, std::max(left, std::chrono::milliseconds(1)));
+    auto v = store->get(k);
+    return std::string(v.begin(), v.end());
+  };
+  auto put = [&](const std::string& k, const std::string& v) {
+    store->set(k, std::vector<uint8_t>(v.begin(), v.end()));
+  };
+  put(key("nvlink", rank, -1), has_nvlink ? "1" : "0");
+  uint8_t roles[3] = {0, 1, 2};
   MemoryHandle roles_handle = engine_->register_memory(roles, sizeof(roles));
   std::vector<Future> marks;
   for (int j = rank + 1; j < size; ++j) {
@@ -150,32 +183,51 @@ SluiceBackend::SluiceBackend(const c10::intrusive_ptr<c10d::Store>& store, int r
     data[j] = engine_->connect(StoreDirectory::ref(j), co);
     marks.push_back(peers[j].send(roles_handle, 0, 1));
     marks.push_back(data[j].send(roles_handle, 1, 1));
+    if (has_nvlink && store_wait(key("nvlink", j, -1)) == "1") {
+      ConnectOptions dco = co;
+      dco.transport = "nvlink";
+      try {
+        dev[j] = engine_->connect(StoreDirectory::ref(j), dco);
+        marks.push_back(dev[j].send(roles_handle, 2, 1));
+      } catch (const Error& e) {
+        // Another host, or GPUs that cannot share memory: CUDA tensors to j go through host
+        // memory instead.
+        SLUICE_LOG(kInfo, "sluice torch: rank " << rank << ": no device endpoint to rank " << j << ": " << e.what());
+      }
+    }
+    put(key("dev", rank, j), dev[j].valid() ? "1" : "0");
   }
-  for (int j = 0; j < rank; ++j) dir->lookup(StoreDirectory::ref(j), deadline);  // learn their engine ids
+  std::vector<size_t> expect(size, 2);
+  int expected = 0;
+  for (int j = 0; j < rank; ++j) {
+    dir->lookup(StoreDirectory::ref(j), deadline);  // learn their engine ids
+    if (has_nvlink && store_wait(key("dev", j, rank)) == "1") expect[j] = 3;
+    expected += static_cast<int>(expect[j]);
+  }
   std::vector<std::vector<Endpoint>> got_eps(size);
-  for (int got = 0; got < 2 * rank;) {
+  for (int got = 0; got < expected;) {
     auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
     auto ep = left.count() > 0 ? engine_->accept(left) : std::nullopt;
     if (!ep) {
       engine_->close();  // the role marks we sent read `roles`
       std::string missing;
       for (int j = 0; j < rank; ++j)
-        if (got_eps[j].size() < 2) missing += (missing.empty() ? "" : ", ") + std::to_string(j);
+        if (got_eps[j].size() < expect[j]) missing += (missing.empty() ? "" : ", ") + std::to_string(j);
       throw Error(ErrorCode::kTimeout, "sluice: rank " + std::to_string(rank) + ": peer rank(s) " + missing +
                                            " did not connect within " + std::to_string(co.timeout->count()) + " ms");
     }
     int j = dir->rank_of(ep->peer_engine_id());
-    if (j < 0 || j >= rank || got_eps[j].size() >= 2) {
+    if (j < 0 || j >= rank || got_eps[j].size() >= expect[j]) {
       ep->close();  // not one of the ranks expected to dial us
       continue;
     }
     got_eps[j].push_back(std::move(*ep));
     ++got;
   }
-  std::vector<uint8_t> seen(2 * size_t(rank), 0xff);
+  std::vector<uint8_t> seen(3 * size_t(rank), 0xff);
   MemoryHandle seen_handle = rank ? engine_->register_memory(seen.data(), seen.size()) : MemoryHandle{};
   for (int j = 0; j < rank; ++j)
-    for (int k = 0; k < 2; ++k) marks.push_back(got_eps[j][k].recv(seen_handle, 2 * j + k, 1));
+    for (size_t k = 0; k < expect[j]; ++k) marks.push_back(got_eps[j][k].recv(seen_handle, 3 * j + k, 1));
   for (auto& f : marks) {
     auto left = deadline - std::chrono::steady_clock::now();
     Status st = f.wait_for(std::max<std::chrono::nanoseconds>(left, std::chrono::nanoseconds(0)))
@@ -188,24 +240,101 @@ SluiceBackend::SluiceBackend(const c10::intrusive_ptr<c10d::Store>& store, int r
     }
   }
   for (int j = 0; j < rank; ++j) {
-    if (seen[2 * j] + seen[2 * j + 1] != 1)
-      throw Error(ErrorCode::kProtocol, "sluice: rank " + std::to_string(rank) + ": peer rank " + std::to_string(j) +
-                                            " opened two endpoints of the same role");
-    peers[j] = std::move(got_eps[j][seen[2 * j] == 0 ? 0 : 1]);
-    data[j] = std::move(got_eps[j][seen[2 * j] == 0 ? 1 : 0]);
+    std::vector<Endpoint*> slot = {&peers[j], &data[j], &dev[j]};
+    for (size_t k = 0; k < expect[j]; ++k) {
+      const uint8_t role = seen[3 * j + k];
+      if (role >= expect[j] || slot[role]->valid())
+        throw Error(ErrorCode::kProtocol, "sluice: rank " + std::to_string(rank) + ": peer rank " + std::to_string(j) +
+                                              " opened endpoints with roles out of order");
+      *slot[role] = std::move(got_eps[j][k]);
+    }
   }
   engine_->unregister_memory(roles_handle);
   if (seen_handle.id) engine_->unregister_memory(seen_handle);
   for (auto& p : peers)
     if (p.valid()) transport_ = p.transport();
+  cuda_path_ = "host";
+  for (auto& d : dev)
+    if (d.valid()) cuda_path_ = d.transport();
+  if (cuda_path_ != "host") cuda_regs_ = std::make_unique<CudaRegistrations>(*engine_);
   mailbox_ = std::make_unique<Mailbox>(*engine_, std::move(peers), std::move(data), rank, timeout, rndv_bytes,
-                                       max_unexpected_bytes);
+                                       max_unexpected_bytes, std::move(dev));
   worker_ = std::thread([this] { worker(); });
 }
 
 SluiceBackend::~SluiceBackend() { shutdown(); }
 
 std::string SluiceBackend::transport() const { return transport_; }
+std::string SluiceBackend::cuda_path() const { return cuda_path_; }
+
+namespace {
+// The caller's current stream on t's device: the device path's copies run on the engine's
+// own streams, so what the caller queued before the op must be done first (the stream, not
+// the device, as gloo's blocking copies do).
+void sync_current_stream(const at::Tensor& t) {
+  const c10::impl::DeviceGuardImplInterface* g = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
+  g->synchronizeStream(g->getStream(t.device()));
+}
+}  // namespace
+
+c10::intrusive_ptr<c10d::Work> SluiceBackend::send_device(const at::Tensor& t, int dst, int tag) {
+  if (!cuda_regs_ || !t.is_cuda() || t.layout() != at::kStrided || dst < 0 || dst >= getSize() || dst == getRank() ||
+      !mailbox_->has_device(dst) || t.nbytes() < mailbox_->rndv_bytes())
+    return {};
+  at::Tensor buf = t.contiguous();
+  std::string why;
+  auto lease = cuda_regs_->acquire(buf.data_ptr(), buf.nbytes(), &why);
+  if (!lease) {
+    SLUICE_LOG(kInfo, "sluice torch: a CUDA send goes through host memory: " << why);
+    return {};
+  }
+  sync_current_stream(buf);
+  auto work = c10::make_intrusive<SluiceWork>(c10d::OpType::SEND, std::vector<at::Tensor>{t}, timeout_, getRank());
+  work->set_peer("peer rank " + std::to_string(dst));
+  CudaRegistrations* regs = cuda_regs_.get();
+  void* key = lease->key;
+  try {
+    mailbox_->send(dst, user_tag(tag), Mailbox::Buffer{buf.data_ptr(), buf.nbytes(), lease->handle, lease->offset, true},
+                   [work, buf, regs, key](const Status& st, int, uint64_t) {
+                     regs->release(key);
+                     work->complete(st.ok() ? nullptr : backend_error("sluice: send failed: " + st.message));
+                   });
+  } catch (...) {
+    regs->release(key);
+    throw;
+  }
+  return work;
+}
+
+c10::intrusive_ptr<c10d::Work> SluiceBackend::recv_device(const at::Tensor& t, int src, int tag) {
+  if (!cuda_regs_ || !t.is_cuda() || t.layout() != at::kStrided || !t.is_contiguous() || src < 0 ||
+      src >= getSize() || src == getRank() || !mailbox_->has_device(src) || t.nbytes() < mailbox_->rndv_bytes())
+    return {};
+  std::string why;
+  auto lease = cuda_regs_->acquire(t.data_ptr(), t.nbytes(), &why);
+  if (!lease) {
+    SLUICE_LOG(kInfo, "sluice torch: a CUDA recv goes through host memory: " << why);
+    return {};
+  }
+  // Work the caller queued on the tensor (an earlier kernel reading it) ends before the
+  // engine writes into it.
+  sync_current_stream(t);
+  auto work = c10::make_intrusive<SluiceWork>(c10d::OpType::RECV, std::vector<at::Tensor>{t}, timeout_, getRank());
+  work->set_peer("peer rank " + std::to_string(src));
+  CudaRegistrations* regs = cuda_regs_.get();
+  void* key = lease->key;
+  try {
+    mailbox_->recv(src, user_tag(tag), Mailbox::Buffer{t.data_ptr(), t.nbytes(), lease->handle, lease->offset, true},
+                   [work, t, regs, key](const Status& st, int peer, uint64_t) {
+                     regs->release(key);
+                     work->complete(st.ok() ? nullptr : backend_error("sluice: recv failed: " + st.message), peer);
+                   });
+  } catch (...) {
+    regs->release(key);
+    throw;
+  }
+  return work;
+}
 
 void SluiceBackend::setTimeout(std::chrono::milliseconds timeout) {
   timeout_ = timeout;
@@ -239,6 +368,7 @@ void SluiceBackend::shutdown() {
     say_goodbye();
     mailbox_->close();
   }
+  cuda_regs_.reset();  // its registrations go before the engine does
   if (engine_) engine_->close();
 }
 
@@ -358,6 +488,7 @@ void SluiceBackend::exchange(uint64_t tag, const std::vector<Xfer>& xfers) {
 c10::intrusive_ptr<c10d::Work> SluiceBackend::send(std::vector<at::Tensor>& tensors, int dst, int tag) {
   TORCH_CHECK(tensors.size() == 1, "sluice: send takes exactly one tensor");
   if (any_cuda(tensors)) {
+    if (auto w = send_device(tensors[0], dst, tag)) return w;
     HostStaging s;
     auto host = s.inputs(tensors);
     return s.wrap(send(host, dst, tag), c10d::OpType::SEND, tensors, timeout_, getRank());
@@ -377,6 +508,7 @@ c10::intrusive_ptr<c10d::Work> SluiceBackend::send(std::vector<at::Tensor>& tens
 c10::intrusive_ptr<c10d::Work> SluiceBackend::recv(std::vector<at::Tensor>& tensors, int src, int tag) {
   TORCH_CHECK(tensors.size() == 1, "sluice: recv takes exactly one tensor");
   if (any_cuda(tensors)) {
+    if (auto w = recv_device(tensors[0], src, tag)) return w;
     HostStaging s;
     auto host = s.outputs(tensors);
     return s.wrap(recv(host, src, tag), src == Mailbox::kAnySource ? c10d::OpType::RECVANYSOURCE : c10d::OpType::RECV,

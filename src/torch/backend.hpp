@@ -15,6 +15,7 @@
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
+#include "cuda_registrations.hpp"
 #include "mailbox.hpp"
 #include "sluice/engine.hpp"
 
@@ -36,6 +37,9 @@ class SluiceBackend final : public c10d::Backend {
   void abort() override { shutdown(); }
   // The transport the endpoints run ("" for a world of one).
   std::string transport() const;
+  // How large CUDA tensors move between ranks: "nvlink" (directly between GPUs, to the peers
+  // a device endpoint reaches) or "host" (through host memory).
+  std::string cuda_path() const;
 
   c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dst, int tag) override;
   c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int src, int tag) override;
@@ -88,12 +92,18 @@ class SluiceBackend final : public c10d::Backend {
   // the Work completes (with `outputs` as its result) when it returns or throws.
   c10::intrusive_ptr<c10d::Work> enqueue(c10d::OpType type, std::vector<at::Tensor> outputs, Body body);
   void worker();
+  // The device path of send / recv: null when this tensor or peer cannot take it (the caller
+  // then stages the tensor through host memory).
+  c10::intrusive_ptr<c10d::Work> send_device(const at::Tensor& t, int dst, int tag);
+  c10::intrusive_ptr<c10d::Work> recv_device(const at::Tensor& t, int src, int tag);
   void say_goodbye();  // shutdown(): quiesce every endpoint before closing it
 
   std::chrono::milliseconds timeout_;
   std::unique_ptr<Engine> engine_;
   std::unique_ptr<Mailbox> mailbox_;
   std::string transport_;
+  std::string cuda_path_ = "host";
+  std::unique_ptr<CudaRegistrations> cuda_regs_;  // the device path's registrations
   uint64_t seq_ = 0;  // collectives issued (same order on every rank)
   at::Tensor scratch_;  // see scratch()
 

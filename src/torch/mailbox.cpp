@@ -32,7 +32,8 @@ std::string describe_tag(uint64_t tag) {
 }  // namespace
 
 Mailbox::Mailbox(Engine& engine, std::vector<Endpoint> peers, std::vector<Endpoint> data, int rank,
-                 std::chrono::milliseconds timeout, uint64_t rndv_bytes, uint64_t max_unexpected_bytes)
+                 std::chrono::milliseconds timeout, uint64_t rndv_bytes, uint64_t max_unexpected_bytes,
+                 std::vector<Endpoint> dev)
     : engine_(engine),
       rank_(rank),
       timeout_(timeout),
@@ -42,6 +43,7 @@ Mailbox::Mailbox(Engine& engine, std::vector<Endpoint> peers, std::vector<Endpoi
   for (size_t i = 0; i < peers.size(); ++i) {
     peers_[i].ep = std::move(peers[i]);
     if (i < data.size()) peers_[i].data = std::move(data[i]);
+    if (i < dev.size()) peers_[i].dev = std::move(dev[i]);
   }
   send_hdrs_.resize(kHeaderSlots);
   send_hdrs_handle_ = reg(send_hdrs_.data(), send_hdrs_.size() * sizeof(Header));
@@ -145,6 +147,7 @@ void Mailbox::close() {
   for (auto& p : peers_) {
     if (p.ep.valid()) p.ep.close();
     if (p.data.valid()) p.data.close();
+    if (p.dev.valid()) p.dev.close();
   }
   drain();
   Status st{ErrorCode::kCancelled, "rank " + std::to_string(rank_) + ": the process group was destroyed"};
@@ -153,12 +156,12 @@ void Mailbox::close() {
   // Rendezvous sends still waiting for their CTS (those whose payload was sending were
   // cancelled with the data endpoint and reported by drain()).
   for (auto& [id, s] : rndv_sends_) {
-    unreg(s->payload);
+    drop_payload(*s);
     s->done(st, s->dst, 0);
   }
   rndv_sends_.clear();
   for (auto& l : landing_) {
-    unreg(l->handle);  // blocks until the engine lets go of the destination
+    if (l->owned) unreg(l->handle);  // blocks until the engine lets go of the destination
     l->r->done(st, l->src, 0);
   }
   landing_.clear();
@@ -221,7 +224,7 @@ void Mailbox::fail_peer(int peer, const Status& why) {
     auto s = it->second;
     if (s->dst == peer && !s->sending) {
       it = rndv_sends_.erase(it);
-      unreg(s->payload);
+      drop_payload(*s);
       s->done(p.failed, peer, 0);
     } else {
       ++it;
@@ -231,6 +234,19 @@ void Mailbox::fail_peer(int peer, const Status& why) {
   // callbacks report (a posted engine recv is the only way the engine may still write into
   // a destination, so it must end before its recv reports).
   if (p.data.valid()) p.data.close();
+  if (p.dev.valid()) p.dev.close();
+}
+
+void Mailbox::drop_payload(RndvSend& s) {
+  if (s.owned) unreg(s.payload);
+  s.payload = {};
+}
+
+Status Mailbox::eager_into_device(int peer, uint64_t n) const {
+  return {ErrorCode::kInvalidArgument, who(peer) + " sent a " + std::to_string(n) +
+                                           "-byte message eagerly to a recv into CUDA memory, which only takes "
+                                           "messages by rendezvous: SLUICE_TORCH_RNDV_BYTES must be the same on "
+                                           "every rank"};
 }
 
 Status Mailbox::truncated(int peer, uint64_t tag, uint64_t length, uint64_t n) const {
@@ -275,19 +291,29 @@ void Mailbox::send_ctrl(int peer, Header h, std::function<void(const Status&)> f
   });
 }
 
-void Mailbox::start_rndv_recv(int src, uint64_t id, uint64_t length, std::shared_ptr<PostedRecv> r) {
+void Mailbox::start_rndv_recv(int src, uint64_t id, uint64_t length, std::shared_ptr<PostedRecv> r,
+                              bool sender_dev) {
   Peer& p = peers_[src];
   if (!p.failed.ok()) {
     r->done(p.failed, src, 0);
     return;
   }
+  // Either side's CUDA memory takes the device endpoint; the CTS tells the sender which.
+  const bool use_dev = p.dev.valid() && (sender_dev || r->device);
+  if ((sender_dev || r->device) && !use_dev) {
+    Status st{ErrorCode::kProtocol, who(src) + ": a CUDA payload with no device endpoint to that rank"};
+    r->done(st, src, 0);
+    fail_peer(src, st);
+    return;
+  }
   auto l = std::make_shared<Landing>(Landing{src, r, {}, Clock::now() + timeout_, {}});
+  l->owned = r->handle.id == 0;
   Future f;
   try {
-    l->handle = reg(r->ptr, length);
-    f = p.data.recv(l->handle, 0, length);
+    l->handle = l->owned ? reg(r->ptr, length) : r->handle;
+    f = (use_dev ? p.dev : p.data).recv(l->handle, l->owned ? 0 : r->offset, length);
   } catch (const Error& e) {
-    unreg(l->handle);
+    if (l->owned) unreg(l->handle);
     r->done({e.code(), who(src) + ": " + e.what()}, src, 0);
     fail_peer(src, e.status());
     return;
@@ -296,7 +322,7 @@ void Mailbox::start_rndv_recv(int src, uint64_t id, uint64_t length, std::shared
   f.on_complete([this, l, f, length](const Status& st) {
     post([this, l, f, st, length] {
       landing_.remove(l);
-      unreg(l->handle);
+      if (l->owned) unreg(l->handle);
       Status out = st;
       if (!l->why.ok())
         out = l->why;
@@ -312,32 +338,46 @@ void Mailbox::start_rndv_recv(int src, uint64_t id, uint64_t length, std::shared
     });
   });
   // Only now may the payload go: its recv is posted.
-  send_ctrl(src, {0, 0, make_kind(kCts, id)}, [this, src](const Status& st) {
+  send_ctrl(src, {0, 0, make_kind(kCts, id, use_dev)}, [this, src](const Status& st) {
     if (!st.ok()) fail_peer(src, st);
   });
 }
 
-void Mailbox::on_cts(int peer, uint64_t id) {
+void Mailbox::on_cts(int peer, uint64_t id, bool dev) {
   Peer& p = peers_[peer];
+  if (dev && !p.dev.valid()) {
+    fail_peer(peer, {ErrorCode::kProtocol, "a clear-to-send for the device endpoint, which we do not have"});
+    return;
+  }
+  Endpoint& ep = dev ? p.dev : p.data;
   auto it = rndv_sends_.find(id);
   if (it == rndv_sends_.end() || it->second->dst != peer || it->second->sending) {
     // The send timed out (or failed) before its CTS came. The receiver posted a recv on the
-    // data endpoint for it: one byte keeps that endpoint's message order and tells it so.
+    // endpoint the CTS names for it: one byte keeps that endpoint's message order and tells
+    // it so.
     try {
-      p.data.send(send_hdrs_handle_, 0, 1);
+      ep.send(send_hdrs_handle_, 0, 1);
     } catch (const Error& e) {
       fail_peer(peer, e.status());
     }
     return;
   }
   auto s = it->second;
+  if (s->device && !dev) {
+    rndv_sends_.erase(it);
+    drop_payload(*s);
+    Status st{ErrorCode::kProtocol, who(peer) + " asked for our CUDA payload on its host data endpoint"};
+    s->done(st, peer, 0);
+    fail_peer(peer, st);
+    return;
+  }
   s->sending = true;
   Future f;
   try {
-    f = p.data.send(s->payload, 0, s->n);
+    f = ep.send(s->payload, s->offset, s->n);
   } catch (const Error& e) {
     rndv_sends_.erase(id);
-    unreg(s->payload);
+    drop_payload(*s);
     s->done({e.code(), who(peer) + ": " + e.what()}, peer, 0);
     fail_peer(peer, e.status());
     return;
@@ -345,7 +385,7 @@ void Mailbox::on_cts(int peer, uint64_t id) {
   f.on_complete([this, s, id, peer](const Status& st) {
     post([this, s, id, peer, st] {
       rndv_sends_.erase(id);
-      unreg(s->payload);
+      drop_payload(*s);
       Status out = st.ok()                      ? st
                    : !peers_[peer].failed.ok() ? peers_[peer].failed  // the data endpoint was closed for it
                                                : Status{st.code, who(peer) + ": " + st.message};
@@ -360,7 +400,7 @@ void Mailbox::on_nack(int peer, uint64_t id, uint64_t their_n) {
   if (it == rndv_sends_.end() || it->second->dst != peer || it->second->sending) return;
   auto s = it->second;
   rndv_sends_.erase(it);
-  unreg(s->payload);
+  drop_payload(*s);
   s->done({ErrorCode::kTruncated, who(peer) + " posted a recv of " + std::to_string(their_n) + " bytes for our " +
                                       std::to_string(s->n) + "-byte message with tag " + std::to_string(s->tag) +
                                       " (tensor sizes must match)"},
@@ -377,7 +417,7 @@ void Mailbox::on_header(int peer, const Status& st) {
   const Kind kind = kind_of(h);
   if (kind == kCts || kind == kNack) {
     if (kind == kCts)
-      on_cts(peer, id_of(h));
+      on_cts(peer, id_of(h), dev_of(h));
     else
       on_nack(peer, id_of(h), h.tag);
     post_header_recv(peer);
@@ -399,7 +439,7 @@ void Mailbox::on_header(int peer, const Status& st) {
   if (kind == kRts) {
     const uint64_t id = id_of(h);
     if (match && match->n == h.length) {
-      start_rndv_recv(peer, id, h.length, match);
+      start_rndv_recv(peer, id, h.length, match, dev_of(h));
     } else if (match) {
       match->done(truncated(peer, h.tag, h.length, match->n), peer, 0);
       send_ctrl(peer, {match->n, h.length, make_kind(kNack, id)}, [this, peer](const Status& st) {
@@ -411,13 +451,14 @@ void Mailbox::on_header(int peer, const Status& st) {
       u->tag = h.tag;
       u->length = h.length;
       u->rndv_id = id;
+      u->rndv_dev = dev_of(h);
       u->arrived = true;
       unexpected_.push_back(u);
     }
     post_header_recv(peer);
     return;
   }
-  if (match && match->n == h.length) {
+  if (match && match->n == h.length && !match->device) {
     if (h.length == 0) {
       match->done(Status::Ok(), peer, 0);
     } else {
@@ -448,7 +489,9 @@ void Mailbox::on_header(int peer, const Status& st) {
     u->src = peer;
     u->tag = h.tag;
     u->length = h.length;
-    if (match) match->done(truncated(peer, h.tag, h.length, match->n), peer, 0);
+    if (match)
+      match->done(match->n == h.length ? eager_into_device(peer, h.length) : truncated(peer, h.tag, h.length, match->n),
+                  peer, 0);
     if (h.length == 0) {
       u->arrived = true;
       if (!match) unexpected_.push_back(u);
@@ -548,6 +591,8 @@ void Mailbox::refuse_peer(int peer, const Status& why) {
 void Mailbox::deliver(Unexpected& u, PostedRecv& r) {
   if (!u.status.ok()) {
     r.done(u.status, u.src, 0);
+  } else if (r.device) {
+    r.done(eager_into_device(u.src, u.length), u.src, 0);
   } else if (u.length != r.n) {
     r.done({ErrorCode::kTruncated, who(u.src) + " sent " + std::to_string(u.length) + " bytes to a recv of " +
                                        std::to_string(r.n) + " bytes (tensor sizes must match)"},
@@ -560,10 +605,19 @@ void Mailbox::deliver(Unexpected& u, PostedRecv& r) {
 }
 
 void Mailbox::recv(int src, uint64_t tag, void* ptr, uint64_t n, Done done) {
+  recv(src, tag, Buffer{ptr, n}, std::move(done));
+}
+
+void Mailbox::recv(int src, uint64_t tag, const Buffer& b, Done done) {
   if (src != kAnySource && (src < 0 || src >= static_cast<int>(peers_.size()) || !peers_[src].ep.valid()))
     throw Error(ErrorCode::kInvalidArgument, "rank " + std::to_string(rank_) + ": recv from invalid rank " +
                                                  std::to_string(src));
-  auto r = std::make_shared<PostedRecv>(PostedRecv{src, tag, ptr, n, std::move(done), Clock::now()});
+  if (b.device && (src == kAnySource || !has_device(src) || b.n < rndv_bytes_ || !b.handle.id))
+    throw Error(ErrorCode::kInvalidArgument, "rank " + std::to_string(rank_) +
+                                                 ": a recv into CUDA memory needs a registered buffer of at least "
+                                                 "rndv_bytes from a rank with a device endpoint");
+  auto r = std::make_shared<PostedRecv>(
+      PostedRecv{src, tag, b.ptr, b.n, std::move(done), Clock::now(), b.handle, b.offset, b.device});
   post([this, r] {
     r->deadline = Clock::now() + timeout_;
     for (auto it = unexpected_.begin(); it != unexpected_.end(); ++it) {
@@ -572,7 +626,7 @@ void Mailbox::recv(int src, uint64_t tag, void* ptr, uint64_t n, Done done) {
         if (u->rndv_id) {
           unexpected_.erase(it);
           if (u->length == r->n) {
-            start_rndv_recv(u->src, u->rndv_id, u->length, r);
+            start_rndv_recv(u->src, u->rndv_id, u->length, r, u->rndv_dev);
           } else {
             r->done(truncated(u->src, u->tag, u->length, r->n), u->src, 0);
             int src = u->src;
@@ -598,30 +652,42 @@ void Mailbox::recv(int src, uint64_t tag, void* ptr, uint64_t n, Done done) {
 }
 
 void Mailbox::send(int dst, uint64_t tag, const void* ptr, uint64_t n, Done done) {
+  send(dst, tag, Buffer{const_cast<void*>(ptr), n}, std::move(done));
+}
+
+void Mailbox::send(int dst, uint64_t tag, const Buffer& b, Done done) {
   if (dst < 0 || dst >= static_cast<int>(peers_.size()) || !peers_[dst].ep.valid())
     throw Error(ErrorCode::kInvalidArgument, "rank " + std::to_string(rank_) + ": send to invalid rank " +
                                                  std::to_string(dst));
-  post([this, dst, tag, ptr, n, done = std::move(done)]() mutable {
+  if (b.device && (!has_device(dst) || b.n < rndv_bytes_ || !b.handle.id))
+    throw Error(ErrorCode::kInvalidArgument, "rank " + std::to_string(rank_) +
+                                                 ": a send from CUDA memory needs a registered buffer of at least "
+                                                 "rndv_bytes to a rank with a device endpoint");
+  post([this, dst, tag, b, done = std::move(done)]() mutable {
+    const uint64_t n = b.n;
     Peer& p = peers_[dst];
     if (!p.failed.ok()) {
       done(p.failed, dst, 0);
       return;
     }
-    if (n == 0 || n < rndv_bytes_ || !p.data.valid()) {
-      send_eager(dst, tag, ptr, n, std::move(done));
+    if (!b.device && (n == 0 || n < rndv_bytes_ || !p.data.valid())) {
+      send_eager(dst, tag, b.ptr, n, std::move(done));
       return;
     }
     // Rendezvous: register now, so that the registration overlaps the RTS / CTS round trip.
     auto s = std::make_shared<RndvSend>(RndvSend{dst, tag, n, {}, std::move(done), Clock::now() + timeout_});
+    s->owned = b.handle.id == 0;
+    s->offset = s->owned ? 0 : b.offset;
+    s->device = b.device;
     try {
-      s->payload = reg(ptr, n);
+      s->payload = s->owned ? reg(b.ptr, n) : b.handle;
     } catch (const Error& e) {
       s->done({e.code(), who(dst) + ": " + e.what()}, dst, 0);
       return;
     }
     const uint64_t id = next_id_++;
     rndv_sends_[id] = s;
-    send_ctrl(dst, {tag, n, make_kind(kRts, id)}, [this, dst](const Status& st) {
+    send_ctrl(dst, {tag, n, make_kind(kRts, id, b.device)}, [this, dst](const Status& st) {
       if (!st.ok()) fail_peer(dst, st);  // fails this send too (it waits for a CTS)
     });
   });
@@ -696,7 +762,7 @@ void Mailbox::expire() {
       // A CTS that still comes gets a 1-byte payload (on_cts), so the data endpoint keeps
       // its order and the peer learns the send was abandoned.
       it = rndv_sends_.erase(it);
-      unreg(s->payload);
+      drop_payload(*s);
       s->done({ErrorCode::kTimeout, "rank " + std::to_string(rank_) + ": peer rank " + std::to_string(s->dst) +
                                         " did not take our " + std::to_string(s->n) + "-byte message (tag " +
                                         std::to_string(s->tag) + ") within the group timeout of " +

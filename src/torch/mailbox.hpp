@@ -23,6 +23,13 @@
 //   sent there after a CTS would match that header recv, not the tensor's. On the data
 //   endpoint both sides post in CTS order (the receiver posts its recv, then sends the CTS;
 //   the sender handles CTSs in arrival order), so the k-th payload meets the k-th recv.
+//   CUDA payloads (the device path, docs/torch.md) use a third endpoint per peer, over the
+//   nvlink transport: an RTS whose sender's payload is CUDA memory says so, the receiver
+//   posts its recv on the device endpoint when either side's memory is CUDA and says so in
+//   its CTS, and the sender sends on the endpoint the CTS names. The device endpoint keeps
+//   the same order rule as the data endpoint. CUDA memory never goes eager (the backend
+//   sends it by rendezvous only, registered by the caller; a CUDA recv that an eager message
+//   matches fails instead of being written through a host path).
 //   A length mismatch answers the RTS with a NACK (both sides fail with kTruncated); a CTS
 //   for a send that already timed out gets a 1-byte payload, so the data endpoint's order
 //   holds and the receiver fails with an error naming the peer.
@@ -66,23 +73,42 @@ class Mailbox {
 
   // `peers[r]` is the control endpoint to rank r (invalid for `rank` itself), `data[r]` its
   // data endpoint (the rendezvous payloads); without data endpoints every message is eager.
+  // `dev[r]`, where valid, is the device endpoint to rank r (CUDA payloads, above).
   // `timeout` bounds every operation: a recv no message matches and a send its peer does not
   // take in that time fail with kTimeout naming the peer. Messages of `rndv_bytes` and more
   // go by rendezvous. At most `max_unexpected_bytes` of unexpected eager payloads are held at
   // once (above).
   Mailbox(Engine& engine, std::vector<Endpoint> peers, std::vector<Endpoint> data, int rank,
           std::chrono::milliseconds timeout, uint64_t rndv_bytes,
-          uint64_t max_unexpected_bytes = kDefaultMaxUnexpectedBytes);
+          uint64_t max_unexpected_bytes = kDefaultMaxUnexpectedBytes, std::vector<Endpoint> dev = {});
   ~Mailbox();
   Mailbox(const Mailbox&) = delete;
   Mailbox& operator=(const Mailbox&) = delete;
 
+  // A message's memory: host memory the mailbox registers for the transfer (handle.id 0), or
+  // memory the caller registered and keeps registered (`handle`, `ptr` at `offset` in it).
+  // `device`: CUDA memory; it moves only by rendezvous on the peer's device endpoint, so the
+  // caller sends or receives it this way only when has_device(peer) and n >= rndv_bytes().
+  struct Buffer {
+    void* ptr = nullptr;
+    uint64_t n = 0;
+    MemoryHandle handle{};
+    uint64_t offset = 0;
+    bool device = false;
+  };
   // [ptr, ptr+n) must stay valid until `done` ran. `done` runs on the progress thread and
   // must not block.
   void send(int dst, uint64_t tag, const void* ptr, uint64_t n, Done done);
+  void send(int dst, uint64_t tag, const Buffer& b, Done done);
   // The message must be exactly `n` bytes (a different length fails the recv with
   // kTruncated, and the message is consumed).
   void recv(int src, uint64_t tag, void* ptr, uint64_t n, Done done);
+  void recv(int src, uint64_t tag, const Buffer& b, Done done);
+  // Whether CUDA memory can move to / from `peer` directly (a device endpoint to it).
+  bool has_device(int peer) const {
+    return peer >= 0 && peer < static_cast<int>(peers_.size()) && peers_[peer].dev.valid();
+  }
+  uint64_t rndv_bytes() const { return rndv_bytes_; }
   // Fails everything pending with kCancelled and stops the thread. Idempotent.
   void close();
   void set_timeout(std::chrono::milliseconds t);
@@ -95,9 +121,14 @@ class Mailbox {
     uint64_t length;
     uint64_t kind_id;  // kind in the top byte; RTS / CTS / NACK: the sender's message id
   };
+  // RTS: the sender's payload is CUDA memory; CTS: send the payload on the device endpoint.
+  static constexpr uint64_t kDevBit = uint64_t(1) << 55;
   static Kind kind_of(const Header& h) { return static_cast<Kind>(h.kind_id >> 56); }
-  static uint64_t id_of(const Header& h) { return h.kind_id & ((uint64_t(1) << 56) - 1); }
-  static uint64_t make_kind(Kind k, uint64_t id) { return (uint64_t(k) << 56) | id; }
+  static uint64_t id_of(const Header& h) { return h.kind_id & (kDevBit - 1); }
+  static bool dev_of(const Header& h) { return (h.kind_id & kDevBit) != 0; }
+  static uint64_t make_kind(Kind k, uint64_t id, bool dev = false) {
+    return (uint64_t(k) << 56) | (dev ? kDevBit : 0) | id;
+  }
   struct PostedRecv {
     int src;
     uint64_t tag;
@@ -105,6 +136,9 @@ class Mailbox {
     uint64_t n;
     Done done;
     Clock::time_point deadline;
+    MemoryHandle handle{};  // registered by the caller (Buffer::handle), else none
+    uint64_t offset = 0;
+    bool device = false;
   };
   // A message whose header arrived before any recv matched it.
   struct Unexpected {
@@ -116,6 +150,7 @@ class Mailbox {
     bool dropped = false;  // no longer in unexpected_: release its bytes once the payload landed
     MemoryHandle handle;
     uint64_t rndv_id = 0;  // non-zero: a rendezvous header (nothing to land)
+    bool rndv_dev = false;  // that header's sender holds CUDA memory
     bool arrived = false;
     Status status;
     std::shared_ptr<PostedRecv> waiter;  // a recv matched it while the payload was in flight
@@ -129,6 +164,9 @@ class Mailbox {
     Done done;
     Clock::time_point deadline;
     bool sending = false;  // the CTS came: the payload is on its way
+    uint64_t offset = 0;   // of the payload in `payload`
+    bool owned = true;     // `payload` was registered by the mailbox (unregistered after)
+    bool device = false;   // CUDA memory
   };
   // A rendezvous recv whose engine recv is posted into the destination (CTS sent).
   struct Landing {
@@ -137,10 +175,12 @@ class Mailbox {
     MemoryHandle handle;
     Clock::time_point deadline;
     Status why;  // set when the mailbox gave up on it (the report once the engine lets go)
+    bool owned = true;  // `handle` was registered by the mailbox
   };
   struct Peer {
     Endpoint ep;
     Endpoint data;
+    Endpoint dev;  // CUDA payloads (may be invalid)
     MemoryHandle hdr_handle;
     Header hdr{};  // the header recv lands here (one outstanding per peer)
     Status failed;  // non-ok once the endpoint failed: later ops to this peer fail at once
@@ -162,10 +202,13 @@ class Mailbox {
   void refuse_peer(int peer, const Status& why);
   // Header-only message on the control endpoint; `finish` runs on the progress thread.
   void send_ctrl(int peer, Header h, std::function<void(const Status&)> finish);
-  void on_cts(int peer, uint64_t id);
+  void on_cts(int peer, uint64_t id, bool dev);
   void on_nack(int peer, uint64_t id, uint64_t their_n);
   // A recv matched the RTS `id` from `src`: post the recv into it and clear the send.
-  void start_rndv_recv(int src, uint64_t id, uint64_t length, std::shared_ptr<PostedRecv> r);
+  // `sender_dev`: the RTS said the sender's payload is CUDA memory.
+  void start_rndv_recv(int src, uint64_t id, uint64_t length, std::shared_ptr<PostedRecv> r, bool sender_dev);
+  void drop_payload(RndvSend& s);  // unregisters the payload if the mailbox registered it
+  Status eager_into_device(int peer, uint64_t n) const;
   void send_eager(int dst, uint64_t tag, const void* ptr, uint64_t n, Done done);
   Status truncated(int peer, uint64_t tag, uint64_t length, uint64_t n) const;
   void expire();

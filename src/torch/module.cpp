@@ -10,11 +10,13 @@ namespace py = pybind11;
 using sluice::torch_backend::SluiceBackend;
 
 PYBIND11_MODULE(_sluice_torch, m) {
-  m.doc() = "torch.distributed backend 'sluice' (CPU tensors; CUDA tensors through host copies)";
+  m.doc() = "torch.distributed backend 'sluice' (CPU and CUDA tensors)";
   py::module_::import("torch.distributed");  // registers c10d.Store and c10d.Backend
   py::class_<SluiceBackend, c10d::Backend, c10::intrusive_ptr<SluiceBackend>>(m, "SluiceBackend")
       .def_property_readonly("transport", &SluiceBackend::transport,
-                             "The engine transport the endpoints run (shm, tcp, ...).");
+                             "The engine transport the endpoints run (shm, tcp, ...).")
+      .def_property_readonly("cuda_path", &SluiceBackend::cuda_path,
+                             "How large CUDA tensors move: 'nvlink' (directly between GPUs) or 'host'.");
   m.def(
       "create_backend",
       [](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size, std::chrono::milliseconds timeout) {

@@ -13,6 +13,9 @@ the rows as a Markdown table (docs/torch.md). SLUICE_TORCH_TRANSPORT=tcp forces 
 --device cuda times CUDA tensors (rank r on GPU r % count; every sample ends with
 torch.cuda.synchronize()) against NCCL in the same processes (gloo's tcp pairs abort the process
 on CUDA tensors). NVLink multicast stays off (NCCL_NVLS_ENABLE=0 is set here).
+--baseline names another baseline: `sluice-host` is a second sluice group whose CUDA tensors go
+through host memory (SLUICE_TORCH_CUDA_PATH=host), against the device path of the first, e.g.
+with both ranks on one GPU, where NCCL refuses to run.
 """
 from __future__ import annotations
 
@@ -57,6 +60,8 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--markdown", action="store_true")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument("--baseline", choices=("gloo", "nccl", "sluice-host"), default=None,
+                    help="default: gloo for --device cpu, nccl for --device cuda")
     args = ap.parse_args()
 
     dev = torch.device("cpu")
@@ -66,11 +71,17 @@ def main() -> None:
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     dist.init_process_group("cpu:sluice" if args.device == "cpu" else "cpu:sluice,cuda:sluice")
     rank, world = dist.get_rank(), dist.get_world_size()
-    base = "gloo" if args.device == "cpu" else "nccl"
-    groups: Dict[str, dist.ProcessGroup] = {"sluice": dist.group.WORLD, base: dist.new_group(backend=base)}
+    base = args.baseline or ("gloo" if args.device == "cpu" else "nccl")
+    if base == "sluice-host":
+        os.environ["SLUICE_TORCH_CUDA_PATH"] = "host"
+        base_group = dist.new_group(backend="cpu:sluice,cuda:sluice")
+        del os.environ["SLUICE_TORCH_CUDA_PATH"]
+    else:
+        base_group = dist.new_group(backend=base)
+    groups: Dict[str, dist.ProcessGroup] = {"sluice": dist.group.WORLD, base: base_group}
     if rank == 0:
-        print(f"# world={world} transport={st.backend_transport()} device={args.device} host cores={os.cpu_count()} "
-              f"load={os.getloadavg()[0]:.1f}")
+        print(f"# world={world} transport={st.backend_transport()} cuda path={st.backend_cuda_path()} "
+              f"device={args.device} host cores={os.cpu_count()} load={os.getloadavg()[0]:.1f}")
         if args.markdown:
             print(f"| op | bytes | sluice us (p10-p90) | {base} us (p10-p90) | sluice GB/s | {base} GB/s | speedup |")
             print("|---|---:|---:|---:|---:|---:|---:|")

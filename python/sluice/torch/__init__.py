@@ -60,10 +60,19 @@ def backend_transport(group: Optional["dist.ProcessGroup"] = None) -> str:
     return backend.transport
 
 
+def backend_cuda_path(group: Optional["dist.ProcessGroup"] = None) -> str:
+    """How the sluice backend of ``group`` moves large CUDA tensors: "nvlink" (directly between
+    the GPUs of a host, send/recv of tensors of at least SLUICE_TORCH_RNDV_BYTES) or "host"
+    (through host memory; SLUICE_TORCH_CUDA_PATH=host forces it)."""
+    pg = group if group is not None else dist.group.WORLD
+    backend = pg._get_backend(torch.device("cpu"))  # type: ignore[union-attr]
+    return backend.cuda_path
+
+
 def _register() -> None:
     if getattr(dist.Backend, "SLUICE", None) is not None:
         return  # imported twice (e.g. reloaded): already registered
-    # Registered for "cuda" too: the backend takes CUDA tensors (through host copies). A name
+    # Registered for "cuda" too: the backend takes CUDA tensors. A name
     # mapped to both devices makes torch create one backend object, not two.
     dist.Backend.register_backend(BACKEND_NAME, _create, devices=["cpu", "cuda"])
 
@@ -72,4 +81,4 @@ import torch  # noqa: E402  (after torch.distributed, which imports it)
 
 _register()
 
-__all__ = ["BACKEND_NAME", "available", "backend_transport"]
+__all__ = ["BACKEND_NAME", "available", "backend_cuda_path", "backend_transport"]

@@ -10,6 +10,12 @@ refuses that, so its part is skipped, saying so).
    give, bit for bit, what the same op gives on CPU tensors through gloo; the result must be
    visible to a kernel launched on a side stream right after wait(); a CUDA tensor written on
    a side stream just before the op must be read after that write.
+3. The device path of that group (large CUDA send/recv straight between GPU memories over the
+   nvlink transport, docs/torch.md): CUDA to CUDA both ways at once, CUDA to CPU and CPU to
+   CUDA, tensors at an offset inside a larger allocation with the bytes around them untouched,
+   fresh allocations every round (the registration cache must notice a new buffer at an old
+   address), non-contiguous tensors, a send written on a side stream, a size mismatch that
+   fails both sides and leaves the pair working, and the same through SLUICE_TORCH_CUDA_PATH=host.
 Prints 'sluice-torch-cuda OK rank=<r> checks=<n>'.
 """
 from __future__ import annotations
@@ -165,6 +171,100 @@ def cuda_on_sluice(sl, gloo, rank: int, world: int, dev: torch.device) -> int:
     return checks
 
 
+def device_path_checks(sl, rank: int, world: int, dev: torch.device, expect_path: str) -> int:
+    """Point-to-point checks of the device path between ranks 0 and 1 (see the docstring)."""
+    path = st.backend_cuda_path(sl)
+    assert path == expect_path, f"cuda path {path!r}, expected {expect_path!r}"
+    if rank >= 2:
+        return 0
+    peer, checks = 1 - rank, 0
+
+    def expect(n: int, dtype: torch.dtype, who: int, salt: int) -> torch.Tensor:
+        return data(who, n, dtype, salt=salt)
+
+    for dtype in (torch.float32, torch.bfloat16, torch.uint8):
+        for nbytes in (256 << 10, (4 << 20) + 4, 64 << 20):
+            n = nbytes // torch.empty(0, dtype=dtype).element_size()
+            what = f"{path} {dtype} {nbytes} B"
+            # CUDA to CUDA, both directions at once
+            t = expect(n, dtype, rank, 1).to(dev)
+            r = torch.empty(n, dtype=dtype, device=dev)
+            reqs = [dist.isend(t, peer, group=sl), dist.irecv(r, peer, group=sl)]
+            [q.wait() for q in reqs]
+            same(r, expect(n, dtype, peer, 1), f"cuda<->cuda {what}")
+            # inside larger allocations, guards around both ends
+            big_s = torch.full((3 * n,), 7, dtype=dtype, device=dev)
+            big_r = torch.full((3 * n,), 9, dtype=dtype, device=dev)
+            big_s[n:2 * n] = expect(n, dtype, rank, 2).to(dev)
+            reqs = [dist.isend(big_s[n:2 * n], peer, group=sl), dist.irecv(big_r[n:2 * n], peer, group=sl)]
+            [q.wait() for q in reqs]
+            same(big_r[n:2 * n], expect(n, dtype, peer, 2), f"offset {what}")
+            same(big_r[:n], torch.full((n,), 9, dtype=dtype), f"guard before {what}")
+            same(big_r[2 * n:], torch.full((n,), 9, dtype=dtype), f"guard after {what}")
+            # CUDA to CPU, then CPU to CUDA
+            if rank == 0:
+                dist.send(expect(n, dtype, 0, 3).to(dev), 1, group=sl)
+                h = torch.empty(n, dtype=dtype, device=dev)
+                dist.recv(h, 1, group=sl)
+                same(h, expect(n, dtype, 1, 4), f"cpu->cuda {what}")
+            else:
+                h = torch.empty(n, dtype=dtype)
+                dist.recv(h, 0, group=sl)
+                same(h, expect(n, dtype, 0, 3), f"cuda->cpu {what}")
+                dist.send(expect(n, dtype, 1, 4), 0, group=sl)
+            checks += 5
+    # Fresh allocations each round: torch may hand back the same address for a new buffer.
+    n = 8 << 20
+    for i in range(4):
+        t = expect(n, torch.float32, rank, 10 + i).to(dev)
+        r = torch.empty(n, device=dev)
+        reqs = [dist.isend(t, peer, group=sl), dist.irecv(r, peer, group=sl)]
+        [q.wait() for q in reqs]
+        same(r, expect(n, torch.float32, peer, 10 + i), f"fresh allocation round {i}")
+        del t, r
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        checks += 1
+    # Non-contiguous on both sides.
+    src = expect(2 * n, torch.float32, rank, 20).to(dev)
+    dst = torch.zeros(2 * n, device=dev)
+    reqs = [dist.isend(src[::2], peer, group=sl), dist.irecv(dst[1::2], peer, group=sl)]
+    [q.wait() for q in reqs]
+    same(dst[1::2], expect(2 * n, torch.float32, peer, 20)[::2], "non-contiguous")
+    same(dst[0::2], torch.zeros(n), "non-contiguous: the other elements untouched")
+    checks += 2
+    # Written on a side stream that is current at the send: the send must see the write.
+    s1 = torch.cuda.Stream()
+    if rank == 0:
+        with torch.cuda.stream(s1):
+            x = torch.empty(n, device=dev)
+            torch.cuda._sleep(20_000_000)
+            x.fill_(5.0)
+            dist.send(x, 1, group=sl)
+    else:
+        x = torch.empty(n, device=dev)
+        dist.recv(x, 0, group=sl)
+        same(x, torch.full((n,), 5.0), "send of a tensor written on a side stream")
+    checks += 1
+    # A size mismatch fails both sides (tensor sizes must match) and the pair keeps working.
+    big, small = torch.ones(2 << 20, device=dev), torch.empty(1 << 20, device=dev)
+    try:
+        if rank == 0:
+            dist.send(big, 1, group=sl)
+        else:
+            dist.recv(small, 0, group=sl)
+        raise AssertionError("a size mismatch was accepted")
+    except RuntimeError as e:
+        assert "sizes must match" in str(e), str(e)
+    t = expect(1 << 20, torch.float32, rank, 30).to(dev)
+    r = torch.empty(1 << 20, device=dev)
+    reqs = [dist.isend(t, peer, group=sl), dist.irecv(r, peer, group=sl)]
+    [q.wait() for q in reqs]
+    same(r, expect(1 << 20, torch.float32, peer, 30), "after a size mismatch")
+    checks += 2
+    return checks
+
+
 def main() -> int:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local = int(os.environ.get("LOCAL_RANK", rank))
@@ -187,6 +287,14 @@ def main() -> int:
     # CUDA tensors on a sluice group, against gloo on CPU tensors
     sl = dist.new_group(backend="cpu:sluice,cuda:sluice")
     checks += cuda_on_sluice(sl, gloo, rank, world, dev)
+    dist.barrier(group=gloo)
+    want = os.environ.get("SLUICE_TORCH_CUDA_PATH_EXPECTED", "nvlink")
+    checks += device_path_checks(sl, rank, world, dev, want)
+    dist.barrier(group=gloo)
+    os.environ["SLUICE_TORCH_CUDA_PATH"] = "host"
+    hsl = dist.new_group(backend="cpu:sluice,cuda:sluice")
+    del os.environ["SLUICE_TORCH_CUDA_PATH"]
+    checks += device_path_checks(hsl, rank, world, dev, "host")
     dist.barrier(group=gloo)
     dist.destroy_process_group()
     print(f"sluice-torch-cuda OK rank={rank} checks={checks}", flush=True)
