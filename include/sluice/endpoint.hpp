@@ -72,6 +72,12 @@ class SLUICE_API Endpoint {
   std::vector<RegionInfo> remote_regions() const;
   // Refresh the peer's region table (regions it registered after we connected).
   void refresh_remote_regions();
+  // Adds the region a peer's Engine::region_descriptor() described to this endpoint's table
+  // and returns its handle (kept across refresh_remote_regions() while the peer is the same
+  // engine). The peer checks every access against its own registry, as for any handle, so a
+  // forged or stale descriptor reaches nothing it does not have registered. kInvalidArgument
+  // for a malformed descriptor or one of another engine than this endpoint's peer.
+  RemoteHandle import_region(const std::string& descriptor);
 
   std::string transport() const;
   // What the endpoint's transport can do (fixed for the endpoint's life).

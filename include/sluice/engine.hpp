@@ -65,6 +65,11 @@ class SLUICE_API Engine {
   // lets peers find the region with Endpoint::remote_region(name).
   MemoryHandle register_memory(void* ptr, uint64_t length, Location location = Location::host(),
                                const std::string& name = "");
+  // The region as a self-contained descriptor (what this engine's info says of it, and whose
+  // it is), to hand to a connected peer in-band: Endpoint::import_region there makes it
+  // addressable without a directory round trip (MSCCL++'s serialised RegisteredMemory). For
+  // regions registered after the peer connected, e.g. a tensor's memory. kUnknownHandle.
+  std::string region_descriptor(MemoryHandle handle) const;
   // Stop exposing the region. New operations naming it fail at once with kUnknownHandle;
   // the call blocks until operations already using it have finished (they are bounded by
   // the operation timeout), so the memory can be freed as soon as it returns.

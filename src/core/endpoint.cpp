@@ -52,12 +52,36 @@ void EndpointImpl::set_peer(EngineInfo peer) {
   std::lock_guard<std::mutex> lk(peer_mu_);
   remote_.clear();
   remote_names_.clear();
+  if (peer.engine_id != peer_.engine_id) imported_.clear();  // another engine: other regions
   for (const auto& r : peer.regions) {
     remote_[r.info.id] = r;
     // Names are unique per engine; a peer that repeats one gets its first region found.
     if (!r.info.name.empty()) remote_names_.emplace(r.info.name, r.info.id);
   }
+  for (const auto& [id, r] : imported_) remote_.emplace(id, r);  // the peer's table wins
   peer_ = std::move(peer);
+}
+
+RemoteHandle EndpointImpl::import_region(const std::string& descriptor) {
+  PeerRegion r;
+  std::string owner;
+  try {
+    if (descriptor.size() > (64 << 10)) throw Error(ErrorCode::kProtocol, "longer than 64 KiB");
+    nlohmann::json j = nlohmann::json::parse(descriptor);
+    if (!j.is_object() || !j.contains("engine_id") || !j["engine_id"].is_string() || !j.contains("region"))
+      throw Error(ErrorCode::kProtocol, "needs a string 'engine_id' and a 'region'");
+    owner = j["engine_id"].get<std::string>();
+    r = region_from_json(j["region"]);
+  } catch (const std::exception& e) {
+    throw Error(ErrorCode::kInvalidArgument, std::string("import_region: not a region descriptor: ") + e.what());
+  }
+  std::lock_guard<std::mutex> lk(peer_mu_);
+  if (owner != peer_.engine_id)
+    throw Error(ErrorCode::kInvalidArgument, "import_region: the descriptor is of engine " + owner +
+                                                 ", this endpoint's peer is " + peer_.engine_id);
+  imported_[r.info.id] = r;
+  remote_[r.info.id] = r;
+  return RemoteHandle{r.info.id};
 }
 
 std::string EndpointImpl::peer_engine_id() const {
@@ -433,6 +457,9 @@ std::optional<RemoteHandle> Endpoint::remote_region(const std::string& name) con
   return Live(impl_, false)->remote_region(name);
 }
 std::vector<RegionInfo> Endpoint::remote_regions() const { return Live(impl_, false)->remote_regions(); }
+RemoteHandle Endpoint::import_region(const std::string& descriptor) {
+  return Live(impl_, false)->import_region(descriptor);
+}
 void Endpoint::refresh_remote_regions() {
   const bool reconnects = head(impl_).reconnects();
   try {

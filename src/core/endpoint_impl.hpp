@@ -48,6 +48,7 @@ class EndpointImpl final : public EndpointEvents, public std::enable_shared_from
   std::optional<RemoteHandle> remote_region(const std::string& name) const;
   std::vector<RegionInfo> remote_regions() const;
   void set_peer(EngineInfo peer);
+  RemoteHandle import_region(const std::string& descriptor);
   // Asks the engine's directory for the peer's current info (on the caller's thread: the
   // application asked for it) and hands it to the transport through peer_updated(). Throws
   // kPeerLost if the target now names another engine; with `fail_if_moved` this endpoint
@@ -151,6 +152,7 @@ class EndpointImpl final : public EndpointEvents, public std::enable_shared_from
   EngineInfo peer_;
   std::unordered_map<uint64_t, PeerRegion> remote_;
   std::unordered_map<std::string, uint64_t> remote_names_;  // name -> id, kept with remote_
+  std::unordered_map<uint64_t, PeerRegion> imported_;  // import_region(), kept across set_peer
   std::string peer_ref_;  // empty: an accepted endpoint, refresh() asks for the peer's own ref
 
   std::chrono::microseconds busy_wait_{0};

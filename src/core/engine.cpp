@@ -662,6 +662,13 @@ Allocation Engine::allocate(uint64_t length, Location location, const std::strin
 }
 void Engine::free(const Allocation& allocation) { impl_->free(allocation); }
 std::string Engine::local_info() const { return impl_->info().dump(); }
+std::string Engine::region_descriptor(MemoryHandle handle) const {
+  detail::EngineInfo e = impl_->info();
+  for (const auto& r : e.regions)
+    if (r.info.id == handle.id)
+      return nlohmann::json{{"engine_id", e.engine_id}, {"region", detail::region_to_json(r)}}.dump();
+  throw Error(ErrorCode::kUnknownHandle, "region_descriptor: no registered region " + std::to_string(handle.id));
+}
 std::string Engine::listen_address() const { return impl_->listen_address(); }
 std::vector<std::string> Engine::transports() const { return impl_->transport_names(); }
 Endpoint Engine::connect(const std::string& blob_or_address, const ConnectOptions& options) {

@@ -11,22 +11,24 @@ namespace sluice::detail {
 
 using nlohmann::json;
 
+json region_to_json(const PeerRegion& r) {
+  json jr = {{"id", r.info.id},
+             {"addr", r.info.addr},
+             {"length", r.info.length},
+             {"location", r.info.location.to_string()},
+             {"name", r.info.name}};
+  if (r.info.shareable) jr["shareable"] = true;
+  if (!r.transport_data.empty()) {
+    json td = json::object();
+    for (const auto& [k, v] : r.transport_data) td[k] = v;
+    jr["transports"] = std::move(td);
+  }
+  return jr;
+}
+
 json EngineInfo::to_json() const {
   json regs = json::array();
-  for (const auto& r : regions) {
-    json jr = {{"id", r.info.id},
-               {"addr", r.info.addr},
-               {"length", r.info.length},
-               {"location", r.info.location.to_string()},
-               {"name", r.info.name}};
-    if (r.info.shareable) jr["shareable"] = true;
-    if (!r.transport_data.empty()) {
-      json td = json::object();
-      for (const auto& [k, v] : r.transport_data) td[k] = v;
-      jr["transports"] = std::move(td);
-    }
-    regs.push_back(std::move(jr));
-  }
+  for (const auto& r : regions) regs.push_back(region_to_json(r));
   json tr = json::object();
   for (const auto& [k, v] : transports) tr[k] = v;
   json j = {{"sluice", wire_version},
@@ -67,6 +69,8 @@ Location parse_location(const json& jr) {
                                         std::to_string(kMaxDevice) + ", got \"" + text + "\"");
 }
 
+}  // namespace
+
 PeerRegion region_from_json(const json& jr) {
   if (!jr.is_object()) throw Error(ErrorCode::kProtocol, "engine info: a 'regions' entry is not an object");
   PeerRegion r;
@@ -91,8 +95,6 @@ PeerRegion region_from_json(const json& jr) {
   }
   return r;
 }
-
-}  // namespace
 
 EngineInfo EngineInfo::from_json(const json& j) {
   if (!j.is_object()) throw Error(ErrorCode::kProtocol, "engine info is not a JSON object");

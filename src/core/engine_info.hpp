@@ -20,6 +20,11 @@ struct PeerRegion {
   std::map<std::string, nlohmann::json> transport_data;
 };
 
+// One region as the info blob carries it (and Engine::region_descriptor hands it out);
+// region_from_json checks every field as strictly as the blob's parser (kProtocol).
+nlohmann::json region_to_json(const PeerRegion& r);
+PeerRegion region_from_json(const nlohmann::json& jr);
+
 struct EngineInfo {
   int wire_version = 0;
   std::string engine_id;

@@ -297,6 +297,51 @@ TEST_F(SameHost, HonestPeersStillUseShm) {
   ep.close();
 }
 
+// Engine::region_descriptor / Endpoint::import_region: a region registered after the peer
+// connected becomes addressable in-band; descriptors of another engine and malformed ones are
+// refused; a forged length reaches nothing beyond what the owner registered, and a descriptor
+// of a region the owner withdrew gets kUnknownHandle from the owner.
+TEST(ImportRegion, InBandDescriptorsAndForgedOnes) {
+  for (const std::string t : {"shm", "tcp"}) {
+    EngineConfig c = engine_config(t, 1, 10s);
+    Engine a(c), b(c), other(c);
+    std::vector<uint8_t> mem(3 * kPage, 0x11), back(2 * kPage, 0);
+    fill_pattern(mem.data() + kPage, kPage, 5);
+    auto hback = a.register_memory(back.data(), back.size());
+    Endpoint ep = a.connect(b.local_info());
+    auto hb = b.register_memory(mem.data() + kPage, kPage);  // after the connect
+    std::string msg;
+    EXPECT_EQ(ErrorCode::kUnknownHandle, code_of([&] { ep.read({{hback, 0, RemoteHandle{hb.id}, 0, kPage}}); }, &msg))
+        << t << ": " << msg;
+    const std::string desc = b.region_descriptor(hb);
+    RemoteHandle r = ep.import_region(desc);
+    EXPECT_EQ(r.id, hb.id);
+    ASSERT_TRUE(ep.read({{hback, 0, r, 0, kPage}}).wait().ok()) << t;
+    EXPECT_EQ(0, std::memcmp(back.data(), mem.data() + kPage, kPage)) << t;
+    ep.refresh_remote_regions();  // kept across a refresh of the same peer
+    EXPECT_TRUE(ep.read({{hback, 0, r, 0, kPage}}).wait().ok()) << t;
+    // Another engine's descriptor, garbage, and a region id nobody registered.
+    auto ho = other.register_memory(mem.data(), kPage);
+    EXPECT_EQ(ErrorCode::kInvalidArgument, code_of([&] { ep.import_region(other.region_descriptor(ho)); }, &msg)) << t;
+    EXPECT_NE(std::string::npos, msg.find("peer is")) << msg;
+    EXPECT_EQ(ErrorCode::kInvalidArgument, code_of([&] { ep.import_region("{not json"); })) << t;
+    EXPECT_EQ(ErrorCode::kInvalidArgument, code_of([&] { ep.import_region(R"({"engine_id":"x"})"); })) << t;
+    EXPECT_EQ(ErrorCode::kUnknownHandle, code_of([&] { b.region_descriptor(MemoryHandle{987654}); })) << t;
+    // Forged: the same region claimed twice as long. The owner's registry decides: the read
+    // of the second page fails and `back` keeps what it had.
+    auto j = nlohmann::json::parse(desc);
+    j["region"]["length"] = 2 * kPage;
+    RemoteHandle forged = ep.import_region(j.dump());
+    std::fill(back.begin(), back.end(), 0x77);
+    EXPECT_FALSE(ep.read({{hback, 0, forged, kPage, kPage}}).wait().ok()) << t << ": read beyond the owner's region";
+    EXPECT_EQ(back, std::vector<uint8_t>(back.size(), 0x77)) << t;
+    // Withdrawn by the owner: the imported handle fails at the owner.
+    b.unregister_memory(hb);
+    EXPECT_FALSE(ep.read({{hback, 0, r, 0, kPage}}).wait().ok()) << t << ": read of a withdrawn region";
+    EXPECT_EQ(back, std::vector<uint8_t>(back.size(), 0x77)) << t;
+  }
+}
+
 // ConnectOptions::avoid: the engine skips those transports when it chooses, says so when
 // nothing else is left, and a forced transport wins over it.
 TEST(ConnectAvoid, SkipsTheAvoidedTransportUnlessForced) {
