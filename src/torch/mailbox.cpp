@@ -16,7 +16,7 @@ struct SendState {
   int remaining = 0;
   Status status;
   uint32_t slot = UINT32_MAX;
-  std::unique_ptr<std::array<uint64_t, 3>> own_hdr;  // when every slot was taken
+  std::unique_ptr<std::array<uint64_t, 6>> own_hdr;  // when every slot was taken (a Header)
   MemoryHandle own_hdr_handle;
   MemoryHandle payload;
   uint64_t n = 0;
@@ -235,6 +235,11 @@ void Mailbox::fail_peer(int peer, const Status& why) {
   // a destination, so it must end before its recv reports).
   if (p.data.valid()) p.data.close();
   if (p.dev.valid()) p.dev.close();
+  // Reads waiting for a descriptor: they see the failure and report it.
+  auto awaiting = std::move(p.awaiting);
+  p.awaiting.clear();
+  for (auto& [region, fns] : awaiting)
+    for (auto& fn : fns) fn();
 }
 
 void Mailbox::drop_payload(RndvSend& s) {
@@ -415,6 +420,21 @@ void Mailbox::on_header(int peer, const Status& st) {
   }
   const Header h = p.hdr;
   const Kind kind = kind_of(h);
+  if (kind == kFin) {
+    on_fin(peer, id_of(h), h.tag);
+    post_header_recv(peer);
+    return;
+  }
+  if (kind == kRtsRead) {
+    if (!p.dev.valid() || h.aux > kMaxDescriptor) {
+      fail_peer(peer, {ErrorCode::kProtocol, !p.dev.valid() ? "a read rendezvous without a device endpoint"
+                                                            : "a region descriptor of " + std::to_string(h.aux) + " bytes"});
+      return;
+    }
+    // Its descriptor follows the header: take it before the next header.
+    if (h.aux) take_descriptor(peer, h.region, h.aux);
+    if (!p.failed.ok()) return;
+  }
   if (kind == kCts || kind == kNack) {
     if (kind == kCts)
       on_cts(peer, id_of(h), dev_of(h));
@@ -423,7 +443,7 @@ void Mailbox::on_header(int peer, const Status& st) {
     post_header_recv(peer);
     return;
   }
-  if (kind != kEager && kind != kRts) {
+  if (kind != kEager && kind != kRts && kind != kRtsRead) {
     fail_peer(peer, {ErrorCode::kProtocol, "a message header of unknown kind " + std::to_string(kind)});
     return;
   }
@@ -436,10 +456,13 @@ void Mailbox::on_header(int peer, const Status& st) {
       break;
     }
   }
-  if (kind == kRts) {
+  if (kind == kRts || kind == kRtsRead) {
     const uint64_t id = id_of(h);
     if (match && match->n == h.length) {
-      start_rndv_recv(peer, id, h.length, match, dev_of(h));
+      if (kind == kRtsRead)
+        start_read(peer, id, h.length, h.region, h.offset, match);
+      else
+        start_rndv_recv(peer, id, h.length, match, dev_of(h));
     } else if (match) {
       match->done(truncated(peer, h.tag, h.length, match->n), peer, 0);
       send_ctrl(peer, {match->n, h.length, make_kind(kNack, id)}, [this, peer](const Status& st) {
@@ -452,6 +475,9 @@ void Mailbox::on_header(int peer, const Status& st) {
       u->length = h.length;
       u->rndv_id = id;
       u->rndv_dev = dev_of(h);
+      u->rndv_read = kind == kRtsRead;
+      u->region = h.region;
+      u->offset = h.offset;
       u->arrived = true;
       unexpected_.push_back(u);
     }
@@ -626,7 +652,10 @@ void Mailbox::recv(int src, uint64_t tag, const Buffer& b, Done done) {
         if (u->rndv_id) {
           unexpected_.erase(it);
           if (u->length == r->n) {
-            start_rndv_recv(u->src, u->rndv_id, u->length, r, u->rndv_dev);
+            if (u->rndv_read)
+              start_read(u->src, u->rndv_id, u->length, u->region, u->offset, r);
+            else
+              start_rndv_recv(u->src, u->rndv_id, u->length, r, u->rndv_dev);
           } else {
             r->done(truncated(u->src, u->tag, u->length, r->n), u->src, 0);
             int src = u->src;
@@ -687,6 +716,11 @@ void Mailbox::send(int dst, uint64_t tag, const Buffer& b, Done done) {
     }
     const uint64_t id = next_id_++;
     rndv_sends_[id] = s;
+    if (b.device) {
+      s->read = true;
+      send_rts_read(dst, s, id);
+      return;
+    }
     send_ctrl(dst, {tag, n, make_kind(kRts, id, b.device)}, [this, dst](const Status& st) {
       if (!st.ok()) fail_peer(dst, st);  // fails this send too (it waits for a CTS)
     });
@@ -708,7 +742,8 @@ void Mailbox::send_eager(int dst, uint64_t tag, const void* ptr, uint64_t n, Don
       hh = send_hdrs_handle_;
       hoff = uint64_t(s->slot) * sizeof(Header);
     } else {
-      s->own_hdr = std::make_unique<std::array<uint64_t, 3>>(std::array<uint64_t, 3>{tag, n, make_kind(kEager, 0)});
+      s->own_hdr = std::make_unique<std::array<uint64_t, 6>>(std::array<uint64_t, 6>{tag, n, make_kind(kEager, 0), 0, 0, 0});
+      static_assert(sizeof(std::array<uint64_t, 6>) == sizeof(Header));
       s->own_hdr_handle = hh = reg(s->own_hdr->data(), sizeof(Header));
     }
     auto finish = [this, s, dst](const Status& st) {
@@ -741,6 +776,160 @@ void Mailbox::send_eager(int dst, uint64_t tag, const void* ptr, uint64_t n, Don
   }
 }
 
+void Mailbox::send_rts_read(int dst, const std::shared_ptr<RndvSend>& s, uint64_t id) {
+  Peer& p = peers_[dst];
+  Header h{s->tag, s->n, make_kind(kRtsRead, id, true), s->payload.id, s->offset, 0};
+  std::shared_ptr<std::string> desc;
+  if (!p.announced.count(s->payload.id)) {
+    try {
+      desc = std::make_shared<std::string>(engine_.region_descriptor(s->payload));
+    } catch (const Error& e) {
+      rndv_sends_.erase(id);
+      drop_payload(*s);
+      s->done({e.code(), who(dst) + ": " + e.what()}, dst, 0);
+      return;
+    }
+    h.aux = desc->size();
+    p.announced.insert(s->payload.id);
+  }
+  send_ctrl(dst, h, [this, dst](const Status& st) {
+    if (!st.ok()) fail_peer(dst, st);  // fails this send too (it waits for a FIN)
+  });
+  if (!desc) return;
+  // The descriptor follows its header on the same endpoint (in order).
+  MemoryHandle dh;
+  Future f;
+  try {
+    dh = reg(desc->data(), desc->size());
+    f = p.ep.send(dh, 0, desc->size());
+  } catch (const Error& e) {
+    unreg(dh);
+    fail_peer(dst, e.status());
+    return;
+  }
+  f.on_complete([this, dst, desc, dh](const Status& st) {
+    post([this, dst, desc, dh, st] {
+      unreg(dh);
+      if (!st.ok()) fail_peer(dst, st);
+    });
+  });
+}
+
+void Mailbox::take_descriptor(int peer, uint64_t region, uint64_t bytes) {
+  Peer& p = peers_[peer];
+  p.awaiting[region];  // reads of this region wait for it from now on
+  auto buf = std::make_shared<std::string>(bytes, '\0');
+  MemoryHandle mh;
+  Future f;
+  try {
+    mh = reg(buf->data(), bytes);
+    f = p.ep.recv(mh, 0, bytes);
+  } catch (const Error& e) {
+    unreg(mh);
+    fail_peer(peer, e.status());
+    return;
+  }
+  f.on_complete([this, peer, region, buf, mh, f](const Status& st) {
+    post([this, peer, region, buf, mh, st, f] {
+      unreg(mh);
+      Peer& p = peers_[peer];
+      if (!p.failed.ok()) return;
+      Status s = st;
+      if (s.ok() && f.bytes() != buf->size())
+        s = {ErrorCode::kProtocol, "a region descriptor of " + std::to_string(f.bytes()) + " bytes, announced " +
+                                       std::to_string(buf->size())};
+      if (s.ok()) {
+        try {
+          if (p.dev.import_region(*buf).id != region)
+            s = {ErrorCode::kProtocol, "the descriptor of region " + std::to_string(region) + " names another region"};
+        } catch (const Error& e) {
+          s = e.status();
+        }
+      }
+      if (!s.ok()) {
+        fail_peer(peer, s);
+        return;
+      }
+      p.imported.insert(region);
+      auto it = p.awaiting.find(region);
+      if (it == p.awaiting.end()) return;
+      auto fns = std::move(it->second);
+      p.awaiting.erase(it);
+      for (auto& fn : fns) fn();
+    });
+  });
+}
+
+void Mailbox::start_read(int src, uint64_t id, uint64_t length, uint64_t region, uint64_t offset,
+                         std::shared_ptr<PostedRecv> r) {
+  Peer& p = peers_[src];
+  if (!p.failed.ok()) {
+    r->done(p.failed, src, 0);
+    return;
+  }
+  if (!p.imported.count(region)) {
+    auto it = p.awaiting.find(region);
+    if (it == p.awaiting.end()) {
+      Status st{ErrorCode::kProtocol, "a read rendezvous names region " + std::to_string(region) +
+                                          ", whose descriptor never came"};
+      r->done({st.code, who(src) + ": " + st.message}, src, 0);
+      fail_peer(src, st);
+      return;
+    }
+    it->second.push_back([this, src, id, length, region, offset, r] { start_read(src, id, length, region, offset, r); });
+    return;
+  }
+  auto l = std::make_shared<Landing>(Landing{src, r, {}, Clock::now() + timeout_, {}});
+  l->owned = r->handle.id == 0;
+  auto fin = [this, src, id](const Status& st) {
+    const uint64_t code = st.ok() ? 0 : static_cast<uint64_t>(st.code);
+    send_ctrl(src, {code, 0, make_kind(kFin, id)}, [this, src](const Status& s) {
+      if (!s.ok()) fail_peer(src, s);
+    });
+  };
+  Future f;
+  try {
+    l->handle = l->owned ? reg(r->ptr, length) : r->handle;
+    f = p.dev.read({{l->handle, l->owned ? 0 : r->offset, RemoteHandle{region}, offset, length}});
+  } catch (const Error& e) {
+    if (l->owned) unreg(l->handle);
+    r->done({e.code(), who(src) + ": " + e.what()}, src, 0);
+    fin(e.status());
+    return;
+  }
+  landing_.push_back(l);
+  f.on_complete([this, l, length, fin](const Status& st) {
+    post([this, l, length, fin, st] {
+      landing_.remove(l);
+      if (l->owned) unreg(l->handle);
+      Status out = st;
+      if (!l->why.ok())
+        out = l->why;
+      else if (!st.ok() && !peers_[l->src].failed.ok())
+        out = peers_[l->src].failed;
+      else if (!st.ok())
+        out = {st.code, who(l->src) + ": reading its message: " + st.message};
+      l->r->done(out, l->src, out.ok() ? length : 0);
+      if (peers_[l->src].failed.ok()) fin(st);
+    });
+  });
+}
+
+void Mailbox::on_fin(int peer, uint64_t id, uint64_t code) {
+  auto it = rndv_sends_.find(id);
+  if (it == rndv_sends_.end() || it->second->dst != peer || !it->second->read) return;  // gave up on it
+  auto s = it->second;
+  rndv_sends_.erase(it);
+  drop_payload(*s);
+  Status out = Status::Ok();
+  if (code != 0) {
+    const auto c = code <= static_cast<uint64_t>(ErrorCode::kInternal) ? static_cast<ErrorCode>(code) : ErrorCode::kRemoteError;
+    out = {c, who(peer) + " could not read our " + std::to_string(s->n) + "-byte message with tag " +
+                  std::to_string(s->tag) + " (" + std::string(to_string(c)) + ")"};
+  }
+  s->done(out, peer, out.ok() ? s->n : 0);
+}
+
 void Mailbox::expire() {
   auto now = Clock::now();
   for (auto it = posted_.begin(); it != posted_.end();) {
@@ -756,9 +945,13 @@ void Mailbox::expire() {
       ++it;
     }
   }
+  std::vector<std::pair<int, Status>> unread;
   for (auto it = rndv_sends_.begin(); it != rndv_sends_.end();) {
     auto s = it->second;
     if (!s->sending && s->deadline <= now) {
+      if (s->read)
+        unread.emplace_back(s->dst, Status{ErrorCode::kTimeout, "it did not read our " + std::to_string(s->n) +
+                                                                    "-byte message within the group timeout"});
       // A CTS that still comes gets a 1-byte payload (on_cts), so the data endpoint keeps
       // its order and the peer learns the send was abandoned.
       it = rndv_sends_.erase(it);
@@ -784,6 +977,9 @@ void Mailbox::expire() {
   // Only closing the data endpoint takes a posted engine recv back (and the recv reports
   // `why` once it has): the peer is failed.
   for (auto& [peer, why] : hung) fail_peer(peer, why);
+  // The peer may still read a payload we gave up on, from memory the caller may reuse now:
+  // the pair is failed (its endpoints close) instead.
+  for (auto& [peer, why] : unread) fail_peer(peer, why);
 }
 
 }  // namespace sluice::torch_backend

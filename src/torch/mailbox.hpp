@@ -1,7 +1,8 @@
 // Tagged point-to-point messages between the ranks of one group, over engine endpoints (two
 // per peer). The engine matches the k-th send of an endpoint with the k-th recv posted on the
 // other side; torch wants matching by (source, tag) and receives from any source. So each
-// message starts with a 24-byte header (tag, length, kind) on the peer's control endpoint,
+// message starts with a 48-byte header (tag, length, kind, and three fields the device path
+// uses) on the peer's control endpoint,
 // and one progress thread per backend keeps a header recv posted on every control endpoint.
 //
 // Two protocols, chosen by the message's size:
@@ -14,22 +15,29 @@
 //   the payload on the data endpoint. The payload therefore always finds its recv already
 //   posted: the engine never stashes it (no extra copy, no fresh buffer per message; from
 //   32 MiB each such buffer was a fresh mmap, page faults and zeroing).
-//   Why a CTS over a second endpoint rather than a one-sided READ of the sender's registered
-//   tensor: a read names the region by its id in the peer's region table, which the reader
-//   learns only through refresh_remote_regions() (a directory round trip per message); the
-//   engine has no way to name a region from a descriptor sent in-band. Two-sided messages
-//   need nothing new from the engine and behave the same on shm and tcp. The data endpoint
+//   Why a CTS rather than a one-sided READ of the sender's host tensor: host payloads are
+//   registered per message, so each read would need the region's descriptor in-band first
+//   (Engine::region_descriptor) and its description by the owner on shm; two-sided messages
+//   behave the same on shm and tcp. CUDA payloads, whose registrations the backend keeps, are
+//   read (below). The data endpoint
 //   is separate because the control endpoint always has a header recv posted: a payload
 //   sent there after a CTS would match that header recv, not the tensor's. On the data
 //   endpoint both sides post in CTS order (the receiver posts its recv, then sends the CTS;
 //   the sender handles CTSs in arrival order), so the k-th payload meets the k-th recv.
 //   CUDA payloads (the device path, docs/torch.md) use a third endpoint per peer, over the
-//   nvlink transport: an RTS whose sender's payload is CUDA memory says so, the receiver
-//   posts its recv on the device endpoint when either side's memory is CUDA and says so in
-//   its CTS, and the sender sends on the endpoint the CTS names. The device endpoint keeps
-//   the same order rule as the data endpoint. CUDA memory never goes eager (the backend
-//   sends it by rendezvous only, registered by the caller; a CUDA recv that an eager message
-//   matches fails instead of being written through a host path).
+//   nvlink transport, two ways:
+//   - a CUDA payload (registered by the caller, kept registered) is read by the receiver: its
+//     RTS (kind RTS_READ) names the sender's region and offset; the first RTS_READ naming a
+//     region carries the region's descriptor (Engine::region_descriptor, `aux` bytes after the
+//     header), which the receiver imports on the device endpoint. The receiver reads the
+//     payload into its recv with one copy as soon as a recv matches, then answers FIN (with
+//     the read's status), upon which the send completes. Two control trips instead of four.
+//     A sender that gets no FIN within the group timeout fails the pair: the peer might still
+//     read memory the caller has reused by then.
+//   - a host payload for a CUDA recv goes as before, by CTS, on the device endpoint (the CTS
+//     says which endpoint; the device endpoint keeps the data endpoint's order rule).
+//   CUDA memory never goes eager (a CUDA recv that an eager message matches fails instead
+//   of being written through a host path).
 //   A length mismatch answers the RTS with a NACK (both sides fail with kTruncated); a CTS
 //   for a send that already timed out gets a 1-byte payload, so the data endpoint's order
 //   holds and the receiver fails with an error naming the peer.
@@ -54,6 +62,7 @@
 #include <functional>
 #include <list>
 #include <map>
+#include <set>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -115,12 +124,16 @@ class Mailbox {
 
  private:
   using Clock = std::chrono::steady_clock;
-  enum Kind : uint64_t { kEager = 0, kRts = 1, kCts = 2, kNack = 3 };
+  enum Kind : uint64_t { kEager = 0, kRts = 1, kCts = 2, kNack = 3, kRtsRead = 4, kFin = 5 };
   struct Header {
-    uint64_t tag;     // NACK: the length of the recv that refused the message
+    uint64_t tag;     // NACK: the length of the recv that refused the message; FIN: 0 or the read's error code
     uint64_t length;
-    uint64_t kind_id;  // kind in the top byte; RTS / CTS / NACK: the sender's message id
+    uint64_t kind_id;  // kind in the top byte; RTS / CTS / NACK / RTS_READ / FIN: the sender's message id
+    uint64_t region;   // RTS_READ: the sender's region holding the payload
+    uint64_t offset;   // RTS_READ: the payload's offset in it
+    uint64_t aux;      // RTS_READ: bytes of the region's descriptor that follow (0: sent before)
   };
+  static constexpr uint64_t kMaxDescriptor = 64 << 10;
   // RTS: the sender's payload is CUDA memory; CTS: send the payload on the device endpoint.
   static constexpr uint64_t kDevBit = uint64_t(1) << 55;
   static Kind kind_of(const Header& h) { return static_cast<Kind>(h.kind_id >> 56); }
@@ -151,6 +164,8 @@ class Mailbox {
     MemoryHandle handle;
     uint64_t rndv_id = 0;  // non-zero: a rendezvous header (nothing to land)
     bool rndv_dev = false;  // that header's sender holds CUDA memory
+    bool rndv_read = false;  // RTS_READ: read `length` bytes at (region, offset) of the sender
+    uint64_t region = 0, offset = 0;
     bool arrived = false;
     Status status;
     std::shared_ptr<PostedRecv> waiter;  // a recv matched it while the payload was in flight
@@ -167,6 +182,7 @@ class Mailbox {
     uint64_t offset = 0;   // of the payload in `payload`
     bool owned = true;     // `payload` was registered by the mailbox (unregistered after)
     bool device = false;   // CUDA memory
+    bool read = false;     // sent as RTS_READ: the peer reads it and answers FIN
   };
   // A rendezvous recv whose engine recv is posted into the destination (CTS sent).
   struct Landing {
@@ -181,6 +197,10 @@ class Mailbox {
     Endpoint ep;
     Endpoint data;
     Endpoint dev;  // CUDA payloads (may be invalid)
+    std::set<uint64_t> announced;  // our regions whose descriptor this peer got (sender side)
+    std::set<uint64_t> imported;   // its regions imported on `dev` (receiver side)
+    // Reads waiting for the descriptor of their region (it is still landing), by region.
+    std::map<uint64_t, std::vector<std::function<void()>>> awaiting;
     MemoryHandle hdr_handle;
     Header hdr{};  // the header recv lands here (one outstanding per peer)
     Status failed;  // non-ok once the endpoint failed: later ops to this peer fail at once
@@ -203,6 +223,14 @@ class Mailbox {
   // Header-only message on the control endpoint; `finish` runs on the progress thread.
   void send_ctrl(int peer, Header h, std::function<void(const Status&)> finish);
   void on_cts(int peer, uint64_t id, bool dev);
+  void on_fin(int peer, uint64_t id, uint64_t code);
+  // A recv matched an RTS_READ: read the payload from the sender's region (once its
+  // descriptor is imported), then answer FIN.
+  void start_read(int src, uint64_t id, uint64_t length, uint64_t region, uint64_t offset,
+                  std::shared_ptr<PostedRecv> r);
+  // Takes the `aux`-byte descriptor that follows an RTS_READ header from `peer`.
+  void take_descriptor(int peer, uint64_t region, uint64_t bytes);
+  void send_rts_read(int dst, const std::shared_ptr<RndvSend>& s, uint64_t id);
   void on_nack(int peer, uint64_t id, uint64_t their_n);
   // A recv matched the RTS `id` from `src`: post the recv into it and clear the send.
   // `sender_dev`: the RTS said the sender's payload is CUDA memory.

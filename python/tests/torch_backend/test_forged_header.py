@@ -1,7 +1,7 @@
 """A peer whose message header announces an eager message far larger than anything it sends:
 the backend must not allocate what the header says. Rank 0 is a real sluice backend; "rank 1"
 is a bare sluice Engine in the same process that joins through the same Store and forges the
-24-byte header (tag, length, kind; src/torch/mailbox.hpp). With the default
+48-byte header (tag, length, kind and three fields of the device path; src/torch/mailbox.hpp). With the default
 SLUICE_TORCH_MAX_UNEXPECTED_BYTES the header alone is refused; with the bound lifted to its
 maximum, the failed allocation is. Either way rank 0's pending and later ops with the peer fail
 at once naming it, and the peer's control endpoint is closed (before, the allocation threw on
@@ -27,7 +27,7 @@ import torch.distributed as dist  # noqa: E402
 
 import sluice  # noqa: E402
 
-HEADER = struct.Struct("<QQQ")  # tag, length, kind << 56 | id (eager: 0)
+HEADER = struct.Struct("<QQQQQQ")  # tag, length, kind << 56 | id (eager: 0), region, offset, aux
 PARAM = "SLUICE_TORCH_MAX_UNEXPECTED_BYTES"
 
 
@@ -54,7 +54,7 @@ class ForgedPeer:
             self.error = e
 
     def send_header(self, tag: int, length: int) -> None:
-        hdr = np.frombuffer(HEADER.pack(tag, length, 0), np.uint8).copy()
+        hdr = np.frombuffer(HEADER.pack(tag, length, 0, 0, 0, 0), np.uint8).copy()
         try:
             self.ctrl.send(self.engine.register(hdr)).result(10)
         except sluice.SluiceError:
