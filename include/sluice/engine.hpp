@@ -37,10 +37,6 @@ struct ConnectOptions {
   // Force a transport for this endpoint ("tcp", "shm", ...). Empty = the engine picks the
   // fastest one both sides have.
   std::string transport;
-  // Transports the engine does not pick for this endpoint when it chooses (ignored when
-  // `transport` forces one): e.g. a control channel of small host messages that should not
-  // go over nvlink, which the engine ranks first on a GPU host.
-  std::vector<std::string> avoid;
   std::optional<std::chrono::milliseconds> timeout;  // default: EngineConfig::connect_timeout
   // After the endpoint failed because its peer was lost or stopped answering (kPeerLost,
   // kTimeout), the next operation submitted on it first connects again to the same target
@@ -51,6 +47,11 @@ struct ConnectOptions {
   // Failures of other kinds (kProtocol, a local close) are never reconnected. Endpoints from
   // accept() do not reconnect: their peer dials again. See docs/cluster.md.
   bool reconnect = true;
+  // Transports the engine does not pick for this endpoint when it chooses (ignored when
+  // `transport` forces one): e.g. a control channel of small host messages that should not
+  // go over nvlink, which the engine ranks first on a GPU host. Last, so that aggregate
+  // initialisation of the fields above keeps compiling.
+  std::vector<std::string> avoid;
 };
 
 class SLUICE_API Engine {
