@@ -438,6 +438,16 @@ class Endpoint:
     def refresh_remote_regions(self) -> None:
         self._ep.refresh_remote_regions()
 
+    def import_region(self, descriptor: str) -> RemoteHandle:
+        """The handle of a region the peer described with :meth:`Engine.region_descriptor`
+        and handed over in-band (no directory round trip; kept across refreshes). The peer
+        checks every access against its own registry, so a forged descriptor reaches nothing
+        it did not register. Raises :class:`InvalidArgumentError` for a malformed descriptor
+        or one of another engine."""
+        if not isinstance(descriptor, str):
+            raise InvalidArgumentError(f"import_region: descriptor must be a str, got {_describe_value(descriptor)}")
+        return RemoteHandle(self._ep.import_region(descriptor))
+
     @property
     def transport(self) -> str:
         return self._ep.transport
@@ -693,6 +703,12 @@ class Engine:
     def local_info(self) -> str:
         """JSON blob describing this engine (pass it to a peer's :meth:`connect`)."""
         return self._need().local_info()
+
+    def region_descriptor(self, handle: int) -> str:
+        """A registered region as a self-contained descriptor (a str) to hand to a connected
+        peer, whose :meth:`Endpoint.import_region` makes it addressable there: for regions
+        registered after the peer connected, without a directory round trip."""
+        return self._need().region_descriptor(int(handle))
 
     @property
     def listen_address(self) -> str:

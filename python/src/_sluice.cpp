@@ -338,6 +338,7 @@ struct PyEndpoint {
     NoGil nogil;
     ep.flush(std::chrono::milliseconds(timeout_ms));
   }
+  uint64_t import_region(const std::string& descriptor) { return ep.import_region(descriptor).id; }
   std::optional<uint64_t> remote_region(const std::string& name) const {
     auto r = ep.remote_region(name);
     if (!r) return std::nullopt;
@@ -511,6 +512,7 @@ PYBIND11_MODULE(_sluice, m) {
       .def("post_signal", &PyEndpoint::post_signal)
       .def("flush", &PyEndpoint::flush)
       .def("remote_region", &PyEndpoint::remote_region)
+      .def("import_region", &PyEndpoint::import_region)
       .def("remote_regions", &PyEndpoint::remote_regions)
       .def("refresh_remote_regions", &PyEndpoint::refresh)
       .def_property_readonly("transport", [](const PyEndpoint& e) { return e.ep.transport(); })
@@ -577,6 +579,7 @@ PYBIND11_MODULE(_sluice, m) {
              return pe.allocations.count(h) > 0;
            })
       .def("local_info", [](PyEngine& pe) { return pe.e()->local_info(); })
+      .def("region_descriptor", [](PyEngine& pe, uint64_t h) { return pe.e()->region_descriptor(sluice::MemoryHandle{h}); })
       .def("listen_address", [](PyEngine& pe) { return pe.e()->listen_address(); })
       .def("transports", [](PyEngine& pe) { return pe.e()->transports(); })
       .def("metrics",

@@ -191,6 +191,31 @@ def test_connect_with_blob_and_accept_timeout():
         assert not ep.connected
 
 
+def test_region_descriptor_in_band(pair):
+    # A region registered after the connect, handed over as a descriptor: readable without a
+    # refresh; another engine's descriptor and garbage are refused.
+    src = pattern(8192, 3)
+    hb = pair.b.register(src)
+    dst = np.zeros(8192, np.uint8)
+    hd = pair.a.register(dst)
+    desc = pair.b.region_descriptor(hb)
+    assert isinstance(desc, str)
+    r = pair.ep.import_region(desc)
+    assert int(r) == int(hb)
+    pair.ep.read([(hd, 0, r, 0, 8192)]).result(10)
+    assert np.array_equal(dst, src)
+    with sluice.Engine(channels=1) as other:
+        ho = other.register(np.zeros(64, np.uint8))
+        with pytest.raises(sluice.InvalidArgumentError, match="peer is"):
+            pair.ep.import_region(other.region_descriptor(ho))
+    with pytest.raises(sluice.InvalidArgumentError):
+        pair.ep.import_region("{not json")
+    with pytest.raises(sluice.InvalidArgumentError):
+        pair.ep.import_region(42)
+    with pytest.raises(sluice.UnknownHandleError):
+        pair.b.region_descriptor(987654)
+
+
 def test_allocate(pair):
     alloc = pair.b.allocate(10000, name="alloc")
     buf, h = alloc
