@@ -117,6 +117,12 @@ SluiceBackend::SluiceBackend(const c10::intrusive_ptr<c10d::Store>& store, int r
   const uint64_t rndv_bytes = env_bytes("SLUICE_TORCH_RNDV_BYTES", 256 << 10);
   const uint64_t max_unexpected_bytes =
       env_bytes("SLUICE_TORCH_MAX_UNEXPECTED_BYTES", Mailbox::kDefaultMaxUnexpectedBytes);
+  // Eager messages up to this size travel inside their header's engine message (mailbox.hpp).
+  const uint64_t inline_bytes = env_bytes("SLUICE_TORCH_INLINE_BYTES", Mailbox::kDefaultInlineBytes);
+  if (inline_bytes > Mailbox::kMaxInlineBytes)
+    throw Error(ErrorCode::kInvalidArgument, "sluice: SLUICE_TORCH_INLINE_BYTES must be at most " +
+                                                 std::to_string(Mailbox::kMaxInlineBytes) + ", got " +
+                                                 std::to_string(inline_bytes));
   // How CUDA tensors move: "auto" (default) sends and receives large ones directly between
   // GPUs of a host (a device endpoint over nvlink per peer, see below); "host" always stages
   // them through host memory (host_staging.hpp).
@@ -258,7 +264,7 @@ SluiceBackend::SluiceBackend(const c10::intrusive_ptr<c10d::Store>& store, int r
     if (d.valid()) cuda_path_ = d.transport();
   if (cuda_path_ != "host") cuda_regs_ = std::make_unique<CudaRegistrations>(*engine_);
   mailbox_ = std::make_unique<Mailbox>(*engine_, std::move(peers), std::move(data), rank, timeout, rndv_bytes,
-                                       max_unexpected_bytes, std::move(dev));
+                                       max_unexpected_bytes, std::move(dev), inline_bytes);
   worker_ = std::thread([this] { worker(); });
 }
 

@@ -33,12 +33,13 @@ std::string describe_tag(uint64_t tag) {
 
 Mailbox::Mailbox(Engine& engine, std::vector<Endpoint> peers, std::vector<Endpoint> data, int rank,
                  std::chrono::milliseconds timeout, uint64_t rndv_bytes, uint64_t max_unexpected_bytes,
-                 std::vector<Endpoint> dev)
+                 std::vector<Endpoint> dev, uint64_t inline_bytes)
     : engine_(engine),
       rank_(rank),
       timeout_(timeout),
       rndv_bytes_(rndv_bytes),
       max_unexpected_bytes_(max_unexpected_bytes),
+      inline_bytes_(std::min(inline_bytes, kMaxInlineBytes)),
       peers_(peers.size()) {
   for (size_t i = 0; i < peers.size(); ++i) {
     peers_[i].ep = std::move(peers[i]);
@@ -48,8 +49,20 @@ Mailbox::Mailbox(Engine& engine, std::vector<Endpoint> peers, std::vector<Endpoi
   send_hdrs_.resize(kHeaderSlots);
   send_hdrs_handle_ = reg(send_hdrs_.data(), send_hdrs_.size() * sizeof(Header));
   for (uint32_t i = kHeaderSlots; i-- > 0;) free_hdrs_.push_back(i);
+  inline_slot_ = (sizeof(Header) + inline_bytes_ + 7) / 8 * 8;
+  if (inline_bytes_) {
+    constexpr uint32_t kInlineSlots = 256;
+    inline_out_ = std::make_unique<uint64_t[]>(inline_slot_ / 8 * kInlineSlots);
+    inline_out_handle_ = reg(inline_out_.get(), inline_slot_ * kInlineSlots);
+    for (uint32_t i = kInlineSlots; i-- > 0;) free_inline_.push_back(i);
+  }
+  // Every rank takes inline payloads up to kMaxInlineBytes, whatever its own setting, so
+  // ranks configured differently still understand each other.
   for (size_t i = 0; i < peers_.size(); ++i)
-    if (peers_[i].ep.valid()) peers_[i].hdr_handle = reg(&peers_[i].hdr, sizeof(Header));
+    if (peers_[i].ep.valid()) {
+      peers_[i].in = std::make_unique<uint64_t[]>(kInbox / 8);
+      peers_[i].hdr_handle = reg(peers_[i].in.get(), kInbox);
+    }
   thread_ = std::thread([this] { run(); });
   post([this] {
     for (size_t i = 0; i < peers_.size(); ++i)
@@ -180,6 +193,8 @@ void Mailbox::close() {
   for (auto& p : peers_) unreg(p.hdr_handle), p.hdr_handle = {};
   unreg(send_hdrs_handle_);
   send_hdrs_handle_ = {};
+  unreg(inline_out_handle_);
+  inline_out_handle_ = {};
 }
 
 void Mailbox::post_header_recv(int peer) {
@@ -187,16 +202,17 @@ void Mailbox::post_header_recv(int peer) {
   if (!p.failed.ok()) return;
   Future f;
   try {
-    f = p.ep.recv(p.hdr_handle, 0, sizeof(Header));
+    f = p.ep.recv(p.hdr_handle, 0, kInbox);
   } catch (const Error& e) {
     fail_peer(peer, e.status());
     return;
   }
   f.on_complete([this, peer, f](const Status& st) {
     Status s = st;
-    if (s.ok() && f.bytes() != sizeof(Header))
+    if (s.ok() && f.bytes() < sizeof(Header))
       s = {ErrorCode::kProtocol, "a message header of " + std::to_string(f.bytes()) + " bytes"};
-    post([this, peer, s] { on_header(peer, s); });
+    const uint64_t bytes = f.bytes();
+    post([this, peer, s, bytes] { on_header(peer, s, bytes); });
   });
 }
 
@@ -412,14 +428,22 @@ void Mailbox::on_nack(int peer, uint64_t id, uint64_t their_n) {
           peer, 0);
 }
 
-void Mailbox::on_header(int peer, const Status& st) {
+void Mailbox::on_header(int peer, const Status& st, uint64_t bytes) {
   Peer& p = peers_[peer];
   if (!st.ok()) {
     fail_peer(peer, st);
     return;
   }
-  const Header h = p.hdr;
+  Header h;
+  std::memcpy(&h, p.in.get(), sizeof(Header));
   const Kind kind = kind_of(h);
+  // Only EAGER_INLINE carries bytes after its header, exactly its length.
+  const uint64_t extra = bytes - sizeof(Header);
+  if (kind == kEagerInline ? (h.length > kMaxInlineBytes || extra != h.length) : extra != 0) {
+    fail_peer(peer, {ErrorCode::kProtocol, "a message header of " + std::to_string(bytes) + " bytes (kind " +
+                                               std::to_string(kind) + ", length " + std::to_string(h.length) + ")"});
+    return;
+  }
   if (kind == kFin) {
     on_fin(peer, id_of(h), h.tag);
     post_header_recv(peer);
@@ -443,7 +467,7 @@ void Mailbox::on_header(int peer, const Status& st) {
     post_header_recv(peer);
     return;
   }
-  if (kind != kEager && kind != kRts && kind != kRtsRead) {
+  if (kind != kEager && kind != kRts && kind != kRtsRead && kind != kEagerInline) {
     fail_peer(peer, {ErrorCode::kProtocol, "a message header of unknown kind " + std::to_string(kind)});
     return;
   }
@@ -455,6 +479,11 @@ void Mailbox::on_header(int peer, const Status& st) {
       posted_.erase(it);
       break;
     }
+  }
+  if (kind == kEagerInline) {
+    on_inline(peer, h, match);
+    post_header_recv(peer);
+    return;
   }
   if (kind == kRts || kind == kRtsRead) {
     const uint64_t id = id_of(h);
@@ -555,6 +584,59 @@ void Mailbox::on_header(int peer, const Status& st) {
     }
   }
   post_header_recv(peer);
+}
+
+void Mailbox::on_inline(int peer, const Header& h, std::shared_ptr<PostedRecv> match) {
+  const uint8_t* bytes = reinterpret_cast<const uint8_t*>(peers_[peer].in.get()) + sizeof(Header);
+  if (match) {
+    if (match->device)
+      match->done(eager_into_device(peer, h.length), peer, 0);
+    else if (match->n != h.length)
+      match->done(truncated(peer, h.tag, h.length, match->n), peer, 0);
+    else {
+      if (h.length) std::memcpy(match->ptr, bytes, h.length);
+      match->done(Status::Ok(), peer, h.length);
+    }
+    return;
+  }
+  auto u = std::make_shared<Unexpected>();
+  u->src = peer;
+  u->tag = h.tag;
+  u->length = h.length;
+  if (h.length && !stash(peer, *u, h.length)) return;  // the peer is refused
+  if (h.length) std::memcpy(u->data.data(), bytes, h.length);
+  u->arrived = true;
+  unexpected_.push_back(u);
+}
+
+bool Mailbox::send_inline(int dst, uint64_t tag, const void* ptr, uint64_t n, Done& done) {
+  if (n > inline_bytes_ || free_inline_.empty()) return false;
+  Peer& p = peers_[dst];
+  const uint32_t slot = free_inline_.back();
+  free_inline_.pop_back();
+  auto* out = reinterpret_cast<uint8_t*>(inline_out_.get()) + uint64_t(slot) * inline_slot_;
+  const Header h{tag, n, make_kind(kEagerInline, 0), 0, 0, 0};
+  std::memcpy(out, &h, sizeof(h));
+  if (n) std::memcpy(out + sizeof(h), ptr, n);
+  Future f;
+  try {
+    f = p.ep.send(inline_out_handle_, uint64_t(slot) * inline_slot_, sizeof(h) + n);
+  } catch (const Error& e) {
+    free_inline_.push_back(slot);
+    Status st{e.code(), who(dst) + ": " + e.what()};
+    done(st, dst, 0);
+    fail_peer(dst, st);
+    return true;
+  }
+  f.on_complete([this, slot, dst, n, done = std::move(done)](const Status& st) mutable {
+    post([this, slot, dst, n, st, done = std::move(done)] {
+      free_inline_.push_back(slot);
+      Status out = st.ok() ? st : Status{st.code, who(dst) + ": " + st.message};
+      done(out, dst, st.ok() ? n : 0);
+      if (!st.ok()) fail_peer(dst, out);
+    });
+  });
+  return true;
 }
 
 bool Mailbox::stash(int peer, Unexpected& u, uint64_t length) {
@@ -728,6 +810,7 @@ void Mailbox::send(int dst, uint64_t tag, const Buffer& b, Done done) {
 }
 
 void Mailbox::send_eager(int dst, uint64_t tag, const void* ptr, uint64_t n, Done done) {
+  if (send_inline(dst, tag, ptr, n, done)) return;
   {
     Peer& p = peers_[dst];
     auto s = std::make_shared<SendState>();

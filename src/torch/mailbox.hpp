@@ -7,8 +7,10 @@
 //
 // Two protocols, chosen by the message's size:
 // - eager (below rndv_bytes): the payload follows its header on the control endpoint and is
-//   steered into the first matching posted recv or into an unexpected-message buffer. One
-//   trip, so the 8-byte latency stays that of one engine message.
+//   steered into the first matching posted recv or into an unexpected-message buffer. Up to
+//   `inline_bytes` it travels inside the header's own engine message (EAGER_INLINE: the
+//   header recv is posted that much larger, and the receiver copies the bytes out), so a
+//   small message is one engine message, not two.
 // - rendezvous (rndv_bytes and up): the header alone goes first (RTS). Once a recv matches
 //   it, the receiver posts the engine recv straight into the destination on the peer's data
 //   endpoint and only then sends a clear-to-send (CTS) header back; the sender then sends
@@ -87,9 +89,12 @@ class Mailbox {
   // take in that time fail with kTimeout naming the peer. Messages of `rndv_bytes` and more
   // go by rendezvous. At most `max_unexpected_bytes` of unexpected eager payloads are held at
   // once (above).
+  static constexpr uint64_t kDefaultInlineBytes = 4096 - 48;  // a header and its payload in 4 KiB
+  static constexpr uint64_t kMaxInlineBytes = 64 << 10;
   Mailbox(Engine& engine, std::vector<Endpoint> peers, std::vector<Endpoint> data, int rank,
           std::chrono::milliseconds timeout, uint64_t rndv_bytes,
-          uint64_t max_unexpected_bytes = kDefaultMaxUnexpectedBytes, std::vector<Endpoint> dev = {});
+          uint64_t max_unexpected_bytes = kDefaultMaxUnexpectedBytes, std::vector<Endpoint> dev = {},
+          uint64_t inline_bytes = kDefaultInlineBytes);
   ~Mailbox();
   Mailbox(const Mailbox&) = delete;
   Mailbox& operator=(const Mailbox&) = delete;
@@ -124,7 +129,7 @@ class Mailbox {
 
  private:
   using Clock = std::chrono::steady_clock;
-  enum Kind : uint64_t { kEager = 0, kRts = 1, kCts = 2, kNack = 3, kRtsRead = 4, kFin = 5 };
+  enum Kind : uint64_t { kEager = 0, kRts = 1, kCts = 2, kNack = 3, kRtsRead = 4, kFin = 5, kEagerInline = 6 };
   struct Header {
     uint64_t tag;     // NACK: the length of the recv that refused the message; FIN: 0 or the read's error code
     uint64_t length;
@@ -133,6 +138,7 @@ class Mailbox {
     uint64_t offset;   // RTS_READ: the payload's offset in it
     uint64_t aux;      // RTS_READ: bytes of the region's descriptor that follow (0: sent before)
   };
+  static constexpr uint64_t kInbox = sizeof(Header) + kMaxInlineBytes;  // a header recv's buffer
   static constexpr uint64_t kMaxDescriptor = 64 << 10;
   // RTS: the sender's payload is CUDA memory; CTS: send the payload on the device endpoint.
   static constexpr uint64_t kDevBit = uint64_t(1) << 55;
@@ -202,7 +208,9 @@ class Mailbox {
     // Reads waiting for the descriptor of their region (it is still landing), by region.
     std::map<uint64_t, std::vector<std::function<void()>>> awaiting;
     MemoryHandle hdr_handle;
-    Header hdr{};  // the header recv lands here (one outstanding per peer)
+    // The header recv lands here (one outstanding per peer): a Header, then up to
+    // inline_bytes of an EAGER_INLINE payload.
+    std::unique_ptr<uint64_t[]> in;
     Status failed;  // non-ok once the endpoint failed: later ops to this peer fail at once
   };
 
@@ -211,7 +219,10 @@ class Mailbox {
   void drain();  // runs queued tasks on the calling thread (after the thread stopped)
   void post(std::function<void()> task);
   void post_header_recv(int peer);
-  void on_header(int peer, const Status& st);
+  void on_header(int peer, const Status& st, uint64_t bytes);
+  void on_inline(int peer, const Header& h, std::shared_ptr<PostedRecv> match);
+  // An eager message of n <= inline_bytes in one engine message; false: no slot free.
+  bool send_inline(int dst, uint64_t tag, const void* ptr, uint64_t n, Done& done);
   void fail_peer(int peer, const Status& st);
   void deliver(Unexpected& u, PostedRecv& r);
   // Allocates the stash of an eager message of `length` bytes from `peer`, within the bound.
@@ -260,6 +271,11 @@ class Mailbox {
   // Registered header slots for outgoing messages (a header must outlive its send).
   std::vector<Header> send_hdrs_;
   MemoryHandle send_hdrs_handle_;
+  const uint64_t inline_bytes_;
+  size_t inline_slot_ = 0;  // bytes per slot: a Header and inline_bytes_, rounded to 8
+  std::unique_ptr<uint64_t[]> inline_out_;  // slots for outgoing EAGER_INLINE messages
+  MemoryHandle inline_out_handle_;
+  std::vector<uint32_t> free_inline_;
   std::vector<uint32_t> free_hdrs_;
 
   std::mutex mu_;

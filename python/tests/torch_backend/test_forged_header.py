@@ -53,8 +53,8 @@ class ForgedPeer:
         except BaseException as e:  # noqa: BLE001
             self.error = e
 
-    def send_header(self, tag: int, length: int) -> None:
-        hdr = np.frombuffer(HEADER.pack(tag, length, 0, 0, 0, 0), np.uint8).copy()
+    def send_header(self, tag: int, length: int, kind: int = 0, extra: bytes = b"") -> None:
+        hdr = np.frombuffer(HEADER.pack(tag, length, kind << 56, 0, 0, 0) + extra, np.uint8).copy()
         try:
             self.ctrl.send(self.engine.register(hdr)).result(10)
         except sluice.SluiceError:
@@ -108,3 +108,32 @@ def test_a_failed_allocation_fails_the_peer(monkeypatch: pytest.MonkeyPatch) -> 
     # The bound lifted to its maximum: 4 EiB cannot be allocated (bad_alloc), which fails the
     # peer the same way instead of escaping the progress thread.
     refused(monkeypatch, str(2**64 - 1), 1 << 62, "could not be allocated", f"{PARAM} = {2**64 - 1} bytes")
+
+
+@pytest.mark.timeout(60)
+def test_an_inline_header_without_its_bytes_fails_the_peer(monkeypatch: pytest.MonkeyPatch) -> None:
+    # EAGER_INLINE (kind 6) carries its payload inside the header's message: a header that
+    # announces 100 bytes and carries 3 is refused as a protocol error naming the peer, and
+    # nothing is copied out of the receive buffer.
+    monkeypatch.delenv("SLUICE_TORCH_TRANSPORT", raising=False)
+    store = dist.HashStore()
+    peer = ForgedPeer(store)
+    t = threading.Thread(target=peer.take_endpoints)
+    t.start()
+    backend = st._create(store, 0, 2, timedelta(seconds=20))
+    t.join(60)
+    assert peer.error is None and peer.ctrl is not None, peer.error
+    try:
+        out = torch.full((25,), 7.0)  # 100 bytes
+        pending = backend.recv([out], 1, 5)
+        peer.send_header(5, 100, kind=6, extra=b"abc")
+        with pytest.raises(Exception) as e:
+            pending.wait()
+        msg = str(e.value)
+        assert "peer rank 1" in msg and "kind 6, length 100" in msg, msg
+        assert torch.equal(out, torch.full((25,), 7.0)), "the recv buffer was written"
+        with pytest.raises(Exception):
+            backend.send([torch.ones(4)], 1, 7).wait()
+    finally:
+        del backend
+        peer.engine.close()
