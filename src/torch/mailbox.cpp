@@ -258,6 +258,16 @@ void Mailbox::fail_peer(int peer, const Status& why) {
     for (auto& fn : fns) fn();
 }
 
+Status Mailbox::landed(Landing& l, const Status& st, const std::string& what) {
+  landing_.remove_if([&](const std::shared_ptr<Landing>& x) { return x.get() == &l; });
+  if (l.owned) unreg(l.handle);
+  if (!l.why.ok()) return l.why;
+  if (st.ok()) return st;
+  // fail_peer() closed the endpoint under it: say why.
+  if (!peers_[l.src].failed.ok()) return peers_[l.src].failed;
+  return {st.code, who(l.src) + ": " + what + st.message};
+}
+
 void Mailbox::drop_payload(RndvSend& s) {
   if (s.owned) unreg(s.payload);
   s.payload = {};
@@ -342,16 +352,8 @@ void Mailbox::start_rndv_recv(int src, uint64_t id, uint64_t length, std::shared
   landing_.push_back(l);
   f.on_complete([this, l, f, length](const Status& st) {
     post([this, l, f, st, length] {
-      landing_.remove(l);
-      if (l->owned) unreg(l->handle);
-      Status out = st;
-      if (!l->why.ok())
-        out = l->why;
-      else if (!st.ok() && !peers_[l->src].failed.ok())
-        out = peers_[l->src].failed;  // fail_peer() closed the data endpoint: say why
-      else if (!st.ok())
-        out = {st.code, who(l->src) + ": " + st.message};
-      else if (f.bytes() != length)
+      Status out = landed(*l, st, "");
+      if (out.ok() && f.bytes() != length)
         out = {ErrorCode::kCancelled, who(l->src) + " gave up on its " + std::to_string(length) +
                                           "-byte message before our recv matched it (its send timed out)"};
       l->r->done(out, l->src, out.ok() ? length : 0);
@@ -983,15 +985,7 @@ void Mailbox::start_read(int src, uint64_t id, uint64_t length, uint64_t region,
   landing_.push_back(l);
   f.on_complete([this, l, length, fin](const Status& st) {
     post([this, l, length, fin, st] {
-      landing_.remove(l);
-      if (l->owned) unreg(l->handle);
-      Status out = st;
-      if (!l->why.ok())
-        out = l->why;
-      else if (!st.ok() && !peers_[l->src].failed.ok())
-        out = peers_[l->src].failed;
-      else if (!st.ok())
-        out = {st.code, who(l->src) + ": reading its message: " + st.message};
+      Status out = landed(*l, st, "reading its message: ");
       l->r->done(out, l->src, out.ok() ? length : 0);
       if (peers_[l->src].failed.ok()) fin(st);
     });

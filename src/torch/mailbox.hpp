@@ -247,6 +247,9 @@ class Mailbox {
   // `sender_dev`: the RTS said the sender's payload is CUDA memory.
   void start_rndv_recv(int src, uint64_t id, uint64_t length, std::shared_ptr<PostedRecv> r, bool sender_dev);
   void drop_payload(RndvSend& s);  // unregisters the payload if the mailbox registered it
+  // A landing's engine op ended with `st`: drops it (and its registration, if ours) and says
+  // how its recv ends (`what` prefixes the engine's message).
+  Status landed(Landing& l, const Status& st, const std::string& what);
   Status eager_into_device(int peer, uint64_t n) const;
   void send_eager(int dst, uint64_t tag, const void* ptr, uint64_t n, Done done);
   Status truncated(int peer, uint64_t tag, uint64_t length, uint64_t n) const;

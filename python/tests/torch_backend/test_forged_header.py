@@ -61,11 +61,8 @@ class ForgedPeer:
             pass  # rank 0 may close the endpoint before it acknowledged the header
 
 
-def refused(monkeypatch: pytest.MonkeyPatch, limit: str | None, length: int, *needles: str) -> None:
-    if limit is None:
-        monkeypatch.delenv(PARAM, raising=False)
-    else:
-        monkeypatch.setenv(PARAM, limit)
+def forged_pair(monkeypatch: pytest.MonkeyPatch):
+    """Rank 0 as a real backend and the forged rank 1, connected through one HashStore."""
     monkeypatch.delenv("SLUICE_TORCH_TRANSPORT", raising=False)
     store = dist.HashStore()
     peer = ForgedPeer(store)
@@ -74,6 +71,15 @@ def refused(monkeypatch: pytest.MonkeyPatch, limit: str | None, length: int, *ne
     backend = st._create(store, 0, 2, timedelta(seconds=20))
     t.join(60)
     assert peer.error is None and peer.ctrl is not None, peer.error
+    return backend, peer
+
+
+def refused(monkeypatch: pytest.MonkeyPatch, limit: str | None, length: int, *needles: str) -> None:
+    if limit is None:
+        monkeypatch.delenv(PARAM, raising=False)
+    else:
+        monkeypatch.setenv(PARAM, limit)
+    backend, peer = forged_pair(monkeypatch)
     try:
         # A recv of another tag, so that the forged header matches no recv: it is unexpected.
         pending = backend.recv([torch.empty(4)], 1, 6)
@@ -115,14 +121,7 @@ def test_an_inline_header_without_its_bytes_fails_the_peer(monkeypatch: pytest.M
     # EAGER_INLINE (kind 6) carries its payload inside the header's message: a header that
     # announces 100 bytes and carries 3 is refused as a protocol error naming the peer, and
     # nothing is copied out of the receive buffer.
-    monkeypatch.delenv("SLUICE_TORCH_TRANSPORT", raising=False)
-    store = dist.HashStore()
-    peer = ForgedPeer(store)
-    t = threading.Thread(target=peer.take_endpoints)
-    t.start()
-    backend = st._create(store, 0, 2, timedelta(seconds=20))
-    t.join(60)
-    assert peer.error is None and peer.ctrl is not None, peer.error
+    backend, peer = forged_pair(monkeypatch)
     try:
         out = torch.full((25,), 7.0)  # 100 bytes
         pending = backend.recv([out], 1, 5)
