@@ -322,16 +322,16 @@ void Mailbox::send_ctrl(int peer, Header h, std::function<void(const Status&)> f
   });
 }
 
-void Mailbox::start_rndv_recv(int src, uint64_t id, uint64_t length, std::shared_ptr<PostedRecv> r,
-                              bool sender_dev) {
+void Mailbox::start_rndv_recv(int src, uint64_t id, uint64_t length, std::shared_ptr<PostedRecv> r) {
   Peer& p = peers_[src];
   if (!p.failed.ok()) {
     r->done(p.failed, src, 0);
     return;
   }
-  // Either side's CUDA memory takes the device endpoint; the CTS tells the sender which.
-  const bool use_dev = p.dev.valid() && (sender_dev || r->device);
-  if ((sender_dev || r->device) && !use_dev) {
+  // A CUDA recv buffer takes the device endpoint, and the CTS tells the sender so (a CUDA
+  // payload never comes as an RTS: it goes as an RTS_READ, see send_rts_read).
+  const bool use_dev = p.dev.valid() && r->device;
+  if (r->device && !use_dev) {
     Status st{ErrorCode::kProtocol, who(src) + ": a CUDA payload with no device endpoint to that rank"};
     r->done(st, src, 0);
     fail_peer(src, st);
@@ -493,7 +493,7 @@ void Mailbox::on_header(int peer, const Status& st, uint64_t bytes) {
       if (kind == kRtsRead)
         start_read(peer, id, h.length, h.region, h.offset, match);
       else
-        start_rndv_recv(peer, id, h.length, match, dev_of(h));
+        start_rndv_recv(peer, id, h.length, match);
     } else if (match) {
       match->done(truncated(peer, h.tag, h.length, match->n), peer, 0);
       send_ctrl(peer, {match->n, h.length, make_kind(kNack, id)}, [this, peer](const Status& st) {
@@ -505,7 +505,6 @@ void Mailbox::on_header(int peer, const Status& st, uint64_t bytes) {
       u->tag = h.tag;
       u->length = h.length;
       u->rndv_id = id;
-      u->rndv_dev = dev_of(h);
       u->rndv_read = kind == kRtsRead;
       u->region = h.region;
       u->offset = h.offset;
@@ -739,7 +738,7 @@ void Mailbox::recv(int src, uint64_t tag, const Buffer& b, Done done) {
             if (u->rndv_read)
               start_read(u->src, u->rndv_id, u->length, u->region, u->offset, r);
             else
-              start_rndv_recv(u->src, u->rndv_id, u->length, r, u->rndv_dev);
+              start_rndv_recv(u->src, u->rndv_id, u->length, r);
           } else {
             r->done(truncated(u->src, u->tag, u->length, r->n), u->src, 0);
             int src = u->src;
@@ -805,7 +804,7 @@ void Mailbox::send(int dst, uint64_t tag, const Buffer& b, Done done) {
       send_rts_read(dst, s, id);
       return;
     }
-    send_ctrl(dst, {tag, n, make_kind(kRts, id, b.device)}, [this, dst](const Status& st) {
+    send_ctrl(dst, {tag, n, make_kind(kRts, id)}, [this, dst](const Status& st) {
       if (!st.ok()) fail_peer(dst, st);  // fails this send too (it waits for a CTS)
     });
   });
@@ -863,7 +862,7 @@ void Mailbox::send_eager(int dst, uint64_t tag, const void* ptr, uint64_t n, Don
 
 void Mailbox::send_rts_read(int dst, const std::shared_ptr<RndvSend>& s, uint64_t id) {
   Peer& p = peers_[dst];
-  Header h{s->tag, s->n, make_kind(kRtsRead, id, true), s->payload.id, s->offset, 0};
+  Header h{s->tag, s->n, make_kind(kRtsRead, id), s->payload.id, s->offset, 0};
   std::shared_ptr<std::string> desc;
   if (!p.announced.count(s->payload.id)) {
     try {

@@ -140,7 +140,8 @@ class Mailbox {
   };
   static constexpr uint64_t kInbox = sizeof(Header) + kMaxInlineBytes;  // a header recv's buffer
   static constexpr uint64_t kMaxDescriptor = 64 << 10;
-  // RTS: the sender's payload is CUDA memory; CTS: send the payload on the device endpoint.
+  // On a CTS: send the payload on the device endpoint (the receiver's buffer is CUDA memory).
+  // Set on no other kind; id_of() masks it.
   static constexpr uint64_t kDevBit = uint64_t(1) << 55;
   static Kind kind_of(const Header& h) { return static_cast<Kind>(h.kind_id >> 56); }
   static uint64_t id_of(const Header& h) { return h.kind_id & (kDevBit - 1); }
@@ -169,7 +170,6 @@ class Mailbox {
     bool dropped = false;  // no longer in unexpected_: release its bytes once the payload landed
     MemoryHandle handle;
     uint64_t rndv_id = 0;  // non-zero: a rendezvous header (nothing to land)
-    bool rndv_dev = false;  // that header's sender holds CUDA memory
     bool rndv_read = false;  // RTS_READ: read `length` bytes at (region, offset) of the sender
     uint64_t region = 0, offset = 0;
     bool arrived = false;
@@ -244,8 +244,7 @@ class Mailbox {
   void send_rts_read(int dst, const std::shared_ptr<RndvSend>& s, uint64_t id);
   void on_nack(int peer, uint64_t id, uint64_t their_n);
   // A recv matched the RTS `id` from `src`: post the recv into it and clear the send.
-  // `sender_dev`: the RTS said the sender's payload is CUDA memory.
-  void start_rndv_recv(int src, uint64_t id, uint64_t length, std::shared_ptr<PostedRecv> r, bool sender_dev);
+  void start_rndv_recv(int src, uint64_t id, uint64_t length, std::shared_ptr<PostedRecv> r);
   void drop_payload(RndvSend& s);  // unregisters the payload if the mailbox registered it
   // A landing's engine op ended with `st`: drops it (and its registration, if ours) and says
   // how its recv ends (`what` prefixes the engine's message).
