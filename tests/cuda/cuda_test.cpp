@@ -465,6 +465,22 @@ std::unique_ptr<Child> spawn_child(int dev) {
   return c;
 }
 
+// The set-up of the cross-process nvlink tests: a child process (on the second GPU where
+// there is one) and this process's nvlink endpoint to it. Members go in reverse order: the
+// endpoint and engine close before the child is reaped.
+struct ChildPeer {
+  std::unique_ptr<Child> child;
+  Engine e{quiet()};
+  Endpoint ep;
+};
+
+void connect_child(ChildPeer* p) {
+  p->child = spawn_child(second_device());
+  ASSERT_TRUE(p->child && !p->child->info.empty()) << "child did not start";
+  p->ep = p->e.connect(p->child->info);
+  ASSERT_EQ(p->ep.transport(), "nvlink");
+}
+
 __attribute__((unused)) void fill_on_stream(void* dst, uint8_t v, size_t n, cudaStream_t s) {
   cudaMemsetAsync(dst, v, n, s);
 }
@@ -476,11 +492,9 @@ __attribute__((unused)) void fill_on_stream(void* dst, uint8_t v, size_t n, cuda
 // or import (an export cached by base address handed out the freed buffer's IPC handle).
 TEST(Nvlink, ReallocatedBufferAtTheSameAddressIsTheNewOne) {
   NEED_GPUS(1);
-  auto child = spawn_child(second_device());
-  ASSERT_TRUE(child && !child->info.empty()) << "child did not start";
-  Engine e(quiet());
-  auto ep = e.connect(child->info);
-  ASSERT_EQ(ep.transport(), "nvlink");
+  ChildPeer peer;
+  ASSERT_NO_FATAL_FAILURE(connect_child(&peer));
+  auto& [child, e, ep] = peer;
   const size_t n = 1 << 20;
   auto dst = e.allocate(n, Location::host());
   std::vector<uint8_t> got(n);
@@ -502,11 +516,9 @@ TEST(Nvlink, ReallocatedBufferAtTheSameAddressIsTheNewOne) {
 
 TEST(Nvlink, CrossProcessOffsetsImmAndStreams) {
   NEED_GPUS(1);
-  auto child = spawn_child(second_device());
-  ASSERT_TRUE(child && !child->info.empty()) << "child did not start";
-  Engine e(quiet());
-  auto ep = e.connect(child->info);
-  ASSERT_EQ(ep.transport(), "nvlink");
+  ChildPeer peer;
+  ASSERT_NO_FATAL_FAILURE(connect_child(&peer));
+  auto& [child, e, ep] = peer;
   auto tensor = ep.remote_region("tensor");
   auto alloc = ep.remote_region("alloc");
   ASSERT_TRUE(tensor && alloc);
@@ -593,11 +605,9 @@ TEST(Nvlink, CrossProcessOffsetsImmAndStreams) {
 // back over the same endpoint.
 TEST(Nvlink, CrossProcessPosts) {
   NEED_GPUS(1);
-  auto child = spawn_child(second_device());
-  ASSERT_TRUE(child && !child->info.empty()) << "child did not start";
-  Engine e(quiet());
-  auto ep = e.connect(child->info);
-  ASSERT_EQ(ep.transport(), "nvlink");
+  ChildPeer peer;
+  ASSERT_NO_FATAL_FAILURE(connect_child(&peer));
+  auto& [child, e, ep] = peer;
   ASSERT_TRUE(ep.capabilities().rma_post && ep.capabilities().signal);
   auto tensor = ep.remote_region("tensor"), alloc = ep.remote_region("alloc");
   auto hostalloc = ep.remote_region("hostalloc"), plain = ep.remote_region("plain");
