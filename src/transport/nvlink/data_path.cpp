@@ -244,6 +244,7 @@ struct CopyPlan {
   std::vector<cma::Span> spans;  // CMA reads, done together
   std::vector<same_host::PullPiece> pulls;
   std::vector<std::shared_ptr<std::vector<uint8_t>>> staged;
+  std::vector<std::shared_ptr<void>> keep;  // pinned mappings async copies use (Inflight::keep)
   int next = 0;                 // the stream of the next cuda copy
 };
 
@@ -253,8 +254,8 @@ struct CopyPlan {
 // per stream used to f->events (none when everything completed synchronously).
 Status NvlinkEndpoint::enqueue(const TransferOp& op, cudaStream_t user, Inflight* f,
                                const std::unordered_map<uint64_t, RemoteView>& views) {
+  CopyPlan c;
   try {
-    CopyPlan c;
     c.op = &op;
     c.user = user;
     c.write = op.kind != OpKind::kRead;
@@ -288,8 +289,14 @@ Status NvlinkEndpoint::enqueue(const TransferOp& op, cudaStream_t user, Inflight
       cu::check(cudaEventRecord(e, stream_at(c, k)), "cudaEventRecord");
     }
     if (!c.pulls.empty()) post_pulls(f, c.pulls, std::move(c.staged));
+    f->keep = std::move(c.keep);
     return Status::Ok();
   } catch (const Error& e) {
+    // Copies enqueued before the failure may still read or write the mappings: they stay
+    // mapped until those copies ended (the op fails once this returns).
+    if (!c.keep.empty())
+      for (int k = 0; k < c.nstreams; ++k)
+        if (k < static_cast<int>(c.used.size()) && c.used[k]) (void)cudaStreamSynchronize(stream_at(c, k));
     return e.status();
   }
 }
@@ -306,6 +313,9 @@ void NvlinkEndpoint::copy_mapped_host(CopyPlan& c, const Seg& g, const RemoteVie
     if (c.write) std::memcpy(remote, g.local, g.length);
     else std::memcpy(g.local, remote, g.length);
   } else {
+    // From page-locked memory the copy engine runs at full speed and asynchronously (pageable
+    // memory goes through the driver's bounce buffers); the op then keeps the mapping.
+    if (pin_host_ && rv.mapping && rv.mapping->pin()) c.keep.push_back(rv.keep);
     cudaStream_t s = stream_at(c, 0);
     c.used[0] = true;
     cu::check(cudaMemcpyAsync(c.write ? remote : g.local, c.write ? g.local : remote, g.length, cudaMemcpyDefault, s),

@@ -3,6 +3,7 @@
 // deadlines, close and failure (see endpoint.hpp).
 #include <fcntl.h>
 
+#include "core/log.hpp"
 #include "core/params.hpp"
 #include "transport/nvlink/endpoint.hpp"
 
@@ -18,7 +19,30 @@ const Param<uint64_t> kSplitMin{"nvlink.split_min", "SLUICE_NVLINK_SPLIT_MIN", 8
 const Param<uint64_t> kInlineMax{"nvlink.inline_max", "SLUICE_NVLINK_INLINE_MAX", 64ull << 10, size_in(0, 1ull << 30),
                                  "ops up to this size are polled to completion on the submitting thread (no hand-off)"};
 
+const Param<bool> kPinHostMappings{"nvlink.pin_host_mappings", "SLUICE_NVLINK_PIN_HOST_MAPPINGS", true, boolean(),
+                                   "a peer's memfd host region mapped here is page-locked for CUDA (cudaHostRegister) on "
+                                   "its first copy to or from our GPU, so those copies run at copy-engine speed and "
+                                   "asynchronously; false = pageable copies"};
+
 }  // namespace
+
+bool HostMapping::pin() {
+  std::call_once(pin_once_, [this] {
+    cudaError_t e = cudaHostRegister(base, length, cudaHostRegisterPortable);
+    pinned_ = e == cudaSuccess;
+    if (!pinned_) {
+      (void)cudaGetLastError();  // not sticky, but leave no error for the next call to find
+      SLUICE_LOG(kWarn, "nvlink: cannot page-lock a peer's mapped host region of " << length << " bytes ("
+                      << cudaGetErrorString(e) << "); copies between it and the GPU stay pageable (slower)");
+    }
+  });
+  return pinned_;
+}
+
+HostMapping::~HostMapping() {
+  if (pinned_) (void)cudaHostUnregister(base);  // at exit CUDA may be gone already: nothing to do then
+  if (base) ::munmap(base, length);
+}
 
 NvlinkEndpoint::NvlinkEndpoint(const EndpointSetup& s, NvlinkHost& host, std::string peer_socket)
     : EndpointBase(s), host_(host), active_(s.active), token_(s.token), peer_socket_(std::move(peer_socket)),
@@ -27,6 +51,7 @@ NvlinkEndpoint::NvlinkEndpoint(const EndpointSetup& s, NvlinkHost& host, std::st
   nstreams_ = kStreams.get(s.config);
   split_min_ = kSplitMin.get(s.config);
   inline_max_ = kInlineMax.get(s.config);
+  pin_host_ = kPinHostMappings.get(s.config);
   // Where the engine lets waiters poll (spare cores), let them poll for about as long as
   // the copy should take, as cudaStreamSynchronize does: a sleeping waiter wakes late.
   int us = s.config.busy_wait_us;

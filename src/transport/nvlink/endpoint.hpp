@@ -84,6 +84,9 @@ struct Inflight {
   int lanes = 0;
   std::shared_ptr<LeaseHold> leases;  // released when the op's copies are done
   std::shared_ptr<PullState> pull;    // the op's writes the owner executes, if any
+  // Mappings the op's asynchronous copies read or write (pinned HostMappings): kept mapped
+  // until its events fired, even if the peer withdraws the region meanwhile.
+  std::vector<std::shared_ptr<void>> keep;
 };
 
 // Writes into a peer's host memory that is not a mapped memfd are PULL_WRITEs, as in shm: the
@@ -108,6 +111,7 @@ struct Seg {
 };
 
 struct CopyPlan;  // one enqueue() call (data_path.cpp)
+struct HostMapping;
 
 // A peer region as its owner described it over the authenticated socket, and where its bytes
 // are as seen from this process.
@@ -119,18 +123,28 @@ struct RemoteView {
   uint32_t slot = kNoLease;
   int owner_device = -1;   // cuda regions: the device the memory is on, as numbered here (-1: unknown)
   std::shared_ptr<void> keep;  // the import or mapping `ptr` points into
+  HostMapping* mapping = nullptr;  // mapped host regions: the mapping (kept alive by `keep`)
 };
 
 // Peer access from device `from` to device `to` where the hardware allows it (peer_view.cpp).
 void enable_peer_access(int from, int to);
 
 // A peer's engine-allocated (memfd) host region mapped here, as shm does.
+// A peer's memfd host region mapped here. Copies between it and our GPU run at the copy
+// engine's full speed, and asynchronously, only from page-locked memory: pin() registers the
+// mapping with CUDA once, on its first such copy (nvlink.pin_host_mappings), and it is
+// unregistered before the unmap. An op whose async copy uses it holds it (Inflight::keep).
 struct HostMapping {
   uint8_t* base = nullptr;
   uint64_t length = 0;
-  ~HostMapping() {
-    if (base) ::munmap(base, length);
-  }
+  // Registers the mapping with CUDA on the first call; true if it is page-locked (a failure
+  // is logged once and the copies stay pageable, as without the parameter).
+  bool pin();
+  ~HostMapping();
+
+ private:
+  std::once_flag pin_once_;
+  bool pinned_ = false;
 };
 
 // One of the peer's cuda allocations mapped here, and the regions that use it: the mapping is
@@ -275,6 +289,7 @@ class NvlinkEndpoint final : public EndpointBase, public StreamChannel::Handler,
   int nstreams_ = 1;
   uint64_t split_min_ = 8ull << 20;
   uint64_t inline_max_ = 64ull << 10;
+  bool pin_host_ = true;  // nvlink.pin_host_mappings
   bool poll_waiters_ = false;
   std::unique_ptr<StreamChannel> control_;
   std::atomic<std::chrono::steady_clock::rep> moving_{0};  // when work of ours last completed

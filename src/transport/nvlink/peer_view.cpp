@@ -155,6 +155,7 @@ RemoteView NvlinkEndpoint::view(uint64_t id, int device) {
         m->base = static_cast<uint8_t*>(p);
         m->length = rv.length;
         rv.ptr = m->base;
+        rv.mapping = m.get();
         rv.keep = m;
       }
     }
