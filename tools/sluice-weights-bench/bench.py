@@ -4,6 +4,13 @@ memcpy of the same bytes, measured in the same run).
 
     python tools/sluice-weights-bench/bench.py [--size-mib 256] [--tensors 1000] [--receivers 2]
         [--rounds 5] [--bucket-mib 64] [--depth 2] [--transport tcp] [--check] [--json out.json]
+        [--trainer-memory cpu|pinned|shared|cuda] [--targets cpu|cuda]
+
+``--trainer-memory``: the trainer's tensors are plain CPU tensors (``register``), pinned CPU
+tensors, copies in shareable host memory (``WeightPublisher.share``: receivers on this host
+map it) or CUDA tensors on cuda:0. ``--targets cuda``: receiver i pulls into GPU
+i % device_count; the pinned host-to-device copy of the same bytes (and, with a CUDA trainer,
+the device-to-device copy) is then measured in the same run as the ceiling.
 
 Every round each receiver runs ``update(force=True)`` (a full pull into its own tensors),
 all receivers starting together; the round's time is the slowest receiver's. ``--check``
@@ -66,7 +73,11 @@ def fill(t, pool, index: int) -> None:
         pos += n
 
 
-def trainer(conn, spec: Spec, transports) -> None:
+def crc(t) -> int:
+    return zlib.crc32(as_bytes(t).cpu().numpy())
+
+
+def trainer(conn, spec: Spec, transports, memory: str) -> None:
     import torch
 
     import sluice
@@ -74,15 +85,21 @@ def trainer(conn, spec: Spec, transports) -> None:
 
     torch.set_num_threads(1)  # see receiver()
     engine = sluice.Engine(transports=transports)
+    pub = WeightPublisher(engine, "bench")
     tensors: Dict[str, Any] = {}
     pool = torch.randint(0, 256, (2 * _POOL,), dtype=torch.uint8, generator=torch.Generator().manual_seed(1234))
+    if memory == "cuda":
+        pool = pool.cuda()
     for i, (name, dt, shape) in enumerate(spec):
-        t = torch.empty(shape, dtype=dt)
+        t = torch.empty(shape, dtype=dt, device="cuda" if memory == "cuda" else "cpu",
+                        pin_memory=memory == "pinned")
         fill(t, pool, i)
         tensors[name] = t
-    crcs = {n: zlib.crc32(as_bytes(t).numpy()) for n, t in tensors.items()}
-    pub = WeightPublisher(engine, "bench")
-    pub.register(tensors)
+    if memory == "shared":
+        tensors = pub.share(tensors)  # the originals are dropped: the trainer keeps the copies
+    else:
+        pub.register(tensors)
+    crcs = {n: crc(t) for n, t in tensors.items()}
     pub.publish(1)
     conn.send((engine.listen_address, crcs))
     conn.recv()  # stop
@@ -90,7 +107,8 @@ def trainer(conn, spec: Spec, transports) -> None:
     engine.close()
 
 
-def receiver(conn, ref: str, spec: Spec, transports, bucket_bytes: int, depth: int, rounds: int, check: bool) -> None:
+def receiver(conn, ref: str, spec: Spec, transports, bucket_bytes: int, depth: int, rounds: int, check: bool,
+             device: str) -> None:
     import torch
 
     import sluice
@@ -100,7 +118,7 @@ def receiver(conn, ref: str, spec: Spec, transports, bucket_bytes: int, depth: i
     # and spinning on a busy 2-core host made allocating the targets take 20 s.
     torch.set_num_threads(1)
     with sluice.Engine(transports=transports) as engine:
-        targets = {n: torch.zeros(s, dtype=d) for n, d, s in spec}
+        targets = {n: torch.zeros(s, dtype=d, device=device) for n, d, s in spec}
         sub = WeightSubscriber(engine, ref, bucket_bytes=bucket_bytes, depth=depth, timeout=120)
         sub.published()  # connect and read the metadata before timing
         conn.send("ready")
@@ -111,8 +129,8 @@ def receiver(conn, ref: str, spec: Spec, transports, bucket_bytes: int, depth: i
             res = sub.update(targets, force=True)
             times.append(time.perf_counter() - t0)
             conn.send(("done", res.nbytes))
-        crcs = {n: zlib.crc32(as_bytes(t).numpy()) for n, t in targets.items()} if check else {}
-        conn.send((times, crcs))
+        crcs = {n: crc(t) for n, t in targets.items()} if check else {}
+        conn.send((times, crcs, sub._ep.transport if sub._ep is not None else "?"))
         sub.close()
 
 
@@ -131,6 +149,32 @@ def memcpy_ceiling(total_bytes: int, rounds: int) -> float:
     return statistics.median(times)
 
 
+def cuda_ceilings(total_bytes: int, rounds: int, d2d: bool) -> Dict[str, float]:
+    """Median seconds of one pinned host-to-device copy of ``total_bytes`` into cuda:0 (the
+    ceiling of a GPU's ingest from host memory), and with ``d2d`` of one device-to-device copy
+    from cuda:0 to the last GPU (the same GPU when there is one)."""
+    import torch
+
+    out = {}
+    src = torch.ones(total_bytes, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(total_bytes, dtype=torch.uint8, device="cuda:0")
+    pairs = [("pinned H2D copy (one GPU)", src, dst)]
+    if d2d:
+        last = torch.cuda.device_count() - 1
+        pairs.append((f"D2D copy cuda:0 -> cuda:{last}", dst, torch.empty_like(dst, device=f"cuda:{last}")))
+    for what, a, b in pairs:
+        b.copy_(a)
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            b.copy_(a, non_blocking=True)
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        out[what] = statistics.median(times)
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--size-mib", type=int, default=256)
@@ -140,6 +184,10 @@ def main(argv=None) -> int:
     ap.add_argument("--bucket-mib", type=float, default=64)
     ap.add_argument("--depth", type=int, default=2)
     ap.add_argument("--transport", default=None, help="force a transport (tcp, shm); default: the engine's choice")
+    ap.add_argument("--trainer-memory", choices=["cpu", "pinned", "shared", "cuda"], default="cpu",
+                    help="where the trainer's tensors are (see the module doc)")
+    ap.add_argument("--targets", choices=["cpu", "cuda"], default="cpu",
+                    help="receivers pull into CPU tensors or into GPU i %% device_count")
     ap.add_argument("--check", action="store_true", help="verify every byte after the last round; exit 1 if wrong")
     ap.add_argument("--json", default=None, help="also write the results here")
     ap.add_argument("--verbose", action="store_true", help="print when each phase ends (stderr)")
@@ -166,7 +214,10 @@ def main(argv=None) -> int:
     spec = synthetic_spec(a.size_mib << 20, a.tensors)
     total = sum(torch.empty(0, dtype=d).element_size() * s[0] for _, d, s in spec)
     tconn, tchild = ctx.Pipe()
-    tp = ctx.Process(target=trainer, args=(tchild, spec, a.transport), daemon=True)
+    ngpu = torch.cuda.device_count() if (a.targets == "cuda" or a.trainer_memory in ("cuda", "pinned")) else 0
+    if (a.targets == "cuda" or a.trainer_memory in ("cuda", "pinned")) and ngpu == 0:
+        ap.error("--targets cuda / --trainer-memory cuda|pinned need a CUDA device, and torch sees none")
+    tp = ctx.Process(target=trainer, args=(tchild, spec, a.transport, a.trainer_memory), daemon=True)
     tp.start()
     kids = []
     try:
@@ -175,10 +226,12 @@ def main(argv=None) -> int:
             return 1
         ref, want = tconn.recv()
         phase("trainer published")
-        for _ in range(a.receivers):
+        for i in range(a.receivers):
             conn, child = ctx.Pipe()
+            device = f"cuda:{i % ngpu}" if a.targets == "cuda" else "cpu"
             p = ctx.Process(target=receiver, daemon=True,
-                            args=(child, ref, spec, a.transport, int(a.bucket_mib * (1 << 20)), a.depth, a.rounds, a.check))
+                            args=(child, ref, spec, a.transport, int(a.bucket_mib * (1 << 20)), a.depth, a.rounds, a.check,
+                                  device))
             p.start()
             kids.append((conn, p))
         for conn, _ in kids:
@@ -201,8 +254,10 @@ def main(argv=None) -> int:
             phase(f"round {len(rounds)}")
         per = []
         bad = []
+        used = set()
         for i, (conn, _) in enumerate(kids):
-            times, crcs = conn.recv()
+            times, crcs, transport = conn.recv()
+            used.add(transport)
             per.append(statistics.median(times))
             if a.check:
                 bad += [f"receiver {i}: {n}" for n in want if crcs.get(n) != want[n]]
@@ -219,19 +274,29 @@ def main(argv=None) -> int:
     phase("processes joined")
     ceiling = memcpy_ceiling(total, a.rounds)
     phase("memcpy measured")
+    gpu = cuda_ceilings(total, a.rounds, a.trainer_memory == "cuda") if a.targets == "cuda" else {}
+    if gpu:
+        phase("GPU copies measured")
     rnd, rcv = statistics.median(rounds), statistics.median(per)
     gb = total / 1e9
     print(f"sluice-weights-bench: {len(spec)} tensors, {total / (1 << 20):.1f} MiB, {a.receivers} receivers, "
-          f"bucket {a.bucket_mib:g} MiB x{a.depth}, transport {a.transport or 'auto'}, medians of {a.rounds} rounds")
+          f"bucket {a.bucket_mib:g} MiB x{a.depth}, transport {a.transport or 'auto'} (used: {', '.join(sorted(used))}), "
+          f"trainer {a.trainer_memory} -> targets {a.targets}, medians of {a.rounds} rounds")
     print(f"{'what':<34}{'seconds':>10}{'GB/s':>10}")
     print(f"{'memcpy ceiling (one copy)':<34}{ceiling:>10.4f}{gb / ceiling:>10.2f}")
+    for what, sec in gpu.items():
+        print(f"{what + ' ceiling':<34}{sec:>10.4f}{gb / sec:>10.2f}")
     print(f"{'sluice.weights per receiver':<34}{rcv:>10.4f}{gb / rcv:>10.2f}")
     print(f"{'sluice.weights round (all recv.)':<34}{rnd:>10.4f}{gb * a.receivers / rnd:>10.2f}  (aggregate)")
     print(f"per-receiver ingest / memcpy ceiling: {ceiling / rcv:.2f}")
+    for what, sec in gpu.items():
+        print(f"per-receiver ingest / {what}: {sec / rcv:.2f}")
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"tensors": len(spec), "bytes": total, "receivers": a.receivers, "rounds": rounds,
-                       "per_receiver_s": per, "memcpy_s": ceiling, "transport": a.transport}, f, indent=1)
+                       "per_receiver_s": per, "memcpy_s": ceiling, "gpu_ceilings_s": gpu, "transport": a.transport,
+                       "transports_used": sorted(used), "trainer_memory": a.trainer_memory, "targets": a.targets},
+                      f, indent=1)
     if a.check:
         if bad:
             print(f"sluice-weights-bench: WRONG BYTES in {len(bad)} tensors: {bad[:5]}", file=sys.stderr)

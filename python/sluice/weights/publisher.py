@@ -20,13 +20,16 @@ log = logging.getLogger("sluice.weights")
 NamedTensors = Union[Mapping[str, object], Iterable[Tuple[str, object]]]
 
 _MIN_META = 4096
+_SHARE_ALIGN = 256  # share(): each tensor's offset in its block (any dtype's alignment, and the GPU's)
 
 
 class WeightPublisher:
     """Exposes a trainer's tensors to :class:`~sluice.weights.WeightSubscriber` s.
 
-    ``register(named_tensors)`` registers each tensor once as a region of ``engine`` (the
-    tensors stay owned by the caller; keep them alive and in place); ``publish(version)``
+    ``register(named_tensors)`` registers each tensor (CPU or CUDA) once as a region of
+    ``engine`` (the tensors stay owned by the caller; keep them alive and in place);
+    ``share(named_tensors)`` copies them into shareable host memory instead, which receivers
+    on this host read fastest (and their GPUs with the copy engine); ``publish(version)``
     declares the registered bytes to be ``version``. Receivers READ the tensors themselves,
     one-sided: the trainer's threads serve them, its Python code does nothing per update.
 
@@ -55,6 +58,8 @@ class WeightPublisher:
         self._meta_buf = None
         self._meta_handle = None
         self._table: bytes = b""
+        self._blocks: List[Tuple[object, int]] = []  # share(): (buffer, handle) of each block
+        self._cuda_devices: set = set()  # devices of registered CUDA tensors (publish() syncs them)
         self._closed = False
         self._stop = threading.Event()
         self._accept_thread: Optional[threading.Thread] = None
@@ -67,35 +72,12 @@ class WeightPublisher:
     # ------------------------------------------------------------ registration
 
     def register(self, named_tensors: NamedTensors) -> None:
-        """Register tensors (a dict or (name, tensor) pairs): contiguous CPU tensors of any
-        dtype (fp8 included). A name registered before must be the same tensor (a no-op);
-        new names extend the published table. Registration is done once; publish() reuses
-        the regions."""
-        t = torch()
-        items = list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
-        new: List[Tuple[str, object]] = []
-        seen = set()
-        for name, tensor in items:
-            if not isinstance(name, str) or not name:
-                raise InvalidArgumentError(f"register: tensor names must be non-empty str, got {name!r}")
-            if name in seen:
-                raise InvalidArgumentError(f"register: tensor {name!r} is given twice")
-            seen.add(name)
-            if not isinstance(tensor, t.Tensor):
-                raise InvalidArgumentError(f"register: {name!r} is a {type(tensor).__name__}, not a torch.Tensor")
-            if not tensor.is_contiguous():
-                raise TensorMismatchError(f"register: tensor {name!r} is not contiguous (call .contiguous() "
-                                          "and register the result, which you then update in place)")
-            if tensor.device.type != "cpu":
-                raise TensorMismatchError(f"register: tensor {name!r} is on {tensor.device}; this release "
-                                          "publishes CPU tensors (pinned or not); the GPU path is future work")
-            old = self._tensors.get(name)
-            if old is not None:
-                if (old.data_ptr(), old.dtype, tuple(old.shape)) != (tensor.data_ptr(), tensor.dtype, tuple(tensor.shape)):
-                    raise TensorMismatchError(f"register: tensor {name!r} is already registered as a different "
-                                              "tensor (update it in place instead)")
-                continue
-            new.append((name, tensor))
+        """Register tensors (a dict or (name, tensor) pairs): contiguous CPU (pinned or not)
+        or CUDA tensors of any dtype (fp8 included). A name registered before must be the same
+        tensor (a no-op); new names extend the published table. Registration is done once;
+        publish() reuses the regions. For receivers on this host, :meth:`share` is faster
+        for CPU weights."""
+        new = self._check_new("register", named_tensors, copying=False)
         if not new:
             return
         with self._lock:
@@ -106,20 +88,107 @@ class WeightPublisher:
                     size = nbytes(tensor)
                     region = _meta.tensor_region_name(self._name, len(self._infos)) if size else None
                     handle = self._engine.register(tensor, name=region) if size else 0
-                    self._handles.append(handle)
-                    self._infos.append(_meta.TensorInfo(name, dtype_name(tensor), tuple(int(d) for d in tensor.shape),
-                                                        size, region, 0))
-                    self._tensors[name] = tensor
-                    self._versions.append(0)
+                    self._add(name, tensor, region, 0, handle)
             except BaseException:
-                for h in self._handles[base:]:
-                    if h:
-                        self._engine.unregister(h)
-                for info in self._infos[base:]:
-                    self._tensors.pop(info.name, None)
-                del self._infos[base:], self._handles[base:], self._versions[base:]
+                self._drop_from(base)
                 raise
             self._write_meta(new_table=True)
+
+    def share(self, named_tensors: NamedTensors) -> Dict[str, object]:
+        """Copy tensors (CPU or CUDA, any dtype, contiguous or not) into one block of
+        shareable host memory that the engine allocates (a memfd), register them there, and
+        return the copies by name: the trainer updates those in place from then on (inside
+        :meth:`updating`), and they stay valid while it holds them.
+
+        Why: a receiver on this host maps the block instead of reading the trainer's memory
+        with process_vm_readv, and its GPU copies straight out of the mapping with the copy
+        engine (page-locked once on the receiver's side: pinned host-to-device speed, no
+        staging). Across hosts the block is ordinary registered memory. Names already
+        registered or shared are refused."""
+        t = torch()
+        new = self._check_new("share", named_tensors, copying=True)
+        if not new:
+            return {}
+        offsets, total = [], 0
+        for _, tensor in new:
+            total = (total + _SHARE_ALIGN - 1) // _SHARE_ALIGN * _SHARE_ALIGN
+            offsets.append(total)
+            total += nbytes(tensor)
+        with self._lock:
+            self._need_open()
+            base = len(self._infos)
+            region = _meta.tensor_region_name(self._name, base)
+            buf, handle = self._engine.allocate(max(total, 1), name=region)
+            block = t.from_numpy(buf)
+            out: Dict[str, object] = {}
+            try:
+                for (name, tensor), off in zip(new, offsets):
+                    size = nbytes(tensor)
+                    view = block[off:off + size].view(tensor.dtype).view(tensor.shape)
+                    view.copy_(tensor)
+                    self._add(name, view, region if size else None, off if size else 0, 0)
+                    out[name] = view
+            except BaseException:
+                self._drop_from(base)
+                self._engine.unregister(handle)
+                raise
+            self._blocks.append((buf, handle))
+            self._write_meta(new_table=True)
+        return out
+
+    def _check_new(self, what: str, named_tensors: NamedTensors, *, copying: bool) -> List[Tuple[str, object]]:
+        t = torch()
+        items = list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
+        new: List[Tuple[str, object]] = []
+        seen = set()
+        for name, tensor in items:
+            if not isinstance(name, str) or not name:
+                raise InvalidArgumentError(f"{what}: tensor names must be non-empty str, got {name!r}")
+            if name in seen:
+                raise InvalidArgumentError(f"{what}: tensor {name!r} is given twice")
+            seen.add(name)
+            if not isinstance(tensor, t.Tensor):
+                raise InvalidArgumentError(f"{what}: {name!r} is a {type(tensor).__name__}, not a torch.Tensor")
+            if tensor.device.type not in ("cpu", "cuda"):
+                raise TensorMismatchError(f"{what}: tensor {name!r} is on {tensor.device}; CPU and CUDA tensors "
+                                          "are published")
+            if copying:
+                if name in self._tensors:
+                    raise TensorMismatchError(f"{what}: tensor {name!r} is already published")
+                new.append((name, tensor))
+                continue
+            if not tensor.is_contiguous():
+                raise TensorMismatchError(f"{what}: tensor {name!r} is not contiguous (call .contiguous() "
+                                          "and register the result, which you then update in place)")
+            old = self._tensors.get(name)
+            if old is not None:
+                if (old.data_ptr(), old.dtype, tuple(old.shape)) != (tensor.data_ptr(), tensor.dtype, tuple(tensor.shape)):
+                    raise TensorMismatchError(f"register: tensor {name!r} is already registered as a different "
+                                              "tensor (update it in place instead)")
+                continue
+            new.append((name, tensor))
+        return new
+
+    def _add(self, name: str, tensor, region: Optional[str], offset: int, handle: int) -> None:
+        self._handles.append(handle)
+        self._infos.append(_meta.TensorInfo(name, dtype_name(tensor), tuple(int(d) for d in tensor.shape),
+                                            nbytes(tensor), region, offset))
+        self._tensors[name] = tensor
+        self._versions.append(0)
+        if tensor.device.type == "cuda":
+            self._cuda_devices.add(tensor.device.index or 0)
+
+    def _drop_from(self, base: int) -> None:
+        """Undo the _add()s from index ``base`` on (a register/share that failed midway)."""
+        for h in self._handles[base:]:
+            if h:
+                self._engine.unregister(h)
+        for info in self._infos[base:]:
+            self._tensors.pop(info.name, None)
+        del self._infos[base:], self._handles[base:], self._versions[base:]
+        t = torch()
+        self._cuda_devices = {x.device.index or 0 for x in self._tensors.values()
+                              if isinstance(x, t.Tensor) and x.device.type == "cuda"}
 
     # ------------------------------------------------------------ versions
 
@@ -153,6 +222,12 @@ class WeightPublisher:
                     picked.append(index[n])
                 for i in picked:
                     self._versions[i] = version
+            # CUDA tensors: the kernels that changed them (on each device's current stream)
+            # must be done before receivers may read.
+            if self._cuda_devices:
+                t = torch()
+                for d in sorted(self._cuda_devices):
+                    t.cuda.current_stream(d).synchronize()
             self._version = version
             self._seq += 2 if self._seq % 2 == 0 else 1
             self._write_meta(new_table=False)
@@ -209,8 +284,11 @@ class WeightPublisher:
                 return
             self._closed = True
             self._stop.set()
-            handles = [h for h in self._handles if h] + ([self._meta_handle] if self._meta_handle else [])
+            handles = ([h for h in self._handles if h] + [h for _, h in self._blocks] +
+                       ([self._meta_handle] if self._meta_handle else []))
             self._handles, self._meta_handle = [], None
+            # The blocks' buffers stay mapped while the caller holds the tensors share() returned.
+            self._blocks = []
         unregister_all(self._engine, handles)
 
     def __enter__(self) -> "WeightPublisher":

@@ -69,7 +69,7 @@ class WeightSubscriber:
         self._instance: Optional[int] = None
         self._scratch = None  # (numpy buffer, handle) for metadata reads
         self._targets: Dict[str, Tuple[object, int]] = {}  # name -> (tensor, handle)
-        self._have: Dict[str, Tuple[int, int, int]] = {}  # name -> (instance, version, data_ptr)
+        self._have: Dict[str, Tuple[int, int, tuple]] = {}  # name -> (instance, version, _where(target))
         self._closed = False
 
     @staticmethod
@@ -83,10 +83,11 @@ class WeightSubscriber:
                names: Optional[Iterable[str]] = None, *, force: bool = False,
                timeout: Optional[float] = None) -> UpdateResult:
         """Pull into ``targets`` (name -> tensor of the published dtype and shape, contiguous,
-        CPU) every tensor whose published version differs from what this subscriber last
+        CPU or CUDA, whatever the trainer's tensor is on) every tensor whose published version differs from what this subscriber last
         pulled into that same tensor (``force``: all of them). ``names``: only these.
 
-        ``on_bucket(pairs)`` gets the ``[(name, tensor), ...]`` a bucket completed, while the
+        ``on_bucket(pairs)`` gets the ``[(name, tensor), ...]`` a bucket completed (CUDA
+        targets: the bytes are on the device, visible to any stream), while the
         next buckets are in flight (``model.load_weights(pairs)`` fits). Raises
         :class:`TensorMismatchError` before moving a byte if a target does not match,
         :class:`TrainerLostError` (naming the trainer) if it cannot be reached or dies, within
@@ -107,7 +108,7 @@ class WeightSubscriber:
         for name in selected:
             tensor = targets[name]
             info, version = infos[name]
-            if not force and self._have.get(name) == (snap.instance, version, tensor.data_ptr()):
+            if not force and self._have.get(name) == (snap.instance, version, _where(tensor)):
                 result.unchanged.append(name)
                 continue
             result.updated.append(name)
@@ -126,7 +127,7 @@ class WeightSubscriber:
             raise WeightsChangedError(f"trainer {self._ref!r} withdrew tensors during the update: {e}") from e
         self._check_unchanged(snap, deadline)
         for name in result.updated:
-            self._have[name] = (snap.instance, infos[name][1], targets[name].data_ptr())
+            self._have[name] = (snap.instance, infos[name][1], _where(targets[name]))
         result.nbytes = sum(b.nbytes for b in buckets)
         result.buckets = len(buckets)
         result.seconds = time.monotonic() - t0
@@ -203,8 +204,8 @@ class WeightSubscriber:
                 problems.append(f"{name!r}: target is a {type(tensor).__name__}, not a torch.Tensor")
             elif dtype_name(tensor) != info.dtype or tuple(tensor.shape) != info.shape:
                 problems.append(f"{name!r}: published {info.dtype}{list(info.shape)}, target is {describe(tensor)}")
-            elif tensor.device.type != "cpu":
-                problems.append(f"{name!r}: target is on {tensor.device}; this release receives into CPU tensors")
+            elif tensor.device.type not in ("cpu", "cuda"):
+                problems.append(f"{name!r}: target is on {tensor.device}; targets are CPU or CUDA tensors")
             elif not tensor.is_contiguous():
                 problems.append(f"{name!r}: target is not contiguous")
             elif nbytes(tensor) != info.nbytes:
@@ -360,7 +361,7 @@ class WeightSubscriber:
         held = self._targets.get(name)
         if held is not None:
             old, h = held
-            if old is tensor or (old.data_ptr() == tensor.data_ptr() and nbytes(old) == nbytes(tensor)):
+            if old is tensor or (_where(old) == _where(tensor) and nbytes(old) == nbytes(tensor)):
                 return h
             del self._targets[name]
             self._engine.unregister(h)
@@ -409,6 +410,11 @@ class WeightSubscriber:
                     except SluiceError:
                         pass
             raise
+
+
+def _where(tensor) -> tuple:
+    """Where a target's bytes are: a CUDA and a host pointer may be the same number."""
+    return (tensor.device.type, tensor.device.index, tensor.data_ptr())
 
 
 def _few(names: Sequence[str]) -> str:

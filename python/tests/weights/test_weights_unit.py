@@ -105,6 +105,43 @@ def test_in_process_update_and_mismatch_errors(pair):
     sub.close()
 
 
+def test_share_copies_into_one_block_and_refuses_what_it_cannot(pair):
+    a, b = pair
+    pub = WeightPublisher(a, "m")
+    src = {"w": torch.arange(12, dtype=torch.float32).reshape(4, 3).t(),  # not contiguous: copied anyway
+           "s": torch.tensor(7, dtype=torch.int64), "e": torch.zeros(0, 2, dtype=torch.float16),
+           "b": torch.tensor([True, False, True]), "h": torch.ones(5, dtype=torch.bfloat16)}
+    shared = pub.share(src)
+    assert sorted(shared) == sorted(src)
+    for n, x in shared.items():
+        assert torch.equal(x, src[n]) and x.dtype == src[n].dtype and x.shape == src[n].shape
+        assert x.data_ptr() != src[n].data_ptr() or x.numel() == 0
+    ptrs = [shared[n].data_ptr() for n in ("w", "s", "b", "h")]
+    assert all(p % 256 == 0 for p in ptrs) and len(set(ptrs)) == 4
+    with pytest.raises(TensorMismatchError, match="'w'.*already published"):
+        pub.share({"w": torch.zeros(3, 4)})
+    with pytest.raises(TensorMismatchError, match="meta"):
+        pub.register({"m": torch.empty(3, device="meta")})
+    with pytest.raises(TensorMismatchError, match="meta"):
+        pub.share({"m": torch.empty(3, device="meta")})
+    with pytest.raises(sluice.InvalidArgumentError, match="given twice"):
+        pub.share([("z", torch.zeros(1)), ("z", torch.zeros(1))])
+    pub.register({"r": torch.full((2,), 3.0)})  # register and share mix in one table
+    pub.publish(1)
+    shared["w"].fill_(5.0)  # the trainer updates the shared copy in place
+    pub.publish(2, names=["w"])
+    sub = WeightSubscriber(b, a.listen_address, timeout=10)
+    got = {"w": torch.zeros(3, 4), "s": torch.zeros((), dtype=torch.int64), "e": torch.zeros(0, 2, dtype=torch.float16),
+           "b": torch.zeros(3, dtype=torch.bool), "h": torch.zeros(5, dtype=torch.bfloat16), "r": torch.zeros(2)}
+    res = sub.update(got)
+    assert sorted(res.updated) == sorted(got) and res.version == 2
+    assert (got["w"] == 5.0).all() and got["s"].item() == 7 and got["b"].tolist() == [True, False, True]
+    assert got["r"].tolist() == [3.0, 3.0] and torch.equal(got["h"], src["h"])
+    sub.close()
+    pub.close()
+    assert (shared["w"] == 5.0).all()  # the block stays mapped while the caller holds the tensors
+
+
 def test_two_publishers_need_a_name_and_bad_arguments(pair):
     a, b = pair
     p1, p2 = WeightPublisher(a, "one"), WeightPublisher(a, "two")

@@ -24,9 +24,9 @@ NAMES = sorted(n for n, _, _ in SPEC)
 
 
 class Trainer:
-    def __init__(self, spec=SPEC, listen=None, transports=None):
+    def __init__(self, spec=SPEC, listen=None, transports=None, mode="register"):
         self.conn, child = CTX.Pipe()
-        self.p = CTX.Process(target=wp.trainer, args=(child, spec, listen, transports), daemon=True)
+        self.p = CTX.Process(target=wp.trainer, args=(child, spec, listen, transports, "model", mode), daemon=True)
         self.p.start()
         assert self.conn.poll(60), "trainer did not start"
         self.ref = self.conn.recv()
@@ -88,6 +88,27 @@ def test_full_update_bytes_buckets_and_callbacks(trainer, transport):
         sub.update(targets, on_bucket=lambda pairs: seen.update(pairs), force=True)
         assert all(seen[n] is targets[n] for n in NAMES)
         sub.close()
+
+
+@pytest.mark.parametrize("transport", [None, "tcp"])
+def test_shared_block_trainer(transport):
+    """A trainer that share()s its tensors: one memfd block, tensors at offsets in it, updated
+    in place; a same-host receiver maps it (shm), a tcp one reads it as any region."""
+    t = Trainer(mode="share")
+    try:
+        with sluice.Engine(transports=transport) as e:
+            regions = {r["name"] for r in e.connect(t.ref).remote_regions() if r["name"]}
+            assert len([r for r in regions if not r.endswith("/meta")]) == 1, regions  # one block
+            targets = wp.empty_targets(SPEC)
+            sub = WeightSubscriber(e, t.ref, bucket_bytes=256 << 10)
+            assert sorted(sub.update(targets).updated) == NAMES
+            check(targets, SPEC, t.versions.get)
+            t.publish(2, ["l5.w", "embed"])  # the trainer writes the shared copies in place
+            assert sorted(sub.update(targets).updated) == ["embed", "l5.w"]
+            check(targets, SPEC, t.versions.get)
+            sub.close()
+    finally:
+        t.stop()
 
 
 def test_incremental_and_subset(trainer):

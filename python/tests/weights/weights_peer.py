@@ -35,14 +35,15 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 def fill(t: torch.Tensor, name: str, version: int) -> None:
-    """Deterministic bytes for (name, version)."""
+    """Deterministic bytes for (name, version), on whatever device ``t`` is."""
     b = as_bytes(t)
     if b.numel() == 0:
         return
     g = torch.Generator().manual_seed((zlib.crc32(name.encode()) << 16) ^ version)
-    b.copy_(torch.randint(0, 256, (b.numel(),), dtype=torch.uint8, generator=g))
+    v = torch.randint(0, 256, (b.numel(),), dtype=torch.uint8, generator=g)
     if t.dtype == torch.bool:
-        b.bitwise_and_(1)
+        v.bitwise_and_(1)
+    b.copy_(v)
 
 
 def expected(name: str, dtype, shape, version: int) -> torch.Tensor:
@@ -51,19 +52,25 @@ def expected(name: str, dtype, shape, version: int) -> torch.Tensor:
     return as_bytes(t)
 
 
-def empty_targets(spec):
-    return {n: torch.zeros(s, dtype=d) for n, d, s in spec}
+def empty_targets(spec, device="cpu"):
+    return {n: torch.zeros(s, dtype=d, device=device) for n, d, s in spec}
 
 
-def trainer(conn, spec, listen=None, transports=None, name="model"):
-    """Publish ``spec`` at version 1, send our address, then obey commands."""
+def trainer(conn, spec, listen=None, transports=None, name="model", mode="register"):
+    """Publish ``spec`` at version 1, send our address, then obey commands. ``mode``:
+    "register" (CPU tensors), "share" (CPU tensors copied into shared memory, updated there
+    from then on) or "cuda" (CUDA tensors registered)."""
     torch.set_num_threads(1)  # forked OpenMP workers spinning on a busy host cost seconds
     engine = sluice.Engine(listen=listen, transports=transports)
-    tensors = {n: torch.empty(s, dtype=d) for n, d, s in spec}
+    device = "cuda" if mode == "cuda" else "cpu"
+    tensors = {n: torch.empty(s, dtype=d, device=device) for n, d, s in spec}
     for n, t in tensors.items():
         fill(t, n, 1)
     pub = WeightPublisher(engine, name)
-    pub.register(tensors)
+    if mode == "share":
+        tensors = pub.share(tensors)
+    else:
+        pub.register(tensors)
     pub.publish(1)
     conn.send(engine.listen_address)
     while True:
