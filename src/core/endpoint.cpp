@@ -3,6 +3,7 @@
 
 #include "core/engine_impl.hpp"
 #include "core/log.hpp"
+#include "core/params.hpp"
 
 namespace sluice::detail {
 EndpointImpl::EndpointImpl(std::shared_ptr<EngineImpl> engine, const Transport* kind, EngineInfo peer, uint64_t token,
@@ -18,9 +19,7 @@ EndpointImpl::EndpointImpl(std::shared_ptr<EngineImpl> engine, const Transport* 
   // A waiter that polls saves a wake-up, but only where a spare core runs the progress
   // threads meanwhile: on a 2-core host it steals their CPU (measured here: 7.6 us round
   // trip without polling, 10-30 us with a 30 us poll).
-  int us = engine_->config().busy_wait_us;
-  if (us < 0) us = std::thread::hardware_concurrency() > 2 ? 20 : 0;
-  busy_wait_ = std::chrono::microseconds(us);
+  busy_wait_ = busy_wait_of(engine_->config());
 }
 
 EndpointImpl::~EndpointImpl() { close_transport({ErrorCode::kCancelled, "endpoint destroyed"}); }

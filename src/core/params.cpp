@@ -1,5 +1,7 @@
 #include "core/params.hpp"
 
+#include <thread>
+
 #include <algorithm>
 #include <charconv>
 #include <cstdlib>
@@ -37,6 +39,12 @@ const ParamSpec* find_param(std::string_view name) {
 const char* env_text(const std::string& env) {
   const char* v = std::getenv(env.c_str());
   return (v && *v) ? v : nullptr;
+}
+
+std::chrono::microseconds busy_wait_of(const EngineConfig& c) {
+  int us = c.busy_wait_us;
+  if (us < 0) us = std::thread::hardware_concurrency() > 2 ? 20 : 0;
+  return std::chrono::microseconds(us);
 }
 
 void log_params(const EngineConfig& c) {

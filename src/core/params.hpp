@@ -9,6 +9,8 @@
 //   uint64_t split = kSplitMin.get(setup.config);
 #pragma once
 
+#include <chrono>
+
 #include <cstdint>
 #include <functional>
 #include <string>
@@ -47,6 +49,11 @@ const ParamSpec* find_param(std::string_view name);
 const char* env_text(const std::string& env);
 // One info line per parameter with its effective value (called when an engine starts).
 void log_params(const EngineConfig& c);
+
+// EngineConfig::busy_wait_us resolved: how long a waiting thread polls before it sleeps. -1
+// means 0 on a host of at most 2 hardware threads (a poller steals the progress threads'
+// CPU there), else 20 us.
+std::chrono::microseconds busy_wait_of(const EngineConfig& c);
 
 // Strict parsers. Errors are Error(kInvalidArgument) naming `where`.
 uint64_t parse_size(const std::string& where, const std::string& text);  // digits, K/M/G suffix

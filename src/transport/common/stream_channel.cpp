@@ -632,7 +632,8 @@ void StreamChannel::reader_loop() {
   handler_->on_channel_down(*this, why);
 }
 
-WaiterReceive::WaiterReceive() : wakefd_(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK)) {
+WaiterReceive::WaiterReceive(std::chrono::microseconds spin)
+    : wakefd_(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK)), spin_(spin) {
   if (wakefd_ < 0) throw Error(ErrorCode::kSystem, "waiting-thread receive: eventfd: " + std::string(std::strerror(errno)));
 }
 
@@ -650,6 +651,7 @@ bool WaiterReceive::may_drive_here() { return !tls_transport_thread && !Fiber::c
 void WaiterReceive::run(StreamChannel** lent, int n, const std::atomic<bool>& done, Clock::time_point deadline,
                         const char* who) {
   pollfd fds[kMaxLent + 1];
+  auto spin_until = spin_.count() > 0 ? Clock::now() + spin_ : Clock::time_point{};
   while (n > 0) {
     auto now = Clock::now();
     if (now >= deadline) break;
@@ -672,7 +674,9 @@ void WaiterReceive::run(StreamChannel** lent, int n, const std::atomic<bool>& do
     fds[n] = {wakefd_, POLLIN, 0};
     timespec ts{};
     timespec* tsp = nullptr;
-    if (until != Clock::time_point::max()) {
+    if (now < spin_until) {
+      tsp = &ts;  // polling: a zero timeout, no sleep
+    } else if (until != Clock::time_point::max()) {
       auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(std::max(until - now, Clock::duration{})).count();
       ts.tv_sec = static_cast<time_t>(ns / 1000000000);
       ts.tv_nsec = static_cast<long>(ns % 1000000000);
@@ -684,11 +688,13 @@ void WaiterReceive::run(StreamChannel** lent, int n, const std::atomic<bool>& do
       SLUICE_LOG(kError, who << ": poll on a waiting thread: " << std::strerror(errno));
       break;
     }
+    if (r == 0 && !busy && now < spin_until) continue;  // nothing yet: poll again while the spin lasts
     if (fds[n].revents) {
       uint64_t v;
       (void)!::read(wakefd_, &v, sizeof(v));
     }
     now = Clock::now();
+    if (r > 0 && spin_.count() > 0) spin_until = now + spin_;  // input: the next answer may be as close
     int kept = 0;
     for (int i = 0; i < n; ++i) {
       StreamChannel* ch = lent[i];

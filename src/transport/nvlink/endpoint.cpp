@@ -54,9 +54,7 @@ NvlinkEndpoint::NvlinkEndpoint(const EndpointSetup& s, NvlinkHost& host, std::st
   pin_host_ = kPinHostMappings.get(s.config);
   // Where the engine lets waiters poll (spare cores), let them poll for about as long as
   // the copy should take, as cudaStreamSynchronize does: a sleeping waiter wakes late.
-  int us = s.config.busy_wait_us;
-  if (us < 0) us = std::thread::hardware_concurrency() > 2 ? 20 : 0;
-  poll_waiters_ = us > 0;
+  poll_waiters_ = busy_wait_of(s.config).count() > 0;
   // A mark every few posts, never more than the depth: a poster held back by post.depth
   // waits for a post that a mark will complete.
   mark_every_ = std::min<size_t>(16, post_depth(s.config));

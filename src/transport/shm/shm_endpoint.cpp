@@ -114,6 +114,7 @@ ShmEndpoint::ShmEndpoint(const EndpointSetup& s, Host& host, std::string peer_so
       token_(s.token),
       peer_socket_(std::move(peer_socket)),
       timeout_(s.config.connect_timeout),
+      waiter_(busy_wait_of(s.config)),
       copy_delay_ms_(kCopyDelayMs.read()),
       inline_max_(kInlineMax.get(s.config)) {
   pending_.set_post_handler([this](const std::shared_ptr<TransferOp>& op, const Status& st) { on_post_done(op, st); });

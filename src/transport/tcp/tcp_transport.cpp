@@ -183,6 +183,7 @@ class TcpEndpoint final : public EndpointBase,
   using Clock = std::chrono::steady_clock;
   TcpEndpoint(const EndpointSetup& s, std::shared_ptr<Redialer> redialer)
       : EndpointBase(s),
+        waiter_(busy_wait_of(s.config)),
         redialer_(std::move(redialer)),
         active_(s.active),
         peer_id_(s.peer.engine_id),

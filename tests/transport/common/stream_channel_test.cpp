@@ -629,6 +629,56 @@ TEST(WaiterReceive, TheFrameThatEndsTheWaitIsHandledOnTheDriver) {
   ch.join();
 }
 
+// With a spin (busy_wait_us) the driver polls without sleeping for that long after it starts
+// and after each input, then sleeps in ppoll as before: a frame within the spin, and one long
+// after it, are both handled on the driver; setting `done` ends a spinning drive at once.
+TEST(WaiterReceive, ASpinningDriverHandlesFramesInAndAfterTheSpin) {
+  for (int late_ms : {5, 150}) {
+    auto [mine, theirs] = tcp_pair();
+    DoneHandler h;
+    StreamChannel ch(std::move(mine), &h, 0);
+    ch.start();
+    WaiterReceive w(std::chrono::microseconds(50000));  // 50 ms
+    std::thread peer([fd = theirs.fd(), late_ms] {
+      std::this_thread::sleep_for(std::chrono::milliseconds(late_ms));
+      send_ack(fd);
+    });
+    const bool drove = w.drive([&](StreamChannel** out, int max) {
+      if (max < 1 || !lend_soon(ch)) return 0;
+      out[0] = &ch;
+      return 1;
+    }, h.done, std::chrono::steady_clock::now() + std::chrono::seconds(10), "test");
+    peer.join();
+    EXPECT_TRUE(drove) << late_ms;
+    ASSERT_TRUE(h.done.load()) << late_ms;
+    EXPECT_EQ(h.thread_of(0), std::this_thread::get_id()) << "frame after " << late_ms << " ms not handled on the driver";
+    ch.shutdown();
+    ch.join();
+  }
+  auto [mine, theirs] = tcp_pair();
+  ThreadHandler h;
+  StreamChannel ch(std::move(mine), &h, 0);
+  ch.start();
+  WaiterReceive w(std::chrono::microseconds(10000000));  // 10 s: only `done` can end it early
+  std::atomic<bool> done{false};
+  std::thread setter([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    done = true;
+  });
+  const auto t0 = std::chrono::steady_clock::now();
+  w.drive([&](StreamChannel** out, int) {
+    if (!lend_soon(ch)) return 0;
+    out[0] = &ch;
+    return 1;
+  }, done, std::chrono::steady_clock::now() + std::chrono::seconds(30), "test");
+  setter.join();
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(5)) << "a spinning drive outlived its done flag";
+  send_ack(theirs.fd());  // given back: the reactor reads again
+  EXPECT_TRUE(wait_count(h.frames, 1));
+  ch.shutdown();
+  ch.join();
+}
+
 TEST(WaiterReceive, InterruptEndsTheSleepAndOneDriverAtATime) {
   auto [mine, theirs] = tcp_pair();
   ThreadHandler h;

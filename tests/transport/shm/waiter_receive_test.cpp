@@ -103,6 +103,35 @@ TEST_F(ShmWaiter, SendAckCompletesOnTheWaitingThread) {
   EXPECT_EQ(std::memcmp(la_.data(), lb_.data(), 64), 0);
 }
 
+// Waiters that spin (busy_wait_us) before they sleep: sends and PULL_WRITEs complete with
+// the right bytes, whichever side's waiter or reactor gets each answer.
+TEST(ShmWaiterSpin, SendsAndWritesCompleteWithSpinningWaiters) {
+  EngineConfig c = engine_config("shm", 2, 10s);
+  c.busy_wait_us = 2000;
+  Engine a(c), b(c);
+  std::vector<uint8_t> la(1 << 16), lb(1 << 16);
+  auto ha = a.register_memory(la.data(), la.size(), Location::host(), "a");
+  auto hb = b.register_memory(lb.data(), lb.size(), Location::host(), "b");
+  auto ep = a.connect(b.local_info());
+  ASSERT_EQ(ep.transport(), "shm");
+  auto acc = b.accept(5s);
+  ASSERT_TRUE(acc.has_value());
+  Endpoint peer = *acc;
+  auto rb = ep.remote_region("b");
+  ASSERT_TRUE(rb.has_value());
+  for (int i = 0; i < 200; ++i) {
+    const uint64_t n = 1 + (i * 331) % 4096;
+    fill_pattern(la.data(), n, i);
+    std::thread receiver([&] { EXPECT_TRUE(peer.recv(hb, 0, n).wait().ok()); });  // spins, then sleeps
+    ASSERT_TRUE(ep.send(ha, 0, n).wait().ok()) << i;
+    receiver.join();
+    ASSERT_EQ(std::memcmp(la.data(), lb.data(), n), 0) << "send " << i;
+    fill_pattern(la.data(), n, i + 1000);
+    ASSERT_TRUE(ep.write({{ha, 0, *rb, 0, n}}).wait().ok()) << i;
+    ASSERT_EQ(std::memcmp(la.data(), lb.data(), n), 0) << "write " << i;
+  }
+}
+
 // Several threads wait on one endpoint at once (one drives, the others sleep until it, the
 // reactor or a copy worker completes them), mixing PULL_WRITEs, mapped writes and reads
 // (both completed on copy workers), wait() and wait_for().
