@@ -142,7 +142,7 @@ const bool kFieldsDeclared[] = {
           u64_show(&EngineConfig::max_pending_accepts), int_parse(&EngineConfig::max_pending_accepts, 1, 1 << 20)),
     field("max_queued_responses", "SLUICE_MAX_QUEUED_RESPONSES", "read responses a peer may leave unread per channel before it fails",
           u64_show(&EngineConfig::max_queued_responses), int_parse(&EngineConfig::max_queued_responses, 1, 1 << 20)),
-    field("busy_wait_us", "SLUICE_BUSY_WAIT_US", "Future::wait() polls this long before sleeping; -1 = 0 on <= 2 hardware threads, else 20",
+    field("busy_wait_us", "SLUICE_BUSY_WAIT_US", "Future::wait() polls this long before sleeping (tcp and shm waiters poll their sockets); -1 = 0 on <= 2 hardware threads, else 20",
           u64_show(&EngineConfig::busy_wait_us), int_parse(&EngineConfig::busy_wait_us, -1, 1000000)),
     field("log_level", "SLUICE_LOG_LEVEL", "error, warn, info, debug or trace",
           [](const EngineConfig& c) { return std::string(level_name(c.log_level)); },
