@@ -30,14 +30,6 @@ namespace sh = sluice::detail::same_host;
 
 namespace {
 
-
-// Sets a test-only variable for the endpoints created while it lives (ParamScope::kTest).
-struct EnvScope {
-  const char* name;
-  EnvScope(const char* n, const char* v) : name(n) { ::setenv(n, v, 1); }
-  ~EnvScope() { ::unsetenv(name); }
-};
-
 // Posts into a peer's engine-allocated memory go through this side's mapping of it (once the
 // region is described); signals then are atomic adds on the mapping. Same guarantees.
 TEST(ShmPost, MappedMemoryWritesAndSignalsInOrder) {

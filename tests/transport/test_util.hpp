@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdlib>
 #include <cstddef>
 #include <cstdint>
 
@@ -13,6 +14,16 @@ namespace sluice_test {
 
 inline constexpr uint64_t kMiB = 1ull << 20;
 inline constexpr uint64_t kPage = 4096;
+
+// Sets an environment variable for the scope (test-only knobs, ParamScope::kTest, are read
+// when an endpoint is created).
+struct EnvScope {
+  const char* name;
+  EnvScope(const char* n, const char* v) : name(n) { ::setenv(n, v, 1); }
+  ~EnvScope() { ::unsetenv(name); }
+  EnvScope(const EnvScope&) = delete;
+  EnvScope& operator=(const EnvScope&) = delete;
+};
 
 // Closes the descriptor it holds when it goes out of scope.
 struct Fd {

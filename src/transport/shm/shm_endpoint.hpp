@@ -76,6 +76,26 @@ struct PostOp : TransferOp {
   PullPiece pull{};  // the PULL_WRITE's payload
 };
 
+// One large SEND's copy cut into parts (serve_rts): the receiving thread copies part 0 and
+// the copy pool the others; the receiving thread waits for every part (it holds the copy
+// count meanwhile, so stop_io() waits for the parts too, and cancels those not started).
+struct SplitCopy {
+  std::mutex mu;
+  std::condition_variable cv;
+  int left = 0;
+  Status st;
+  void done(const Status& s) {
+    std::lock_guard<std::mutex> lk(mu);
+    if (st.ok() && !s.ok()) st = s;
+    if (--left == 0) cv.notify_all();
+  }
+  Status wait() {
+    std::unique_lock<std::mutex> lk(mu);
+    cv.wait(lk, [&] { return left == 0; });
+    return st;
+  }
+};
+
 class ShmEndpoint final : public EndpointBase,
                           public StreamChannel::Handler,
                           public same_host::ProvenEndpoint,
@@ -136,7 +156,7 @@ class ShmEndpoint final : public EndpointBase,
 
  private:
   struct Job {
-    enum Kind { kLane, kServe } kind = kLane;
+    enum Kind { kLane, kServe, kPart } kind = kLane;
     std::shared_ptr<TransferOp> op;
     uint64_t token = 0;
     size_t lane = 0;
@@ -144,6 +164,10 @@ class ShmEndpoint final : public EndpointBase,
     FrameHeader hdr{};
     std::vector<PullPiece> pull;
     Status error;  // kLane: the region description it was parked on could not be had
+    // kPart: one part of a split SEND copy (process_vm_readv of the peer's `src` into `dst`)
+    std::shared_ptr<SplitCopy> split;
+    uint8_t* dst = nullptr;
+    uint64_t src = 0, len = 0;
   };
 
   void install(net::Socket sock);
@@ -164,6 +188,9 @@ class ShmEndpoint final : public EndpointBase,
   void post_pull(const std::shared_ptr<TransferOp>& op, uint64_t token);
   void serve_pull(const Job& job);
   Status serve_rts(StreamChannel& ch, const FrameHeader& h, PayloadReader& payload);
+  // The copy of a SEND's n bytes from the peer's address src into dst (a posted recv): cut
+  // into parts over the copy pool from shm.send_split_min on, else one process_vm_readv here.
+  Status copy_send(uint8_t* dst, uint64_t src, uint64_t n);
   Status take_pull(const FrameHeader& h, PayloadReader& payload);
   Status take_ack(const FrameHeader& h, PayloadReader& payload);
   bool mapped_locked(uint64_t id) const;
@@ -202,6 +229,7 @@ class ShmEndpoint final : public EndpointBase,
   void moved() { moving_.store(std::chrono::steady_clock::now().time_since_epoch().count(), std::memory_order_relaxed); }
   const int copy_delay_ms_;  // test only (shm.test_copy_delay_ms): a copy waits this long first
   const uint64_t inline_max_;  // shm.inline_max
+  const uint64_t split_min_;   // shm.send_split_min
 
   std::mutex mu_;
   std::condition_variable idle_cv_;  // copies_ or running_ fell

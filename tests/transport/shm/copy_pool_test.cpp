@@ -5,6 +5,7 @@
 // (runs under TSan).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstring>
 #include <cstdlib>
@@ -13,6 +14,7 @@
 
 #include "../harness.hpp"
 #include "../raw_peer.hpp"
+#include "../test_util.hpp"
 #include "sluice/sluice.hpp"
 #include "transport/shm/shm_test_describe.hpp"
 
@@ -219,4 +221,81 @@ TEST(ShmCopyPool, SmallOperationsAreCopiedOnTheSubmittingThread) {
     ASSERT_TRUE(big.wait().ok());
     EXPECT_EQ(std::memcmp(local.data(), remote.data(), 192 << 10), 0);
   }
+}
+
+// A large SEND landing in a posted recv is copied in parts (shm.send_split_min) by the
+// receiving thread and the pool together: every byte lands once, in place, and nothing past
+// the recv's capacity is written (a truncated message included); a message that comes before
+// its recv (stashed) is copied as before.
+TEST(ShmCopyPool, LargeSendsAreCopiedInParts) {
+  sluice::EngineConfig c = pool_config(2);
+  c.options["shm.send_split_min"] = "64K";  // parts of 32 KiB and up: many parts per message
+  sluice::Engine a(c), b(c);
+  constexpr uint64_t kMax = (8 << 20) + 4096;
+  std::vector<uint8_t> src(kMax), dst(kMax + 4096);
+  auto hs = a.register_memory(src.data(), src.size());
+  auto hd = b.register_memory(dst.data(), dst.size());
+  sluice::Endpoint ep = a.connect(b.local_info());
+  auto acc = b.accept(5s);
+  ASSERT_TRUE(acc.has_value());
+  ASSERT_EQ(ep.transport(), "shm");
+  sluice::Endpoint peer = *acc;
+  int seed = 1;
+  for (uint64_t n : {uint64_t(64 << 10), uint64_t((64 << 10) + 1), uint64_t((1 << 20) + 77), uint64_t((8 << 20) + 4095)}) {
+    for (uint64_t cap : {n, n + 1000, n / 2 + 3}) {  // exact, larger, truncated
+      fill_pattern(src.data(), n, ++seed);
+      std::fill(dst.begin(), dst.end(), 0xEE);
+      auto r = peer.recv(hd, 0, cap);
+      auto s = ep.send(hs, 0, n);
+      ASSERT_TRUE(r.wait_for(30s) && s.wait_for(30s)) << n << " into " << cap;
+      const uint64_t got = std::min(n, cap);
+      if (cap >= n) {
+        EXPECT_TRUE(r.status().ok()) << r.status().to_string();
+        EXPECT_TRUE(s.status().ok()) << s.status().to_string();
+      } else {
+        EXPECT_FALSE(r.status().ok()) << "a " << n << "-byte message into a " << cap << "-byte recv";
+      }
+      EXPECT_EQ(0, std::memcmp(dst.data(), src.data(), got)) << n << " into " << cap;
+      EXPECT_TRUE(std::all_of(dst.begin() + got, dst.end(), [](uint8_t v) { return v == 0xEE; }))
+          << "bytes written past " << got << " (" << n << " into " << cap << ")";
+    }
+  }
+  // Before its recv: stashed whole, then copied into the recv.
+  const uint64_t n = (4 << 20) + 5;
+  fill_pattern(src.data(), n, 99);
+  auto s = ep.send(hs, 0, n);
+  ASSERT_TRUE(s.wait_for(30s) && s.status().ok()) << s.status().to_string();
+  auto r = peer.recv(hd, 0, n);
+  ASSERT_TRUE(r.wait_for(30s) && r.status().ok()) << r.status().to_string();
+  EXPECT_EQ(0, std::memcmp(dst.data(), src.data(), n));
+}
+
+// The receiving endpoint closes while a large SEND's copy is about to be cut into parts (a
+// test-only delay holds it there): the recv fails, nothing waits for parts that never run,
+// and nothing lands in the recv's buffer afterwards.
+TEST(ShmCopyPool, CloseDuringASplitSendFailsItWithoutAHang) {
+  EnvScope delay("SLUICE_SHM_TEST_COPY_DELAY_MS", "400");
+  sluice::EngineConfig c = pool_config(2);
+  c.options["shm.send_split_min"] = "64K";
+  sluice::Engine a(c), b(c);
+  constexpr uint64_t kBytes = 4 << 20;
+  std::vector<uint8_t> src(kBytes), dst(kBytes, 0);
+  fill_pattern(src.data(), src.size(), 4);
+  auto hs = a.register_memory(src.data(), src.size());
+  auto hd = b.register_memory(dst.data(), dst.size());
+  sluice::Endpoint ep = a.connect(b.local_info());
+  auto acc = b.accept(5s);
+  ASSERT_TRUE(acc.has_value());
+  sluice::Endpoint peer = *acc;
+  auto r = peer.recv(hd, 0, kBytes);
+  auto s = ep.send(hs, 0, kBytes);
+  std::this_thread::sleep_for(150ms);  // the copy has begun (counted) and sleeps
+  peer.close();
+  ASSERT_TRUE(r.wait_for(20s)) << "the recv never completed after its endpoint closed";
+  EXPECT_FALSE(r.status().ok());
+  std::vector<uint8_t> at_failure = dst;
+  ASSERT_TRUE(s.wait_for(20s)) << "the send never completed";
+  EXPECT_FALSE(s.status().ok());
+  std::this_thread::sleep_for(600ms);
+  EXPECT_EQ(0, std::memcmp(at_failure.data(), dst.data(), kBytes)) << "a part landed after the recv failed";
 }
