@@ -33,7 +33,7 @@ const Param<uint64_t> kInlineMax{"shm.inline_max", "SLUICE_SHM_INLINE_MAX", 64 <
 // One process_vm_readv moves about one core's worth of memory bandwidth; a large SEND was
 // copied by the one thread that received it (a torch rendezvous of 64 MiB: 4.9 GB/s on a
 // 16-core host, where gloo does 3.8).
-const Param<uint64_t> kSendSplitMin{"shm.send_split_min", "SLUICE_SHM_SEND_SPLIT_MIN", 2 << 20, size_in(0, 1ull << 40),
+const Param<uint64_t> kSendSplitMin{"shm.send_split_min", "SLUICE_SHM_SEND_SPLIT_MIN", 1 << 20, size_in(0, 1ull << 40),
                                     "a received SEND of at least this many bytes into a posted recv is copied in parts "
                                     "(of at least half this) by the receiving thread and the copy pool together; 0 = never"};
 
