@@ -2,9 +2,9 @@
 
     python examples/python/weight_update.py
 
-The trainer registers its model's tensors once and publishes a version after each
-"training step"; each inference process pulls into its own parameter tensors, bucket by
-bucket, with a load_weights-style callback per bucket, and only the tensors that changed.
+The trainer shares its model's tensors once (copies in shared host memory) and publishes a
+version after each "training step"; each inference process pulls into its own parameter
+tensors (on the GPU where there is one), bucket by bucket, with a load_weights-style callback per bucket, and only the tensors that changed.
 Bytes are checked; the script exits 0 when both inference processes hold every version.
 """
 from __future__ import annotations
@@ -19,6 +19,15 @@ def make_model(torch):
     model["embed.weight"] = torch.randn(1000, 256, generator=g)
     model["norm.weight"] = torch.ones(256, dtype=torch.float16)
     return model
+
+
+def checksum(t) -> int:
+    """crc32 of a tensor's bytes, wherever it lives (float sums differ between CPU and GPU)."""
+    import zlib
+
+    import torch
+
+    return zlib.crc32(t.detach().reshape(-1).view(torch.uint8).cpu().numpy())
 
 
 def train_step(torch, model, step):
@@ -36,17 +45,19 @@ def trainer(conn, steps):
     from sluice.weights import WeightPublisher
 
     engine = sluice.Engine()
-    model = make_model(torch)
     pub = WeightPublisher(engine, "policy")
-    pub.register(model)  # once: each tensor becomes a registered region
+    # Once: the tensors are copied into shared host memory (pub.register(model) would register
+    # them where they are). Receivers on this host map it: their CPU targets fill with a memcpy,
+    # their GPU targets with the copy engine. The trainer updates the copies from now on.
+    model = pub.share(make_model(torch))
     pub.publish(0)
-    conn.send((engine.listen_address, {n: model[n].float().sum().item() for n in model}))
+    conn.send((engine.listen_address, {n: checksum(model[n]) for n in model}))
     for step in range(1, steps + 1):
         conn.recv()  # the inference side finished the previous version
         pub.begin_update()  # receivers never keep half-written tensors
         changed = train_step(torch, model, step)
         pub.publish(step, names=changed)  # only these changed: receivers pull only them
-        conn.send(("published", step, {n: model[n].float().sum().item() for n in model}))
+        conn.send(("published", step, {n: checksum(model[n]) for n in model}))
     conn.recv()
     pub.close()
     engine.close()
@@ -58,7 +69,9 @@ def inference(conn, rank, trainer_ref, steps):
     import sluice
     from sluice.weights import WeightSubscriber
 
-    params = {n: torch.zeros_like(t) for n, t in make_model(torch).items()}  # the engine's own tensors
+    # The inference engine's own parameters: on the GPU where there is one.
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    params = {n: torch.zeros_like(t, device=device) for n, t in make_model(torch).items()}
     loaded = []
 
     def load_weights(pairs):  # runs while the next bucket is in flight
@@ -69,7 +82,7 @@ def inference(conn, rank, trainer_ref, steps):
             version = sub.wait_for_version(step, timeout=30)
             loaded.clear()
             res = sub.update(params, on_bucket=load_weights)
-            sums = {n: t.float().sum().item() for n, t in params.items()}
+            sums = {n: checksum(t) for n, t in params.items()}
             conn.send((rank, version, len(res.updated), res.nbytes, sorted(loaded) == sorted(res.updated), sums))
             conn.recv()
 
