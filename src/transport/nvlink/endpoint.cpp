@@ -2,6 +2,12 @@
 // its proof (passive side), attach, describing our regions to the proven peer, per-op
 // deadlines, close and failure (see endpoint.hpp).
 #include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <string>
+#include <vector>
 
 #include "core/log.hpp"
 #include "core/params.hpp"
@@ -21,13 +27,38 @@ const Param<uint64_t> kInlineMax{"nvlink.inline_max", "SLUICE_NVLINK_INLINE_MAX"
 
 const Param<bool> kPinHostMappings{"nvlink.pin_host_mappings", "SLUICE_NVLINK_PIN_HOST_MAPPINGS", true, boolean(),
                                    "a peer's memfd host region mapped here is page-locked for CUDA (cudaHostRegister) on "
-                                   "its first copy to or from our GPU, so those copies run at copy-engine speed and "
-                                   "asynchronously; false = pageable copies"};
+                                   "its first copy to or from our GPU if all its pages are in memory, so those copies run "
+                                   "at copy-engine speed and asynchronously; false = pageable copies"};
+
+}  // namespace
+
+namespace {
+
+// Pages of [base, base + length) not in memory (mincore), counted in 1 GiB steps; -1 if
+// mincore fails. Page-locking faults every page in: a peer's sparse region would make this
+// process commit memory the peer never touched, so only a fully resident mapping is locked.
+int64_t absent_pages(const uint8_t* base, uint64_t length) {
+  const uint64_t page = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
+  std::vector<unsigned char> vec((1ull << 30) / page);
+  int64_t absent = 0;
+  for (uint64_t off = 0; off < length; off += 1ull << 30) {
+    const uint64_t n = std::min<uint64_t>(1ull << 30, length - off);
+    if (::mincore(const_cast<uint8_t*>(base + off), n, vec.data()) != 0) return -1;
+    for (uint64_t i = 0; i < (n + page - 1) / page; ++i) absent += (vec[i] & 1) ? 0 : 1;
+  }
+  return absent;
+}
 
 }  // namespace
 
 bool HostMapping::pin() {
   std::call_once(pin_once_, [this] {
+    if (int64_t absent = absent_pages(base, length); absent != 0) {
+      SLUICE_LOG(kInfo, "nvlink: a peer's mapped host region of " << length << " bytes is not page-locked: "
+                            << (absent < 0 ? std::string("mincore failed") : std::to_string(absent) + " of its pages are not in memory")
+                            << "; copies between it and the GPU stay pageable");
+      return;
+    }
     cudaError_t e = cudaHostRegister(base, length, cudaHostRegisterPortable);
     pinned_ = e == cudaSuccess;
     if (!pinned_) {

@@ -137,8 +137,10 @@ void enable_peer_access(int from, int to);
 struct HostMapping {
   uint8_t* base = nullptr;
   uint64_t length = 0;
-  // Registers the mapping with CUDA on the first call; true if it is page-locked (a failure
-  // is logged once and the copies stay pageable, as without the parameter).
+  // Registers the mapping with CUDA on the first call; true if it is page-locked. Only a
+  // mapping whose pages are all in memory is locked (locking faults every page in, and a
+  // peer must not make us commit memory it never touched); a failure is logged once and the
+  // copies stay pageable, as without the parameter.
   bool pin();
   ~HostMapping();
 

@@ -1,0 +1,51 @@
+"""nvlink page-locks a peer's mapped memfd region on its first GPU copy (nvlink.pin_host_mappings)
+only when every page of it is in memory: a peer's sparse region must not make this process
+commit memory the peer never touched. Two processes on one GPU; skips without a GPU (CI has
+none; the device runs run it)."""
+
+import multiprocessing as mp
+
+import pytest
+
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA device visible to torch", allow_module_level=True)
+
+import sluice  # noqa: E402
+
+SPARSE = 256 << 20
+TOUCHED = 64 << 20
+
+
+def owner(conn):
+    with sluice.Engine() as e:
+        e.allocate(SPARSE, name="sparse")  # zero pages, never touched: not in memory
+        buf, _ = e.allocate(TOUCHED, name="touched")
+        buf[:] = 7  # every page written
+        conn.send(e.listen_address)
+        conn.recv()
+
+
+def test_only_a_resident_region_is_page_locked(capfd):
+    ctx = mp.get_context("spawn")
+    conn, child = ctx.Pipe()
+    p = ctx.Process(target=owner, args=(child,), daemon=True)
+    p.start()
+    try:
+        assert conn.poll(60), "the owner did not start"
+        ref = conn.recv()
+        with sluice.Engine(log_level="info") as e:
+            ep = e.connect(ref)
+            assert ep.transport == "nvlink"
+            dst = torch.zeros(1 << 20, dtype=torch.uint8, device="cuda")
+            h = e.register(dst)
+            for name in ("sparse", "touched"):
+                ep.read([(h, 0, ep.remote_region(name), 0, 1 << 20)]).result()
+            assert bool((dst == 7).all())  # the last read, from the touched region
+        err = capfd.readouterr().err
+        locked_not = [line for line in err.splitlines() if "is not page-locked" in line]
+        assert any(f"region of {SPARSE} bytes" in line and "not in memory" in line for line in locked_not), err[-2000:]
+        assert not any(f"region of {TOUCHED} bytes" in line for line in locked_not), err[-2000:]
+    finally:
+        conn.send("stop")
+        p.join(30)
