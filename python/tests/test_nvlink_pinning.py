@@ -18,8 +18,16 @@ TOUCHED = 64 << 20
 
 
 def owner(conn):
+    import ctypes
+
     with sluice.Engine() as e:
-        e.allocate(SPARSE, name="sparse")  # zero pages, never touched: not in memory
+        # An engine allocation is populated by its owner; a hostile or careless owner can hand
+        # out a sparse one. MADV_REMOVE punches every page out of the memfd: not in memory.
+        sparse, _ = e.allocate(SPARSE, name="sparse")
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        if libc.madvise(sparse.ctypes.data, SPARSE, 9) != 0:  # 9: MADV_REMOVE
+            raise OSError(ctypes.get_errno(), "madvise(MADV_REMOVE)")
         buf, _ = e.allocate(TOUCHED, name="touched")
         buf[:] = 7  # every page written
         conn.send(e.listen_address)
