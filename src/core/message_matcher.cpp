@@ -28,6 +28,8 @@ void MessageMatcher::finish_recv(MessageOp& op, const StashSlot& msg) {
 
 void MessageMatcher::post_recv(std::shared_ptr<MessageOp> op) {
   std::shared_ptr<StashSlot> slot;
+  uint64_t credit = 0;
+  std::weak_ptr<CreditSink> sink;
   {
     std::lock_guard<std::mutex> lk(mu_);
     if (!failed_.ok()) {
@@ -41,17 +43,26 @@ void MessageMatcher::post_recv(std::shared_ptr<MessageOp> op) {
     }
     slot = std::move(unexpected_.front());
     unexpected_.pop_front();
+    if (slot->credit) {
+      credit = slot->credit;
+      sink = std::move(slot->sink);
+      slot->credit = 0;
+    }
     if (!slot->ready) {
       slot->waiter = std::move(op);
       landing_.push_back(std::move(slot));  // so that fail_all() can reach the waiter
-      return;
+    } else {
+      unexpected_bytes_ -= slot->reserved;
     }
-    unexpected_bytes_ -= slot->reserved;
   }
-  finish_recv(*op, *slot);
+  // The message is a recv's now: its sender may queue as much again.
+  if (credit)
+    if (auto s = sink.lock()) s->release_credit(credit);
+  if (op) finish_recv(*op, *slot);
 }
 
-MessageMatcher::Claim MessageMatcher::claim(uint64_t seq, uint64_t length, bool lazy) {
+MessageMatcher::Claim MessageMatcher::claim(uint64_t seq, uint64_t length, bool lazy, uint64_t credit,
+                                            std::weak_ptr<CreditSink> sink) {
   Claim c;
   c.seq = seq;
   c.length = length;
@@ -83,7 +94,7 @@ MessageMatcher::Claim MessageMatcher::claim(uint64_t seq, uint64_t length, bool 
   }
   auto slot = std::make_shared<StashSlot>();
   slot->length = length;
-  if (unexpected_bytes_ + length > max_unexpected_) {
+  if (!credit && unexpected_bytes_ + length > max_unexpected_) {
     // The message still takes its sequence number so that later ones match correctly; the
     // recv it would have matched fails with this error.
     slot->status = {ErrorCode::kRemoteError, "receiver had no recv posted and its unexpected-message buffer (" +
@@ -95,6 +106,8 @@ MessageMatcher::Claim MessageMatcher::claim(uint64_t seq, uint64_t length, bool 
   }
   if (!lazy) slot->data.resize(length);
   slot->reserved = length;
+  slot->credit = credit;
+  slot->sink = std::move(sink);
   unexpected_bytes_ += length;
   c.dest = lazy ? nullptr : slot->data.data();
   c.capacity = length;

@@ -15,6 +15,14 @@
 
 namespace sluice::detail {
 
+// Takes back the credit of an eager message (one its sender completed as soon as it was
+// queued, within buffer space this side granted) once a recv has taken the message.
+class CreditSink {
+ public:
+  virtual ~CreditSink() = default;
+  virtual void release_credit(uint64_t bytes) = 0;
+};
+
 // A message that arrived before its recv; `ready` once all its bytes have landed. A recv
 // posted before then waits in `waiter`.
 struct StashSlot {
@@ -24,6 +32,9 @@ struct StashSlot {
   Status status;
   bool ready = false;
   std::shared_ptr<struct MessageOp> waiter;
+  // An eager message's credit, released to `sink` when a recv takes the message.
+  uint64_t credit = 0;
+  std::weak_ptr<CreditSink> sink;
 };
 
 struct MessageOp {
@@ -62,7 +73,12 @@ class MessageMatcher {
   // `lazy`: a stashed (unexpected) message gets no buffer yet (dest null, capacity = length):
   // the transport calls stash_room() as its bytes arrive, so memory follows real bytes and a
   // header announcing a huge message allocates nothing.
-  Claim claim(uint64_t seq, uint64_t length, bool lazy = false);
+  // `credit`: an eager message, which its sender already completed within buffer space this
+  // side granted (shm.eager_credit bounds it): it is stashed even past
+  // max_unexpected_bytes, since refusing it would tell nobody, and when stashed (c.stash set)
+  // the slot holds `credit` bytes until a recv takes it, then gives them to `sink`.
+  Claim claim(uint64_t seq, uint64_t length, bool lazy = false, uint64_t credit = 0,
+              std::weak_ptr<CreditSink> sink = {});
   // Grows a lazy claim's stash buffer to `size` bytes (<= its length); returns its start.
   static uint8_t* stash_room(Claim& c, uint64_t size);
   // Receive deadlines: every recv and imm_recv that nothing matched for `timeout` completes

@@ -25,6 +25,7 @@
 #include <thread>
 #include <vector>
 
+#include "transport/common/frame.hpp"
 #include "sluice/sluice.hpp"
 
 namespace sluice_test {
@@ -92,6 +93,15 @@ inline bool read_all(int fd, void* buf, size_t n, std::chrono::milliseconds time
     n -= static_cast<size_t>(r);
   }
   return true;
+}
+
+// A raw same-host peer that authenticated on a shm endpoint's socket gets the endpoint's
+// credit grant for eager SENDs first (shm.eager_max, shm.eager_credit), before any answer to
+// its own frames. Returns it (type kCredit: op_id = bytes, region = the largest message).
+inline sluice::detail::FrameHeader read_credit_grant(int fd) {
+  sluice::detail::FrameHeader h{};
+  if (!read_all(fd, &h, sizeof(h), std::chrono::seconds(5))) h.type = 0;
+  return h;
 }
 
 // Commands the parent sends to a child.

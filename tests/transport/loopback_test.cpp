@@ -321,9 +321,13 @@ INSTANTIATE_TEST_SUITE_P(Conformance, PeerUnregister, ::testing::ValuesIn(transp
 class UnexpectedBound : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(UnexpectedBound, SendsBeyondTheBufferFailAndLaterMessagesStillMatch) {
+  EngineConfig ca = engine_config(GetParam(), 2, 10s);
   EngineConfig cb = engine_config(GetParam(), 2, 10s);
   cb.max_unexpected_bytes = 64 * 1024;
-  Engine a(engine_config(GetParam(), 2, 10s));
+  // Every SEND waits for the receiver here (an eager one completes once queued, within the
+  // receiver's shm.eager_credit: ShmEager below).
+  ca.options["shm.eager_max"] = "0";
+  Engine a(ca);
   Engine b(cb);
   std::vector<uint8_t> la(256 * 1024), lb(256 * 1024, 0);
   std::mt19937_64 rng(9);
@@ -357,5 +361,64 @@ TEST_P(UnexpectedBound, SendsBeyondTheBufferFailAndLaterMessagesStillMatch) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Conformance, UnexpectedBound, ::testing::ValuesIn(transports_under_test()), transport_name);
+
+// shm's eager SENDs: a small SEND completes once queued, within the buffer space the receiver
+// granted (shm.eager_credit, each message counted with its 56-byte header). The receiver
+// holds such messages past max_unexpected_bytes (refusing one would tell nobody), and only
+// up to its grant: past it the sender falls back to the rendezvous, which waits for the
+// receiver and is refused at the bound as before. Nothing is lost or reordered either way.
+TEST(ShmEager, SendsWithinTheGrantCompleteBeforeAnyRecvAndPastItWaitForTheReceiver) {
+  EngineConfig cb = engine_config("shm", 2, 10s);
+  cb.max_unexpected_bytes = 64 * 1024;
+  cb.options["shm.eager_credit"] = std::to_string(3 * (32768 + 56));  // three 32 KiB messages
+  Engine a(engine_config("shm", 2, 10s));
+  Engine b(cb);
+  std::vector<uint8_t> la(512 * 1024), lb(512 * 1024, 0);
+  std::mt19937_64 rng(11);
+  fill_random(la.data(), la.size(), rng);
+  auto ha = a.register_memory(la.data(), la.size());
+  auto hb = b.register_memory(lb.data(), lb.size());
+  Endpoint ep = a.connect(b.local_info());
+  auto peer = b.accept(5s);
+  ASSERT_TRUE(peer.has_value());
+  // A grant (and a credit given back) reaches the sender on the control channel, in order
+  // with the receiver's own messages: once a message the receiver sent afterwards arrived,
+  // the sender holds the grant.
+  auto sync = [&] {
+    auto r = ep.recv(ha, 500 * 1024, 8);
+    ASSERT_TRUE(peer->send(hb, 500 * 1024, 8).wait().ok());
+    ASSERT_TRUE(r.wait().ok());
+  };
+  sync();
+  // 0 and 1 would fit the 64 KiB stash either way; 2 only as an eager message (the grant
+  // holds three); 3 is past both: a rendezvous, refused at the bound.
+  std::vector<Future> sends;
+  for (int i = 0; i < 4; ++i) sends.push_back(ep.send(ha, i * 32768, 32768));
+  for (int i = 0; i < 3; ++i) EXPECT_TRUE(sends[i].wait().ok()) << "send " << i << ": " << sends[i].status().to_string();
+  Status fourth = sends[3].wait();
+  EXPECT_EQ(fourth.code, ErrorCode::kRemoteError) << "a send past the grant and the stash bound: " << fourth.to_string();
+  std::vector<Future> recvs;
+  for (int i = 0; i < 4; ++i) recvs.push_back(peer->recv(hb, i * 32768, 32768));
+  for (int i = 0; i < 3; ++i) EXPECT_TRUE(recvs[i].wait().ok()) << "recv " << i;
+  EXPECT_FALSE(recvs[3].wait().ok());
+  EXPECT_EQ(0, std::memcmp(lb.data(), la.data(), 3 * 32768));
+  // The recvs gave the grant back: three more go eager with no recv posted, past the stash
+  // bound of a rendezvous (64 KiB) again.
+  sync();
+  std::vector<Future> more;
+  for (int i = 0; i < 3; ++i) more.push_back(ep.send(ha, (4 + i) * 32768, 32768));
+  for (auto& f : more) EXPECT_TRUE(f.wait().ok()) << f.status().to_string();
+  for (int i = 0; i < 3; ++i) ASSERT_TRUE(peer->recv(hb, (4 + i) * 32768, 32768).wait().ok());
+  EXPECT_EQ(0, std::memcmp(lb.data() + 4 * 32768, la.data() + 4 * 32768, 3 * 32768));
+  // A message larger than its recv: the eager send has completed; the recv gets the first
+  // bytes and kTruncated, and nothing lands past its buffer.
+  std::fill(lb.begin(), lb.end(), 0);
+  ASSERT_TRUE(ep.send(ha, 0, 4000).wait().ok());
+  auto small = peer->recv(hb, 0, 1000);
+  EXPECT_EQ(small.wait().code, ErrorCode::kTruncated);
+  EXPECT_EQ(0, std::memcmp(lb.data(), la.data(), 1000));
+  EXPECT_EQ(lb[1000], 0);
+  EXPECT_TRUE(ep.connected());
+}
 
 INSTANTIATE_TEST_SUITE_P(Conformance, LoopbackTest, ::testing::ValuesIn(transports_under_test()), transport_name);

@@ -157,6 +157,10 @@ TEST_F(SameHost, ProvenPeerReachesOnlyRegisteredRegions) {
   ASSERT_EQ(attach(6161), ErrorCode::kOk);
   auto acc = victim_->accept(2s);
   ASSERT_TRUE(acc.has_value());
+  FrameHeader grant = read_credit_grant(ctl.fd());
+  ASSERT_EQ(grant.type, static_cast<uint8_t>(FrameType::kCredit));
+  EXPECT_EQ(grant.region, 64u * 1024) << "the largest eager SEND (shm.eager_max)";
+  EXPECT_EQ(grant.op_id, 4u << 20) << "the eager bytes granted (shm.eager_credit)";
 
   auto pull = [&](const std::vector<sh::PullPiece>& pieces) {
     FrameHeader h = make_frame(FrameType::kPullWrite, 99, 0, 0, pieces.size() * sizeof(sh::PullPiece), 0);
@@ -276,6 +280,114 @@ TEST_F(SameHost, SilentLocalClientsDoNotStallTheSocket) {
   EXPECT_EQ(ep.transport(), "shm");
   EXPECT_LT(std::chrono::steady_clock::now() - t0, 3s) << "the proof waited behind silent clients";
   ep.close();
+}
+
+// Eager SENDs (shm.eager_max, shm.eager_credit) against a proven peer that ignores the rules:
+// a message the grant covers lands in its recv and its credit comes back; one larger than
+// shm.eager_max, or past the bytes granted and not yet taken, closes the channel (never an
+// unbounded stash); and the victim's own eager SENDs to the peer stay within the victim's
+// shm.eager_credit however much the peer grants (a peer that grants much and reads nothing
+// holds the victim to its own bound).
+TEST_F(SameHost, EagerSendsStayWithinTheGrant) {
+  auto proven = [&](uint64_t token, net::Socket* ctl) {
+    hello(token, info_);
+    Fd my_table{::memfd_create("test-leases", MFD_CLOEXEC)};
+    ASSERT_EQ(::ftruncate(my_table.fd, 16 * 16), 0);
+    *ctl = sh::connect(socket_);
+    sh::send(ctl->fd(), {{"op", "auth"}, {"token", token}}, my_table.fd);
+    Fd their_table;
+    json r = sh::recv(ctl->fd(), sh::Clock::now() + 5s, &their_table.fd);
+    ASSERT_FALSE(r.contains("error")) << r.dump();
+    ASSERT_EQ(attach(token), ErrorCode::kOk);
+    FrameHeader g = read_credit_grant(ctl->fd());
+    ASSERT_EQ(g.type, static_cast<uint8_t>(FrameType::kCredit));
+    ASSERT_EQ(g.region, 64u * 1024);
+    ASSERT_EQ(g.op_id, 4u << 20);
+  };
+  auto eager = [&](int fd, uint64_t seq, const std::vector<uint8_t>& bytes) {
+    FrameHeader h = make_frame(FrameType::kSend, seq, 0, 0, bytes.size());
+    std::vector<uint8_t> out(sizeof(h) + bytes.size());
+    std::memcpy(out.data(), &h, sizeof(h));
+    if (!bytes.empty()) std::memcpy(out.data() + sizeof(h), bytes.data(), bytes.size());
+    return write_all(fd, out.data(), out.size());
+  };
+  auto next_frame = [&](int fd) {
+    FrameHeader a{};
+    if (!read_all(fd, &a, sizeof(a), 5s)) return FrameHeader{};
+    std::string text(a.length, '\0');
+    if (a.length && !read_all(fd, text.data(), a.length, 5s)) return FrameHeader{};
+    return a;
+  };
+
+  // (1) Within the grant: into the posted recv, and the credit comes back.
+  {
+    net::Socket ctl;
+    ASSERT_NO_FATAL_FAILURE(proven(8181, &ctl));
+    auto acc = victim_->accept(2s);
+    ASSERT_TRUE(acc.has_value());
+    std::vector<uint8_t> msg(3000);
+    fill_pattern(msg.data(), msg.size(), 41);
+    auto r = acc->recv(hv_, 0, 1000);  // smaller than the message: the first 1000 bytes, kTruncated
+    ASSERT_TRUE(eager(ctl.fd(), 0, msg));
+    ASSERT_TRUE(r.wait_for(5s));
+    EXPECT_EQ(r.status().code, ErrorCode::kTruncated);
+    std::memcpy(snap_.data() + kPage, msg.data(), 1000);
+    expect_memory_intact();
+    FrameHeader c = next_frame(ctl.fd());
+    EXPECT_EQ(c.type, static_cast<uint8_t>(FrameType::kCredit));
+    EXPECT_EQ(c.op_id, 3000u + sizeof(FrameHeader)) << "the credit of the message comes back";
+    // (2) Larger than shm.eager_max: refused, the channel closes.
+    ASSERT_TRUE(eager(ctl.fd(), 1, std::vector<uint8_t>(64 * 1024 + 1, 7)));
+    EXPECT_EQ(next_frame(ctl.fd()).type, static_cast<uint8_t>(FrameType::kError));
+    expect_memory_intact();
+  }
+  // (3) Past the bytes granted, no recv taking them: refused at the grant, not stashed on.
+  {
+    net::Socket ctl;
+    ASSERT_NO_FATAL_FAILURE(proven(8282, &ctl));
+    auto acc = victim_->accept(2s);
+    ASSERT_TRUE(acc.has_value());
+    std::vector<uint8_t> msg(64 * 1024, 9);
+    const uint64_t fit = (4u << 20) / (msg.size() + sizeof(FrameHeader));  // 63
+    bool closed = false;
+    uint64_t seq = 0;
+    for (; seq <= fit && !closed; ++seq) closed = !eager(ctl.fd(), seq, msg);
+    FrameHeader e = next_frame(ctl.fd());
+    EXPECT_EQ(e.type, static_cast<uint8_t>(FrameType::kError)) << "message " << fit + 1 << " was past the grant";
+    // The endpoint fails as the channel goes down (the ERROR frame is written first).
+    for (auto until = std::chrono::steady_clock::now() + 5s; acc->connected() && std::chrono::steady_clock::now() < until;)
+      std::this_thread::sleep_for(5ms);
+    EXPECT_FALSE(acc->connected());
+    expect_memory_intact();
+  }
+  // (4) The victim's eager SENDs to a peer that grants far more than the victim's own
+  // shm.eager_credit and reads nothing: 63 of 64 KiB complete (4 MiB with their headers), the
+  // 64th waits (a rendezvous the peer never answers).
+  {
+    net::Socket ctl;
+    ASSERT_NO_FATAL_FAILURE(proven(8383, &ctl));
+    auto acc = victim_->accept(2s);
+    ASSERT_TRUE(acc.has_value());
+    FrameHeader g = make_frame(FrameType::kCredit, 1ull << 62, 64 * 1024);
+    ASSERT_TRUE(write_all(ctl.fd(), &g, sizeof(g)));
+    std::vector<uint8_t> src(64 * 1024, 5);
+    auto hs = victim_->register_memory(src.data(), src.size());
+    // Frames are served in order: once the victim answered a signal sent after the grant, it
+    // holds the grant.
+    FrameHeader probe = make_frame(FrameType::kSignal, 77, hv_.id + 1000, 0, 0, detail::kLaneEnd, 1, 0);
+    ASSERT_TRUE(write_all(ctl.fd(), &probe, sizeof(probe)));
+    FrameHeader nack = next_frame(ctl.fd());
+    ASSERT_EQ(nack.type, static_cast<uint8_t>(FrameType::kNack));
+    ASSERT_EQ(nack.op_id, 77u);
+    for (int i = 0; i < 63; ++i) {
+      auto f = acc->send(hs, 0, src.size());
+      ASSERT_TRUE(f.wait_for(5s)) << "eager send " << i << " of 63 did not complete";
+      ASSERT_TRUE(f.status().ok()) << f.status().to_string();
+    }
+    auto last = acc->send(hs, 0, src.size());
+    EXPECT_FALSE(last.wait_for(300ms)) << "a send past the victim's own shm.eager_credit completed unanswered";
+    victim_->unregister_memory(hs);
+  }
 }
 
 // Two engines in one process that really are distinct engines still use shm, and it works.

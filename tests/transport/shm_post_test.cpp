@@ -125,6 +125,7 @@ TEST(ShmPost, HostileSignalFramesChangeNothing) {
     boot::send_msg(s.fd(), boot::MsgKind::kChannel, {{"token", 7171}, {"index", 0}, {"transport", "shm"}});
     boot::expect_reply(s.fd(), "channel");
   }
+  ASSERT_EQ(read_credit_grant(ctl.fd()).type, static_cast<uint8_t>(FrameType::kCredit));
   ASSERT_TRUE(victim.accept(2s).has_value());
 
   auto signal = [&](uint64_t region, uint64_t offset, uint64_t add, uint64_t op_id) {

@@ -258,6 +258,7 @@ TEST(ShmStagingHostile, RtsWithoutARegionWritesOnlyTheRecvBuffer) {
     boot::send_msg(s.fd(), boot::MsgKind::kChannel, {{"token", 7272}, {"index", 0}, {"transport", "shm"}});
     boot::expect_reply(s.fd(), "channel");
   }
+  ASSERT_EQ(read_credit_grant(ctl.fd()).type, static_cast<uint8_t>(FrameType::kCredit));
   auto acc = victim.accept(2s);
   ASSERT_TRUE(acc.has_value());
   Endpoint ep = *acc;

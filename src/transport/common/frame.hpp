@@ -14,7 +14,7 @@ enum class FrameType : uint8_t {
   kReadResp = 3,  // payload = the bytes asked for, in request order per channel
   kAck = 4,       // a write lane completed (op_id)
   kNack = 5,      // a request failed: status = ErrorCode, payload = message
-  kSend = 6,      // two-sided message: op_id = sequence, payload = data (tcp)
+  kSend = 6,      // two-sided message: op_id = sequence, payload = data (tcp; shm: eager)
   kSendAck = 7,   // op_id = sequence, status, payload = message
   kImm = 8,       // standalone imm (shm): imm
   kSendRts = 9,   // same-host rendezvous: op_id = sequence, region = sender address,
@@ -23,7 +23,9 @@ enum class FrameType : uint8_t {
   kPullWrite = 11,  // shm: "copy these bytes of mine into your region": payload = PullPiece[]
   kSignal = 12,     // post_signal: add (imm low, aux high) to the u64 at (region, offset); no
                     // payload; kLaneEnd; answered with ACK/NACK like a write lane end
-  kMax = 12,
+  kCredit = 13,     // shm: the sender may queue op_id more bytes of eager SENDs (kSend frames);
+                    // region, when not 0: the largest eager message the receiver takes
+  kMax = 13,
 };
 
 enum FrameFlags : uint8_t {

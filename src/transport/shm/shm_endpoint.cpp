@@ -37,6 +37,22 @@ const Param<uint64_t> kSendSplitMin{"shm.send_split_min", "SLUICE_SHM_SEND_SPLIT
                                     "a received SEND of at least this many bytes into a posted recv is copied in parts "
                                     "(of at least half this) by the receiving thread and the copy pool together; 0 = never"};
 
+// A lone small SEND waited for a round trip (the receiver's thread woke, copied with
+// process_vm_readv and answered): 61 us for 4 KiB in the peers bench, where Open MPI's vader,
+// which completes a small send once it is in the receiver's queue, took 3.7.
+const Param<uint64_t> kEagerMax{"shm.eager_max", "SLUICE_SHM_EAGER_MAX", 64 << 10, size_in(0, 16 << 20),
+                                "a SEND of at most this many bytes goes with its bytes over the control socket and "
+                                "completes once queued (within the receiver's shm.eager_credit), not once received; "
+                                "0 = every SEND waits for the receiver"};
+const Param<uint64_t> kEagerCredit{"shm.eager_credit", "SLUICE_SHM_EAGER_CREDIT", 4 << 20, size_in(0, 1ull << 32),
+                                   "bytes of eager SENDs (each counted with its 56-byte header) that a peer may have "
+                                   "queued to this endpoint and no recv took yet, and that this endpoint queues to a "
+                                   "peer; 0 = this side takes no eager SEND"};
+
+// What an eager message holds of the receiver's grant: its bytes and its frame header, so
+// that empty messages are bounded too.
+uint64_t eager_cost(uint64_t length) { return length + sizeof(FrameHeader); }
+
 // What this thread submitted on an endpoint since its last wait (the last endpoint it used):
 // whether an answer will come over the control channel, and whether only copy pool
 // complete its ops (see ShmEndpoint::drive). Only a hint: any completion reaches a waiter.
@@ -124,7 +140,9 @@ ShmEndpoint::ShmEndpoint(const EndpointSetup& s, Host& host, std::string peer_so
       waiter_(busy_wait_of(s.config)),
       copy_delay_ms_(kCopyDelayMs.read()),
       inline_max_(kInlineMax.get(s.config)),
-      split_min_(kSendSplitMin.get(s.config)) {
+      split_min_(kSendSplitMin.get(s.config)),
+      eager_max_(kEagerMax.get(s.config)),
+      eager_credit_(kEagerCredit.get(s.config)) {
   pending_.set_post_handler([this](const std::shared_ptr<TransferOp>& op, const Status& st) { on_post_done(op, st); });
 }
 
@@ -144,6 +162,7 @@ void ShmEndpoint::connect(const ChannelOpener& open) {
   pid_ = proof.cred.pid;
   authenticated_ = true;
   install(std::move(proof.sock));
+  grant_credit();
   open(0, nlohmann::json::object());
 }
 
@@ -163,6 +182,7 @@ void ShmEndpoint::authenticate(net::Socket& sock, const same_host::PeerCred& cre
   install(std::move(sock));
   authenticated_ = true;
   same_host::send(fd, {{"ok", true}, {"engine", host_.engine_id()}}, host_.lease_fd());
+  grant_credit();  // after the answer, which the peer reads off the raw socket
 }
 
 nlohmann::json ShmEndpoint::attach(int index, const nlohmann::json&) {
@@ -343,6 +363,7 @@ void ShmEndpoint::post_pull(const std::shared_ptr<TransferOp>& op, uint64_t toke
 }
 
 void ShmEndpoint::send(std::shared_ptr<MessageOp> op) {
+  if (send_eager(op)) return;
   if (!pending_.add_send(op)) return;
   // No pin: a StagingEndpoint's host copy of a CUDA message, alive until the send completed;
   // the receiver reads it by address (region 0, see serve_rts). shm itself moves host memory
@@ -405,6 +426,8 @@ Status ShmEndpoint::on_frame(StreamChannel& ch, const FrameHeader& h, PayloadRea
     case FrameType::kSendAck:
       moved();
       return complete_send_ack(pending_, h, payload);
+    case FrameType::kSend: return serve_eager(h, payload);
+    case FrameType::kCredit: return take_credit(h);
     case FrameType::kError: return peer_error(payload);
     default: return {ErrorCode::kProtocol, "unexpected frame type " + std::to_string(h.type) + " on shm control"};
   }
@@ -711,6 +734,80 @@ Status ShmEndpoint::serve_rts(StreamChannel& ch, const FrameHeader& h, PayloadRe
   st = events_->matcher().deliver(claim, st);
   post_status(ch, FrameType::kSendAck, h.op_id, 0, st);
   return Status::Ok();
+}
+
+void ShmEndpoint::grant_credit() {
+  if (eager_max_ == 0 || eager_credit_ == 0) return;
+  OutFrame f;
+  f.hdr = make_frame(FrameType::kCredit, eager_credit_, eager_max_);
+  control_->post(std::move(f));  // installed just before, never replaced
+}
+
+void ShmEndpoint::release_credit(uint64_t bytes) {
+  eager_held_.fetch_sub(bytes, std::memory_order_relaxed);
+  OutFrame f;
+  f.hdr = make_frame(FrameType::kCredit, bytes, 0);
+  control_->post(std::move(f));  // an eager message came over it: installed
+}
+
+Status ShmEndpoint::take_credit(const FrameHeader& h) {
+  if (h.region) peer_eager_max_.store(h.region, std::memory_order_release);
+  // Never more queued than our own shm.eager_credit, whatever the peer grants: a peer that
+  // grants much and reads nothing would otherwise have us hold its copies without bound.
+  uint64_t have = send_credit_.load(std::memory_order_relaxed);
+  while (!send_credit_.compare_exchange_weak(have, std::min(eager_credit_, have + std::min(h.op_id, eager_credit_)),
+                                             std::memory_order_relaxed)) {
+  }
+  return Status::Ok();
+}
+
+bool ShmEndpoint::send_eager(const std::shared_ptr<MessageOp>& op) {
+  // CUDA pieces never get here (the StagingEndpoint in front sends a host copy).
+  const uint64_t max = std::min(eager_max_, peer_eager_max_.load(std::memory_order_acquire));
+  if (max == 0 || op->length > max || failed()) return false;
+  const uint64_t cost = eager_cost(op->length);
+  uint64_t have = send_credit_.load(std::memory_order_relaxed);
+  do {
+    if (have < cost) return false;  // the receiver has not taken enough yet: a rendezvous SEND
+  } while (!send_credit_.compare_exchange_weak(have, have - cost, std::memory_order_relaxed));
+  OutFrame f;
+  f.hdr = make_frame(FrameType::kSend, op->seq, 0, 0, op->length);
+  f.text.assign(reinterpret_cast<const char*>(op->ptr), op->length);  // the caller may reuse its buffer now
+  control_->post(std::move(f));  // a grant came over it: installed
+  op->future->complete(Status::Ok());
+  return true;
+}
+
+Status ShmEndpoint::serve_eager(const FrameHeader& h, PayloadReader& payload) {
+  const uint64_t cost = eager_cost(h.length);
+  if (eager_max_ == 0 || eager_credit_ == 0 || h.length > eager_max_)
+    return {ErrorCode::kProtocol, "eager SEND of " + std::to_string(h.length) + " bytes; this side takes at most " +
+                                      std::to_string(eager_credit_ ? eager_max_ : 0) + " (shm.eager_max)"};
+  const uint64_t held = eager_held_.fetch_add(cost, std::memory_order_relaxed) + cost;
+  if (held > eager_credit_)
+    return {ErrorCode::kProtocol, "peer queued " + std::to_string(held) + " bytes of eager SENDs that no recv took, "
+                                      "beyond the " + std::to_string(eager_credit_) + " granted (shm.eager_credit)"};
+  auto claim = events_->matcher().claim(h.op_id, h.length, /*lazy=*/true, cost, weak_from_this());
+  if (claim.error.code == ErrorCode::kProtocol) return claim.error;
+  const bool stashed = claim.stash != nullptr;  // then the stash holds the credit until a recv takes it
+  Status st = claim.error;
+  bool got = true;
+  if (claim.stash) {
+    uint8_t* buf = MessageMatcher::stash_room(claim, h.length);
+    got = payload.read(buf, h.length);
+  } else if (claim.dest) {
+    // Into a recv's buffer: a failure of the endpoint waits for the copy (begin_copy).
+    if (begin_copy()) {
+      got = payload.read(claim.dest, std::min(h.length, claim.capacity));
+      end_copy();
+    } else {
+      st = {ErrorCode::kCancelled, "endpoint closed"};
+    }
+  }  // whatever is left (past a short recv, or of a dropped message) the channel discards
+  if (!got) st = {ErrorCode::kPeerLost, "connection lost mid-message"};
+  events_->matcher().deliver(claim, st);
+  if (!stashed) release_credit(cost);
+  return got ? Status::Ok() : st;
 }
 
 Status ShmEndpoint::copy_send(uint8_t* dst, uint64_t src, uint64_t n) {

@@ -101,6 +101,7 @@ class ShmEndpoint final : public EndpointBase,
                           public same_host::ProvenEndpoint,
                           public ProgressSource,
                           public CopyClient,
+                          public CreditSink,
                           public std::enable_shared_from_this<ShmEndpoint> {
  public:
   ShmEndpoint(const EndpointSetup& s, Host& host, std::string peer_socket);
@@ -149,6 +150,9 @@ class ShmEndpoint final : public EndpointBase,
 
   // CopyClient: a pool thread runs one of our jobs.
   void run_one() override;
+  // CreditSink: a recv took an eager message of the peer's (or it was delivered on arrival):
+  // the peer may queue that many bytes again.
+  void release_credit(uint64_t bytes) override;
   // The answer to start_describe(id) (a reactor thread, or the caller when the ask could not
   // start): keeps the description and re-queues the jobs parked on it, with `st` if it failed.
   void described(uint64_t id, const Status& st, const nlohmann::json& reply, int fd);
@@ -192,6 +196,15 @@ class ShmEndpoint final : public EndpointBase,
   // into parts over the copy pool from shm.send_split_min on, else one process_vm_readv here.
   Status copy_send(uint8_t* dst, uint64_t src, uint64_t n);
   Status take_pull(const FrameHeader& h, PayloadReader& payload);
+  // Eager SENDs (shm.eager_max, shm.eager_credit). A small SEND goes with its bytes in the
+  // frame and completes once it is queued, within buffer space the receiver granted (a
+  // CREDIT frame, sent when the channel is installed and again as recvs take the messages):
+  // no round trip, no process_vm_readv. The receiver enforces its own grant, so a peer that
+  // ignores it is refused, never buffered without bound.
+  void grant_credit();
+  bool send_eager(const std::shared_ptr<MessageOp>& op);
+  Status serve_eager(const FrameHeader& h, PayloadReader& payload);
+  Status take_credit(const FrameHeader& h);
   Status take_ack(const FrameHeader& h, PayloadReader& payload);
   bool mapped_locked(uint64_t id) const;
   // EndpointBase: shuts the control channel and the job queue, then waits until no copy
@@ -230,6 +243,11 @@ class ShmEndpoint final : public EndpointBase,
   const int copy_delay_ms_;  // test only (shm.test_copy_delay_ms): a copy waits this long first
   const uint64_t inline_max_;  // shm.inline_max
   const uint64_t split_min_;   // shm.send_split_min
+  const uint64_t eager_max_;     // shm.eager_max: the largest eager SEND sent or taken
+  const uint64_t eager_credit_;  // shm.eager_credit: eager bytes queued, either way, not yet taken
+  std::atomic<uint64_t> send_credit_{0};     // eager bytes we may still queue to the peer
+  std::atomic<uint64_t> peer_eager_max_{0};  // the largest eager SEND the peer takes (0: none)
+  std::atomic<uint64_t> eager_held_{0};      // the peer's eager bytes that no recv took yet
 
   std::mutex mu_;
   std::condition_variable idle_cv_;  // copies_ or running_ fell
