@@ -319,13 +319,14 @@ TEST_F(SameHost, EagerSendsStayWithinTheGrant) {
     return a;
   };
 
-  // (1) Within the grant: into the posted recv, and the credit comes back.
+  // (1) Within the grant: into the posted recv; the credit comes back an eighth of the grant
+  // (512 KiB) at a time.
   {
     net::Socket ctl;
     ASSERT_NO_FATAL_FAILURE(proven(8181, &ctl));
     auto acc = victim_->accept(2s);
     ASSERT_TRUE(acc.has_value());
-    std::vector<uint8_t> msg(3000);
+    std::vector<uint8_t> msg(60000);
     fill_pattern(msg.data(), msg.size(), 41);
     auto r = acc->recv(hv_, 0, 1000);  // smaller than the message: the first 1000 bytes, kTruncated
     ASSERT_TRUE(eager(ctl.fd(), 0, msg));
@@ -333,11 +334,20 @@ TEST_F(SameHost, EagerSendsStayWithinTheGrant) {
     EXPECT_EQ(r.status().code, ErrorCode::kTruncated);
     std::memcpy(snap_.data() + kPage, msg.data(), 1000);
     expect_memory_intact();
+    std::vector<uint8_t> sink(64 * 1024);
+    auto hs = victim_->register_memory(sink.data(), sink.size());
+    for (uint64_t seq = 1; seq < 9; ++seq) {
+      auto rs = acc->recv(hs, 0, sink.size());
+      ASSERT_TRUE(eager(ctl.fd(), seq, msg));
+      ASSERT_TRUE(rs.wait_for(5s));
+      ASSERT_TRUE(rs.status().ok()) << rs.status().to_string();
+    }
+    EXPECT_EQ(0, std::memcmp(sink.data(), msg.data(), msg.size()));
     FrameHeader c = next_frame(ctl.fd());
     EXPECT_EQ(c.type, static_cast<uint8_t>(FrameType::kCredit));
-    EXPECT_EQ(c.op_id, 3000u + sizeof(FrameHeader)) << "the credit of the message comes back";
+    EXPECT_EQ(c.op_id, 9 * (60000u + sizeof(FrameHeader))) << "the credit of the nine messages comes back";
     // (2) Larger than shm.eager_max: refused, the channel closes.
-    ASSERT_TRUE(eager(ctl.fd(), 1, std::vector<uint8_t>(64 * 1024 + 1, 7)));
+    ASSERT_TRUE(eager(ctl.fd(), 9, std::vector<uint8_t>(64 * 1024 + 1, 7)));
     EXPECT_EQ(next_frame(ctl.fd()).type, static_cast<uint8_t>(FrameType::kError));
     expect_memory_intact();
   }

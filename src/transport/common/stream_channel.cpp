@@ -322,10 +322,23 @@ void StreamChannel::write_failed(int err) {
   responses_queued_.store(0, std::memory_order_relaxed);
 }
 
+namespace {
+
+// OutFrame::copy_unsent: the frame stays queued after post() returns, so it takes a copy.
+void own_payload(OutFrame& f) {
+  if (!f.copy_unsent || !f.data) return;
+  f.text.assign(reinterpret_cast<const char*>(f.data), f.hdr.length);
+  f.data = nullptr;
+  f.copy_unsent = false;
+}
+
+}  // namespace
+
 void StreamChannel::post(OutFrame frame) {
   std::unique_lock<std::mutex> lk(mu_);
   if (stop_) return;
   if (writing_ || !queue_.empty()) {
+    own_payload(frame);
     // Whoever writes now takes it, or the reactor does when the socket has room again.
     if (frame.response) responses_queued_.fetch_add(1, std::memory_order_relaxed);
     queue_.push_back(std::move(frame));
@@ -353,6 +366,7 @@ void StreamChannel::post(OutFrame frame) {
     // The socket is full: the reactor writes the rest when it has room (arming reports room
     // that came back meanwhile, so no edge is lost).
     if (one[0].response) responses_queued_.fetch_add(1, std::memory_order_relaxed);
+    own_payload(one[0]);
     queue_.push_front(std::move(one[0]));
     want_output(true);
   } else if (!queue_.empty() && !finishing_) {

@@ -29,6 +29,10 @@ struct OutFrame {
   std::shared_ptr<void> keep;     // held until the frame is on the wire
   uint64_t sent = 0;              // bytes of header + payload already written
   bool response = false;          // answers a peer's request (counted: responses_queued())
+  // `data` is valid only during post(): what the socket does not take then is copied into
+  // `text` before post() returns (an eager SEND's caller may reuse its buffer at once, and
+  // one the socket takes whole costs no copy).
+  bool copy_unsent = false;
 };
 
 class StreamChannel;

@@ -745,8 +745,14 @@ void ShmEndpoint::grant_credit() {
 
 void ShmEndpoint::release_credit(uint64_t bytes) {
   eager_held_.fetch_sub(bytes, std::memory_order_relaxed);
+  // Given back an eighth of the grant at a time: a frame per message cost each side a
+  // system call or a wake-up per message. The sender holds at least 7/8 of the grant
+  // meanwhile, and without credit it falls back to the rendezvous, so nothing waits for it.
+  if (credit_owed_.fetch_add(bytes, std::memory_order_acq_rel) + bytes < std::max<uint64_t>(eager_credit_ / 8, 1)) return;
+  const uint64_t owed = credit_owed_.exchange(0, std::memory_order_acq_rel);
+  if (owed == 0) return;
   OutFrame f;
-  f.hdr = make_frame(FrameType::kCredit, bytes, 0);
+  f.hdr = make_frame(FrameType::kCredit, owed, 0);
   control_->post(std::move(f));  // an eager message came over it: installed
 }
 
@@ -772,7 +778,8 @@ bool ShmEndpoint::send_eager(const std::shared_ptr<MessageOp>& op) {
   } while (!send_credit_.compare_exchange_weak(have, have - cost, std::memory_order_relaxed));
   OutFrame f;
   f.hdr = make_frame(FrameType::kSend, op->seq, 0, 0, op->length);
-  f.text.assign(reinterpret_cast<const char*>(op->ptr), op->length);  // the caller may reuse its buffer now
+  f.data = op->ptr;
+  f.copy_unsent = true;  // copied only if the socket does not take it now: the caller may reuse its buffer
   control_->post(std::move(f));  // a grant came over it: installed
   op->future->complete(Status::Ok());
   return true;

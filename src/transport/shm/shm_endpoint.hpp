@@ -248,6 +248,7 @@ class ShmEndpoint final : public EndpointBase,
   std::atomic<uint64_t> send_credit_{0};     // eager bytes we may still queue to the peer
   std::atomic<uint64_t> peer_eager_max_{0};  // the largest eager SEND the peer takes (0: none)
   std::atomic<uint64_t> eager_held_{0};      // the peer's eager bytes that no recv took yet
+  std::atomic<uint64_t> credit_owed_{0};     // taken by recvs, not yet given back (release_credit)
 
   std::mutex mu_;
   std::condition_variable idle_cv_;  // copies_ or running_ fell

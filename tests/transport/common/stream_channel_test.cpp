@@ -520,6 +520,45 @@ void backlog_drains(std::pair<net::Socket, net::Socket> pair) {
 TEST(StreamChannel, BacklogDrainsWhenThePeerReadsTcp) { backlog_drains(tcp_pair()); }
 TEST(StreamChannel, BacklogDrainsWhenThePeerReadsUnix) { backlog_drains(unix_pair()); }
 
+// OutFrame::copy_unsent (shm's eager SENDs): the caller may overwrite its buffer as soon as
+// post() returned. Frames the socket did not take whole (a full socket, or frames queued
+// behind them) must go out with the bytes the buffer held at post(), never later ones.
+TEST(StreamChannel, CopyUnsentFramesCarryTheBytesOfPostTime) {
+  auto [mine, theirs] = unix_pair();
+  CountingHandler h;
+  StreamChannel ch(std::move(mine), &h, 0);
+  ch.start();
+  constexpr int kFrames = 200;
+  constexpr uint64_t kLen = 64 << 10;  // 12.5 MiB in all: more than the socket takes (sndbuf up to 8 MiB)
+  std::vector<uint8_t> buf(kLen);
+  for (int i = 0; i < kFrames; ++i) {
+    std::fill(buf.begin(), buf.end(), static_cast<uint8_t>(i % 250 + 1));
+    OutFrame o;
+    o.hdr = make_frame(FrameType::kWrite, static_cast<uint64_t>(i), 0, 0, kLen);
+    o.data = buf.data();
+    o.copy_unsent = true;
+    ch.post(std::move(o));
+  }
+  std::fill(buf.begin(), buf.end(), 0xee);  // what a later post would find
+  std::vector<uint8_t> in(kFrames * (sizeof(FrameHeader) + kLen));
+  for (size_t got = 0; got < in.size();) {
+    ssize_t r = ::recv(theirs.fd(), in.data() + got, in.size() - got, 0);
+    ASSERT_GT(r, 0) << "the channel stopped sending";
+    got += static_cast<size_t>(r);
+  }
+  for (int i = 0; i < kFrames; ++i) {
+    const uint8_t* f = in.data() + i * (sizeof(FrameHeader) + kLen);
+    FrameHeader hd;
+    std::memcpy(&hd, f, sizeof(hd));
+    ASSERT_EQ(hd.op_id, static_cast<uint64_t>(i));
+    const uint8_t* p = f + sizeof(FrameHeader);
+    ASSERT_EQ(std::count(p, p + kLen, static_cast<uint8_t>(i % 250 + 1)), static_cast<long>(kLen))
+        << "frame " << i << " went out with bytes written after its post()";
+  }
+  ch.shutdown();
+  ch.join();
+}
+
 // Fibers switch with a hand-written register switch on x86-64 (progress_pool.cpp): what the
 // ABI makes callee-saved (integer registers, the SSE / x87 control words) survives every
 // switch, on both sides, and the fiber's own stack holds deep frames and a thrown exception.

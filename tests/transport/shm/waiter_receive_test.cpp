@@ -93,6 +93,11 @@ TEST_F(ShmWaiter, PullWriteAckCompletesOnTheWaitingThread) {
 }
 
 TEST_F(ShmWaiter, SendAckCompletesOnTheWaitingThread) {
+  // Sends that wait for the receiver (an eager one completes when it is queued, on no waiter).
+  TearDown();
+  EngineConfig c = engine_config("shm", 2, 10s);
+  c.options["shm.eager_max"] = "0";
+  ASSERT_NO_FATAL_FAILURE(start(c));
   // Each send meets a recv posted beforehand: the receiver copies, then SEND_ACKs.
   std::vector<Future> recvs;
   EXPECT_TRUE(completes_on_waiter([&] {
