@@ -12,6 +12,7 @@
 #include "core/device_hooks.hpp"
 #include "core/engine_impl.hpp"
 #include "core/log.hpp"
+#include "core/memfd.hpp"
 #include "core/params.hpp"
 #include "directory/directory_url.hpp"
 #include "sluice/version.hpp"
@@ -287,13 +288,9 @@ Allocation EngineImpl::allocate(uint64_t length, Location location, const std::s
   }
   long page = ::sysconf(_SC_PAGESIZE);
   uint64_t size = (length + page - 1) / page * page;
-  int fd = ::memfd_create("sluice", MFD_CLOEXEC);
-  if (fd < 0) throw Error(ErrorCode::kSystem, "memfd_create: " + net::errno_text(errno));
-  if (::ftruncate(fd, static_cast<off_t>(size)) != 0) {
-    int err = errno;
-    ::close(fd);
-    throw Error(ErrorCode::kSystem, "ftruncate(" + std::to_string(size) + "): " + net::errno_text(err));
-  }
+  int fd = sealed_memfd("sluice", size);  // sealed: peers map it (core/memfd.hpp)
+  if (fd < 0)
+    throw Error(ErrorCode::kSystem, "memfd of " + std::to_string(size) + " bytes (create, size, seal): " + net::errno_text(errno));
   void* p = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
   if (p == MAP_FAILED) {
     int err = errno;

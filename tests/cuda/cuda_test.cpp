@@ -2,6 +2,7 @@
 // processes), stream ordering and the AllGather. Skip cleanly without a GPU.
 #include <gtest/gtest.h>
 #include <signal.h>
+#include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -15,6 +16,7 @@
 #include "bootstrap/messages.hpp"
 #include "bootstrap/socket.hpp"
 #include "core/engine_info.hpp"
+#include "core/memfd.hpp"
 #include "sluice/allgather.hpp"
 #include "sluice/cuda.hpp"
 #include "sluice/sluice.hpp"
@@ -70,9 +72,13 @@ TEST(CudaNoDevice, ReportsCleanly) {
 // the kernel's word, not the message's.
 TEST(SameHostProof, NeedsTheNamedEngineAndAMemfdLeaseTable) {
   namespace sh = sluice::detail::same_host;
-  int memfd = ::memfd_create("lease-test", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  int memfd = sluice::detail::sealed_memfd("lease-test", 16 * 64);
   ASSERT_GE(memfd, 0);
-  ASSERT_EQ(::ftruncate(memfd, 16 * 64), 0);
+  // A memfd without the shrink seal: its owner could truncate it under our mapping (SIGBUS).
+  int loose = ::memfd_create("lease-test-loose", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  ASSERT_GE(loose, 0);
+  ASSERT_EQ(::ftruncate(loose, 16 * 64), 0);
+  ASSERT_EQ(::fcntl(loose, F_ADD_SEALS, F_SEAL_GROW), 0);
   FILE* plain = std::tmpfile();  // a regular file on disk: never mapped as a lease table
   ASSERT_NE(plain, nullptr);
   ASSERT_EQ(::ftruncate(::fileno(plain), 16 * 64), 0);
@@ -98,6 +104,8 @@ TEST(SameHostProof, NeedsTheNamedEngineAndAMemfdLeaseTable) {
   EXPECT_EQ(code("engine-c"), ErrorCode::kProtocol) << "a socket served by another engine than the info names";
   pass_fd = ::fileno(plain);
   EXPECT_EQ(code("engine-b"), ErrorCode::kProtocol) << "a lease table that is not a memfd";
+  pass_fd = loose;
+  EXPECT_EQ(code("engine-b"), ErrorCode::kProtocol) << "a lease table its owner can still shrink";
   pass_fd = -1;
   EXPECT_EQ(code("engine-b"), ErrorCode::kProtocol) << "no lease table at all";
   // A name nobody serves (another host's engine, say) cannot be proven.
@@ -110,6 +118,7 @@ TEST(SameHostProof, NeedsTheNamedEngineAndAMemfdLeaseTable) {
   svc.stop();
   std::fclose(plain);
   ::close(memfd);
+  ::close(loose);
 }
 
 #ifdef SLUICE_TEST_CUDA

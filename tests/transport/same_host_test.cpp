@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 #include <poll.h>
 #include <signal.h>
+#include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -13,6 +14,7 @@
 #include <atomic>
 #include <thread>
 
+#include "core/memfd.hpp"
 #include "bootstrap/messages.hpp"
 #include "bootstrap/socket.hpp"
 #include "core/engine_info.hpp"
@@ -134,6 +136,14 @@ TEST_F(SameHost, SocketRefusesStrangersAndNonMemfdDescriptors) {
   ASSERT_EQ(::ftruncate(file.fd, 1 << 20), 0);
   json r = ask({{"op", "auth"}, {"token", 5151}}, file.fd);
   EXPECT_TRUE(r.contains("error")) << "a regular file was accepted as a lease table: " << r.dump();
+  // A memfd its owner can still shrink: truncated under our mapping, it would raise SIGBUS in
+  // the victim on its next lease access.
+  Fd loose{::memfd_create("loose-leases", MFD_CLOEXEC | MFD_ALLOW_SEALING)};
+  ASSERT_EQ(::ftruncate(loose.fd, 16 * 16), 0);
+  ASSERT_EQ(::fcntl(loose.fd, F_ADD_SEALS, F_SEAL_GROW), 0);
+  EXPECT_FALSE(sh::is_memfd(loose.fd, 16));
+  r = ask({{"op", "auth"}, {"token", 5151}}, loose.fd);
+  EXPECT_TRUE(r.contains("error")) << "a shrinkable memfd was accepted as a lease table: " << r.dump();
   r = ask({{"op", "auth"}, {"token", 5151}});
   EXPECT_TRUE(r.contains("error")) << "auth without a lease table was accepted";
   EXPECT_EQ(attach(5151), ErrorCode::kProtocol);
@@ -146,8 +156,8 @@ TEST_F(SameHost, SocketRefusesStrangersAndNonMemfdDescriptors) {
 // and unregister returns within the op timeout even while a peer sits inside the lease.
 TEST_F(SameHost, ProvenPeerReachesOnlyRegisteredRegions) {
   hello(6161, info_);
-  Fd my_table{::memfd_create("test-leases", MFD_CLOEXEC)};
-  ASSERT_EQ(::ftruncate(my_table.fd, 16 * 16), 0);
+  Fd my_table{detail::sealed_memfd("test-leases", 16 * 16)};
+  ASSERT_GE(my_table.fd, 0);
   net::Socket ctl = sh::connect(socket_);
   sh::send(ctl.fd(), {{"op", "auth"}, {"token", 6161}}, my_table.fd);
   Fd their_table;
@@ -291,8 +301,8 @@ TEST_F(SameHost, SilentLocalClientsDoNotStallTheSocket) {
 TEST_F(SameHost, EagerSendsStayWithinTheGrant) {
   auto proven = [&](uint64_t token, net::Socket* ctl) {
     hello(token, info_);
-    Fd my_table{::memfd_create("test-leases", MFD_CLOEXEC)};
-    ASSERT_EQ(::ftruncate(my_table.fd, 16 * 16), 0);
+    Fd my_table{detail::sealed_memfd("test-leases", 16 * 16)};
+    ASSERT_GE(my_table.fd, 0);
     *ctl = sh::connect(socket_);
     sh::send(ctl->fd(), {{"op", "auth"}, {"token", token}}, my_table.fd);
     Fd their_table;

@@ -11,6 +11,7 @@
 #include <cstring>
 #include <thread>
 
+#include "core/memfd.hpp"
 #include "bootstrap/messages.hpp"
 #include "bootstrap/socket.hpp"
 #include "core/engine_info.hpp"
@@ -113,8 +114,8 @@ TEST(ShmPost, HostileSignalFramesChangeNothing) {
     boot::send_msg(s.fd(), boot::MsgKind::kHello, {{"info", info}, {"token", 7171}, {"transport", "shm"}, {"channels", 1}});
     boot::expect_reply(s.fd(), "hello");
   }
-  Fd my_table{::memfd_create("test-leases", MFD_CLOEXEC)};
-  ASSERT_EQ(::ftruncate(my_table.fd, 16 * 16), 0);
+  Fd my_table{detail::sealed_memfd("test-leases", 16 * 16)};
+  ASSERT_GE(my_table.fd, 0);
   net::Socket ctl = sh::connect(socket);
   sh::send(ctl.fd(), {{"op", "auth"}, {"token", 7171}}, my_table.fd);
   Fd their_table;
@@ -135,7 +136,9 @@ TEST(ShmPost, HostileSignalFramesChangeNothing) {
     FrameHeader a{};
     EXPECT_TRUE(read_all(ctl.fd(), &a, sizeof(a), 5s));
     std::string text(a.length, '\0');
-    if (a.length) EXPECT_TRUE(read_all(ctl.fd(), text.data(), a.length, 5s));
+    if (a.length) {
+      EXPECT_TRUE(read_all(ctl.fd(), text.data(), a.length, 5s));
+    }
     EXPECT_EQ(a.op_id, op_id) << "the answer names the signal it answers";
     return std::make_pair(static_cast<FrameType>(a.type), static_cast<ErrorCode>(a.status));
   };

@@ -14,6 +14,7 @@
 #include <mutex>
 #include <thread>
 
+#include "core/memfd.hpp"
 #include "bootstrap/messages.hpp"
 #include "bootstrap/socket.hpp"
 #include "core/engine_info.hpp"
@@ -246,8 +247,8 @@ TEST(ShmStagingHostile, RtsWithoutARegionWritesOnlyTheRecvBuffer) {
     boot::send_msg(s.fd(), boot::MsgKind::kHello, {{"info", info}, {"token", 7272}, {"transport", "shm"}, {"channels", 1}});
     boot::expect_reply(s.fd(), "hello");
   }
-  Fd my_table{::memfd_create("test-leases", MFD_CLOEXEC)};
-  ASSERT_EQ(::ftruncate(my_table.fd, 16 * 16), 0);
+  Fd my_table{detail::sealed_memfd("test-leases", 16 * 16)};
+  ASSERT_GE(my_table.fd, 0);
   net::Socket ctl = sh::connect(socket);
   sh::send(ctl.fd(), {{"op", "auth"}, {"token", 7272}}, my_table.fd);
   Fd their_table;

@@ -9,13 +9,14 @@
 #include <thread>
 
 #include "core/log.hpp"
+#include "core/memfd.hpp"
 
 namespace sluice::detail {
 
 LeaseTable::LeaseTable(uint32_t slots) : nslots_(slots) {
   size_t bytes = size_t(slots) * sizeof(LeaseSlot);
-  fd_ = ::memfd_create("sluice-leases", MFD_CLOEXEC);
-  if (fd_ < 0 || ::ftruncate(fd_, static_cast<off_t>(bytes)) != 0) {
+  fd_ = sealed_memfd("sluice-leases", bytes);  // sealed: peers map it (core/memfd.hpp)
+  if (fd_ < 0) {
     SLUICE_LOG(kInfo, "lease table unavailable (memfd); same-host peers will not access memory directly");
     return;
   }

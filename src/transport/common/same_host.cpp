@@ -169,8 +169,11 @@ bool is_memfd(int fd, uint64_t min_bytes) {
   struct stat st {};
   if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) return false;
   if (static_cast<uint64_t>(st.st_size) < min_bytes) return false;
-  // Only shmem-backed files (memfd_create) answer F_GET_SEALS; files on disk do not.
-  return ::fcntl(fd, F_GET_SEALS) >= 0;
+  // Only shmem-backed files (memfd_create) answer F_GET_SEALS; files on disk do not. And only
+  // a file sealed against shrinking is mapped: its owner could otherwise truncate it under
+  // our mapping, and our next load from it would raise SIGBUS in this process.
+  const int seals = ::fcntl(fd, F_GET_SEALS);
+  return seals >= 0 && (seals & F_SEAL_SHRINK) != 0;
 }
 
 net::Socket connect(const std::string& name) {
@@ -204,7 +207,7 @@ Proof prove(const std::string& name, uint64_t token, const std::string& engine_i
     throw Error(ErrorCode::kRemoteError, std::string(transport) + ": the peer refused us on its same-host socket: " +
                                              reply["error"].dump());
   if (p.lease_fd < 0 || !is_memfd(p.lease_fd, sizeof(LeaseSlot)))
-    throw Error(ErrorCode::kProtocol, std::string(transport) + ": the peer did not pass a lease table (a memfd) on its same-host socket");
+    throw Error(ErrorCode::kProtocol, std::string(transport) + ": the peer did not pass a lease table (a memfd sealed against shrinking) on its same-host socket");
   auto engine = reply.find("engine");
   if (!expect_engine.empty() && (engine == reply.end() || !engine->is_string() || engine->get<std::string>() != expect_engine))
     throw Error(ErrorCode::kProtocol, std::string(transport) + ": the same-host socket named in the peer's info is served by engine " +

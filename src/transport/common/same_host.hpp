@@ -45,9 +45,10 @@ void send(int fd, const nlohmann::json& body, int pass_fd = -1);
 // Throws Error(kTimeout | kPeerLost | kProtocol).
 nlohmann::json recv(int fd, Clock::time_point deadline, int* fd_out = nullptr);
 
-// True if fd is a memfd (or other sealable shmem file) of at least min_bytes: the only kind of
-// descriptor a peer may hand us to map. A regular file the peer opened read-only, for example,
-// is refused before we ever map it writable.
+// True if fd is a memfd (or other sealable shmem file) of at least min_bytes, sealed against
+// shrinking (F_SEAL_SHRINK, as core/memfd.hpp makes them): the only kind of descriptor a peer
+// may hand us to map. A regular file the peer opened read-only is refused before we ever map it
+// writable, and a memfd its owner could truncate under our mapping (SIGBUS here) too.
 bool is_memfd(int fd, uint64_t min_bytes);
 
 // Connects to a service by its abstract name; throws Error(kUnsupported) naming the reason.

@@ -148,7 +148,7 @@ void NvlinkEndpoint::authenticate(net::Socket& sock, const same_host::PeerCred& 
   {
     std::lock_guard<std::mutex> lk(map_mu_);
     if (lease_fd < 0 || !same_host::is_memfd(lease_fd, sizeof(LeaseSlot)) || !leases_.map_fd(lease_fd))
-      throw Error(ErrorCode::kProtocol, "nvlink: no lease table (a memfd) came with the authentication");
+      throw Error(ErrorCode::kProtocol, "nvlink: no lease table (a memfd sealed against shrinking) came with the authentication");
   }
   // Proven, and the control channel running, before we answer: the peer opens the TCP
   // channel as soon as it reads the answer, and attach() (after which the application may
