@@ -37,9 +37,13 @@ class SLUICE_API Endpoint {
 
   // Two-sided messages. Matching rule: the k-th send on this endpoint is received by the k-th
   // recv posted on the peer's side of the same endpoint, whatever their sizes. A message
-  // larger than its receive buffer fails both sides with kTruncated (the first `length` bytes
-  // are delivered). A send completes once the peer holds the data. A cuda_stream option needs
-  // Capabilities::stream_ordered_messages.
+  // larger than its receive buffer fails the recv with kTruncated (the first `length` bytes
+  // are delivered), and the send too unless it completed eagerly. A send completes once the
+  // peer holds the data, except an eager one: over shm, a send of at most shm.eager_max bytes
+  // (64 KiB) completes once its bytes are copied and queued to the peer, within buffer space
+  // the peer granted (shm.eager_credit), as MPI's and gloo's small sends do; what the peer
+  // finds afterwards fails only its recv. The caller may reuse the buffer once any send
+  // completed. A cuda_stream option needs Capabilities::stream_ordered_messages.
   Future send(MemoryHandle local, uint64_t offset, uint64_t length, const OpOptions& options = {});
   Future recv(MemoryHandle local, uint64_t offset, uint64_t length, const OpOptions& options = {});
   // Completes with the next imm value the peer delivered (Future::imm()), in arrival order.

@@ -58,7 +58,8 @@ def test_all_async_ops(pair):
 
 
 def test_async_errors(pair):
-    hs = pair.a.register(np.zeros(100, np.uint8))
+    # Larger than shm.eager_max: the send waits for the receiver and fails with it.
+    hs = pair.a.register(np.zeros((64 << 10) + 1, np.uint8))
     hr = pair.b.register(np.zeros(10, np.uint8))
 
     async def main():

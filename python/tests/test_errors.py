@@ -125,7 +125,9 @@ def test_out_of_range(pair):
 
 
 def test_truncated(pair):
-    hs = pair.a.register(np.zeros(100, np.uint8))
+    # A send that waits for the receiver (tcp; shm above shm.eager_max) fails with it.
+    n = 100 if pair.ep.transport == "tcp" else (64 << 10) + 1
+    hs = pair.a.register(np.zeros(n, np.uint8))
     hr = pair.b.register(np.zeros(10, np.uint8))
     r = pair.peer.recv(hr)
     s = pair.ep.send(hs)
@@ -135,6 +137,29 @@ def test_truncated(pair):
         s.result(10)
     assert r.status == sluice.ErrorCode.TRUNCATED and isinstance(r.exception(), sluice.TruncatedError)
     assert "TRUNCATED" in repr(r)
+
+
+def test_truncated_eager_send_fails_only_the_recv():
+    # shm: a send of at most shm.eager_max bytes completes once queued, so only the recv
+    # learns that it did not fit (and gets the first bytes); with shm.eager_max=0 both do.
+    for eager_max, sender_told in ((65536, False), (0, True)):
+        p = Pair(transport="shm", **{"shm.eager_max": eager_max})
+        try:
+            hs = p.a.register(np.arange(100, dtype=np.uint8))
+            dst = np.zeros(10, np.uint8)
+            hr = p.b.register(dst)
+            r = p.peer.recv(hr)
+            s = p.ep.send(hs)
+            with pytest.raises(sluice.TruncatedError):
+                r.result(10)
+            assert (dst == np.arange(10)).all()
+            if sender_told:
+                with pytest.raises(sluice.TruncatedError):
+                    s.result(10)
+            else:
+                s.result(10)  # completed when queued: no error
+        finally:
+            p.close()
 
 
 @pytest.mark.parametrize("transport", ["tcp", "shm"])

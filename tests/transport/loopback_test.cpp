@@ -362,6 +362,49 @@ TEST_P(UnexpectedBound, SendsBeyondTheBufferFailAndLaterMessagesStillMatch) {
 
 INSTANTIATE_TEST_SUITE_P(Conformance, UnexpectedBound, ::testing::ValuesIn(transports_under_test()), transport_name);
 
+// A SEND out of the sender's engine-allocated (memfd) memory: once the receiver has mapped
+// that region (described in the background after the first such SEND) it copies with memcpy
+// out of the mapping rather than process_vm_readv; into a posted recv (split across the copy
+// pool from shm.send_split_min) or into the stash. Offsets and sizes that are not page
+// multiples, up to the region's last byte: the mapping's offset must be the sender's.
+TEST(ShmSend, FromEngineMemoryLandsWholeWhicheverWayItIsCopied) {
+  EngineConfig cfg = engine_config("shm", 2, 10s);
+  cfg.options["shm.eager_max"] = "0";  // every SEND a rendezvous, the path under test
+  Engine a(cfg);
+  Engine b(cfg);
+  constexpr uint64_t kLen = 8 << 20;
+  auto sa = a.allocate(kLen);
+  auto sb = b.allocate(kLen);
+  ASSERT_GE(sa.fd, 0);
+  std::mt19937_64 rng(21);
+  Endpoint ep = a.connect(b.local_info());
+  auto peer = b.accept(5s);
+  ASSERT_TRUE(peer.has_value());
+  struct Shape {
+    uint64_t src_off, dst_off, len;
+    bool recv_first;
+  };
+  const Shape shapes[] = {{7, 0, 3 * (1 << 20) + 5, true},    {4096, 13, (1 << 20) - 1, false},
+                          {kLen - (2 << 20), 1, 2 << 20, true}, {kLen - 1, kLen - 1, 1, false},
+                          {123, 4567, 5 << 20, false},        {0, 0, kLen, true}};
+  for (int round = 0; round < 3; ++round) {  // round 0 may go by process_vm_readv, later ones by the mapping
+    for (const Shape& s : shapes) {
+      auto* src = static_cast<uint8_t*>(sa.ptr);
+      auto* dst = static_cast<uint8_t*>(sb.ptr);
+      fill_random(src, kLen, rng);
+      std::memset(dst, 0, kLen);
+      Future r;
+      if (s.recv_first) r = peer->recv(sb.handle, s.dst_off, s.len);
+      ASSERT_TRUE(ep.send(sa.handle, s.src_off, s.len).wait().ok()) << "round " << round << " len " << s.len;
+      if (!s.recv_first) r = peer->recv(sb.handle, s.dst_off, s.len);
+      ASSERT_TRUE(r.wait().ok()) << r.status().to_string();
+      ASSERT_EQ(0, std::memcmp(dst + s.dst_off, src + s.src_off, s.len)) << "round " << round << " len " << s.len;
+      EXPECT_TRUE(std::all_of(dst, dst + s.dst_off, [](uint8_t c) { return c == 0; })) << "bytes before the recv";
+      EXPECT_TRUE(std::all_of(dst + s.dst_off + s.len, dst + kLen, [](uint8_t c) { return c == 0; })) << "bytes after";
+    }
+  }
+}
+
 // shm's eager SENDs: a small SEND completes once queued, within the buffer space the receiver
 // granted (shm.eager_credit, each message counted with its 56-byte header). The receiver
 // holds such messages past max_unexpected_bytes (refusing one would tell nobody), and only

@@ -1,8 +1,9 @@
 """Run under torchrun with 3 ranks: rank 2 stops participating (SIGSTOP on itself: every
 thread of it, the engine's included, freezes, as in a rank stuck in a driver call). Ranks 0
 and 1 must see their collective, a recv and a send involving rank 2 raise within the group
-timeout, each naming peer rank 2; destroy_process_group() must return promptly. Rank 0 then wakes
-rank 2 (SIGCONT), whose next operation must raise too (its peers are gone), and every rank
+timeout, each naming peer rank 2; destroy_process_group() must return promptly. Once both have
+released their groups, rank 0 wakes rank 2 (SIGCONT), whose next operation must raise too (its
+peers are gone), and every rank
 exits. Prints 'hung-rank OK rank=<r>' per rank and the time each failure took."""
 from __future__ import annotations
 
@@ -83,7 +84,12 @@ def main() -> int:
     took = time.monotonic() - start
     print(f"rank {rank}: destroy_process_group took {took:.2f}s", flush=True)
     assert took < limit_s, f"destroy_process_group took {took:.1f}s with rank {HUNG} stopped"
+    # Rank 2 is woken only once both peers released their groups: a peer still tearing down
+    # holds its connection open, and a small send to it would be taken eagerly (rightly), so the
+    # woken rank's collective could complete on messages buffered before the peers gave up.
+    store.set(f"hung_worker/destroyed/{rank}", "1")
     if rank == 0:
+        store.wait([f"hung_worker/destroyed/{r}" for r in range(world) if r != HUNG])
         os.kill(int(pids[HUNG].item()), signal.SIGCONT)
     print(f"hung-rank OK rank={rank}", flush=True)
     return 0

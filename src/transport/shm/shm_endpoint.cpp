@@ -157,7 +157,7 @@ void ShmEndpoint::connect(const ChannelOpener& open) {
   {
     std::lock_guard<std::mutex> lk(map_mu_);
     if (!leases_.map_fd(proof.lease_fd))
-      throw Error(ErrorCode::kProtocol, "shm: the peer did not pass a lease table (a memfd) on its same-host socket");
+      throw Error(ErrorCode::kProtocol, "shm: the peer did not pass a lease table (a memfd sealed against shrinking) on its same-host socket");
   }
   pid_ = proof.cred.pid;
   authenticated_ = true;
@@ -172,7 +172,7 @@ void ShmEndpoint::authenticate(net::Socket& sock, const same_host::PeerCred& cre
   {
     std::lock_guard<std::mutex> lk(map_mu_);
     if (lease_fd < 0 || !same_host::is_memfd(lease_fd, sizeof(LeaseSlot)) || !leases_.map_fd(lease_fd))
-      throw Error(ErrorCode::kProtocol, "shm: no lease table (a memfd) came with the authentication");
+      throw Error(ErrorCode::kProtocol, "shm: no lease table (a memfd sealed against shrinking) came with the authentication");
   }
   // Installed and proven before the answer leaves: the peer attaches over the listener as
   // soon as it has the answer, and sends nothing on this socket before it (so the channel's
@@ -530,7 +530,12 @@ void ShmEndpoint::run_one() {
 void ShmEndpoint::run_job(Job& job) {
   if (job.kind == Job::kPart) {
     // Counted as a copy by the receiving thread, which waits for this part.
-    job.split->done(cma::read(pid_.load(), {{job.dst, job.src, job.len}}));
+    if (job.mapped) {
+      std::memcpy(job.dst, job.mapped, job.len);  // the receiving thread holds the mapping
+      job.split->done(Status::Ok());
+    } else {
+      job.split->done(cma::read(pid_.load(), {{job.dst, job.src, job.len}}));
+    }
     return;
   }
   if (job.kind == Job::kServe) {
@@ -711,7 +716,13 @@ Status ShmEndpoint::serve_rts(StreamChannel& ch, const FrameHeader& h, PayloadRe
     // That gives the sender nothing: we read only the sender's own memory (process_vm_readv
     // on its pid, which the kernel named), at most n bytes, into the recv buffer or the
     // bounded stash; a named region was never a bound on the address either.
-    if (n && src.region != 0) st = held.enter(src.slot, src.region, "the sender's");
+    // Engine-allocated (memfd) memory of the sender that we mapped: copied with memcpy out of
+    // the mapping, checked against the region as its owner described it (a sender that names
+    // an address outside it is read with process_vm_readv, its own memory only, as above).
+    std::shared_ptr<Mapping> keep;
+    uint32_t slot = src.slot;
+    const uint8_t* mapped = n && src.region != 0 ? send_source(src.region, h.region, n, &keep, &slot) : nullptr;
+    if (n && src.region != 0) st = held.enter(slot, src.region, "the sender's");
     // The copy writes into a recv's buffer: a failure of the endpoint waits for it.
     const bool copying = n && st.ok() && begin_copy();
     if (n && st.ok() && !copying) st = {ErrorCode::kCancelled, "endpoint closed"};
@@ -719,12 +730,13 @@ Status ShmEndpoint::serve_rts(StreamChannel& ch, const FrameHeader& h, PayloadRe
     // size that the sender's memory does not back costs nothing.
     constexpr uint64_t kChunk = 1 << 20;
     if (claim.dest) {
-      if (n && st.ok()) st = copy_send(claim.dest, h.region, n);
+      if (n && st.ok()) st = copy_send(claim.dest, h.region, mapped, n);
     } else {
       for (uint64_t off = 0; st.ok() && off < n;) {
         uint64_t k = std::min(kChunk, n - off);
         uint8_t* dst = MessageMatcher::stash_room(claim, off + k);
-        st = cma::read(pid_.load(), {{dst + off, h.region + off, k}});
+        if (mapped) std::memcpy(dst + off, mapped + off, k);
+        else st = cma::read(pid_.load(), {{dst + off, h.region + off, k}});
         off += k;
       }
     }
@@ -781,7 +793,12 @@ bool ShmEndpoint::send_eager(const std::shared_ptr<MessageOp>& op) {
   f.data = op->ptr;
   f.copy_unsent = true;  // copied only if the socket does not take it now: the caller may reuse its buffer
   control_->post(std::move(f));  // a grant came over it: installed
-  op->future->complete(Status::Ok());
+  // A peer that closed its end (the write failed) or a channel that was already down would
+  // drop the frame: such a send fails rather than completing on bytes that went nowhere.
+  if (control_->down() || failed())
+    op->future->complete({ErrorCode::kPeerLost, "connection to peer lost before the eager send left"});
+  else
+    op->future->complete(Status::Ok());
   return true;
 }
 
@@ -817,13 +834,40 @@ Status ShmEndpoint::serve_eager(const FrameHeader& h, PayloadReader& payload) {
   return got ? Status::Ok() : st;
 }
 
-Status ShmEndpoint::copy_send(uint8_t* dst, uint64_t src, uint64_t n) {
+const uint8_t* ShmEndpoint::send_source(uint64_t id, uint64_t addr, uint64_t n, std::shared_ptr<Mapping>* keep,
+                                        uint32_t* slot) {
+  bool describe = false;
+  {
+    std::lock_guard<std::mutex> lk(map_mu_);
+    auto it = regions_.find(id);
+    if (it != regions_.end()) {
+      const RemoteRegion& rr = it->second;
+      // Overflow-safe: addr - rr.addr and rr.length - n are computed only once they cannot wrap.
+      if (!rr.map || addr < rr.addr || n > rr.length || addr - rr.addr > rr.length - n) return nullptr;
+      *keep = rr.map;
+      *slot = rr.slot;
+      return rr.map->base + (addr - rr.addr);
+    }
+    describe = describing_.insert(id).second;
+  }
+  // Learned once, in the background, like a write's destination (shm_post.cpp): this SEND goes
+  // with process_vm_readv, the next ones from this region through the mapping if it is a memfd.
+  if (describe) start_describe(id);
+  return nullptr;
+}
+
+Status ShmEndpoint::copy_send(uint8_t* dst, uint64_t src, const uint8_t* mapped, uint64_t n) {
   const pid_t pid = pid_.load();
+  auto copy = [&](uint64_t off, uint64_t k) -> Status {
+    if (!mapped) return cma::read(pid, {{dst + off, src + off, k}});
+    std::memcpy(dst + off, mapped + off, k);
+    return Status::Ok();
+  };
   const uint64_t part_min = std::max<uint64_t>(split_min_ / 2, 1);
   const int parts = split_min_ == 0 || n < split_min_
                         ? 1
                         : static_cast<int>(std::min<uint64_t>(n / part_min, host_.copy_pool().size() + 1));
-  if (parts <= 1) return cma::read(pid, {{dst, src, n}});
+  if (parts <= 1) return copy(0, n);
   // Page-aligned parts, so that no two threads copy into one page.
   const uint64_t step = (n / parts + 4095) & ~uint64_t(4095);
   auto split = std::make_shared<SplitCopy>();
@@ -834,6 +878,7 @@ Status ShmEndpoint::copy_send(uint8_t* dst, uint64_t src, uint64_t n) {
     j.split = split;
     j.dst = dst + off;
     j.src = src + off;
+    j.mapped = mapped ? mapped + off : nullptr;
     j.len = std::min(step, n - off);
     queued.push_back(std::move(j));
   }
@@ -848,7 +893,7 @@ Status ShmEndpoint::copy_send(uint8_t* dst, uint64_t src, uint64_t n) {
     for (auto it = queued.rbegin(); it != queued.rend(); ++it) jobs_.push_front(std::move(*it));
     schedule_locked();
   }
-  Status st = cma::read(pid, {{dst, src, std::min(step, n)}});
+  Status st = copy(0, std::min(step, n));
   Status rest = split->wait();
   return st.ok() ? rest : st;
 }

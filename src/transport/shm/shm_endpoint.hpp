@@ -168,10 +168,12 @@ class ShmEndpoint final : public EndpointBase,
     FrameHeader hdr{};
     std::vector<PullPiece> pull;
     Status error;  // kLane: the region description it was parked on could not be had
-    // kPart: one part of a split SEND copy (process_vm_readv of the peer's `src` into `dst`)
+    // kPart: one part of a split SEND copy (process_vm_readv of the peer's `src` into `dst`,
+    // or a memcpy from `mapped`, our mapping of the sender's memfd region)
     std::shared_ptr<SplitCopy> split;
     uint8_t* dst = nullptr;
     uint64_t src = 0, len = 0;
+    const uint8_t* mapped = nullptr;
   };
 
   void install(net::Socket sock);
@@ -194,7 +196,13 @@ class ShmEndpoint final : public EndpointBase,
   Status serve_rts(StreamChannel& ch, const FrameHeader& h, PayloadReader& payload);
   // The copy of a SEND's n bytes from the peer's address src into dst (a posted recv): cut
   // into parts over the copy pool from shm.send_split_min on, else one process_vm_readv here.
-  Status copy_send(uint8_t* dst, uint64_t src, uint64_t n);
+  // A SEND's copy into `dst`: from `mapped` (our mapping of the sender's memfd region) when
+  // set, else from the sender's address `src` with process_vm_readv; split across the copy pool.
+  Status copy_send(uint8_t* dst, uint64_t src, const uint8_t* mapped, uint64_t n);
+  // Where [addr, addr+n) of the peer's region `id` lies in our mapping of it (the region as its
+  // owner described it, `*keep` holding the mapping and `*slot` its lease), or null: not a
+  // mapped memfd region, or not inside it. An unknown region is described in the background.
+  const uint8_t* send_source(uint64_t id, uint64_t addr, uint64_t n, std::shared_ptr<Mapping>* keep, uint32_t* slot);
   Status take_pull(const FrameHeader& h, PayloadReader& payload);
   // Eager SENDs (shm.eager_max, shm.eager_credit). A small SEND goes with its bytes in the
   // frame and completes once it is queued, within buffer space the receiver granted (a
