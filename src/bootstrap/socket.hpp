@@ -38,7 +38,8 @@ Socket listen_tcp(const std::string& host, uint16_t port, int backlog = 128);
 uint16_t local_port(int fd);
 Socket accept_tcp(int listen_fd);
 
-// Data-path settings: TCP_NODELAY and large kernel buffers.
+// Data-path settings: TCP_NODELAY, and SO_SNDBUF/SO_RCVBUF of buffer_bytes unless 0 (a TCP
+// socket's buffers are then autotuned by the kernel).
 void tune_stream(int fd, int buffer_bytes = 8 << 20);
 // O_NONBLOCK on: the progress reactors drive the descriptor.
 void set_nonblocking(int fd);

@@ -62,10 +62,10 @@ constexpr size_t kDrainBytes = 16 << 20;
 constexpr uint64_t kYieldBytes = 1 << 20;
 }  // namespace
 
-StreamChannel::StreamChannel(net::Socket sock, Handler* handler, int index)
+StreamChannel::StreamChannel(net::Socket sock, Handler* handler, int index, int buffer_bytes)
     : sock_(std::move(sock)), handler_(handler), index_(index), rbuf_(new uint8_t[kReadBuffer]) {
   net::set_io_timeout(sock_.fd(), std::chrono::milliseconds(0));
-  net::tune_stream(sock_.fd());
+  net::tune_stream(sock_.fd(), buffer_bytes);
 }
 
 StreamChannel::~StreamChannel() {

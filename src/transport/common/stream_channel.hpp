@@ -68,7 +68,8 @@ class StreamChannel : private ReactorSource {
     virtual void on_frame_sent(StreamChannel& ch, const FrameHeader& h) {}
   };
 
-  StreamChannel(net::Socket sock, Handler* handler, int index);
+  // buffer_bytes: the socket's SO_SNDBUF/SO_RCVBUF, 0 = the kernel's (autotuned for TCP).
+  StreamChannel(net::Socket sock, Handler* handler, int index, int buffer_bytes = 8 << 20);
   ~StreamChannel();
   void start();
   // Queue a frame; never blocks on the network. Dropped silently once the channel is down.

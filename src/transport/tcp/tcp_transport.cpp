@@ -68,6 +68,12 @@ const Param<int> kFailoverMs{"tcp.failover_ms", "SLUICE_TCP_FAILOVER_MS", 300, i
                              "(when an op on it may not be retried: and whose socket is retransmitting, or silent for "
                              "op_timeout / 2) is replaced "
                              "by a fresh connection, dialed by the side that connected; 0 = never"};
+// Why 0: fixed 8 MiB buffers (set, they switch the kernel's autotuning off) measured 10-25 %
+// slower than autotuned ones for lone 16-64 MiB operations and large batches on loopback,
+// the bytes in flight outgrowing the cache between the two copies (docs/performance.md).
+const Param<int> kSocketBuffer{"tcp.socket_buffer", "SLUICE_TCP_SOCKET_BUFFER", 0, int_in(0, 1 << 30),
+                               "SO_SNDBUF and SO_RCVBUF of each tcp channel, bytes; 0 = the kernel's autotuning "
+                               "(net.ipv4.tcp_wmem / tcp_rmem; raise their maxima for long fat links)"};
 const Param<bool> kRetryRma{"tcp.retry_rma", "SLUICE_TCP_RETRY_RMA", true, boolean(),
                             "reads and writes caught on a replaced tcp channel are sent again on the new one "
                             "(counted as retries); off: they fail. send, write_with_imm and post_signal never are"};
@@ -200,6 +206,7 @@ class TcpEndpoint final : public EndpointBase,
         reads_(s.channels),
         lane_mu_(s.channels),
         rto_max_ms_(kRtoMaxMs.get(s.config) < 0 ? auto_rto_max_ms(s.config.op_timeout) : kRtoMaxMs.get(s.config)),
+        socket_buffer_(kSocketBuffer.get(s.config)),
         give_up_ms_(rto_max_ms_ ? uncapped_give_up_ms() : 0) {
     pending_.set_post_handler([this](const std::shared_ptr<TransferOp>& op, const Status& st) { post_finished(op, st); });
     for (int c = 0; c < nchan_; ++c) replacing_[c] = false;
@@ -629,7 +636,7 @@ class TcpEndpoint final : public EndpointBase,
       std::lock_guard<std::mutex> lane_lk(lane_mu_[c]);
       if (failed() || closing_.load()) return;
       retired_.push_back(std::move(channels_[c]));  // a submitter may still hold a pointer
-      channels_[c] = std::make_unique<StreamChannel>(std::move(sock), this, c);
+      channels_[c] = std::make_unique<StreamChannel>(std::move(sock), this, c, socket_buffer_);
       StreamChannel& ch = *channels_[c];
       ch.start();
       answered(ch);
@@ -692,7 +699,7 @@ class TcpEndpoint final : public EndpointBase,
   // Callers hold attach_mu_, which also guards fail()'s walk over channels_.
   void install(int index, net::Socket sock) {
     cap_rto(sock.fd());
-    channels_[index] = std::make_unique<StreamChannel>(std::move(sock), this, index);
+    channels_[index] = std::make_unique<StreamChannel>(std::move(sock), this, index, socket_buffer_);
     if (index == mute_index_) muted_ = channels_[index].get();  // before start(): its fiber reads it
     channels_[index]->start();
     // fail() or close() ran before this channel existed
@@ -1051,6 +1058,7 @@ class TcpEndpoint final : public EndpointBase,
   std::mutex imm_mu_;
   std::unordered_map<uint64_t, ImmProgress> imm_;
   const int rto_max_ms_;  // tcp.rto_max_ms resolved (auto_rto_max_ms), 0 = kernel default
+  const int socket_buffer_;  // tcp.socket_buffer
   const int give_up_ms_;  // TCP_USER_TIMEOUT with the cap (uncapped_give_up_ms), else 0
 };
 
