@@ -42,6 +42,9 @@ def engines(channels: int) -> list[Engine]:
     return [
         # loopback TCP
         Engine("sluice tcp", "tcp", "sluice_peer", {"transport": "tcp", "channels": channels}, ops=ALL_OPS),
+        # The same engine through its C++ API (no Python binding), as Open MPI's adapter is C.
+        Engine("sluice c++ tcp", "tcp", "sluice_native_peer", {"transport": "tcp", "channels": channels},
+               ops=ALL_OPS, local=True),
         # GLOG_minloglevel=1: Mooncake logs one INFO line per batch otherwise
         Engine("mooncake tcp", "tcp", "mooncake_peer", env={"GLOG_minloglevel": "1"}),
         Engine("mooncake tcp pool", "tcp", "mooncake_peer",
@@ -55,6 +58,10 @@ def engines(channels: int) -> list[Engine]:
         Engine("sluice shm cma", "shm", "sluice_peer", {"transport": "shm", "channels": channels}, ops=ALL_OPS),
         Engine("sluice shm memfd", "shm", "sluice_peer", {"transport": "shm", "channels": channels, "memfd": True},
                ops=ALL_OPS),
+        Engine("sluice c++ shm cma", "shm", "sluice_native_peer", {"transport": "shm", "channels": channels},
+               ops=ALL_OPS, local=True),
+        Engine("sluice c++ shm memfd", "shm", "sluice_native_peer",
+               {"transport": "shm", "channels": channels, "memfd": True}, ops=ALL_OPS, local=True),
         # NIXL's UCX backend cannot create its agent with sm or cma alone (UCX endpoint
         # create fails in its intra-agent setup); tcp is there for the wire-up only.
         Engine("nixl ucx sm", "shm", "nixl_peer", env={"UCX_TLS": "sm,tcp"}),

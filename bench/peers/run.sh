@@ -63,9 +63,14 @@ else
 fi
 "$VPY" -c 'import sluice; print("sluice", sluice.__version__)'
 
-say "building the native programs (ceilings, Open MPI adapter)"
+say "building the native programs (ceilings, Open MPI adapter, Sluice's C++ adapter)"
 mkdir -p "$HERE/.build"
 cc -O2 -pthread -o "$HERE/.build/ceilings" "$HERE/native/ceilings.c"
+# Against the headers and library the wheel ships (sluice/include, sluice/libsluice.so).
+SLUICE_PKG=$("$VPY" -c 'import os, sluice; print(os.path.dirname(sluice.__file__))')
+rm -f "$HERE/.build/sluice_peer"
+c++ -O2 -std=c++20 -pthread -I"$SLUICE_PKG/include" -o "$HERE/.build/sluice_peer" "$HERE/native/sluice_peer.cpp" \
+  -L"$SLUICE_PKG" -lsluice -Wl,-rpath,"$SLUICE_PKG" || echo "run.sh: the C++ adapter did not build; its rows will say so" >&2
 if command -v mpicc >/dev/null; then
   mpicc -O2 -o "$HERE/.build/mpi_peer" "$HERE/native/mpi_peer.c"
 fi
