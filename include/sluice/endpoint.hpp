@@ -42,8 +42,10 @@ class SLUICE_API Endpoint {
   // peer holds the data, except an eager one: over shm, a send of at most shm.eager_max bytes
   // (64 KiB) completes once its bytes are copied and queued to the peer, within buffer space
   // the peer granted (shm.eager_credit), as MPI's and gloo's small sends do; what the peer
-  // finds afterwards fails only its recv. The caller may reuse the buffer once any send
-  // completed. A cuda_stream option needs Capabilities::stream_ordered_messages.
+  // finds afterwards fails only its recv. A local close() (of the endpoint or the engine)
+  // first lets queued eager sends leave, waiting at most min(op_timeout, 5 s) for a peer that
+  // does not read. The caller may reuse the buffer once any send completed. A cuda_stream
+  // option needs Capabilities::stream_ordered_messages.
   Future send(MemoryHandle local, uint64_t offset, uint64_t length, const OpOptions& options = {});
   Future recv(MemoryHandle local, uint64_t offset, uint64_t length, const OpOptions& options = {});
   // Completes with the next imm value the peer delivered (Future::imm()), in arrival order.

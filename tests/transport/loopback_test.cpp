@@ -405,6 +405,42 @@ TEST(ShmSend, FromEngineMemoryLandsWholeWhicheverWayItIsCopied) {
   }
 }
 
+// An eager SEND completes once queued, possibly before the socket took it: a local close
+// right after must still deliver it. The receiver takes every message slowly (the test knob:
+// 1 ms per copy), so most of the 40 MiB the grant allows wait in the sender's queue when it
+// closes; every receive must still complete with the sender's bytes.
+TEST(ShmEager, MessagesQueuedAtALocalCloseStillArrive) {
+  constexpr int kMessages = 640;
+  constexpr uint64_t kSize = 64 * 1024;
+  EngineConfig c = engine_config("shm", 2, 20s);
+  c.options["shm.eager_credit"] = std::to_string(48ull << 20);
+  Engine a(c);
+  Engine b(c);
+  std::vector<uint8_t> la(kMessages * kSize), lb(kMessages * kSize, 0);
+  std::mt19937_64 rng(31);
+  fill_random(la.data(), la.size(), rng);
+  auto ha = a.register_memory(la.data(), la.size());
+  auto hb = b.register_memory(lb.data(), lb.size());
+  ::setenv("SLUICE_SHM_TEST_COPY_DELAY_MS", "1", 1);
+  Endpoint ep = a.connect(b.local_info());
+  auto peer = b.accept(5s);
+  ::unsetenv("SLUICE_SHM_TEST_COPY_DELAY_MS");  // read as the endpoints were made
+  ASSERT_TRUE(peer.has_value());
+  // The grant arrives in order with anything the receiver sends after it (ShmEager below).
+  {
+    auto r = ep.recv(ha, 0, 8);
+    ASSERT_TRUE(peer->send(hb, 0, 8).wait().ok());
+    ASSERT_TRUE(r.wait().ok());
+    fill_random(la.data(), 8, rng);
+  }
+  std::vector<Future> recvs;
+  for (int i = 0; i < kMessages; ++i) recvs.push_back(peer->recv(hb, i * kSize, kSize));
+  for (int i = 0; i < kMessages; ++i) ASSERT_TRUE(ep.send(ha, i * kSize, kSize).wait().ok()) << "send " << i;
+  ep.close();
+  for (int i = 0; i < kMessages; ++i) ASSERT_TRUE(recvs[i].wait().ok()) << "recv " << i << ": " << recvs[i].status().to_string();
+  EXPECT_EQ(0, std::memcmp(la.data(), lb.data(), la.size()));
+}
+
 // shm's eager SENDs: a small SEND completes once queued, within the buffer space the receiver
 // granted (shm.eager_credit, each message counted with its 56-byte header). The receiver
 // holds such messages past max_unexpected_bytes (refusing one would tell nobody), and only

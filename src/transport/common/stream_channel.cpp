@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <thread>
 #include <utility>
 
 #include "core/log.hpp"
@@ -241,6 +242,19 @@ void StreamChannel::took(uint64_t bytes) {
   // reactor resumes us after this round of events; a borrower (run_lent) after one round
   // over its other channels.
   wait_input(std::chrono::steady_clock::now());
+}
+
+bool StreamChannel::flush(std::chrono::steady_clock::time_point deadline) {
+  std::unique_lock<std::mutex> lk(mu_);
+  // The reactor writes what is queued as the socket takes it (EPOLLOUT is armed while frames
+  // wait): this only watches the queue empty.
+  while (!stop_ && (!queue_.empty() || writing_)) {
+    if (std::chrono::steady_clock::now() >= deadline) return false;
+    lk.unlock();
+    std::this_thread::sleep_for(std::chrono::microseconds(100));
+    lk.lock();
+  }
+  return queue_.empty() && !writing_;
 }
 
 void StreamChannel::kick() {

@@ -81,6 +81,10 @@ class StreamChannel : private ReactorSource {
   // yielding, so that the reactor it may share goes on serving.
   void shutdown();
   void join();
+  // Waits until every frame posted so far has been taken by the socket (true), the channel
+  // went down, or `deadline` passed (false). For a local close that must not drop frames whose
+  // operations already completed (shm's eager SENDs). Not from a reactor thread: it sleeps.
+  bool flush(std::chrono::steady_clock::time_point deadline);
   // Whether the caller runs on this channel's receive fiber, or is its reactor draining it.
   bool on_own_thread() const;
   // Responses (frames posted with `response`) waiting in the queue, not yet taken by a write.

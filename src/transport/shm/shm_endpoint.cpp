@@ -385,6 +385,18 @@ void ShmEndpoint::send(std::shared_ptr<MessageOp> op) {
 }
 
 void ShmEndpoint::close(const Status& why) {
+  if (why.code == ErrorCode::kCancelled && !failed()) {
+    // A local close: eager SENDs completed once queued, so the frames still queued carry
+    // messages their senders were told are sent. They leave first (bounded: a peer that stopped
+    // reading holds the close at most this long, then they are dropped with the channel).
+    StreamChannel* ch;
+    {
+      std::lock_guard<std::mutex> clk(ctl_mu_);
+      ch = control_.get();
+    }
+    if (ch && !ch->on_own_thread() && !ch->flush(std::chrono::steady_clock::now() + std::min<std::chrono::milliseconds>(timeout_, std::chrono::seconds(5))))
+      SLUICE_LOG(kWarn, "shm: endpoint closed with frames still queued for a peer that is not reading (eager SENDs among them are lost)");
+  }
   fail(why, false);
   std::lock_guard<std::mutex> lk(close_mu_);  // a second closer waits for the first
   if (closed_) return;
