@@ -405,6 +405,36 @@ TEST(ShmSend, FromEngineMemoryLandsWholeWhicheverWayItIsCopied) {
   }
 }
 
+// An eager SEND to a peer that has closed must fail, not complete: its frame goes nowhere.
+// Sent at once after the peer's close, before this side may have seen the close on its
+// socket: the write tried at post() fails (EPIPE), and that alone must fail the send.
+TEST(ShmEager, SendToAClosedPeerFails) {
+  for (int round = 0; round < 20; ++round) {
+    SCOPED_TRACE("round " + std::to_string(round));
+    Engine a(engine_config("shm", 1, 5s));
+    auto b = std::make_unique<Engine>(engine_config("shm", 1, 5s));
+    std::vector<uint8_t> la(4096, 1), lb(4096, 0);
+    auto ha = a.register_memory(la.data(), la.size());
+    auto hb = b->register_memory(lb.data(), lb.size());
+    Endpoint ep = a.connect(b->local_info());
+    auto peer = b->accept(5s);
+    ASSERT_TRUE(peer.has_value());
+    {  // the grant is here once a message the receiver sent after it arrived
+      auto r = ep.recv(ha, 0, 8);
+      ASSERT_TRUE(peer->send(hb, 0, 8).wait().ok());
+      ASSERT_TRUE(r.wait().ok());
+    }
+    b->close();
+    bool completed = false;
+    try {
+      completed = ep.send(ha, 0, 1024).wait().ok();
+    } catch (const Error&) {
+      // refused at submission: this side already saw the close
+    }
+    EXPECT_FALSE(completed) << "an eager send to a closed peer completed";
+  }
+}
+
 // An eager SEND completes once queued, possibly before the socket took it: a local close
 // right after must still deliver it. The receiver takes every message slowly (the test knob:
 // 1 ms per copy), so most of the 40 MiB the grant allows wait in the sender's queue when it

@@ -348,15 +348,15 @@ void own_payload(OutFrame& f) {
 
 }  // namespace
 
-void StreamChannel::post(OutFrame frame) {
+bool StreamChannel::post(OutFrame frame) {
   std::unique_lock<std::mutex> lk(mu_);
-  if (stop_) return;
+  if (stop_) return false;
   if (writing_ || !queue_.empty()) {
     own_payload(frame);
     // Whoever writes now takes it, or the reactor does when the socket has room again.
     if (frame.response) responses_queued_.fetch_add(1, std::memory_order_relaxed);
     queue_.push_back(std::move(frame));
-    return;
+    return true;
   }
   // Idle channel: write on the caller's thread, without blocking; the reactor takes over
   // whatever the socket buffer did not accept.
@@ -374,7 +374,7 @@ void StreamChannel::post(OutFrame frame) {
     write_failed(err);
     lk.unlock();
     sock_.shutdown();
-    return;
+    return false;
   }
   if (done == 0) {
     // The socket is full: the reactor writes the rest when it has room (arming reports room
@@ -387,6 +387,7 @@ void StreamChannel::post(OutFrame frame) {
     // Frames other threads queued while we held the send side.
     kick();
   }
+  return true;
 }
 
 void StreamChannel::drain() {

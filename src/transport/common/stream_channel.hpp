@@ -72,8 +72,10 @@ class StreamChannel : private ReactorSource {
   StreamChannel(net::Socket sock, Handler* handler, int index, int buffer_bytes = 8 << 20);
   ~StreamChannel();
   void start();
-  // Queue a frame; never blocks on the network. Dropped silently once the channel is down.
-  void post(OutFrame frame);
+  // Queue a frame; never blocks on the network. Dropped once the channel is down: false when
+  // it was dropped now (the channel had stopped, or the write tried at once failed), true when
+  // the socket took it or it waits in the queue.
+  bool post(OutFrame frame);
   // Stop the channel (the handler hears on_channel_down); join() waits until the reactor holds
   // no reference to it any more. shutdown() is the local close: only after it does the
   // receive side report kCancelled. join() is safe from any thread and concurrently; from the

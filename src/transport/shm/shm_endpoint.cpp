@@ -804,10 +804,11 @@ bool ShmEndpoint::send_eager(const std::shared_ptr<MessageOp>& op) {
   f.hdr = make_frame(FrameType::kSend, op->seq, 0, 0, op->length);
   f.data = op->ptr;
   f.copy_unsent = true;  // copied only if the socket does not take it now: the caller may reuse its buffer
-  control_->post(std::move(f));  // a grant came over it: installed
-  // A peer that closed its end (the write failed) or a channel that was already down would
-  // drop the frame: such a send fails rather than completing on bytes that went nowhere.
-  if (control_->down() || failed())
+  // A grant came over the channel: installed. A peer that closed its end (the write tried at
+  // once failed) or a channel already down drops the frame: such a send fails rather than
+  // completing on bytes that went nowhere.
+  const bool taken = control_->post(std::move(f));
+  if (!taken || control_->down() || failed())
     op->future->complete({ErrorCode::kPeerLost, "connection to peer lost before the eager send left"});
   else
     op->future->complete(Status::Ok());
