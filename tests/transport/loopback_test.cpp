@@ -362,6 +362,15 @@ TEST_P(UnexpectedBound, SendsBeyondTheBufferFailAndLaterMessagesStillMatch) {
 
 INSTANTIATE_TEST_SUITE_P(Conformance, UnexpectedBound, ::testing::ValuesIn(transports_under_test()), transport_name);
 
+// shm's eager-SEND grant reaches the sender on the control channel, in order with the
+// receiver's own messages: once an 8-byte message the receiver sent afterwards arrived (at
+// `at` in both regions), the sender holds the grant (and any credit given back before it).
+void wait_for_grant(Endpoint& sender, Endpoint& receiver, MemoryHandle hs, MemoryHandle hr, uint64_t at) {
+  auto r = sender.recv(hs, at, 8);
+  ASSERT_TRUE(receiver.send(hr, at, 8).wait().ok());
+  ASSERT_TRUE(r.wait().ok());
+}
+
 // A SEND out of the sender's engine-allocated (memfd) memory: once the receiver has mapped
 // that region (described in the background after the first such SEND) it copies with memcpy
 // out of the mapping rather than process_vm_readv; into a posted recv (split across the copy
@@ -419,11 +428,7 @@ TEST(ShmEager, SendToAClosedPeerFails) {
     Endpoint ep = a.connect(b->local_info());
     auto peer = b->accept(5s);
     ASSERT_TRUE(peer.has_value());
-    {  // the grant is here once a message the receiver sent after it arrived
-      auto r = ep.recv(ha, 0, 8);
-      ASSERT_TRUE(peer->send(hb, 0, 8).wait().ok());
-      ASSERT_TRUE(r.wait().ok());
-    }
+    wait_for_grant(ep, *peer, ha, hb, 0);
     b->close();
     bool completed = false;
     try {
@@ -456,13 +461,8 @@ TEST(ShmEager, MessagesQueuedAtALocalCloseStillArrive) {
   auto peer = b.accept(5s);
   ::unsetenv("SLUICE_SHM_TEST_COPY_DELAY_MS");  // read as the endpoints were made
   ASSERT_TRUE(peer.has_value());
-  // The grant arrives in order with anything the receiver sends after it (ShmEager below).
-  {
-    auto r = ep.recv(ha, 0, 8);
-    ASSERT_TRUE(peer->send(hb, 0, 8).wait().ok());
-    ASSERT_TRUE(r.wait().ok());
-    fill_random(la.data(), 8, rng);
-  }
+  wait_for_grant(ep, *peer, ha, hb, 0);
+  fill_random(la.data(), 8, rng);
   std::vector<Future> recvs;
   for (int i = 0; i < kMessages; ++i) recvs.push_back(peer->recv(hb, i * kSize, kSize));
   for (int i = 0; i < kMessages; ++i) ASSERT_TRUE(ep.send(ha, i * kSize, kSize).wait().ok()) << "send " << i;
@@ -490,14 +490,7 @@ TEST(ShmEager, SendsWithinTheGrantCompleteBeforeAnyRecvAndPastItWaitForTheReceiv
   Endpoint ep = a.connect(b.local_info());
   auto peer = b.accept(5s);
   ASSERT_TRUE(peer.has_value());
-  // A grant (and a credit given back) reaches the sender on the control channel, in order
-  // with the receiver's own messages: once a message the receiver sent afterwards arrived,
-  // the sender holds the grant.
-  auto sync = [&] {
-    auto r = ep.recv(ha, 500 * 1024, 8);
-    ASSERT_TRUE(peer->send(hb, 500 * 1024, 8).wait().ok());
-    ASSERT_TRUE(r.wait().ok());
-  };
+  auto sync = [&] { wait_for_grant(ep, *peer, ha, hb, 500 * 1024); };
   sync();
   // 0 and 1 would fit the 64 KiB stash either way; 2 only as an eager message (the grant
   // holds three); 3 is past both: a rendezvous, refused at the bound.

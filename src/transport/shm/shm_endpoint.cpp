@@ -847,6 +847,12 @@ Status ShmEndpoint::serve_eager(const FrameHeader& h, PayloadReader& payload) {
   return got ? Status::Ok() : st;
 }
 
+namespace {
+// Region descriptions that SEND_RTS frames may have in flight (send_source); past it such a
+// SEND is copied with process_vm_readv, as it would be anyway until the description arrives.
+constexpr size_t kRtsDescribes = 16;
+}  // namespace
+
 const uint8_t* ShmEndpoint::send_source(uint64_t id, uint64_t addr, uint64_t n, std::shared_ptr<Mapping>* keep,
                                         uint32_t* slot) {
   bool describe = false;
@@ -861,7 +867,9 @@ const uint8_t* ShmEndpoint::send_source(uint64_t id, uint64_t addr, uint64_t n, 
       *slot = rr.slot;
       return rr.map->base + (addr - rr.addr);
     }
-    describe = describing_.insert(id).second;
+    // The id comes from the peer's SEND_RTS: at most kRtsDescribes of its descriptions are
+    // fetched at once, so a peer naming ids by the thousand starts no more than that.
+    describe = describing_.size() < kRtsDescribes && describing_.insert(id).second;
   }
   // Learned once, in the background, like a write's destination (shm_post.cpp): this SEND goes
   // with process_vm_readv, the next ones from this region through the mapping if it is a memfd.
