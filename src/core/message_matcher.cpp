@@ -15,7 +15,9 @@ Status truncation(uint64_t length, uint64_t capacity) {
 }  // namespace
 
 void MessageMatcher::finish_recv(MessageOp& op, const StashSlot& msg) {
-  uint64_t n = std::min(op.length, std::min<uint64_t>(msg.length, msg.data.size()));
+  // A failed message hands over no bytes: its buffer may hold only part of them (and the
+  // rest was never written).
+  uint64_t n = msg.status.ok() ? std::min(op.length, std::min<uint64_t>(msg.length, msg.data.size())) : 0;
   if (n) std::memcpy(op.ptr, msg.data.data(), n);
   op.future->set_bytes(n);
   if (!msg.status.ok())
@@ -58,7 +60,18 @@ void MessageMatcher::post_recv(std::shared_ptr<MessageOp> op) {
   // The message is a recv's now: its sender may queue as much again.
   if (credit)
     if (auto s = sink.lock()) s->release_credit(credit);
-  if (op) finish_recv(*op, *slot);
+  if (op) {
+    finish_recv(*op, *slot);
+    std::lock_guard<std::mutex> lk(mu_);  // the slot is ours alone now
+    recycle_locked(std::move(slot->data));
+  }
+}
+
+void MessageMatcher::recycle_locked(Buffer&& b) {
+  if (b.capacity() == 0 || b.capacity() > kSpareMaxBuffer || spare_bytes_ + b.capacity() > kSpareBytes) return;
+  b.clear();  // keeps the capacity (and, with UninitAllocator, writes nothing)
+  spare_bytes_ += b.capacity();
+  spare_.push_back(std::move(b));
 }
 
 MessageMatcher::Claim MessageMatcher::claim(uint64_t seq, uint64_t length, bool lazy, uint64_t credit,
@@ -104,6 +117,16 @@ MessageMatcher::Claim MessageMatcher::claim(uint64_t seq, uint64_t length, bool 
     unexpected_.push_back(std::move(slot));
     return c;
   }
+  // A spare buffer that holds the whole message, if there is one (stash_room grows any other).
+  // The last few only (the newest fits in a stream of equal messages): a bounded scan under mu_.
+  for (size_t i = spare_.size(), seen = 0; length && i-- > 0 && seen++ < 8;)
+    if (spare_[i].capacity() >= length) {
+      spare_bytes_ -= spare_[i].capacity();
+      slot->data = std::move(spare_[i]);
+      spare_[i] = std::move(spare_.back());
+      spare_.pop_back();
+      break;
+    }
   if (!lazy) slot->data.resize(length);
   slot->reserved = length;
   slot->credit = credit;
@@ -142,7 +165,11 @@ Status MessageMatcher::deliver(Claim& c, const Status& transfer) {
       if (waiter) unexpected_bytes_ -= c.stash->reserved;
       std::erase(landing_, c.stash);
     }
-    if (waiter) finish_recv(*waiter, *c.stash);
+    if (waiter) {
+      finish_recv(*waiter, *c.stash);
+      std::lock_guard<std::mutex> lk(mu_);  // matched and read: nobody else reads the slot
+      recycle_locked(std::move(c.stash->data));
+    }
     c.stash.reset();
     return transfer;
   }

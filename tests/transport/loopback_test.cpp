@@ -5,6 +5,7 @@
 #include <thread>
 
 #include "loopback.hpp"
+#include "transport/shm/shm_test_ring.hpp"
 #include "transports_under_test.hpp"
 
 using namespace sluice;
@@ -412,6 +413,64 @@ TEST(ShmSend, FromEngineMemoryLandsWholeWhicheverWayItIsCopied) {
       EXPECT_TRUE(std::all_of(dst + s.dst_off + s.len, dst + kLen, [](uint8_t c) { return c == 0; })) << "bytes after";
     }
   }
+}
+
+// The eager ring (shm_eager.cpp): messages of every size from 0 to shm.eager_max, into recvs
+// posted before they arrive and into the stash, through a ring small enough (a 256 KiB grant:
+// 320 KiB) that they wrap around it about twenty times. Every byte must land in its own recv,
+// in order; a send that finds the ring full goes in its frame or as a rendezvous, and must
+// land just the same. Most must have gone through the ring (the test seam counts them).
+TEST(ShmEager, RingCarriesMessagesOfEverySizeAcrossItsWrap) {
+  EngineConfig c = engine_config("shm", 2, 10s);
+  c.options["shm.eager_credit"] = std::to_string(256 << 10);
+  Engine a(c);
+  Engine b(c);
+  constexpr uint64_t kLen = 8 << 20;
+  std::vector<uint8_t> la(kLen), lb(kLen, 0);
+  std::mt19937_64 rng(41);
+  fill_random(la.data(), la.size(), rng);
+  auto ha = a.register_memory(la.data(), la.size());
+  auto hb = b.register_memory(lb.data(), lb.size());
+  Endpoint ep = a.connect(b.local_info());
+  auto peer = b.accept(5s);
+  ASSERT_TRUE(peer.has_value());
+  wait_for_grant(ep, *peer, ha, hb, 0);
+  // The sender maps the ring in the background after the grant: wait until a message went through it.
+  const uint64_t before = detail::shm::test_ring_messages_served();
+  for (auto until = std::chrono::steady_clock::now() + 5s;
+       detail::shm::test_ring_messages_served() == before && std::chrono::steady_clock::now() < until;)
+    wait_for_grant(ep, *peer, ha, hb, 0);
+  ASSERT_GT(detail::shm::test_ring_messages_served(), before) << "the sender never used the receiver's eager ring";
+  const uint64_t start = detail::shm::test_ring_messages_served();
+  std::vector<std::pair<uint64_t, uint64_t>> msgs;  // offset, length
+  for (uint64_t off = 64, i = 0; off < kLen - 65536 * 2; ++i) {
+    uint64_t n = i % 97 == 0 ? 0 : i % 13 == 0 ? 65536 : 1 + rng() % 65536;
+    msgs.emplace_back(off, n);
+    off += n + rng() % 64;
+  }
+  size_t sent = 0;
+  for (size_t chunk = 0; sent < msgs.size(); ++chunk) {
+    const size_t end = std::min(msgs.size(), sent + 16);
+    std::vector<Future> sends, recvs;
+    auto post_recvs = [&] {
+      for (size_t i = sent; i < end; ++i) recvs.push_back(peer->recv(hb, msgs[i].first, msgs[i].second));
+    };
+    if (chunk % 2 == 0) post_recvs();  // posted first: straight into the recv; else stashed
+    for (size_t i = sent; i < end; ++i) sends.push_back(ep.send(ha, msgs[i].first, msgs[i].second));
+    if (chunk % 2 == 1) post_recvs();
+    for (size_t i = 0; i < sends.size(); ++i)
+      ASSERT_TRUE(sends[i].wait().ok()) << "send " << sent + i << ": " << sends[i].status().to_string();
+    for (size_t i = 0; i < recvs.size(); ++i) {
+      ASSERT_TRUE(recvs[i].wait().ok()) << "recv " << sent + i << ": " << recvs[i].status().to_string();
+      ASSERT_EQ(recvs[i].bytes(), msgs[sent + i].second) << "recv " << sent + i;
+    }
+    sent = end;
+  }
+  for (size_t i = 0; i < msgs.size(); ++i)
+    ASSERT_EQ(0, std::memcmp(lb.data() + msgs[i].first, la.data() + msgs[i].first, msgs[i].second))
+        << "message " << i << " (" << msgs[i].second << " bytes at " << msgs[i].first << ")";
+  const uint64_t ring = detail::shm::test_ring_messages_served() - start;
+  EXPECT_GT(ring, msgs.size() / 2) << "only " << ring << " of " << msgs.size() << " messages went through the ring";
 }
 
 // An eager SEND to a peer that has closed must fail, not complete: its frame goes nowhere.

@@ -410,6 +410,117 @@ TEST_F(SameHost, EagerSendsStayWithinTheGrant) {
   }
 }
 
+// The eager ring against a proven peer that writes raw frames: the victim hands its ring
+// (a sealed memfd of eager_credit + eager_max bytes) to this endpoint's peer alone; a
+// SEND_RING frame is taken only at the position that follows the last message, within
+// shm.eager_max, and only once the ring was handed out. Anything else closes the channel;
+// the victim's memory outside the recv is never touched.
+TEST_F(SameHost, EagerRingTakesOnlyTheNextPositionOfItsOwnRing) {
+  constexpr uint64_t kRing = (4u << 20) + 64 * 1024;
+  auto proven = [&](uint64_t token, net::Socket* ctl) {
+    hello(token, info_);
+    Fd my_table{detail::sealed_memfd("test-leases", 16 * 16)};
+    ASSERT_GE(my_table.fd, 0);
+    *ctl = sh::connect(socket_);
+    sh::send(ctl->fd(), {{"op", "auth"}, {"token", token}}, my_table.fd);
+    Fd their_table;
+    json r = sh::recv(ctl->fd(), sh::Clock::now() + 5s, &their_table.fd);
+    ASSERT_FALSE(r.contains("error")) << r.dump();
+    ASSERT_EQ(attach(token), ErrorCode::kOk);
+    ASSERT_EQ(read_credit_grant(ctl->fd()).type, static_cast<uint8_t>(FrameType::kCredit));
+  };
+  auto ring_of = [&](uint64_t token, Fd* fd) {
+    net::Socket s = sh::connect(socket_);
+    sh::send(s.fd(), {{"op", "describe"}, {"token", token}, {"to_passive", true}, {"region", ~uint64_t{0}}});
+    return sh::recv(s.fd(), sh::Clock::now() + 5s, &fd->fd);
+  };
+  auto frame = [&](int fd, uint64_t seq, uint64_t len, uint64_t pos) {
+    FrameHeader h = make_frame(FrameType::kSendRing, seq, len, pos);
+    return write_all(fd, &h, sizeof(h));
+  };
+  auto next_type = [&](int fd) {
+    FrameHeader a{};
+    if (!read_all(fd, &a, sizeof(a), 5s)) return FrameType{};
+    std::string text(a.length, '\0');
+    if (a.length && !read_all(fd, text.data(), a.length, 5s)) return FrameType{};
+    return static_cast<FrameType>(a.type);
+  };
+  // (1) A SEND_RING before the ring was handed out: refused.
+  {
+    net::Socket ctl;
+    ASSERT_NO_FATAL_FAILURE(proven(8484, &ctl));
+    auto acc = victim_->accept(2s);
+    ASSERT_TRUE(acc.has_value());
+    auto r = acc->recv(hv_, 0, kPage);
+    ASSERT_TRUE(frame(ctl.fd(), 0, 100, 0));
+    EXPECT_EQ(next_type(ctl.fd()), FrameType::kError);
+    EXPECT_FALSE(r.wait_for(5s) && r.status().ok());
+    expect_memory_intact();
+  }
+  // (2) The ring goes to the endpoint's proven peer only (another token's peer is refused),
+  // as a sealed memfd of the announced size. Messages at the right positions land, into a
+  // posted recv and through the stash; then one at any other position is refused.
+  {
+    net::Socket ctl;
+    ASSERT_NO_FATAL_FAILURE(proven(8585, &ctl));
+    auto acc = victim_->accept(2s);
+    ASSERT_TRUE(acc.has_value());
+    Fd stranger;
+    EXPECT_TRUE(ring_of(999999, &stranger).contains("error"));
+    Fd fd;
+    json d = ring_of(8585, &fd);
+    ASSERT_FALSE(d.contains("error")) << d.dump();
+    ASSERT_EQ(d["length"].get<uint64_t>(), kRing);
+    ASSERT_TRUE(sh::is_memfd(fd.fd, kRing));
+    auto* ring = static_cast<uint8_t*>(::mmap(nullptr, kRing, PROT_READ | PROT_WRITE, MAP_SHARED, fd.fd, 0));
+    ASSERT_NE(ring, MAP_FAILED);
+    std::vector<uint8_t> msg(3000);
+    fill_pattern(msg.data(), msg.size(), 51);
+    std::vector<uint8_t> sink(2 * kPage, 0);
+    auto hs = victim_->register_memory(sink.data(), sink.size());
+    auto r0 = acc->recv(hs, 0, kPage);  // posted first
+    std::memcpy(ring, msg.data(), msg.size());
+    ASSERT_TRUE(frame(ctl.fd(), 0, msg.size(), 0));
+    ASSERT_TRUE(r0.wait_for(5s));
+    ASSERT_TRUE(r0.status().ok()) << r0.status().to_string();
+    EXPECT_EQ(r0.bytes(), msg.size());
+    std::memcpy(ring + msg.size(), msg.data() + 1, msg.size() - 1);
+    ASSERT_TRUE(frame(ctl.fd(), 1, msg.size() - 1, msg.size()));  // stashed: no recv yet
+    // Frames are served in order: the answer to a signal sent after it means it was taken.
+    FrameHeader probe = make_frame(FrameType::kSignal, 77, hv_.id + 1000, 0, 0, detail::kLaneEnd, 1, 0);
+    ASSERT_TRUE(write_all(ctl.fd(), &probe, sizeof(probe)));
+    ASSERT_EQ(next_type(ctl.fd()), FrameType::kNack);
+    std::memset(ring + msg.size(), 0xee, msg.size());  // the stash holds its own copy
+    auto r1 = acc->recv(hs, kPage, kPage);
+    ASSERT_TRUE(r1.wait_for(5s));
+    ASSERT_TRUE(r1.status().ok()) << r1.status().to_string();
+    EXPECT_EQ(0, std::memcmp(sink.data(), msg.data(), msg.size()));
+    EXPECT_EQ(0, std::memcmp(sink.data() + kPage, msg.data() + 1, msg.size() - 1));
+    // The next message goes at 5999; one claimed at the ring's start (over bytes the victim
+    // may not have copied out) is refused.
+    auto r2 = acc->recv(hs, 0, kPage);
+    ASSERT_TRUE(frame(ctl.fd(), 2, 100, 0));
+    EXPECT_EQ(next_type(ctl.fd()), FrameType::kError);
+    EXPECT_FALSE(r2.wait_for(5s) && r2.status().ok());
+    ::munmap(ring, kRing);
+    victim_->unregister_memory(hs);
+    expect_memory_intact();
+  }
+  // (3) Larger than shm.eager_max, or past the ring's end: refused.
+  for (auto [len, pos] : {std::pair<uint64_t, uint64_t>{64 * 1024 + 1, 0}, {64 * 1024, kRing - 100}}) {
+    net::Socket ctl;
+    const uint64_t token = 8686 + pos;
+    ASSERT_NO_FATAL_FAILURE(proven(token, &ctl));
+    auto acc = victim_->accept(2s);
+    ASSERT_TRUE(acc.has_value());
+    Fd fd;
+    ASSERT_FALSE(ring_of(token, &fd).contains("error"));
+    ASSERT_TRUE(frame(ctl.fd(), 0, len, pos));
+    EXPECT_EQ(next_type(ctl.fd()), FrameType::kError) << len << " bytes at " << pos;
+    expect_memory_intact();
+  }
+}
+
 // Two engines in one process that really are distinct engines still use shm, and it works.
 TEST_F(SameHost, HonestPeersStillUseShm) {
   EngineConfig c = engine_config("shm", 2, 10s);

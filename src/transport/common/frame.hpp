@@ -24,8 +24,11 @@ enum class FrameType : uint8_t {
   kSignal = 12,     // post_signal: add (imm low, aux high) to the u64 at (region, offset); no
                     // payload; kLaneEnd; answered with ACK/NACK like a write lane end
   kCredit = 13,     // shm: the sender may queue op_id more bytes of eager SENDs (kSend frames);
-                    // region, when not 0: the largest eager message the receiver takes
-  kMax = 13,
+                    // region, when not 0: the largest eager message the receiver takes;
+                    // offset: where the receiver's eager ring takes its next message
+  kSendRing = 14,   // shm: an eager SEND whose bytes the sender put in the receiver's eager
+                    // ring: op_id = sequence, region = length, offset = ring position; no payload
+  kMax = 14,
 };
 
 enum FrameFlags : uint8_t {

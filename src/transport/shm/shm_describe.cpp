@@ -131,7 +131,12 @@ void ShmEndpoint::described(uint64_t id, const Status& answer, const nlohmann::j
   } guard{fd};
   Status st = answer;
   RemoteRegion rr;
-  if (st.ok() && r.contains("error")) {
+  if (id == kEagerRingId) {
+    // The peer's eager ring (asked for by take_credit), never one of its regions: a lane that
+    // names this id (no region has it) fails below as an unknown region.
+    ring_described(st, r, fd);
+    st = {ErrorCode::kUnknownHandle, "peer region " + std::to_string(id) + ": no such region"};
+  } else if (st.ok() && r.contains("error")) {
     st = {ErrorCode::kUnknownHandle, "peer region " + std::to_string(id) + ": " +
                                          (r["error"].is_string() ? r["error"].get<std::string>() : r["error"].dump())};
   } else if (st.ok() && (!r.contains("addr") || !r.contains("length") || !r.contains("slot") ||

@@ -41,17 +41,19 @@ const Param<uint64_t> kSendSplitMin{"shm.send_split_min", "SLUICE_SHM_SEND_SPLIT
 // process_vm_readv and answered): 61 us for 4 KiB in the peers bench, where Open MPI's vader,
 // which completes a small send once it is in the receiver's queue, took 3.7.
 const Param<uint64_t> kEagerMax{"shm.eager_max", "SLUICE_SHM_EAGER_MAX", 64 << 10, size_in(0, 16 << 20),
-                                "a SEND of at most this many bytes goes with its bytes over the control socket and "
-                                "completes once queued (within the receiver's shm.eager_credit), not once received; "
+                                "a SEND of at most this many bytes goes eagerly (its bytes in the receiver's eager "
+                                "ring, or in its frame) and completes once queued (within the receiver's "
+                                "shm.eager_credit), not once received; "
                                 "0 = every SEND waits for the receiver"};
+const Param<bool> kEagerRing{"shm.eager_ring", "SLUICE_SHM_EAGER_RING", true, boolean(),
+                             "eager SENDs go through the receiver's eager ring (shared memory of eager_credit + "
+                             "eager_max bytes per endpoint, which the receiver allocates when its peer asks) "
+                             "instead of through the control socket: a memcpy each way instead of two socket "
+                             "copies; false = this side does not ask for its peer's ring"};
 const Param<uint64_t> kEagerCredit{"shm.eager_credit", "SLUICE_SHM_EAGER_CREDIT", 4 << 20, size_in(0, 1ull << 32),
                                    "bytes of eager SENDs (each counted with its 56-byte header) that a peer may have "
                                    "queued to this endpoint and no recv took yet, and that this endpoint queues to a "
                                    "peer; 0 = this side takes no eager SEND"};
-
-// What an eager message holds of the receiver's grant: its bytes and its frame header, so
-// that empty messages are bounded too.
-uint64_t eager_cost(uint64_t length) { return length + sizeof(FrameHeader); }
 
 // What this thread submitted on an endpoint since its last wait (the last endpoint it used):
 // whether an answer will come over the control channel, and whether only copy pool
@@ -142,11 +144,17 @@ ShmEndpoint::ShmEndpoint(const EndpointSetup& s, Host& host, std::string peer_so
       inline_max_(kInlineMax.get(s.config)),
       split_min_(kSendSplitMin.get(s.config)),
       eager_max_(kEagerMax.get(s.config)),
-      eager_credit_(kEagerCredit.get(s.config)) {
+      eager_credit_(kEagerCredit.get(s.config)),
+      ring_eager_(kEagerRing.get(s.config)) {
   pending_.set_post_handler([this](const std::shared_ptr<TransferOp>& op, const Status& st) { on_post_done(op, st); });
 }
 
-ShmEndpoint::~ShmEndpoint() { close({ErrorCode::kCancelled, "endpoint destroyed"}); }
+ShmEndpoint::~ShmEndpoint() {
+  close({ErrorCode::kCancelled, "endpoint destroyed"});
+  // After close(): no channel reader copies out of the ring any more.
+  if (uint8_t* ring = rx_ring_.load()) ::munmap(ring, rx_ring_size_);
+  if (rx_ring_fd_ >= 0) ::close(rx_ring_fd_);
+}
 
 void ShmEndpoint::connect(const ChannelOpener& open) {
   // Prove ourselves on the peer's same-host socket first and learn, from the kernel, which
@@ -202,6 +210,12 @@ nlohmann::json ShmEndpoint::describe_local(uint64_t id, const same_host::PeerCre
   *fd_out = -1;
   if (!authenticated_.load() || cred.pid != pid_.load())
     throw Error(ErrorCode::kProtocol, "describe from a process that is not this endpoint's peer");
+  if (id == kEagerRingId) {
+    // This endpoint's own ring, to its proven peer alone: it holds nothing but that peer's messages.
+    uint64_t size = 0;
+    *fd_out = eager_ring_fd(&size);
+    return {{"addr", 0}, {"length", size}, {"slot", kNoLease}};
+  }
   Status st;
   // Pinned while we answer: a memfd is closed only after its region's pins drain, so the
   // descriptor we duplicate is the region's and not a number reused by another open().
@@ -439,6 +453,7 @@ Status ShmEndpoint::on_frame(StreamChannel& ch, const FrameHeader& h, PayloadRea
       moved();
       return complete_send_ack(pending_, h, payload);
     case FrameType::kSend: return serve_eager(h, payload);
+    case FrameType::kSendRing: return serve_ring(h);
     case FrameType::kCredit: return take_credit(h);
     case FrameType::kError: return peer_error(payload);
     default: return {ErrorCode::kProtocol, "unexpected frame type " + std::to_string(h.type) + " on shm control"};
@@ -758,93 +773,6 @@ Status ShmEndpoint::serve_rts(StreamChannel& ch, const FrameHeader& h, PayloadRe
   st = events_->matcher().deliver(claim, st);
   post_status(ch, FrameType::kSendAck, h.op_id, 0, st);
   return Status::Ok();
-}
-
-void ShmEndpoint::grant_credit() {
-  if (eager_max_ == 0 || eager_credit_ == 0) return;
-  OutFrame f;
-  f.hdr = make_frame(FrameType::kCredit, eager_credit_, eager_max_);
-  control_->post(std::move(f));  // installed just before, never replaced
-}
-
-void ShmEndpoint::release_credit(uint64_t bytes) {
-  eager_held_.fetch_sub(bytes, std::memory_order_relaxed);
-  // Given back an eighth of the grant at a time: a frame per message cost each side a
-  // system call or a wake-up per message. The sender holds at least 7/8 of the grant
-  // meanwhile, and without credit it falls back to the rendezvous, so nothing waits for it.
-  if (credit_owed_.fetch_add(bytes, std::memory_order_acq_rel) + bytes < std::max<uint64_t>(eager_credit_ / 8, 1)) return;
-  const uint64_t owed = credit_owed_.exchange(0, std::memory_order_acq_rel);
-  if (owed == 0) return;
-  OutFrame f;
-  f.hdr = make_frame(FrameType::kCredit, owed, 0);
-  control_->post(std::move(f));  // an eager message came over it: installed
-}
-
-Status ShmEndpoint::take_credit(const FrameHeader& h) {
-  if (h.region) peer_eager_max_.store(h.region, std::memory_order_release);
-  // Never more queued than our own shm.eager_credit, whatever the peer grants: a peer that
-  // grants much and reads nothing would otherwise have us hold its copies without bound.
-  uint64_t have = send_credit_.load(std::memory_order_relaxed);
-  while (!send_credit_.compare_exchange_weak(have, std::min(eager_credit_, have + std::min(h.op_id, eager_credit_)),
-                                             std::memory_order_relaxed)) {
-  }
-  return Status::Ok();
-}
-
-bool ShmEndpoint::send_eager(const std::shared_ptr<MessageOp>& op) {
-  // CUDA pieces never get here (the StagingEndpoint in front sends a host copy).
-  const uint64_t max = std::min(eager_max_, peer_eager_max_.load(std::memory_order_acquire));
-  if (max == 0 || op->length > max || failed()) return false;
-  const uint64_t cost = eager_cost(op->length);
-  uint64_t have = send_credit_.load(std::memory_order_relaxed);
-  do {
-    if (have < cost) return false;  // the receiver has not taken enough yet: a rendezvous SEND
-  } while (!send_credit_.compare_exchange_weak(have, have - cost, std::memory_order_relaxed));
-  OutFrame f;
-  f.hdr = make_frame(FrameType::kSend, op->seq, 0, 0, op->length);
-  f.data = op->ptr;
-  f.copy_unsent = true;  // copied only if the socket does not take it now: the caller may reuse its buffer
-  // A grant came over the channel: installed. A peer that closed its end (the write tried at
-  // once failed) or a channel already down drops the frame: such a send fails rather than
-  // completing on bytes that went nowhere.
-  const bool taken = control_->post(std::move(f));
-  if (!taken || control_->down() || failed())
-    op->future->complete({ErrorCode::kPeerLost, "connection to peer lost before the eager send left"});
-  else
-    op->future->complete(Status::Ok());
-  return true;
-}
-
-Status ShmEndpoint::serve_eager(const FrameHeader& h, PayloadReader& payload) {
-  const uint64_t cost = eager_cost(h.length);
-  if (eager_max_ == 0 || eager_credit_ == 0 || h.length > eager_max_)
-    return {ErrorCode::kProtocol, "eager SEND of " + std::to_string(h.length) + " bytes; this side takes at most " +
-                                      std::to_string(eager_credit_ ? eager_max_ : 0) + " (shm.eager_max)"};
-  const uint64_t held = eager_held_.fetch_add(cost, std::memory_order_relaxed) + cost;
-  if (held > eager_credit_)
-    return {ErrorCode::kProtocol, "peer queued " + std::to_string(held) + " bytes of eager SENDs that no recv took, "
-                                      "beyond the " + std::to_string(eager_credit_) + " granted (shm.eager_credit)"};
-  auto claim = events_->matcher().claim(h.op_id, h.length, /*lazy=*/true, cost, weak_from_this());
-  if (claim.error.code == ErrorCode::kProtocol) return claim.error;
-  const bool stashed = claim.stash != nullptr;  // then the stash holds the credit until a recv takes it
-  Status st = claim.error;
-  bool got = true;
-  if (claim.stash) {
-    uint8_t* buf = MessageMatcher::stash_room(claim, h.length);
-    got = payload.read(buf, h.length);
-  } else if (claim.dest) {
-    // Into a recv's buffer: a failure of the endpoint waits for the copy (begin_copy).
-    if (begin_copy()) {
-      got = payload.read(claim.dest, std::min(h.length, claim.capacity));
-      end_copy();
-    } else {
-      st = {ErrorCode::kCancelled, "endpoint closed"};
-    }
-  }  // whatever is left (past a short recv, or of a dropped message) the channel discards
-  if (!got) st = {ErrorCode::kPeerLost, "connection lost mid-message"};
-  events_->matcher().deliver(claim, st);
-  if (!stashed) release_credit(cost);
-  return got ? Status::Ok() : st;
 }
 
 namespace {

@@ -96,6 +96,9 @@ struct SplitCopy {
   }
 };
 
+// The describe id that names an endpoint's eager ring (never a region id: those stay below 2^52).
+constexpr uint64_t kEagerRingId = ~uint64_t{0};
+
 class ShmEndpoint final : public EndpointBase,
                           public StreamChannel::Handler,
                           public same_host::ProvenEndpoint,
@@ -209,10 +212,19 @@ class ShmEndpoint final : public EndpointBase,
   // CREDIT frame, sent when the channel is installed and again as recvs take the messages):
   // no round trip, no process_vm_readv. The receiver enforces its own grant, so a peer that
   // ignores it is refused, never buffered without bound.
+  // The bytes of an eager SEND go through the receiver's eager ring when the sender has it
+  // mapped and it has room (shm_eager.cpp), else in the frame.
   void grant_credit();
   bool send_eager(const std::shared_ptr<MessageOp>& op);
+  bool place_in_ring(const MessageOp& op, FrameHeader* hdr);  // true: copied in, *hdr the frame
   Status serve_eager(const FrameHeader& h, PayloadReader& payload);
+  Status serve_ring(const FrameHeader& h);
   Status take_credit(const FrameHeader& h);
+  // The answer to start_describe(kEagerRingId): maps the peer's ring (sending side).
+  void ring_described(const Status& st, const nlohmann::json& reply, int fd);
+  // Our ring for the peer's eager SENDs (receiving side; allocated on the first ask): a
+  // duplicate of its descriptor, and its size in *size.
+  int eager_ring_fd(uint64_t* size) const;
   Status take_ack(const FrameHeader& h, PayloadReader& payload);
   bool mapped_locked(uint64_t id) const;
   // EndpointBase: shuts the control channel and the job queue, then waits until no copy
@@ -257,6 +269,20 @@ class ShmEndpoint final : public EndpointBase,
   std::atomic<uint64_t> peer_eager_max_{0};  // the largest eager SEND the peer takes (0: none)
   std::atomic<uint64_t> eager_held_{0};      // the peer's eager bytes that no recv took yet
   std::atomic<uint64_t> credit_owed_{0};     // taken by recvs, not yet given back (release_credit)
+  // The eager ring (shm_eager.cpp). Receiving side: ours, which the peer writes into.
+  const bool ring_eager_;  // shm.eager_ring
+  mutable std::mutex rx_ring_mu_;
+  mutable int rx_ring_fd_ = -1;
+  mutable uint64_t rx_ring_size_ = 0;
+  mutable std::atomic<uint8_t*> rx_ring_{nullptr};
+  std::atomic<uint64_t> rx_ring_next_{0};  // where the next message goes (the channel reader moves it)
+  // Sending side: the peer's, mapped here.
+  std::atomic<bool> tx_ring_asked_{false};
+  std::atomic<bool> tx_ring_mapped_{false};  // ring_described() ran (once)
+  std::atomic<bool> tx_ring_ready_{false};   // tx_ring_ set
+  std::shared_ptr<Mapping> tx_ring_;
+  uint64_t tx_head_ = 0;                  // where our next message goes (under the send lock)
+  std::atomic<uint64_t> tx_tail_{0};      // everything before it the peer copied out
 
   std::mutex mu_;
   std::condition_variable idle_cv_;  // copies_ or running_ fell
