@@ -37,7 +37,7 @@ class Engine:
     not_run: str = ""    # why this row has no numbers
 
 
-def engines(channels: int) -> list[Engine]:
+def engines(channels: int, qps: int = 1) -> list[Engine]:
     n = str(channels)
     return [
         # loopback TCP
@@ -71,9 +71,32 @@ def engines(channels: int) -> list[Engine]:
                ops=ALL_OPS, local=True, ceiling=True),
         Engine(f"ceiling: {n}-thread memcpy", "shm", "ceiling_peer", {"mode": "memcpy", "n": channels},
                ops=ALL_OPS, local=True, ceiling=True),
-        # inside the SoftRoCE guest: a later slice
-        *[Engine(name, "rdma", "", not_run="not run: needs the SoftRoCE guest section (later)")
-          for name in ("sluice rdma", "perftest", "mooncake rdma", "nixl ucx rc", "dlslime rdma")],
+        # Inside the SoftRoCE guest (run_guest): rxe0, its RoCE v2 GID, the same QP count for all.
+        *rdma_engines(qps),
+    ]
+
+
+def rdma_engines(qps: int) -> list[Engine]:
+    """The rdma section: one SoftRoCE device (rxe0 on a dummy netdev) in one QEMU guest, loopback
+    RC QPs on it; every engine with `qps` queue pairs per connection and its documented RoCE
+    settings. RXE_DEV, RXE_IP, RXE_GID_INDEX are the guest's (tests/rdma/rxe-guest.sh); the
+    defaults are what that guest sets, for the rows the host writes."""
+    dev, ip = os.environ.get("RXE_DEV", "rxe0"), os.environ.get("RXE_IP", "10.0.0.1")
+    gid = os.environ.get("RXE_GID_INDEX", "1")
+    return [
+        # Sluice finds the port and its RoCE v2 GID by itself (docs/rdma.md, Device, port, address).
+        Engine("sluice rdma", "rdma", "sluice_peer", {"transport": "rdma", "channels": qps, "host": ip}),
+        Engine("mooncake rdma", "rdma", "mooncake_peer", {"protocol": "rdma", "device": dev, "host": ip},
+               env={"MC_GID_INDEX": gid, "MC_NUM_QP_PER_EP": str(qps), "GLOG_minloglevel": "1"}),
+        # UCX's rc transport alone (rc_verbs on rxe: there is no mlx5), on rxe0 port 1 with its
+        # RoCE v2 GID; self for the agent's own loopback.
+        Engine("nixl ucx rc", "rdma", "nixl_peer",
+               env={"UCX_TLS": "rc,self", "UCX_NET_DEVICES": f"{dev}:1", "UCX_IB_GID_INDEX": gid,
+                    "UCX_WARN_UNUSED_ENV_VARS": "n"}),
+        Engine("dlslime rdma", "rdma", "dlslime_peer", {"endpoint": "rdma", "device": dev, "qps": qps},
+               env={"SLIME_GID_INDEX": gid, "SLIME_QP_NUM": str(qps)}),
+        Engine(f"ceiling: perftest ({qps} QP)", "rdma", "perftest_peer",
+               {"device": dev, "gid_index": gid, "host": ip, "qps": qps}, local=True, ceiling=True),
     ]
 
 
@@ -91,6 +114,19 @@ def parse_args(argv):
     p.add_argument("--timeout", type=float, default=None,
                    help="seconds per engine and round; cells left then are rows saying so (default 180; quick 60)")
     p.add_argument("--out", default=os.path.join(HERE, "results"), help="output folder")
+    g = p.add_argument_group("the rdma section (one SoftRoCE guest, QEMU under TCG: about 1/30 of the host's speed)")
+    g.add_argument("--rdma-sizes", default=None, help="comma-separated byte sizes (default 65536,1048576; "
+                   "--quick 65536)")
+    g.add_argument("--rdma-shapes", default=None, help="BATCHxCONCURRENCY (default 1x1,16x4; --quick 1x1)")
+    g.add_argument("--rdma-qps", type=int, default=1, help="queue pairs per connection, every engine (default 1)")
+    g.add_argument("--rdma-budget", type=int, default=None, help="bytes per cell (default 8 MiB; --quick 4 MiB)")
+    g.add_argument("--guest-budget", type=float, default=None,
+                   help="seconds for the whole guest section, boot included (default 540; --quick 120); what "
+                        "is left then are rows saying so")
+    g.add_argument("--guest-timeout", type=float, default=None,
+                   help="seconds per engine and round in the guest (default 150; --quick 70)")
+    g.add_argument("--no-guest", action="store_true", help="leave the rdma section out (its rows say so)")
+    g.add_argument("--in-guest", action="store_true", help=argparse.SUPPRESS)  # the driver run in the guest
     return p.parse_args(argv)
 
 
@@ -214,7 +250,9 @@ def run_engine(e: Engine, cells: list[Cell], timeout: float, log) -> tuple[list[
             rc = procs[-1].returncode if procs else None
             results.append({"op": c.op, "size": c.size, "batch": c.batch, "conc": c.conc, "iters": c.iters,
                             "secs": None, "lat_ms": None, "checked": None,
-                            "error": error or reason or f"no result (the engine's process exited with {rc})"})
+                            "error": (f"{reason} ({error.split(': ', 1)[-1]})" if error and reason and
+                                      "exited" in error else
+                                      error or reason or f"no result (the engine's process exited with {rc})")})
     for k, v in details.items():
         checks[k] = (checks[k], v)
     return results, checks
@@ -235,55 +273,258 @@ def versions(es: list[Engine], log) -> dict:
     return out
 
 
+def collect(e: Engine, r: int, results: list[dict], checks: dict, vers: dict) -> list[dict]:
+    """One engine's round: the receiver's verdicts folded in, the row's identity added."""
+    out = []
+    send_failed = ""  # a SEND cell that ended early leaves the receiver out of step
+    for d in results:
+        key = f"{d['op']}/{d['size']}/{d['batch']}/{d['conc']}"
+        initiator_error = d["error"]  # an exception there: fewer messages went out
+        if key in checks:  # the receiver's verdict on two-sided cells
+            ok, detail = checks[key] if isinstance(checks[key], tuple) else (checks[key], "")
+            d["checked"] = ok and d.get("checked") is not False
+            if not ok and not d["error"] and send_failed:
+                # its receives met the messages of a later cell: not a verdict on the bytes
+                d["checked"] = None
+                d["error"] = f"not checked: the receiver was out of step after {send_failed} failed"
+            elif not ok and not d["error"]:
+                d["error"] = "byte check failed at the receiver" + (f": {detail}" if detail else "")
+        if d["op"] == "send" and initiator_error and not send_failed:
+            send_failed = f"SEND {d['size']} B x {d['batch']} x {d['conc']}"
+        d.update(engine=e.name, section=e.section, round=r + 1, ceiling=e.ceiling,
+                 version=vers.get(e.module, ""), settings=e.settings, env=e.env)
+        out.append(d)
+    return out
+
+
+def progress(r: int, rounds: int, e: Engine, results: list[dict], t0: float) -> None:
+    bad = sum(1 for d in results if d["error"])
+    print(f"round {r + 1}/{rounds}  {e.name:<34} {len(results):3d} cells  {bad:3d} failed  "
+          f"{time.monotonic() - t0:6.1f} s", flush=True)
+
+
+def missing_row(c: Cell, error: str) -> dict:
+    return {"op": c.op, "size": c.size, "batch": c.batch, "conc": c.conc, "iters": c.iters, "secs": None,
+            "lat_ms": None, "checked": None, "error": error}
+
+
+# ---------------------------------------------------------------- the rdma section (SoftRoCE guest)
+ROOT = os.path.dirname(os.path.dirname(HERE))
+GUEST_FOOTPRINT = 16 << 20  # per side: numpy needs about 3 s per 64 MiB pattern under TCG
+# The guest mounts fresh tmpfs over these: what lives there must be shared into it.
+GUEST_MASKED = ("/root", "/tmp", "/run", "/var/tmp")
+
+
+# --quick boots the guest for Sluice and perftest only (about 60 s): each peer's two processes
+# start in 10-40 s under emulation (Python, numpy and the peer's libraries), which would double that.
+QUICK_GUEST = ("sluice_peer", "perftest_peer")  # modules
+QUICK_LEFT_OUT = ("not run: left out of --quick (its processes take 10-40 s to start under the guest's "
+                  "emulation); the full run and --only run it")
+
+
+def rdma_cells(o) -> list[Cell]:
+    """Sizes and shapes that fit the emulated speed (about 100 MB/s and 1/30 of the host's CPU):
+    64 KiB and 1 MiB; a lone operation and 16 x 4 (the 64 x 8 of the host sections moves 512 MiB
+    per window, over 5 s per batch window here, and 1 MiB x 64 does not fit the 16 MiB footprint)."""
+    sizes = [int(x) for x in o.rdma_sizes.split(",")] if o.rdma_sizes else \
+        ([64 << 10] if o.quick else [64 << 10, 1 << 20])
+    shapes = [tuple(int(x) for x in s.split("x")) for s in (o.rdma_shapes or ("1x1" if o.quick else "1x1,16x4"))
+              .split(",")]
+    ops = [op for op in ("read", "write") if not o.ops or op in o.ops.split(",")]
+    budget = o.rdma_budget or ((4 << 20) if o.quick else (8 << 20))
+    return make_cells(ops, sizes, shapes, budget, footprint=GUEST_FOOTPRINT)
+
+
+def rdma_settings(o) -> dict:
+    return {"qps": o.rdma_qps, "footprint": GUEST_FOOTPRINT, "budget": o.rdma_budget or
+            ((4 << 20) if o.quick else (8 << 20)),
+            "guest_budget_s": o.guest_budget or (120.0 if o.quick else 540.0),
+            "engine_timeout_s": o.guest_timeout or (70.0 if o.quick else 150.0)}
+
+
+def guest_main(o) -> int:
+    """Inside the guest: the rdma engines, interleaved round by round, every engine-round's rows
+    appended to OUT/samples.jsonl at once (a guest killed at its budget keeps what was done)."""
+    t0 = time.monotonic()
+    st = rdma_settings(o)
+    deadline = t0 + st["guest_budget_s"]
+    rounds = o.rounds or (1 if o.quick else 3)
+    es = rdma_engines(o.rdma_qps)
+    if o.only:
+        keep = {x.strip() for x in o.only.split(",")}
+        es = [e for e in es if e.name in keep]
+    cells = rdma_cells(o)
+    # An engine whose every cell failed in round 1, none by a timeout (it cannot run here: NIXL's
+    # UCX finds no rc device), is not started again: 25 s a round under emulation.
+    cannot: dict = {}
+    os.makedirs(o.out, exist_ok=True)
+    print(f"guest: {platform.release()}, {os.environ.get('RXE_DEV')} {os.environ.get('RXE_IP')} GID index "
+          f"{os.environ.get('RXE_GID_INDEX')}, {os.cpu_count()} vCPUs, {len(cells)} cells per engine", flush=True)
+    with open(os.path.join(o.out, "engines.log"), "a") as log, \
+            open(os.path.join(o.out, "samples.jsonl"), "a") as sink:
+        for r in range(rounds):
+            for e in es:
+                t1 = time.monotonic()
+                left = deadline - t1
+                log.write(f"\n===== guest round {r + 1} {e.name} ({left:.0f} s of the guest budget left)\n")
+                log.flush()
+                mine = [c for c in cells if c.op in e.ops]
+                if e.name in cannot:  # every cell of an earlier round failed at once: no new attempt
+                    results, checks = [missing_row(c, f"{cannot[e.name]} (in round 1; not tried again)")
+                                       for c in mine], {}
+                elif left < 20:
+                    spent = f"TimeoutError: not run: the guest section's {st['guest_budget_s']:.0f} s budget was spent"
+                    results, checks = [missing_row(c, spent) for c in mine], {}
+                else:
+                    results, checks = run_engine(e, mine, min(st["engine_timeout_s"], left - 10), log)
+                if r == 0 and results and all(d["error"] and not d["error"].startswith("TimeoutError")
+                                              for d in results):
+                    cannot[e.name] = results[0]["error"][:300]
+                for d in collect(e, r, results, checks, {}):
+                    sink.write(json.dumps(d) + "\n")
+                sink.flush()
+                progress(r, rounds, e, results, t1)
+    return 0
+
+
+def guest_shares(gdir: str) -> list[str]:
+    """Folders the guest must see read-write or at all: the results folder, and the checkout and
+    the Python installation where the guest's tmpfs would hide them (a CI clone in /tmp, pyenv
+    under /root)."""
+    want = [gdir]
+    for d in (ROOT, sys.prefix, sys.base_prefix, os.path.dirname(os.path.realpath(sys.executable))):
+        d = os.path.realpath(d)
+        if any(d == m or d.startswith(m + "/") for m in GUEST_MASKED):
+            want.append(os.path.dirname(d) if d.endswith("/bin") else d)
+    out = []
+    for d in sorted(set(want), key=len):  # parents first; a folder inside a shared one needs no share
+        if not any(d == x or d.startswith(x + "/") for x in out) or d == gdir:
+            out.append(d)
+    return out
+
+
+def run_guest(o, es: list[Engine], rounds: int, log) -> list[dict]:
+    """Boots one SoftRoCE guest (tests/rdma/rxe-guest.sh) and runs this driver in it on the rdma
+    engines. Rows the guest did not write say why: it did not start, or its budget ran out."""
+    st = rdma_settings(o)
+    budget = st["guest_budget_s"]
+    cells = rdma_cells(o)
+    script = os.path.join(ROOT, "tests", "rdma", "rxe-guest.sh")
+    gdir = os.path.join(os.path.realpath(o.out), "guest")
+    import shutil
+
+    shutil.rmtree(gdir, ignore_errors=True)
+    os.makedirs(gdir)
+    inner = [sys.executable, os.path.join(HERE, "driver.py"), "--in-guest", "--out", gdir, "--rounds", str(rounds),
+             "--only", ",".join(e.name for e in es), "--rdma-qps", str(o.rdma_qps),
+             "--rdma-sizes", ",".join(sorted({str(c.size) for c in cells}, key=int)) or "65536",
+             "--rdma-shapes", o.rdma_shapes or ("1x1" if o.quick else "1x1,16x4"),
+             "--rdma-budget", str(st["budget"]), "--guest-budget", str(budget - 20),
+             "--guest-timeout", str(st["engine_timeout_s"])]
+    if o.ops:
+        inner += ["--ops", o.ops]
+    cmd = [script, "-q", "-t", str(int(budget)), "-C", HERE]
+    for d in guest_shares(gdir):
+        cmd += ["-s", d]
+    cmd += ["-e", f"PEERS_FOOTPRINT={GUEST_FOOTPRINT}", "-e", "SLUICE_LOG_LEVEL=error", "--"] + inner
+    log.write("\n===== the SoftRoCE guest: " + " ".join(cmd) + "\n")
+    log.flush()
+    print(f"guest: booting one SoftRoCE guest for {', '.join(e.name for e in es)} (budget {budget:.0f} s)",
+          flush=True)
+    t0 = time.monotonic()
+    with tempfile.TemporaryFile("w+") as err:
+        why = ""
+        try:
+            if not os.path.exists(script):
+                raise FileNotFoundError(f"{script} is missing")
+            rc = subprocess.run(cmd, stdin=subprocess.DEVNULL, stderr=err, timeout=budget + 60).returncode
+        except subprocess.TimeoutExpired:
+            rc = 124
+        except OSError as ex:
+            rc, why = 125, f"{type(ex).__name__}: {ex}"
+        err.seek(0)
+        text = err.read()
+    log.write(text)
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    why = why or next((ln for ln in reversed(lines) if "rxe-guest.sh" in ln), "") or (lines or [f"exit {rc}"])[-1]
+    samples = []
+    path = os.path.join(gdir, "samples.jsonl")
+    if os.path.exists(path):
+        with open(path) as f:
+            samples = [json.loads(ln) for ln in f if ln.strip()]
+    gl = os.path.join(gdir, "engines.log")
+    if os.path.exists(gl):
+        with open(gl) as f:
+            log.write(f.read())
+    log.flush()
+    wall = time.monotonic() - t0
+    print(f"guest: {len(samples)} rows, exit {rc}, {wall:.1f} s", flush=True)
+    if not samples and rc != 124:
+        for e in es:
+            e.not_run = f"not run: the SoftRoCE guest did not start or its driver failed (exit {rc}): {why[:200]}"
+        return []
+    have = {(d["engine"], d["round"], d["op"], d["size"], d["batch"], d["conc"]) for d in samples}
+    for r in range(rounds):
+        for e in es:
+            for c in cells:
+                if c.op in e.ops and (e.name, r + 1, c.op, c.size, c.batch, c.conc) not in have:
+                    d = missing_row(c, f"TimeoutError: the guest ran past its {budget:.0f} s budget and was killed"
+                                    if rc == 124 else f"no result: the guest's driver exited with {rc}: {why[:200]}")
+                    samples.extend(collect(e, r, [d], {}, {}))
+    return samples
+
+
 def main(argv=None) -> int:
     o = parse_args(sys.argv[1:] if argv is None else argv)
+    if o.in_guest:
+        return guest_main(o)
     rounds = o.rounds or (1 if o.quick else 3)
     timeout = o.timeout or (60.0 if o.quick else 180.0)
     cells = default_cells(o)
-    es = engines(o.channels)
+    es = engines(o.channels, o.rdma_qps)
     if o.only:
         keep = {s.strip() for s in o.only.split(",")}
         es = [e for e in es if e.name in keep]
+    for e in es:
+        if e.section != "rdma":
+            continue
+        if o.no_guest:
+            e.not_run = "not run: --no-guest"
+        elif os.environ.get("SLUICE_SKIP_RDMA") == "1":  # as scripts/test.sh skips its RDMA suite
+            e.not_run = "not run: SLUICE_SKIP_RDMA=1"
+        elif o.quick and e.module not in QUICK_GUEST and e.name not in {x.strip() for x in o.only.split(",")}:
+            e.not_run = QUICK_LEFT_OUT
     os.makedirs(o.out, exist_ok=True)
     log_path = os.path.join(o.out, "engines.log")
     samples = []
     t_start = time.time()
+    guest_wall = None
     with open(log_path, "w") as log:
         vers = versions(es, log)
         for r in range(rounds):
             for e in es:
-                if e.not_run:
+                if e.not_run or e.section == "rdma":
                     continue
                 t0 = time.monotonic()
                 log.write(f"\n===== round {r + 1} {e.name}\n")
                 log.flush()
                 results, checks = run_engine(e, cells, timeout, log)
-                send_failed = ""  # a SEND cell that ended early leaves the receiver out of step
-                for d in results:
-                    key = f"{d['op']}/{d['size']}/{d['batch']}/{d['conc']}"
-                    initiator_error = d["error"]  # an exception there: fewer messages went out
-                    if key in checks:  # the receiver's verdict on two-sided cells
-                        ok, detail = checks[key] if isinstance(checks[key], tuple) else (checks[key], "")
-                        d["checked"] = ok and d.get("checked") is not False
-                        if not ok and not d["error"] and send_failed:
-                            # its receives met the messages of a later cell: not a verdict on the bytes
-                            d["checked"] = None
-                            d["error"] = f"not checked: the receiver was out of step after {send_failed} failed"
-                        elif not ok and not d["error"]:
-                            d["error"] = "byte check failed at the receiver" + (f": {detail}" if detail else "")
-                    if d["op"] == "send" and initiator_error and not send_failed:
-                        send_failed = f"SEND {d['size']} B x {d['batch']} x {d['conc']}"
-                    d.update(engine=e.name, section=e.section, round=r + 1, ceiling=e.ceiling,
-                             version=vers.get(e.module, ""), settings=e.settings, env=e.env)
-                    samples.append(d)
-                bad = sum(1 for d in results if d["error"])
-                print(f"round {r + 1}/{rounds}  {e.name:<34} {len(results):3d} cells  {bad:3d} failed  "
-                      f"{time.monotonic() - t0:6.1f} s", flush=True)
+                samples += collect(e, r, results, checks, vers)
+                progress(r, rounds, e, results, t0)
+        guest = [e for e in es if e.section == "rdma" and not e.not_run]
+        if guest:
+            t0 = time.monotonic()
+            for d in run_guest(o, guest, rounds, log):
+                d["version"] = vers.get(next(e.module for e in guest if e.name == d["engine"]), "")
+                samples.append(d)
+            guest_wall = round(time.monotonic() - t0, 1)
     meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(t_start)), "host": platform.node(),
             "cpus": os.cpu_count(), "load_before": os.getloadavg(), "rounds": rounds, "quick": o.quick,
             "footprint": FOOTPRINT, "channels": o.channels, "wall_s": round(time.time() - t_start, 1),
             "not_run": {e.name: e.not_run for e in es if e.not_run}, "versions": vers,
             "engines": [{"name": e.name, "section": e.section, "ceiling": e.ceiling, "ops": list(e.ops)} for e in es]}
+    if any(e.section == "rdma" for e in es):
+        meta["rdma"] = dict(rdma_settings(o), wall_s=guest_wall)
     with open(os.path.join(o.out, "samples.json"), "w") as f:
         json.dump({"meta": meta, "samples": samples}, f, indent=1)
     import report

@@ -53,8 +53,9 @@ def aggregate(samples: list[dict]) -> dict:
 
 def ceiling_for(engine: str, names: list[str]) -> str | None:
     """The ceiling matched to a Sluice engine: TCP streams for tcp, process_vm_readv for shm on
-    the caller's memory (CMA), memcpy for shm on engine-allocated memfd memory."""
-    want = "memcpy" if "memfd" in engine else "process_vm_readv" if "shm" in engine else "tcp streams"
+    the caller's memory (CMA), memcpy for shm on engine-allocated memfd memory, perftest for rdma."""
+    want = "memcpy" if "memfd" in engine else "process_vm_readv" if "shm" in engine else \
+        "perftest" if "rdma" in engine else "tcp streams"
     return next((n for n in names if n.startswith("ceiling") and want in n), None)
 
 
@@ -72,6 +73,8 @@ def cell_text(a: dict | None, what: str = "mbps") -> str:
     if a is None:
         return "—"
     if a[what] is None:
+        if a["error"].startswith("TimeoutError"):
+            return "failed: timeout"
         return "failed" if a["error"] else "—"
     lo, hi = a[f"{what}_min"], a[f"{what}_max"]
     star = "" if a["checked"] or a["ceiling"] else " ✗"
@@ -104,6 +107,22 @@ def markdown(meta: dict, agg: dict, img_prefix: str | None) -> str:
                 L.append(f"- {e['name']}: {meta['not_run'][e['name']]}")
             L.append("")
             continue
+        if section == "rdma" and meta.get("rdma"):
+            r = meta["rdma"]
+            took = f" ({r['wall_s']} s, boot included)" if r.get("wall_s") else ""
+            L.append(f"One SoftRoCE guest (QEMU under TCG, `tests/rdma/rxe-guest.sh`: rxe0 on a dummy netdev, "
+                     f"loopback RC queue pairs, RoCE v2 GID), booted once by this run"
+                     f"{took}: every engine with {r['qps']} QP per connection, the same rounds interleaved; "
+                     f"footprint {r['footprint'] >> 20} MiB per side, {r['budget'] >> 20} MiB per cell; at most "
+                     f"{r['engine_timeout_s']:.0f} s per engine and round and {r['guest_budget_s']:.0f} s for the "
+                     f"guest. Emulated: only ratios within this section mean anything; the ceiling is perftest "
+                     f"on the same device.")
+            L.append("")
+            for e in es:
+                if e["name"] in meta["not_run"]:
+                    L.append(f"- {e['name']}: {meta['not_run'][e['name']]}")
+            if any(e["name"] in meta["not_run"] for e in es):
+                L.append("")
         names = [e["name"] for e in es if e["name"] not in meta["not_run"]]
         for op in OPS:
             cols = [n for n in names if any(k[1] == n and k[2] == op for k in agg)]
@@ -146,7 +165,7 @@ def markdown(meta: dict, agg: dict, img_prefix: str | None) -> str:
                                                for n in lat_cols]
                     L.append("| " + " | ".join(row) + " |")
                 L.append("")
-            if img_prefix is not None:
+            if img_prefix is not None and has_plot(agg, section, op):
                 L.append(f"![{section} {op}]({img_prefix}peers-{section}-{op}.png)")
                 L.append("")
         errs = sorted({(k[1], a["error"]) for k, a in agg.items() if k[0] == section and a["error"]})
@@ -155,7 +174,7 @@ def markdown(meta: dict, agg: dict, img_prefix: str | None) -> str:
             L.append("")
             seen = set()
             for name, err in errs:
-                line = f"- {name}: {err.splitlines()[0][:200]}"
+                line = f"- {name}: {err.splitlines()[0][:300]}"
                 if line not in seen:
                     seen.add(line)
                     L.append(line)
@@ -217,8 +236,9 @@ def verdict_markdown(meta: dict, agg: dict) -> str:
                      f"{num(d['sluice_mbps'])} ({d['sluice']}) | {num(d['peer_mbps'])} ({d['peer']}) | "
                      f"{d['ratio']:.2f} |")
         L.append("")
-    L += [f"**Ceiling bars at ≥ 1 MiB** (tcp ≥ {CEILING_BAR['tcp']}×, shm ≥ {CEILING_BAR['shm']}× the matched "
-          f"ceiling; a lone operation ≥ {LONE_BAR}× one operation at a time): {len(misses)} cell(s) missed.", ""]
+    L += [f"**Ceiling bars at ≥ 1 MiB** (tcp ≥ {CEILING_BAR['tcp']}×, shm ≥ {CEILING_BAR['shm']}×, rdma ≥ "
+          f"{CEILING_BAR['rdma']}× (perftest) the matched ceiling; a lone operation ≥ {LONE_BAR}× one operation at "
+          f"a time): {len(misses)} cell(s) missed.", ""]
     if misses:
         L += ["| section | op | size | batch | conc | engine | ÷ ceiling | bar |", "|---|---|---|---|---|---|---|---|"]
         for d in misses:
@@ -237,9 +257,13 @@ def summary_markdown(meta: dict, agg: dict, img_prefix: str | None, full_doc: st
     if img_prefix is not None:
         for section in SECTIONS:
             for op in OPS:
-                if any(k[0] == section and k[2] == op for k in agg):
+                if has_plot(agg, section, op):
                     L += [f"![{section} {op}]({img_prefix}peers-{section}-{op}.png)", ""]
     return "\n".join(L)
+
+
+def has_plot(agg: dict, section: str, op: str) -> bool:
+    return any(a["mbps"] for k, a in agg.items() if k[0] == section and k[2] == op)
 
 
 def plots(agg: dict, meta: dict, img_dir: str) -> list[str]:
@@ -256,7 +280,7 @@ def plots(agg: dict, meta: dict, img_dir: str) -> list[str]:
     for section in SECTIONS:
         for op in OPS:
             keys = [k for k in agg if k[0] == section and k[2] == op]
-            if not keys:
+            if not has_plot(agg, section, op):  # no numbers (every row failed or not run)
                 continue
             shapes = sorted({(k[4], k[5]) for k in keys})
             panels = [("bw", b, c) for b, c in shapes] + [("lat", 1, 1)]

@@ -12,6 +12,11 @@
 # succeeded also rewrites docs/peers.md, the peers section of docs/performance.md and
 # docs/img/peers-*.png unless --no-docs. PEERS_SKIP_WHEEL=1 reuses the sluice already in the
 # venv (a re-run of the same checkout without the wheel build).
+# The rdma section runs in the same invocation, after the host sections: the driver boots one
+# SoftRoCE guest (tests/rdma/rxe-guest.sh, QEMU; it installs qemu and the kernel with apt when
+# missing and root) and runs itself in it on Sluice rdma, Mooncake rdma, NIXL/UCX rc, DLSlime
+# rdma and perftest (--quick: Sluice and perftest only; --no-guest leaves it out; a guest that
+# cannot boot turns those rows into its reason). Its own options: driver.py --help.
 set -euo pipefail
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 ROOT=$(cd "$HERE/../.." && pwd)
@@ -25,7 +30,8 @@ for a in "$@"; do
     --quick) quick=1; args+=("$a") ;;
     --no-docs) docs=0 ;;
     # Only a full run rewrites the docs: a subset (or help) would replace the tables with part of them.
-    -h|--help|--only|--only=*|--sizes|--sizes=*|--ops|--ops=*|--shapes|--shapes=*|--out|--out=*) docs=0; args+=("$a") ;;
+    -h|--help|--only|--only=*|--sizes|--sizes=*|--ops|--ops=*|--shapes|--shapes=*|--out|--out=*|\
+    --rdma-sizes|--rdma-sizes=*|--rdma-shapes|--rdma-shapes=*|--no-guest) docs=0; args+=("$a") ;;
     *) args+=("$a") ;;
   esac
 done

@@ -1,5 +1,7 @@
-"""DLSlime 0.1.23 (PyPI) TcpEndpoint: read/write batches of (local mr, remote mr,
-remote offset, local offset, length), one future per batch, `conc` futures in flight."""
+"""DLSlime 0.1.23 (PyPI) TcpEndpoint, or inside the SoftRoCE guest RDMAEndpoint (settings
+"endpoint": "rdma", "device": "rxe0", "qps": QPs; the driver sets SLIME_GID_INDEX): read/write
+batches of (local mr, remote mr, remote offset, local offset, length), one future per batch,
+`conc` futures in flight."""
 
 from __future__ import annotations
 
@@ -14,13 +16,20 @@ def version() -> str:
     return importlib.metadata.version("dlslime")
 
 
+def _endpoint(settings: dict):
+    import dlslime
+
+    if settings.get("endpoint") == "rdma":
+        return dlslime.RDMAEndpoint(device_name=settings.get("device", ""), ib_port=1, link_type="RoCE",
+                                    num_qp=int(settings.get("qps", 1)))
+    return dlslime.TcpEndpoint("127.0.0.1", 0)
+
+
 def target(settings: dict, cells: list[Cell]) -> int:
     import json
     import sys
 
-    import dlslime
-
-    ep = dlslime.TcpEndpoint("127.0.0.1", 0)
+    ep = _endpoint(settings)
     buf = pattern(FOOTPRINT)
     ep.register_memory_region("peers", buf.ctypes.data, 0, buf.nbytes)
     ready({"endpoint": ep.endpoint_info(), "mr": ep.mr_info()})
@@ -34,9 +43,7 @@ def target(settings: dict, cells: list[Cell]) -> int:
 
 
 def initiator(settings: dict, cells: list[Cell], info: dict) -> int:
-    import dlslime
-
-    ep = dlslime.TcpEndpoint("127.0.0.1", 0)
+    ep = _endpoint(settings)
     local, check = pattern(FOOTPRINT), np.zeros(FOOTPRINT, dtype=np.uint8)
     lh = ep.register_memory_region("local", local.ctypes.data, 0, local.nbytes)
     chh = ep.register_memory_region("check", check.ctypes.data, 0, check.nbytes)
@@ -66,7 +73,7 @@ def initiator(settings: dict, cells: list[Cell], info: dict) -> int:
         wait(xfer("write", lh, offs, c.size))
         wait(xfer("read", chh, offs, c.size))
         ok = bool(np.array_equal(check[: n * c.size], local[: n * c.size]))
-        local[: n * c.size] = pattern(FOOTPRINT)[: n * c.size]
+        local[: n * c.size] = pattern(n * c.size)
         wait(xfer("write", lh, offs, c.size))
         return secs, lat, ok
 

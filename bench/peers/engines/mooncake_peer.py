@@ -1,7 +1,9 @@
-"""Mooncake Transfer Engine (PyPI mooncake-transfer-engine-non-cuda), TCP transport,
-P2PHANDSHAKE metadata (no server). Default settings, or with MC_TCP_ENABLE_CONNECTION_POOL=1
-(the driver sets the variable). Batches go through batch_transfer_async_read/write, and
-get_batch_transfer_status waits for one batch, so `conc` batches are in flight."""
+"""Mooncake Transfer Engine (PyPI mooncake-transfer-engine-non-cuda), P2PHANDSHAKE metadata
+(no server). TCP transport with default settings, or with MC_TCP_ENABLE_CONNECTION_POOL=1 (the
+driver sets the variable); inside the SoftRoCE guest the RDMA transport (settings: protocol
+"rdma", device "rxe0", host RXE_IP; the driver sets MC_GID_INDEX and MC_NUM_QP_PER_EP).
+Batches go through batch_transfer_async_read/write, and get_batch_transfer_status waits for one
+batch, so `conc` batches are in flight."""
 
 from __future__ import annotations
 
@@ -16,13 +18,18 @@ def version() -> str:
     return importlib.metadata.version("mooncake-transfer-engine-non-cuda")
 
 
-def _engine():
+def _host(settings: dict) -> str:
+    return settings.get("host", "127.0.0.1")
+
+
+def _engine(settings: dict):
     from mooncake.engine import TransferEngine
 
     te = TransferEngine()
-    rc = te.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "")
+    proto, dev = settings.get("protocol", "tcp"), settings.get("device", "")
+    rc = te.initialize(_host(settings), "P2PHANDSHAKE", proto, dev)
     if rc != 0:
-        raise RuntimeError(f"mooncake TransferEngine.initialize(tcp) returned {rc}")
+        raise RuntimeError(f"mooncake TransferEngine.initialize({proto}{', ' + dev if dev else ''}) returned {rc}")
     return te
 
 
@@ -32,16 +39,16 @@ def _register(te, a: np.ndarray) -> None:
 
 
 def target(settings: dict, cells: list[Cell]) -> int:
-    te = _engine()
+    te = _engine(settings)
     buf = pattern(FOOTPRINT)
     _register(te, buf)
-    ready({"peer": f"127.0.0.1:{te.get_rpc_port()}", "addr": buf.ctypes.data})
+    ready({"peer": f"{_host(settings)}:{te.get_rpc_port()}", "addr": buf.ctypes.data})
     wait_stdin_eof()
     return 0
 
 
 def initiator(settings: dict, cells: list[Cell], info: dict) -> int:
-    te = _engine()
+    te = _engine(settings)
     peer, raddr = info["peer"], int(info["addr"])
     local, check = pattern(FOOTPRINT), np.zeros(FOOTPRINT, dtype=np.uint8)
     _register(te, local)

@@ -1,5 +1,6 @@
 """NIXL (PyPI nixl 1.5.1) with its UCX backend; the driver picks UCX's transports with
-UCX_TLS (tcp, sm, cma). One transfer handle per batch (initialize_xfer, transfer,
+UCX_TLS (tcp, sm, cma; rc inside the SoftRoCE guest, with UCX_NET_DEVICES=rxe0:1 and
+UCX_IB_GID_INDEX). One transfer handle per batch (initialize_xfer, transfer,
 check_xfer_state), `conc` handles in flight."""
 
 from __future__ import annotations
@@ -24,10 +25,64 @@ def version() -> str:
     return importlib.metadata.version("nixl")
 
 
-def _agent(name: str):
-    from nixl._api import nixl_agent, nixl_agent_config
+def _api():
+    """nixl._api as the meta package `nixl` picks it, without its last resort: with a CPU-only
+    torch installed (for gloo) `import nixl` imports all of torch to learn that there is no CUDA
+    (about 1 s here, 40-90 s under the SoftRoCE guest's emulation), then takes nixl_cu13, else
+    nixl_cu12. Where torch's CUDA version is known from disk, the meta package decides."""
+    try:
+        from nixl_meta_utils import _torch_cuda_version_from_disk
 
-    return nixl_agent(name, nixl_agent_config(backends=["UCX"]))
+        if _torch_cuda_version_from_disk() is None:
+            import importlib
+
+            for mod in ("nixl_cu13", "nixl_cu12"):
+                try:
+                    return importlib.import_module(f"{mod}._api")
+                except ModuleNotFoundError as e:
+                    if e.name != mod:
+                        raise
+    except ImportError:
+        pass
+    import nixl._api
+
+    return nixl._api
+
+
+def _verbs_devices(api) -> str:
+    """How many RDMA devices the libibverbs bundled in the NIXL wheel lists (UCX's verbs
+    transports go through it), and the system's: why UCX found no rc device."""
+    import ctypes
+    import glob
+
+    libs = glob.glob(os.path.join(os.path.dirname(os.path.dirname(api.__file__)),
+                                  api.__name__.split(".")[0] + ".libs", "libibverbs-*.so*"))
+    out = []
+    for label, path in [("NIXL's bundled libibverbs", p) for p in libs[:1]] + [("the system's", "libibverbs.so.1")]:
+        try:
+            lib = ctypes.CDLL(path)
+            lib.ibv_get_device_list.restype = ctypes.c_void_p
+            n = ctypes.c_int(0)
+            lst = lib.ibv_get_device_list(ctypes.byref(n))
+            if lst:
+                lib.ibv_free_device_list(ctypes.c_void_p(lst))
+            out.append(f"{label} lists {n.value} RDMA device(s)")
+        except OSError as e:
+            out.append(f"{label}: {e}")
+    return ", ".join(out)
+
+
+def _agent(name: str):
+    api = _api()
+    try:
+        return api.nixl_agent(name, api.nixl_agent_config(backends=["UCX"]))
+    except Exception as e:
+        if "rc" not in os.environ.get("UCX_TLS", ""):
+            raise
+        # One line for the table: the UCX backend needs a verbs device for UCX_TLS=rc.
+        raise RuntimeError(f"{_verbs_devices(api)}; the UCX backend failed ({e}) with UCX_TLS="
+                           f"{os.environ.get('UCX_TLS')}, UCX_NET_DEVICES={os.environ.get('UCX_NET_DEVICES', '')}") \
+            from None
 
 
 def target(settings: dict, cells: list[Cell]) -> int:

@@ -1,5 +1,7 @@
 """Sluice through its Python API (the wheel built from this checkout): tcp, shm (CMA on the
-caller's memory) and shm on engine-allocated memfd memory."""
+caller's memory), shm on engine-allocated memfd memory, and rdma inside the SoftRoCE guest
+(settings "host": the address to listen on, the guest's RXE_IP; the rdma transport finds rxe0
+and its RoCE v2 GID by itself)."""
 
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ def _engine(settings: dict, listen: bool):
 
     kw = {"transports": [settings["transport"]], "channels": settings.get("channels", 2)}
     if listen:
-        kw["listen"] = "127.0.0.1:0"
+        kw["listen"] = f"{settings.get('host', '127.0.0.1')}:0"
         # The target posts the SEND cells' receives while the READ/WRITE cells run first:
         # a receive waits until the endpoint closes, not the default 30 s.
         kw["recv_timeout_ms"] = 0
@@ -129,7 +131,7 @@ def initiator(settings: dict, cells: list[Cell], info: dict) -> int:
         seed = check_seed(c)
         if c.op == "read":  # the target's region holds pattern(FOOTPRINT)
             ep.read(batch_of(offs, c.size, int(ch))).result()
-            ok = bool(np.array_equal(check[: n * c.size], pattern(FOOTPRINT)[: n * c.size]))
+            ok = bool(np.array_equal(check[: n * c.size], pattern(n * c.size)))
         else:
             local[: n * c.size] = pattern(n * c.size, seed)
             if c.op == "send":
@@ -140,7 +142,7 @@ def initiator(settings: dict, cells: list[Cell], info: dict) -> int:
                 ep.write(batch_of(offs, c.size)).result()
                 ep.read(batch_of(offs, c.size, int(ch))).result()
                 ok = bool(np.array_equal(check[: n * c.size], local[: n * c.size]))
-            local[: n * c.size] = pattern(FOOTPRINT)[: n * c.size]
+            local[: n * c.size] = pattern(n * c.size)
             if c.op == "write":  # restore the target's pattern for later READ checks
                 ep.write(batch_of(offs, c.size)).result()
         return secs, lat, ok
