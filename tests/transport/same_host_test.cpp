@@ -83,6 +83,23 @@ class SameHost : public ::testing::Test {
     boot::send_msg(s.fd(), boot::MsgKind::kChannel, {{"token", token}, {"index", 0}, {"transport", "shm"}});
     return code_of([&] { boot::expect_reply(s.fd(), "channel"); }, why);
   }
+  // A raw peer proven on the victim's same-host socket (token `token`), its control channel
+  // in *ctl past the victim's eager grant (64 KiB messages, 4 MiB), which it checks.
+  void prove_eager_peer(uint64_t token, net::Socket* ctl) {
+    hello(token, info_);
+    Fd my_table{detail::sealed_memfd("test-leases", 16 * 16)};
+    ASSERT_GE(my_table.fd, 0);
+    *ctl = sh::connect(socket_);
+    sh::send(ctl->fd(), {{"op", "auth"}, {"token", token}}, my_table.fd);
+    Fd their_table;
+    json r = sh::recv(ctl->fd(), sh::Clock::now() + 5s, &their_table.fd);
+    ASSERT_FALSE(r.contains("error")) << r.dump();
+    ASSERT_EQ(attach(token), ErrorCode::kOk);
+    FrameHeader g = read_credit_grant(ctl->fd());
+    ASSERT_EQ(g.type, static_cast<uint8_t>(FrameType::kCredit));
+    ASSERT_EQ(g.region, 64u * 1024);
+    ASSERT_EQ(g.op_id, 4u << 20);
+  }
   void expect_memory_intact() {
     EXPECT_EQ(0, std::memcmp(mem_.data(), snap_.data(), mem_.size())) << "victim memory changed";
     for (uint8_t b : secret_) ASSERT_EQ(b, 0x5e);
@@ -299,21 +316,6 @@ TEST_F(SameHost, SilentLocalClientsDoNotStallTheSocket) {
 // shm.eager_credit however much the peer grants (a peer that grants much and reads nothing
 // holds the victim to its own bound).
 TEST_F(SameHost, EagerSendsStayWithinTheGrant) {
-  auto proven = [&](uint64_t token, net::Socket* ctl) {
-    hello(token, info_);
-    Fd my_table{detail::sealed_memfd("test-leases", 16 * 16)};
-    ASSERT_GE(my_table.fd, 0);
-    *ctl = sh::connect(socket_);
-    sh::send(ctl->fd(), {{"op", "auth"}, {"token", token}}, my_table.fd);
-    Fd their_table;
-    json r = sh::recv(ctl->fd(), sh::Clock::now() + 5s, &their_table.fd);
-    ASSERT_FALSE(r.contains("error")) << r.dump();
-    ASSERT_EQ(attach(token), ErrorCode::kOk);
-    FrameHeader g = read_credit_grant(ctl->fd());
-    ASSERT_EQ(g.type, static_cast<uint8_t>(FrameType::kCredit));
-    ASSERT_EQ(g.region, 64u * 1024);
-    ASSERT_EQ(g.op_id, 4u << 20);
-  };
   auto eager = [&](int fd, uint64_t seq, const std::vector<uint8_t>& bytes) {
     FrameHeader h = make_frame(FrameType::kSend, seq, 0, 0, bytes.size());
     std::vector<uint8_t> out(sizeof(h) + bytes.size());
@@ -333,7 +335,7 @@ TEST_F(SameHost, EagerSendsStayWithinTheGrant) {
   // (512 KiB) at a time.
   {
     net::Socket ctl;
-    ASSERT_NO_FATAL_FAILURE(proven(8181, &ctl));
+    ASSERT_NO_FATAL_FAILURE(prove_eager_peer(8181, &ctl));
     auto acc = victim_->accept(2s);
     ASSERT_TRUE(acc.has_value());
     std::vector<uint8_t> msg(60000);
@@ -364,7 +366,7 @@ TEST_F(SameHost, EagerSendsStayWithinTheGrant) {
   // (3) Past the bytes granted, no recv taking them: refused at the grant, not stashed on.
   {
     net::Socket ctl;
-    ASSERT_NO_FATAL_FAILURE(proven(8282, &ctl));
+    ASSERT_NO_FATAL_FAILURE(prove_eager_peer(8282, &ctl));
     auto acc = victim_->accept(2s);
     ASSERT_TRUE(acc.has_value());
     std::vector<uint8_t> msg(64 * 1024, 9);
@@ -385,7 +387,7 @@ TEST_F(SameHost, EagerSendsStayWithinTheGrant) {
   // 64th waits (a rendezvous the peer never answers).
   {
     net::Socket ctl;
-    ASSERT_NO_FATAL_FAILURE(proven(8383, &ctl));
+    ASSERT_NO_FATAL_FAILURE(prove_eager_peer(8383, &ctl));
     auto acc = victim_->accept(2s);
     ASSERT_TRUE(acc.has_value());
     FrameHeader g = make_frame(FrameType::kCredit, 1ull << 62, 64 * 1024);
@@ -417,18 +419,6 @@ TEST_F(SameHost, EagerSendsStayWithinTheGrant) {
 // the victim's memory outside the recv is never touched.
 TEST_F(SameHost, EagerRingTakesOnlyTheNextPositionOfItsOwnRing) {
   constexpr uint64_t kRing = (4u << 20) + 64 * 1024;
-  auto proven = [&](uint64_t token, net::Socket* ctl) {
-    hello(token, info_);
-    Fd my_table{detail::sealed_memfd("test-leases", 16 * 16)};
-    ASSERT_GE(my_table.fd, 0);
-    *ctl = sh::connect(socket_);
-    sh::send(ctl->fd(), {{"op", "auth"}, {"token", token}}, my_table.fd);
-    Fd their_table;
-    json r = sh::recv(ctl->fd(), sh::Clock::now() + 5s, &their_table.fd);
-    ASSERT_FALSE(r.contains("error")) << r.dump();
-    ASSERT_EQ(attach(token), ErrorCode::kOk);
-    ASSERT_EQ(read_credit_grant(ctl->fd()).type, static_cast<uint8_t>(FrameType::kCredit));
-  };
   auto ring_of = [&](uint64_t token, Fd* fd) {
     net::Socket s = sh::connect(socket_);
     sh::send(s.fd(), {{"op", "describe"}, {"token", token}, {"to_passive", true}, {"region", ~uint64_t{0}}});
@@ -448,7 +438,7 @@ TEST_F(SameHost, EagerRingTakesOnlyTheNextPositionOfItsOwnRing) {
   // (1) A SEND_RING before the ring was handed out: refused.
   {
     net::Socket ctl;
-    ASSERT_NO_FATAL_FAILURE(proven(8484, &ctl));
+    ASSERT_NO_FATAL_FAILURE(prove_eager_peer(8484, &ctl));
     auto acc = victim_->accept(2s);
     ASSERT_TRUE(acc.has_value());
     auto r = acc->recv(hv_, 0, kPage);
@@ -462,7 +452,7 @@ TEST_F(SameHost, EagerRingTakesOnlyTheNextPositionOfItsOwnRing) {
   // posted recv and through the stash; then one at any other position is refused.
   {
     net::Socket ctl;
-    ASSERT_NO_FATAL_FAILURE(proven(8585, &ctl));
+    ASSERT_NO_FATAL_FAILURE(prove_eager_peer(8585, &ctl));
     auto acc = victim_->accept(2s);
     ASSERT_TRUE(acc.has_value());
     Fd stranger;
@@ -510,7 +500,7 @@ TEST_F(SameHost, EagerRingTakesOnlyTheNextPositionOfItsOwnRing) {
   for (auto [len, pos] : {std::pair<uint64_t, uint64_t>{64 * 1024 + 1, 0}, {64 * 1024, kRing - 100}}) {
     net::Socket ctl;
     const uint64_t token = 8686 + pos;
-    ASSERT_NO_FATAL_FAILURE(proven(token, &ctl));
+    ASSERT_NO_FATAL_FAILURE(prove_eager_peer(token, &ctl));
     auto acc = victim_->accept(2s);
     ASSERT_TRUE(acc.has_value());
     Fd fd;

@@ -27,9 +27,9 @@ bool g_hold = false;
 // its endpoint weakly, so an endpoint closed meanwhile is simply not told.
 class DescribeAsk final : public ReactorSource, public std::enable_shared_from_this<DescribeAsk> {
  public:
-  DescribeAsk(std::weak_ptr<ShmEndpoint> ep, uint64_t id, std::shared_ptr<ProgressPool> pool, Reactor& r,
-              same_host::Clock::time_point deadline)
-      : ep_(std::move(ep)), id_(id), pool_(std::move(pool)), reactor_(r), deadline_(deadline) {}
+  DescribeAsk(std::weak_ptr<ShmEndpoint> ep, std::shared_ptr<HostGate> gate, uint64_t id,
+              std::shared_ptr<ProgressPool> pool, Reactor& r, same_host::Clock::time_point deadline)
+      : ep_(std::move(ep)), gate_(std::move(gate)), id_(id), pool_(std::move(pool)), reactor_(r), deadline_(deadline) {}
   ~DescribeAsk() override {
     if (fd_ >= 0) ::close(fd_);
   }
@@ -73,15 +73,20 @@ class DescribeAsk final : public ReactorSource, public std::enable_shared_from_t
       }
     }
     if (auto ep = ep_.lock()) {
-      ep->described(id_, st, reply, std::exchange(fd_, -1));
-      // Not released here: the last reference dropped on a reactor thread would close the
-      // endpoint there (close() waits for channels that this thread serves).
-      ep->host().copy_pool().drop(std::move(ep));
+      gate_->run([&] {
+        ep->described(id_, st, reply, std::exchange(fd_, -1));
+        // Not released here: the last reference dropped on a reactor thread would close the
+        // endpoint there (close() waits for channels that this thread serves).
+        ep->host().copy_pool().drop(std::move(ep));
+      });
+      // Past the gate the transport is gone, and its engine closed the endpoint before it:
+      // releasing a closed endpoint here closes nothing.
     }
     if (registered_) reactor_.remove(sock_.fd(), this, [self = std::move(self_)] {});
   }
 
   std::weak_ptr<ShmEndpoint> ep_;
+  const std::shared_ptr<HostGate> gate_;
   const uint64_t id_;
   std::shared_ptr<ProgressPool> pool_;  // keeps reactor_
   Reactor& reactor_;
@@ -113,7 +118,7 @@ void wait_while_test_describes_held() {
 void ShmEndpoint::start_describe(uint64_t id) {
   auto pool = ProgressPool::shared();
   Reactor& r = pool->pick();
-  auto ask = std::make_shared<DescribeAsk>(weak_from_this(), id, pool, r, same_host::Clock::now() + timeout_);
+  auto ask = std::make_shared<DescribeAsk>(weak_from_this(), host_.gate(), id, pool, r, same_host::Clock::now() + timeout_);
   // Everything on the reactor thread (wake_at is reactor-only), so the caller (a user's
   // submit, a pool thread) does not even pay for the connect.
   r.post([ask, name = peer_socket_, pid = pid_.load(),

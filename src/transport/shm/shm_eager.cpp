@@ -131,8 +131,12 @@ void ShmEndpoint::ring_described(const Status& st, const nlohmann::json& r, int 
     return;
   }
   const uint64_t size = r["length"].get<uint64_t>();
-  // A ring smaller than the largest eager message it must hold would never have room.
-  if (fd < 0 || size < peer_eager_max_.load(std::memory_order_acquire) || size > (1ull << 33) ||
+  // A ring smaller than the largest eager message it must hold would never have room; one
+  // larger than our own grant plus a message is more than we ever queue, and mapping it
+  // populated would have the peer decide how much memory we fault in (it then goes unused:
+  // the SENDs go in their frames).
+  const uint64_t peer_max = peer_eager_max_.load(std::memory_order_acquire);
+  if (fd < 0 || size < peer_max || size > eager_credit_ + std::max(eager_max_, peer_max) ||
       !same_host::is_memfd(fd, size))
     return;
   // Populated (the receiver made its pages when it handed the ring out): otherwise each of the

@@ -19,6 +19,7 @@
 #include <deque>
 #include <memory>
 #include <mutex>
+#include <shared_mutex>
 #include <thread>
 #include <unordered_map>
 #include <unordered_set>
@@ -39,7 +40,31 @@ using same_host::kMaxPullPieces;
 using same_host::PullPiece;
 using same_host::RtsSource;
 
-// What endpoints need from their transport (it outlives them).
+// Whether an endpoint's Host is still there, for work that can outlive the endpoint's close
+// (the answer to a describe, which arrives on a reactor and may find the user still holding a
+// closed endpoint of an engine that is gone): the transport closes the gate first thing in
+// its destructor, after waiting for a holder to finish.
+class HostGate {
+ public:
+  // Runs f() while the host is alive; false, without running it, once it is gone.
+  template <class F>
+  bool run(F&& f) {
+    std::shared_lock<std::shared_mutex> lk(mu_);
+    if (!alive_) return false;
+    f();
+    return true;
+  }
+  void close() {
+    std::unique_lock<std::shared_mutex> lk(mu_);
+    alive_ = false;
+  }
+
+ private:
+  std::shared_mutex mu_;
+  bool alive_ = true;
+};
+
+// What endpoints need from their transport (it outlives their open life; see HostGate).
 class Host {
  public:
   virtual ~Host() = default;
@@ -48,6 +73,7 @@ class Host {
   virtual int lease_fd() const = 0;  // this engine's lease table (shared with peers), or -1
   virtual void forget(uint64_t token) = 0;
   virtual CopyPool& copy_pool() = 0;  // runs the copy jobs of every endpoint (copy_pool.hpp)
+  virtual const std::shared_ptr<HostGate>& gate() = 0;
 };
 
 // A peer's memfd region mapped into this process.

@@ -58,7 +58,10 @@ class ShmTransport final : public Transport, public Host {
                             {"probe_value", static_cast<uint64_t>(g_probe_word)}};
     });
   }
-  ~ShmTransport() override { endpoints_.stop(); }
+  ~ShmTransport() override {
+    gate_->close();  // first: a describe answer still in flight no longer reaches us
+    endpoints_.stop();
+  }
 
   std::string name() const override { return "shm"; }
   int priority() const override { return 20; }
@@ -124,8 +127,10 @@ class ShmTransport final : public Transport, public Host {
   int lease_fd() const override { return registry_->leases().ok() ? registry_->leases().memfd() : -1; }
   void forget(uint64_t) override { endpoints_.forget(); }
   CopyPool& copy_pool() override { return copy_pool_; }
+  const std::shared_ptr<HostGate>& gate() override { return gate_; }
 
  private:
+  std::shared_ptr<HostGate> gate_ = std::make_shared<HostGate>();
   std::string host_id_;
   std::string engine_id_;
   const Registry* registry_;
