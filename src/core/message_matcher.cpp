@@ -17,8 +17,9 @@ Status truncation(uint64_t length, uint64_t capacity) {
 void MessageMatcher::finish_recv(MessageOp& op, const StashSlot& msg) {
   // A failed message hands over no bytes: its buffer may hold only part of them (and the
   // rest was never written).
-  uint64_t n = msg.status.ok() ? std::min(op.length, std::min<uint64_t>(msg.length, msg.data.size())) : 0;
-  if (n) std::memcpy(op.ptr, msg.data.data(), n);
+  const uint64_t have = msg.held ? msg.length : std::min<uint64_t>(msg.length, msg.data.size());
+  uint64_t n = msg.status.ok() ? std::min(op.length, have) : 0;
+  if (n) std::memcpy(op.ptr, msg.held ? msg.held : msg.data.data(), n);
   op.future->set_bytes(n);
   if (!msg.status.ok())
     op.future->complete(msg.status);
@@ -26,6 +27,18 @@ void MessageMatcher::finish_recv(MessageOp& op, const StashSlot& msg) {
     op.future->complete(truncation(msg.length, op.length));
   else
     op.future->complete(Status::Ok());
+}
+
+void MessageMatcher::give_back(StashSlot& slot, uint64_t credit, const std::weak_ptr<CreditSink>& sink) {
+  if (!slot.held && !credit) return;
+  auto s = sink.lock();
+  if (!s) return;
+  // Where the bytes were first (the transport may reuse that memory), then the credit: a
+  // credit frame then names the freed room too.
+  if (slot.held) s->release_held(slot.held_end);
+  slot.held = nullptr;
+  slot.held_keep.reset();
+  if (credit) s->release_credit(credit);
 }
 
 void MessageMatcher::post_recv(std::shared_ptr<MessageOp> op) {
@@ -45,26 +58,21 @@ void MessageMatcher::post_recv(std::shared_ptr<MessageOp> op) {
     }
     slot = std::move(unexpected_.front());
     unexpected_.pop_front();
-    if (slot->credit) {
-      credit = slot->credit;
-      sink = std::move(slot->sink);
-      slot->credit = 0;
-    }
     if (!slot->ready) {
+      // Still landing: deliver() copies it into this recv and gives back what it held.
       slot->waiter = std::move(op);
       landing_.push_back(std::move(slot));  // so that fail_all() can reach the waiter
-    } else {
-      unexpected_bytes_ -= slot->reserved;
+      return;
     }
+    unexpected_bytes_ -= slot->reserved;
+    credit = std::exchange(slot->credit, 0);
+    sink = slot->sink;
   }
-  // The message is a recv's now: its sender may queue as much again.
-  if (credit)
-    if (auto s = sink.lock()) s->release_credit(credit);
-  if (op) {
-    finish_recv(*op, *slot);
-    std::lock_guard<std::mutex> lk(mu_);  // the slot is ours alone now
-    recycle_locked(std::move(slot->data));
-  }
+  finish_recv(*op, *slot);
+  // The message is the recv's now: its sender may queue as much again.
+  give_back(*slot, credit, sink);
+  std::lock_guard<std::mutex> lk(mu_);  // the slot is ours alone now
+  recycle_locked(std::move(slot->data));
 }
 
 void MessageMatcher::recycle_locked(Buffer&& b) {
@@ -157,16 +165,21 @@ Status MessageMatcher::deliver(Claim& c, const Status& transfer) {
   }
   if (c.stash) {
     std::shared_ptr<MessageOp> waiter;
+    uint64_t credit = 0;
     {
       std::lock_guard<std::mutex> lk(mu_);
       c.stash->status = transfer;
       c.stash->ready = true;
       waiter = std::move(c.stash->waiter);
-      if (waiter) unexpected_bytes_ -= c.stash->reserved;
+      if (waiter) {
+        unexpected_bytes_ -= c.stash->reserved;
+        credit = std::exchange(c.stash->credit, 0);
+      }
       std::erase(landing_, c.stash);
     }
     if (waiter) {
       finish_recv(*waiter, *c.stash);
+      give_back(*c.stash, credit, c.stash->sink);
       std::lock_guard<std::mutex> lk(mu_);  // matched and read: nobody else reads the slot
       recycle_locked(std::move(c.stash->data));
     }

@@ -23,6 +23,9 @@ class CreditSink {
  public:
   virtual ~CreditSink() = default;
   virtual void release_credit(uint64_t bytes) = 0;
+  // A message stashed in place (StashSlot::held) was copied out: its bytes up to `end` in the
+  // transport's memory may be reused. Called before release_credit() for the same message.
+  virtual void release_held(uint64_t end) { (void)end; }
 };
 
 // A message that arrived before its recv; `ready` once all its bytes have landed. A recv
@@ -60,6 +63,13 @@ struct StashSlot {
   // An eager message's credit, released to `sink` when a recv takes the message.
   uint64_t credit = 0;
   std::weak_ptr<CreditSink> sink;
+  // Bytes stashed in place instead of in `data` (shm's eager ring): the recv that takes the
+  // message copies them straight from there, then `sink` gets release_held(held_end). A copy
+  // into a stash buffer first was a third copy of every message that arrived before its recv
+  // (and, for a fresh buffer, a page fault per 4 KiB).
+  const uint8_t* held = nullptr;
+  uint64_t held_end = 0;
+  std::shared_ptr<const void> held_keep;  // keeps that memory mapped while the slot may read it
 };
 
 struct MessageOp {
@@ -125,6 +135,8 @@ class MessageMatcher {
  private:
   using Buffer = decltype(StashSlot::data);
   static void finish_recv(MessageOp& op, const StashSlot& msg);
+  // After finish_recv: hands the slot's in-place bytes and its credit back to `sink`.
+  static void give_back(StashSlot& slot, uint64_t credit, const std::weak_ptr<CreditSink>& sink);
   // A stash buffer that was read goes back to spare_ (mu_ held), for the next unexpected
   // message: a fresh one was 16 page faults and the kernel zeroing every page of a 64 KiB
   // message (glibc gives a thread arena's freed top back to the kernel), 13% of the profile.

@@ -294,3 +294,65 @@ TEST(MessageMatcher, ExpiredRecvKeepsItsSlotAndRefusesItsLateMessage) {
   ASSERT_TRUE(imm2->done());
   EXPECT_EQ(imm2->imm(), 9u);
 }
+
+// A message stashed in place (shm's eager ring): the recv that takes it copies straight from
+// the transport's memory, and only then is that memory handed back (release_held), before the
+// credit; a truncated recv takes the prefix; a recv posted while the message is still landing
+// gets it from deliver(), in the same order.
+TEST(MessageMatcher, HeldStashIsReadInPlaceAndHandedBackAfterTheCopy) {
+  struct Sink : CreditSink {
+    std::vector<std::string> calls;
+    std::string* watched = nullptr;  // the held bytes, overwritten once handed back
+    void release_credit(uint64_t bytes) override { calls.push_back("credit " + std::to_string(bytes)); }
+    void release_held(uint64_t end) override {
+      calls.push_back("held " + std::to_string(end));
+      if (watched) watched->assign(watched->size(), '#');
+    }
+  };
+  auto sink = std::make_shared<Sink>();
+  MessageMatcher m(16);  // far below the messages: in-place ones are eager (credit), never refused
+  std::string ring = "first-message|second|third";
+  sink->watched = &ring;
+  auto hold = [&](uint64_t seq, uint64_t off, uint64_t len, uint64_t credit) {
+    auto c = m.claim(seq, len, /*lazy=*/true, credit, sink);
+    EXPECT_TRUE(c.stash);
+    EXPECT_EQ(c.dest, nullptr);
+    c.stash->held = reinterpret_cast<const uint8_t*>(ring.data()) + off;
+    c.stash->held_end = off + len;
+    return c;
+  };
+  auto c0 = hold(0, 0, 13, 100);
+  EXPECT_TRUE(m.deliver(c0, Status::Ok()).ok());
+  auto c1 = hold(1, 14, 6, 200);
+  EXPECT_TRUE(m.deliver(c1, Status::Ok()).ok());
+  EXPECT_TRUE(sink->calls.empty()) << "handed back before any recv took the message";
+  char a[32] = {};
+  auto ra = recv_op(reinterpret_cast<uint8_t*>(a), sizeof(a));
+  m.post_recv(ra);
+  ASSERT_TRUE(ra->future->done());
+  EXPECT_TRUE(ra->future->status().ok());
+  EXPECT_EQ(std::string(a, 13), "first-message");
+  ASSERT_EQ(sink->calls, (std::vector<std::string>{"held 13", "credit 100"}));
+  sink->watched = nullptr;
+  ring = "first-message|second|third";
+  char b[4] = {};
+  auto rb = recv_op(reinterpret_cast<uint8_t*>(b), sizeof(b));
+  m.post_recv(rb);
+  ASSERT_TRUE(rb->future->done());
+  EXPECT_EQ(rb->future->status().code, ErrorCode::kTruncated);
+  EXPECT_EQ(std::string(b, 4), "seco");
+  EXPECT_EQ(sink->calls.back(), "credit 200");
+  EXPECT_EQ(sink->calls[2], "held 20");
+  // Posted while the message lands: deliver() copies it and hands it back.
+  char c[8] = {};
+  auto c2 = hold(2, 21, 5, 300);
+  auto rc = recv_op(reinterpret_cast<uint8_t*>(c), sizeof(c));
+  m.post_recv(rc);
+  EXPECT_FALSE(rc->future->done());
+  EXPECT_EQ(sink->calls.size(), 4u) << "handed back before the bytes were copied";
+  EXPECT_TRUE(m.deliver(c2, Status::Ok()).ok());
+  ASSERT_TRUE(rc->future->done());
+  EXPECT_EQ(std::string(c, 5), "third");
+  EXPECT_EQ(sink->calls[4], "held 26");
+  EXPECT_EQ(sink->calls[5], "credit 300");
+}

@@ -57,9 +57,9 @@ void ShmEndpoint::release_credit(uint64_t bytes) {
   const uint64_t owed = credit_owed_.exchange(0, std::memory_order_acq_rel);
   if (owed == 0) return;
   OutFrame f;
-  // offset: where our ring's next message goes (everything before it was copied out), so
-  // that the sender may write over it.
-  f.hdr = make_frame(FrameType::kCredit, owed, 0, rx_ring_next_.load(std::memory_order_acquire));
+  // offset: everything in our ring before it was copied out, so that the sender may write
+  // over it.
+  f.hdr = make_frame(FrameType::kCredit, owed, 0, rx_ring_free_.load(std::memory_order_acquire));
   control_->post(std::move(f));  // an eager message came over it: installed
 }
 
@@ -167,6 +167,9 @@ int ShmEndpoint::eager_ring_fd(uint64_t* size) const {
       ::close(fd);
       throw Error(ErrorCode::kInternal, std::string("shm: eager ring: mmap: ") + std::strerror(errno));
     }
+    rx_ring_map_ = std::make_shared<Mapping>();
+    rx_ring_map_->base = static_cast<uint8_t*>(p);
+    rx_ring_map_->length = n;
     rx_ring_fd_ = fd;
     rx_ring_size_ = n;
     rx_ring_.store(static_cast<uint8_t*>(p), std::memory_order_release);
@@ -232,23 +235,62 @@ Status ShmEndpoint::serve_ring(const FrameHeader& h) {
   const bool stashed = claim.stash != nullptr;
   Status st = claim.error;
   const uint8_t* src = ring + want % rx_ring_size_;
+  const uint64_t end = want + n;
   if (claim.stash) {
-    std::memcpy(MessageMatcher::stash_room(claim, n), src, n);
-  } else if (claim.dest) {
-    if (begin_copy()) {
-      std::memcpy(claim.dest, src, std::min(n, claim.capacity));
-      end_copy();
-    } else {
-      st = {ErrorCode::kCancelled, "endpoint closed"};
+    // No recv yet: the message stays in the ring until one takes it (the matcher's slot reads
+    // it from here, then release_held), the room it holds counted in the peer's grant like
+    // any stashed eager message.
+    ring_hold(end);
+    claim.stash->held = src;
+    claim.stash->held_end = end;
+    claim.stash->held_keep = rx_ring_map_;
+  } else {
+    if (claim.dest) {
+      if (begin_copy()) {
+        std::memcpy(claim.dest, src, std::min(n, claim.capacity));
+        end_copy();
+      } else {
+        st = {ErrorCode::kCancelled, "endpoint closed"};
+      }
     }
+    ring_done(end);  // copied out (or dropped): the sender may write over it
   }
-  // Copied out: the sender may write over it once a CREDIT frame says so.
-  rx_ring_next_.store(want + n, std::memory_order_release);
+  rx_ring_next_.store(end, std::memory_order_release);
   g_ring_served.fetch_add(1, std::memory_order_relaxed);
   events_->matcher().deliver(claim, st);
   if (!stashed) release_credit(cost);
   return Status::Ok();
 }
+
+void ShmEndpoint::ring_hold(uint64_t end) {
+  std::lock_guard<std::mutex> lk(rx_hold_mu_);
+  rx_held_.emplace_back(end, false);
+}
+
+void ShmEndpoint::ring_done(uint64_t end) {
+  std::lock_guard<std::mutex> lk(rx_hold_mu_);
+  if (rx_held_.empty()) {  // the common case: nothing held, in order
+    rx_ring_free_.store(end, std::memory_order_release);
+    return;
+  }
+  // Held ones are usually taken oldest first; the scan stops at the first match.
+  bool found = false;
+  for (auto& h : rx_held_)
+    if (h.first == end) {
+      h.second = true;
+      found = true;
+      break;
+    }
+  if (!found) rx_held_.emplace_back(end, true);  // copied out at once, behind held ones
+  uint64_t free = rx_ring_free_.load(std::memory_order_relaxed);
+  while (!rx_held_.empty() && rx_held_.front().second) {
+    free = rx_held_.front().first;
+    rx_held_.pop_front();
+  }
+  rx_ring_free_.store(free, std::memory_order_release);
+}
+
+void ShmEndpoint::release_held(uint64_t end) { ring_done(end); }
 
 uint64_t test_ring_messages_served() { return g_ring_served.load(std::memory_order_relaxed); }
 

@@ -151,8 +151,7 @@ ShmEndpoint::ShmEndpoint(const EndpointSetup& s, Host& host, std::string peer_so
 
 ShmEndpoint::~ShmEndpoint() {
   close({ErrorCode::kCancelled, "endpoint destroyed"});
-  // After close(): no channel reader copies out of the ring any more.
-  if (uint8_t* ring = rx_ring_.load()) ::munmap(ring, rx_ring_size_);
+  // The ring's mapping goes with the last stash slot that still reads from it (rx_ring_map_).
   if (rx_ring_fd_ >= 0) ::close(rx_ring_fd_);
 }
 

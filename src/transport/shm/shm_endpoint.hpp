@@ -182,6 +182,8 @@ class ShmEndpoint final : public EndpointBase,
   // CreditSink: a recv took an eager message of the peer's (or it was delivered on arrival):
   // the peer may queue that many bytes again.
   void release_credit(uint64_t bytes) override;
+  // A message the matcher stashed in our eager ring was copied out (serve_ring).
+  void release_held(uint64_t end) override;
   // The answer to start_describe(id) (a reactor thread, or the caller when the ask could not
   // start): keeps the description and re-queues the jobs parked on it, with `st` if it failed.
   void described(uint64_t id, const Status& st, const nlohmann::json& reply, int fd);
@@ -301,7 +303,17 @@ class ShmEndpoint final : public EndpointBase,
   mutable int rx_ring_fd_ = -1;
   mutable uint64_t rx_ring_size_ = 0;
   mutable std::atomic<uint8_t*> rx_ring_{nullptr};
+  mutable std::shared_ptr<Mapping> rx_ring_map_;  // owns the mapping; stash slots that read it hold it too
   std::atomic<uint64_t> rx_ring_next_{0};  // where the next message goes (the channel reader moves it)
+  // Ring messages not yet copied out, oldest first: their ends, and whether copied out. A
+  // message stashed in place (no recv yet) is copied out by the recv that takes it, on that
+  // thread, so they may finish out of order; the sender may write only behind the oldest one
+  // still held (rx_ring_free_, sent in CREDIT frames).
+  std::mutex rx_hold_mu_;
+  std::deque<std::pair<uint64_t, bool>> rx_held_;
+  std::atomic<uint64_t> rx_ring_free_{0};
+  void ring_hold(uint64_t end);  // a message up to `end` was stashed in place
+  void ring_done(uint64_t end);  // the message up to `end` was copied out (hold or not)
   // Sending side: the peer's, mapped here.
   std::atomic<bool> tx_ring_asked_{false};
   std::atomic<bool> tx_ring_mapped_{false};  // ring_described() ran (once)
