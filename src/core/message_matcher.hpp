@@ -105,6 +105,11 @@ class MessageMatcher {
   };
 
   void post_recv(std::shared_ptr<MessageOp> op);
+  // The sequence number the next claim() must name.
+  uint64_t next_incoming() {
+    std::lock_guard<std::mutex> lk(mu_);
+    return incoming_;
+  }
   // `lazy`: a stashed (unexpected) message gets no buffer yet (dest null, capacity = length):
   // the transport calls stash_room() as its bytes arrive, so memory follows real bytes and a
   // header announcing a huge message allocates nothing.

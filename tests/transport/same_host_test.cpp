@@ -24,6 +24,7 @@
 #include "transport/common/frame.hpp"
 #include "transport/common/same_host.hpp"
 #include "transport/common/same_host_wire.hpp"
+#include "transport/shm/shm_ring.hpp"
 
 using namespace sluice;
 using namespace sluice_test;
@@ -418,7 +419,8 @@ TEST_F(SameHost, EagerSendsStayWithinTheGrant) {
 // shm.eager_max, and only once the ring was handed out. Anything else closes the channel;
 // the victim's memory outside the recv is never touched.
 TEST_F(SameHost, EagerRingTakesOnlyTheNextPositionOfItsOwnRing) {
-  constexpr uint64_t kRing = (4u << 20) + 64 * 1024;
+  constexpr uint64_t kRing = (4u << 20) + 64 * 1024;  // the data area: the grant plus a message
+  constexpr uint64_t kRingTotal = kRing + 1024 * sizeof(detail::shm::RingDesc) + sizeof(detail::shm::RingControl);
   auto ring_of = [&](uint64_t token, Fd* fd) {
     net::Socket s = sh::connect(socket_);
     sh::send(s.fd(), {{"op", "describe"}, {"token", token}, {"to_passive", true}, {"region", ~uint64_t{0}}});
@@ -461,9 +463,11 @@ TEST_F(SameHost, EagerRingTakesOnlyTheNextPositionOfItsOwnRing) {
     Fd fd;
     json d = ring_of(8585, &fd);
     ASSERT_FALSE(d.contains("error")) << d.dump();
-    ASSERT_EQ(d["length"].get<uint64_t>(), kRing);
-    ASSERT_TRUE(sh::is_memfd(fd.fd, kRing));
-    auto* ring = static_cast<uint8_t*>(::mmap(nullptr, kRing, PROT_READ | PROT_WRITE, MAP_SHARED, fd.fd, 0));
+    ASSERT_EQ(d["data"].get<uint64_t>(), kRing);
+    ASSERT_EQ(d["slots"].get<uint64_t>(), 1024u);
+    ASSERT_EQ(d["length"].get<uint64_t>(), kRingTotal);
+    ASSERT_TRUE(sh::is_memfd(fd.fd, kRingTotal));
+    auto* ring = static_cast<uint8_t*>(::mmap(nullptr, kRingTotal, PROT_READ | PROT_WRITE, MAP_SHARED, fd.fd, 0));
     ASSERT_NE(ring, MAP_FAILED);
     std::vector<uint8_t> msg(3000);
     fill_pattern(msg.data(), msg.size(), 51);
@@ -492,7 +496,7 @@ TEST_F(SameHost, EagerRingTakesOnlyTheNextPositionOfItsOwnRing) {
     ASSERT_TRUE(frame(ctl.fd(), 2, 100, 0));
     EXPECT_EQ(next_type(ctl.fd()), FrameType::kError);
     EXPECT_FALSE(r2.wait_for(5s) && r2.status().ok());
-    ::munmap(ring, kRing);
+    ::munmap(ring, kRingTotal);
     victim_->unregister_memory(hs);
     expect_memory_intact();
   }
@@ -507,6 +511,146 @@ TEST_F(SameHost, EagerRingTakesOnlyTheNextPositionOfItsOwnRing) {
     ASSERT_FALSE(ring_of(token, &fd).contains("error"));
     ASSERT_TRUE(frame(ctl.fd(), 0, len, pos));
     EXPECT_EQ(next_type(ctl.fd()), FrameType::kError) << len << " bytes at " << pos;
+    expect_memory_intact();
+  }
+}
+
+// The eager ring's descriptor queue against a raw proven peer: a message announced by a
+// descriptor is taken after a RING_BELL (and the victim says it went back to sleep), into a
+// posted recv or held for a later one; a descriptor whose turn has not come (a SEND frame
+// with an earlier sequence is still to come) waits for that frame; a stale stamp is not a
+// message; a descriptor at a wrong position, or too long, closes the channel with the
+// victim's memory intact.
+TEST_F(SameHost, EagerRingQueueTakesDescriptorsInSequenceOrder) {
+  using detail::shm::RingControl;
+  using detail::shm::RingDesc;
+  constexpr uint64_t kRing = (4u << 20) + 64 * 1024;
+  constexpr uint64_t kSlots = 1024;
+  constexpr uint64_t kRingTotal = kRing + kSlots * sizeof(RingDesc) + sizeof(RingControl);
+  struct Peer {
+    net::Socket ctl;
+    Fd fd;
+    uint8_t* ring = nullptr;
+    RingDesc* desc = nullptr;
+    RingControl* rc = nullptr;
+    ~Peer() {
+      if (ring) ::munmap(ring, kRingTotal);
+    }
+    // Message `seq` of `bytes` at data position `pos`, announced by descriptor `index`.
+    void put(uint64_t index, uint64_t seq, uint64_t pos, const std::vector<uint8_t>& bytes, uint64_t stamp = 0) {
+      std::memcpy(ring + pos, bytes.data(), bytes.size());
+      RingDesc& d = desc[index % kSlots];
+      d.seq = seq;
+      d.length = bytes.size();
+      d.pos = pos;
+      std::atomic_ref<uint64_t>(d.stamp).store(stamp ? stamp : index + 1, std::memory_order_release);
+    }
+    bool bell() {
+      FrameHeader h = make_frame(FrameType::kRingBell, 0, 0, 0);
+      return write_all(ctl.fd(), &h, sizeof(h));
+    }
+  };
+  auto open_peer = [&](uint64_t token, Peer* p) {
+    ASSERT_NO_FATAL_FAILURE(prove_eager_peer(token, &p->ctl));
+    net::Socket s = sh::connect(socket_);
+    sh::send(s.fd(), {{"op", "describe"}, {"token", token}, {"to_passive", true}, {"region", ~uint64_t{0}}});
+    json d = sh::recv(s.fd(), sh::Clock::now() + 5s, &p->fd.fd);
+    ASSERT_FALSE(d.contains("error")) << d.dump();
+    ASSERT_EQ(d["length"].get<uint64_t>(), kRingTotal);
+    p->ring = static_cast<uint8_t*>(::mmap(nullptr, kRingTotal, PROT_READ | PROT_WRITE, MAP_SHARED, p->fd.fd, 0));
+    ASSERT_NE(p->ring, MAP_FAILED);
+    p->desc = reinterpret_cast<RingDesc*>(p->ring + kRing);
+    p->rc = reinterpret_cast<RingControl*>(p->desc + kSlots);
+  };
+  auto consumed = [](Peer& p, uint64_t want) {
+    for (auto until = std::chrono::steady_clock::now() + 5s; std::chrono::steady_clock::now() < until;) {
+      if (std::atomic_ref<uint64_t>(p.rc->consumed).load(std::memory_order_acquire) == want) return true;
+      std::this_thread::sleep_for(1ms);
+    }
+    return false;
+  };
+  auto next_type = [&](int fd) {
+    FrameHeader a{};
+    if (!read_all(fd, &a, sizeof(a), 5s)) return FrameType{};
+    std::string text(a.length, '\0');
+    if (a.length && !read_all(fd, text.data(), a.length, 5s)) return FrameType{};
+    return static_cast<FrameType>(a.type);
+  };
+  std::vector<uint8_t> m0(3000), m1(4096), m2(777), m3(100);
+  fill_pattern(m0.data(), m0.size(), 61);
+  fill_pattern(m1.data(), m1.size(), 62);
+  fill_pattern(m2.data(), m2.size(), 63);
+  fill_pattern(m3.data(), m3.size(), 64);
+  {
+    Peer p;
+    ASSERT_NO_FATAL_FAILURE(open_peer(9191, &p));
+    auto acc = victim_->accept(2s);
+    ASSERT_TRUE(acc.has_value());
+    std::vector<uint8_t> sink(4 * kPage, 0);
+    auto hs = victim_->register_memory(sink.data(), sink.size());
+    // Into a posted recv; the victim looked, found nothing more, and asks for a bell again.
+    auto r0 = acc->recv(hs, 0, kPage);
+    p.put(0, 0, 0, m0);
+    ASSERT_TRUE(p.bell());
+    ASSERT_TRUE(r0.wait_for(5s));
+    ASSERT_TRUE(r0.status().ok()) << r0.status().to_string();
+    EXPECT_EQ(0, std::memcmp(sink.data(), m0.data(), m0.size()));
+    ASSERT_TRUE(consumed(p, 1));
+    EXPECT_EQ(std::atomic_ref<uint64_t>(p.rc->awake).load(), 0u);
+    // No recv yet: held in the ring, read by the recv posted later.
+    p.put(1, 1, m0.size(), m1);
+    ASSERT_TRUE(p.bell());
+    ASSERT_TRUE(consumed(p, 2));
+    auto r1 = acc->recv(hs, kPage, kPage);
+    ASSERT_TRUE(r1.wait_for(5s));
+    ASSERT_TRUE(r1.status().ok()) << r1.status().to_string();
+    EXPECT_EQ(0, std::memcmp(sink.data() + kPage, m1.data(), m1.size()));
+    // Message 3 queued before message 2's SEND frame: it waits for that frame, then follows it.
+    auto r2 = acc->recv(hs, 2 * kPage, kPage);
+    auto r3 = acc->recv(hs, 3 * kPage, kPage);
+    p.put(2, 3, m0.size() + m1.size(), m3);
+    ASSERT_TRUE(p.bell());
+    EXPECT_FALSE(r2.wait_for(200ms));
+    EXPECT_FALSE(r3.wait_for(0ms)) << "a queued message was taken before the one sent before it";
+    FrameHeader h = make_frame(FrameType::kSend, 2, 0, 0, m2.size());
+    std::vector<uint8_t> out(sizeof(h) + m2.size());
+    std::memcpy(out.data(), &h, sizeof(h));
+    std::memcpy(out.data() + sizeof(h), m2.data(), m2.size());
+    ASSERT_TRUE(write_all(p.ctl.fd(), out.data(), out.size()));
+    ASSERT_TRUE(r2.wait_for(5s));
+    ASSERT_TRUE(r3.wait_for(5s));
+    ASSERT_TRUE(r2.status().ok() && r3.status().ok()) << r2.status().to_string() << " / " << r3.status().to_string();
+    EXPECT_EQ(0, std::memcmp(sink.data() + 2 * kPage, m2.data(), m2.size()));
+    EXPECT_EQ(0, std::memcmp(sink.data() + 3 * kPage, m3.data(), m3.size()));
+    ASSERT_TRUE(consumed(p, 3));
+    // A stale stamp (the slot's previous message) is no message; the right one is.
+    auto r4 = acc->recv(hs, 0, kPage);
+    const uint64_t pos4 = m0.size() + m1.size() + m3.size();
+    p.put(3, 4, pos4, m2, /*stamp=*/3);
+    ASSERT_TRUE(p.bell());
+    EXPECT_FALSE(r4.wait_for(200ms)) << "a descriptor with a stale stamp was taken";
+    p.put(3, 4, pos4, m2);
+    ASSERT_TRUE(p.bell());
+    ASSERT_TRUE(r4.wait_for(5s));
+    EXPECT_TRUE(r4.status().ok()) << r4.status().to_string();
+    victim_->unregister_memory(hs);
+    expect_memory_intact();
+  }
+  // A descriptor at a position other than the next one, or longer than shm.eager_max: refused.
+  for (auto [len, pos] : {std::pair<uint64_t, uint64_t>{100, 64}, {64 * 1024 + 1, 0}, {64 * 1024, kRing - 100}}) {
+    Peer p;
+    ASSERT_NO_FATAL_FAILURE(open_peer(9292 + pos + len, &p));
+    auto acc = victim_->accept(2s);
+    ASSERT_TRUE(acc.has_value());
+    auto r = acc->recv(hv_, 0, kPage);
+    RingDesc& d = p.desc[0];
+    d.seq = 0;
+    d.length = len;
+    d.pos = pos;
+    std::atomic_ref<uint64_t>(d.stamp).store(1, std::memory_order_release);
+    ASSERT_TRUE(p.bell());
+    EXPECT_EQ(next_type(p.ctl.fd()), FrameType::kError) << len << " bytes at " << pos;
+    EXPECT_FALSE(r.wait_for(5s) && r.status().ok());
     expect_memory_intact();
   }
 }

@@ -25,10 +25,11 @@ enum class FrameType : uint8_t {
                     // payload; kLaneEnd; answered with ACK/NACK like a write lane end
   kCredit = 13,     // shm: the sender may queue op_id more bytes of eager SENDs (kSend frames);
                     // region, when not 0: the largest eager message the receiver takes;
-                    // offset: where the receiver's eager ring takes its next message
+                    // offset: the eager ring position before which every message was copied out
   kSendRing = 14,   // shm: an eager SEND whose bytes the sender put in the receiver's eager
                     // ring: op_id = sequence, region = length, offset = ring position; no payload
-  kMax = 14,
+  kRingBell = 15,   // shm: descriptors wait in the receiver's eager ring queue; no payload
+  kMax = 15,
 };
 
 enum FrameFlags : uint8_t {

@@ -21,6 +21,7 @@
 #include "core/log.hpp"
 #include "core/memfd.hpp"
 #include "transport/shm/shm_endpoint.hpp"
+#include "transport/shm/shm_ring.hpp"
 #include "transport/shm/shm_test_ring.hpp"
 
 namespace sluice::detail::shm {
@@ -94,15 +95,21 @@ bool ShmEndpoint::send_eager(const std::shared_ptr<MessageOp>& op) {
     if (have < cost) return false;  // the receiver has not taken enough yet: a rendezvous SEND
   } while (!send_credit_.compare_exchange_weak(have, have - cost, std::memory_order_relaxed));
   OutFrame f;
-  if (!place_in_ring(*op, &f.hdr)) {
-    f.hdr = make_frame(FrameType::kSend, op->seq, 0, 0, op->length);
-    f.data = op->ptr;
-    f.copy_unsent = true;  // copied only if the socket does not take it now: the caller may reuse its buffer
+  bool framed = true;
+  switch (place_in_ring(*op, &f.hdr)) {
+    case Placed::kNo:
+      f.hdr = make_frame(FrameType::kSend, op->seq, 0, 0, op->length);
+      f.data = op->ptr;
+      f.copy_unsent = true;  // copied only if the socket does not take it now: the caller may reuse its buffer
+      break;
+    case Placed::kQueued: framed = false; break;  // the receiver is looking: no frame, no wake-up
+    case Placed::kFrame:
+    case Placed::kBell: break;
   }
   // A grant came over the channel: installed. A peer that closed its end (the write tried at
   // once failed) or a channel already down drops the frame: such a send fails rather than
   // completing on bytes that went nowhere.
-  const bool taken = control_->post(std::move(f));
+  const bool taken = !framed || control_->post(std::move(f));
   if (!taken || control_->down() || failed())
     op->future->complete({ErrorCode::kPeerLost, "connection to peer lost before the eager send left"});
   else
@@ -110,17 +117,37 @@ bool ShmEndpoint::send_eager(const std::shared_ptr<MessageOp>& op) {
   return true;
 }
 
-bool ShmEndpoint::place_in_ring(const MessageOp& op, FrameHeader* hdr) {
+ShmEndpoint::Placed ShmEndpoint::place_in_ring(const MessageOp& op, FrameHeader* hdr) {
   // Only send() calls this, under the endpoint's send lock (messages are numbered and handed
-  // over in one step), so tx_head_ and the frames' order need no lock of their own.
-  if (!tx_ring_ready_.load(std::memory_order_acquire) || op.length == 0) return false;
-  const uint64_t size = tx_ring_->length;
+  // over in one step), so tx_head_, tx_desc_ and the frames' order need no lock of their own.
+  if (!tx_ring_ready_.load(std::memory_order_acquire) || op.length == 0) return Placed::kNo;
+  const uint64_t size = tx_data_;
   const uint64_t pos = ring_place(tx_head_, op.length, size);
-  if (pos + op.length - tx_tail_.load(std::memory_order_acquire) > size) return false;  // no room yet
+  if (pos + op.length - tx_tail_.load(std::memory_order_acquire) > size) return Placed::kNo;  // no room yet
   std::memcpy(tx_ring_->base + pos % size, op.ptr, op.length);
   tx_head_ = pos + op.length;
-  *hdr = make_frame(FrameType::kSendRing, op.seq, op.length, pos);
-  return true;
+  if (tx_slots_) {
+    auto* desc = reinterpret_cast<RingDesc*>(tx_ring_->base + size);
+    auto* ctl = reinterpret_cast<RingControl*>(desc + tx_slots_);
+    if (tx_desc_ - std::atomic_ref<uint64_t>(ctl->consumed).load(std::memory_order_acquire) < tx_slots_) {
+      RingDesc& d = desc[tx_desc_ % tx_slots_];
+      std::atomic_ref<uint64_t>(d.seq).store(op.seq, std::memory_order_relaxed);
+      std::atomic_ref<uint64_t>(d.length).store(op.length, std::memory_order_relaxed);
+      std::atomic_ref<uint64_t>(d.pos).store(pos, std::memory_order_relaxed);
+      std::atomic_ref<uint64_t>(d.stamp).store(++tx_desc_, std::memory_order_release);
+      // Against the receiver's "awake = 0, then look once more" (drain_ring): either it sees
+      // this descriptor, or this side sees 0 and rings. One ring per sleep: the first sender
+      // to see 0 turns it to 1.
+      std::atomic_thread_fence(std::memory_order_seq_cst);
+      std::atomic_ref<uint64_t> awake(ctl->awake);
+      uint64_t zero = 0;
+      if (awake.load(std::memory_order_relaxed) != 0 || !awake.compare_exchange_strong(zero, 1)) return Placed::kQueued;
+      *hdr = make_frame(FrameType::kRingBell, 0, 0, 0);
+      return Placed::kBell;
+    }
+  }
+  *hdr = make_frame(FrameType::kSendRing, op.seq, op.length, pos);  // the queue is full (or off)
+  return Placed::kFrame;
 }
 
 void ShmEndpoint::ring_described(const Status& st, const nlohmann::json& r, int fd) {
@@ -131,12 +158,22 @@ void ShmEndpoint::ring_described(const Status& st, const nlohmann::json& r, int 
     return;
   }
   const uint64_t size = r["length"].get<uint64_t>();
+  // The layout (shm_ring.hpp): a data area, then `slots` descriptors and the receiver's words.
+  // A peer that names no layout hands out a data area alone (its messages all come with frames).
+  uint64_t data = size, slots = 0;
+  if (r.contains("data") || r.contains("slots")) {
+    if (!r.value("data", nlohmann::json()).is_number_unsigned() || !r.value("slots", nlohmann::json()).is_number_unsigned())
+      return;
+    data = r["data"].get<uint64_t>();
+    slots = r["slots"].get<uint64_t>();
+    if (slots > (1u << 20) || data % kRingAlign != 0 || data > size || ring_total_bytes(data, slots) != size) return;
+  }
   // A ring smaller than the largest eager message it must hold would never have room; one
   // larger than our own grant plus a message is more than we ever queue, and mapping it
   // populated would have the peer decide how much memory we fault in (it then goes unused:
   // the SENDs go in their frames).
   const uint64_t peer_max = peer_eager_max_.load(std::memory_order_acquire);
-  if (fd < 0 || size < peer_max || size > eager_credit_ + std::max(eager_max_, peer_max) ||
+  if (fd < 0 || data < peer_max || data > ring_data_bytes(eager_credit_, std::max(eager_max_, peer_max)) ||
       !same_host::is_memfd(fd, size))
     return;
   // Populated (the receiver made its pages when it handed the ring out): otherwise each of the
@@ -147,13 +184,16 @@ void ShmEndpoint::ring_described(const Status& st, const nlohmann::json& r, int 
   m->base = static_cast<uint8_t*>(p);
   m->length = size;
   tx_ring_ = std::move(m);
+  tx_data_ = data;
+  tx_slots_ = slots;
   tx_ring_ready_.store(true, std::memory_order_release);
 }
 
-int ShmEndpoint::eager_ring_fd(uint64_t* size) const {
+int ShmEndpoint::eager_ring_fd(uint64_t* size, uint64_t* data, uint64_t* slots) const {
   std::lock_guard<std::mutex> lk(rx_ring_mu_);
   if (!rx_ring_.load(std::memory_order_relaxed)) {
-    const uint64_t n = eager_credit_ + eager_max_;
+    const uint64_t d = ring_data_bytes(eager_credit_, eager_max_);
+    const uint64_t n = ring_total_bytes(d, ring_slots_);
     // Allocated on the peer's first request: an endpoint that never receives eager SENDs costs
     // nothing. Sealed, so that the peer cannot shrink it under our reads (SIGBUS).
     int fd = sealed_memfd("sluice-eager-ring", n);
@@ -171,10 +211,13 @@ int ShmEndpoint::eager_ring_fd(uint64_t* size) const {
     rx_ring_map_->base = static_cast<uint8_t*>(p);
     rx_ring_map_->length = n;
     rx_ring_fd_ = fd;
-    rx_ring_size_ = n;
+    rx_ring_size_ = d;
+    rx_ring_slots_ = ring_slots_;
     rx_ring_.store(static_cast<uint8_t*>(p), std::memory_order_release);
   }
-  *size = rx_ring_size_;
+  *size = rx_ring_map_->length;
+  *data = rx_ring_size_;
+  *slots = rx_ring_slots_;
   return ::fcntl(rx_ring_fd_, F_DUPFD_CLOEXEC, 0);
 }
 
@@ -212,25 +255,63 @@ Status ShmEndpoint::serve_eager(const FrameHeader& h, PayloadReader& payload) {
 
 Status ShmEndpoint::serve_ring(const FrameHeader& h) {
   // region: the message's length; offset: its position in our ring.
-  const uint64_t n = h.region;
+  return serve_ring_message(h.op_id, h.region, h.offset);
+}
+
+Status ShmEndpoint::drain_ring() {
+  uint8_t* ring = rx_ring_.load(std::memory_order_acquire);
+  if (!ring || rx_ring_slots_ == 0) return Status::Ok();
+  auto* desc = reinterpret_cast<RingDesc*>(ring + rx_ring_size_);
+  std::atomic_ref<uint64_t> awake(reinterpret_cast<RingControl*>(desc + rx_ring_slots_)->awake);
+  std::atomic_ref<uint64_t> consumed(reinterpret_cast<RingControl*>(desc + rx_ring_slots_)->consumed);
+  bool looked_again = false;
+  for (;;) {
+    RingDesc& d = desc[rx_desc_next_ % rx_ring_slots_];
+    if (std::atomic_ref<uint64_t>(d.stamp).load(std::memory_order_acquire) != rx_desc_next_ + 1) {
+      if (looked_again) return Status::Ok();
+      // Empty: the sender rings from now on. Then one more look (see place_in_ring), since
+      // a descriptor written just before it read `awake` gets no ring.
+      awake.store(0, std::memory_order_relaxed);
+      std::atomic_thread_fence(std::memory_order_seq_cst);
+      looked_again = true;
+      continue;
+    }
+    if (looked_again) {
+      awake.store(1, std::memory_order_relaxed);  // still taking: no need to ring
+      looked_again = false;
+    }
+    // Read once: the sender may change the slot under us; what is checked is what is used.
+    const uint64_t seq = std::atomic_ref<uint64_t>(d.seq).load(std::memory_order_relaxed);
+    const uint64_t n = std::atomic_ref<uint64_t>(d.length).load(std::memory_order_relaxed);
+    const uint64_t pos = std::atomic_ref<uint64_t>(d.pos).load(std::memory_order_relaxed);
+    // Its turn has not come: a frame with an earlier message is still on the socket, and the
+    // drain after it takes this one.
+    if (seq != events_->matcher().next_incoming()) return Status::Ok();
+    Status st = serve_ring_message(seq, n, pos);
+    if (!st.ok()) return st;
+    consumed.store(++rx_desc_next_, std::memory_order_release);
+  }
+}
+
+Status ShmEndpoint::serve_ring_message(uint64_t seq, uint64_t n, uint64_t pos) {
   uint8_t* ring = rx_ring_.load(std::memory_order_acquire);
   if (!ring) return {ErrorCode::kProtocol, "SEND_RING frame, but this side gave the peer no eager ring"};
   if (eager_max_ == 0 || n == 0 || n > eager_max_)
-    return {ErrorCode::kProtocol, "SEND_RING of " + std::to_string(n) + " bytes; this side takes 1 to " +
+    return {ErrorCode::kProtocol, "eager ring message of " + std::to_string(n) + " bytes; this side takes 1 to " +
                                       std::to_string(eager_max_) + " (shm.eager_max)"};
   // Only this channel's reader moves rx_ring_next_; the sender must have put the message where
   // it follows the last one, so a frame can name no other bytes of the ring (and none outside).
   const uint64_t next = rx_ring_next_.load(std::memory_order_relaxed);
   const uint64_t want = ring_place(next, n, rx_ring_size_);
-  if (h.offset != want)
-    return {ErrorCode::kProtocol, "SEND_RING at ring position " + std::to_string(h.offset) + "; the next message goes at " +
+  if (pos != want)
+    return {ErrorCode::kProtocol, "eager ring message at position " + std::to_string(pos) + "; the next message goes at " +
                                       std::to_string(want)};
   const uint64_t cost = eager_cost(n);
   const uint64_t held = eager_held_.fetch_add(cost, std::memory_order_relaxed) + cost;
   if (held > eager_credit_)
     return {ErrorCode::kProtocol, "peer queued " + std::to_string(held) + " bytes of eager SENDs that no recv took, "
                                       "beyond the " + std::to_string(eager_credit_) + " granted (shm.eager_credit)"};
-  auto claim = events_->matcher().claim(h.op_id, n, /*lazy=*/true, cost, weak_from_this());
+  auto claim = events_->matcher().claim(seq, n, /*lazy=*/true, cost, weak_from_this());
   if (claim.error.code == ErrorCode::kProtocol) return claim.error;
   const bool stashed = claim.stash != nullptr;
   Status st = claim.error;

@@ -47,9 +47,14 @@ const Param<uint64_t> kEagerMax{"shm.eager_max", "SLUICE_SHM_EAGER_MAX", 64 << 1
                                 "0 = every SEND waits for the receiver"};
 const Param<bool> kEagerRing{"shm.eager_ring", "SLUICE_SHM_EAGER_RING", true, boolean(),
                              "eager SENDs go through the receiver's eager ring (shared memory of eager_credit + "
-                             "eager_max bytes per endpoint, which the receiver allocates when its peer asks) "
-                             "instead of through the control socket: a memcpy each way instead of two socket "
-                             "copies; false = this side does not ask for its peer's ring"};
+                             "eager_max bytes and shm.eager_slots descriptors per endpoint, which the receiver "
+                             "allocates when its peer asks) instead of through the control socket: a memcpy each "
+                             "way instead of two socket copies; false = this side does not ask for its peer's ring"};
+const Param<uint64_t> kEagerSlots{"shm.eager_slots", "SLUICE_SHM_EAGER_SLOTS", 1024, size_in(0, 1 << 20),
+                                  "descriptors in the queue of the eager ring this endpoint hands its peer: the "
+                                  "peer announces a ring message there instead of with a SEND_RING frame, and "
+                                  "wakes this side with a frame only when it stopped looking (32 bytes each); "
+                                  "0 = every ring message comes with its frame"};
 const Param<uint64_t> kEagerCredit{"shm.eager_credit", "SLUICE_SHM_EAGER_CREDIT", 4 << 20, size_in(0, 1ull << 32),
                                    "bytes of eager SENDs (each counted with its 56-byte header) that a peer may have "
                                    "queued to this endpoint and no recv took yet, and that this endpoint queues to a "
@@ -145,7 +150,8 @@ ShmEndpoint::ShmEndpoint(const EndpointSetup& s, Host& host, std::string peer_so
       split_min_(kSendSplitMin.get(s.config)),
       eager_max_(kEagerMax.get(s.config)),
       eager_credit_(kEagerCredit.get(s.config)),
-      ring_eager_(kEagerRing.get(s.config)) {
+      ring_eager_(kEagerRing.get(s.config)),
+      ring_slots_(kEagerSlots.get(s.config)) {
   pending_.set_post_handler([this](const std::shared_ptr<TransferOp>& op, const Status& st) { on_post_done(op, st); });
 }
 
@@ -211,9 +217,9 @@ nlohmann::json ShmEndpoint::describe_local(uint64_t id, const same_host::PeerCre
     throw Error(ErrorCode::kProtocol, "describe from a process that is not this endpoint's peer");
   if (id == kEagerRingId) {
     // This endpoint's own ring, to its proven peer alone: it holds nothing but that peer's messages.
-    uint64_t size = 0;
-    *fd_out = eager_ring_fd(&size);
-    return {{"addr", 0}, {"length", size}, {"slot", kNoLease}};
+    uint64_t size = 0, data = 0, slots = 0;
+    *fd_out = eager_ring_fd(&size, &data, &slots);
+    return {{"addr", 0}, {"length", size}, {"slot", kNoLease}, {"data", data}, {"slots", slots}};
   }
   Status st;
   // Pinned while we answer: a memfd is closed only after its region's pins drain, so the
@@ -446,13 +452,14 @@ Status ShmEndpoint::on_frame(StreamChannel& ch, const FrameHeader& h, PayloadRea
     case FrameType::kPullWrite: return take_pull(h, payload);
     case FrameType::kAck:
     case FrameType::kNack: return take_ack(h, payload);
-    case FrameType::kSendRts: return serve_rts(ch, h, payload);
+    case FrameType::kSendRts: return in_order([&] { return serve_rts(ch, h, payload); });
     case FrameType::kSignal: return serve_signal(ch, h);
     case FrameType::kSendAck:
       moved();
       return complete_send_ack(pending_, h, payload);
-    case FrameType::kSend: return serve_eager(h, payload);
-    case FrameType::kSendRing: return serve_ring(h);
+    case FrameType::kSend: return in_order([&] { return serve_eager(h, payload); });
+    case FrameType::kSendRing: return in_order([&] { return serve_ring(h); });
+    case FrameType::kRingBell: return drain_ring();
     case FrameType::kCredit: return take_credit(h);
     case FrameType::kError: return peer_error(payload);
     default: return {ErrorCode::kProtocol, "unexpected frame type " + std::to_string(h.type) + " on shm control"};

@@ -244,15 +244,32 @@ class ShmEndpoint final : public EndpointBase,
   // mapped and it has room (shm_eager.cpp), else in the frame.
   void grant_credit();
   bool send_eager(const std::shared_ptr<MessageOp>& op);
-  bool place_in_ring(const MessageOp& op, FrameHeader* hdr);  // true: copied in, *hdr the frame
+  // Where place_in_ring put a message: not in the ring (it goes in its frame); in the ring with
+  // a SEND_RING frame in *hdr (the queue was full); in the queue alone; in the queue, with a
+  // RING_BELL frame in *hdr to wake the receiver.
+  enum class Placed { kNo, kFrame, kQueued, kBell };
+  Placed place_in_ring(const MessageOp& op, FrameHeader* hdr);
   Status serve_eager(const FrameHeader& h, PayloadReader& payload);
   Status serve_ring(const FrameHeader& h);
+  // Takes the messages waiting in our ring's descriptor queue, in sequence order: it stops at
+  // one whose turn has not come (a SEND or SEND_RTS frame with an earlier sequence is still on
+  // its way), so every message frame is served between two drains. When the queue is empty it
+  // tells the sender to ring again (RingControl::awake), then looks once more.
+  Status drain_ring();
+  // A frame that carries a message, served in sequence order with the queued ones.
+  template <class Serve>
+  Status in_order(Serve&& serve) {
+    Status st = drain_ring();
+    if (st.ok()) st = serve();
+    return st.ok() ? drain_ring() : st;
+  }
+  Status serve_ring_message(uint64_t seq, uint64_t n, uint64_t pos);
   Status take_credit(const FrameHeader& h);
   // The answer to start_describe(kEagerRingId): maps the peer's ring (sending side).
   void ring_described(const Status& st, const nlohmann::json& reply, int fd);
   // Our ring for the peer's eager SENDs (receiving side; allocated on the first ask): a
   // duplicate of its descriptor, and its size in *size.
-  int eager_ring_fd(uint64_t* size) const;
+  int eager_ring_fd(uint64_t* size, uint64_t* data, uint64_t* slots) const;
   Status take_ack(const FrameHeader& h, PayloadReader& payload);
   bool mapped_locked(uint64_t id) const;
   // EndpointBase: shuts the control channel and the job queue, then waits until no copy
@@ -299,9 +316,12 @@ class ShmEndpoint final : public EndpointBase,
   std::atomic<uint64_t> credit_owed_{0};     // taken by recvs, not yet given back (release_credit)
   // The eager ring (shm_eager.cpp). Receiving side: ours, which the peer writes into.
   const bool ring_eager_;  // shm.eager_ring
+  const uint64_t ring_slots_;  // shm.eager_slots: descriptors in the queue of the ring we hand out
   mutable std::mutex rx_ring_mu_;
   mutable int rx_ring_fd_ = -1;
-  mutable uint64_t rx_ring_size_ = 0;
+  mutable uint64_t rx_ring_size_ = 0;   // its data area (shm_ring.hpp)
+  mutable uint64_t rx_ring_slots_ = 0;  // its descriptor queue
+  uint64_t rx_desc_next_ = 0;           // the next descriptor to take (the channel reader's)
   mutable std::atomic<uint8_t*> rx_ring_{nullptr};
   mutable std::shared_ptr<Mapping> rx_ring_map_;  // owns the mapping; stash slots that read it hold it too
   std::atomic<uint64_t> rx_ring_next_{0};  // where the next message goes (the channel reader moves it)
@@ -319,6 +339,8 @@ class ShmEndpoint final : public EndpointBase,
   std::atomic<bool> tx_ring_mapped_{false};  // ring_described() ran (once)
   std::atomic<bool> tx_ring_ready_{false};   // tx_ring_ set
   std::shared_ptr<Mapping> tx_ring_;
+  uint64_t tx_data_ = 0, tx_slots_ = 0;   // its data area and descriptor queue (set before ready)
+  uint64_t tx_desc_ = 0;                  // our next descriptor (under the send lock)
   uint64_t tx_head_ = 0;                  // where our next message goes (under the send lock)
   std::atomic<uint64_t> tx_tail_{0};      // everything before it the peer copied out
 
