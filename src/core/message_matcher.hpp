@@ -146,8 +146,9 @@ class MessageMatcher {
   // message: a fresh one was 16 page faults and the kernel zeroing every page of a 64 KiB
   // message (glibc gives a thread arena's freed top back to the kernel), 13% of the profile.
   void recycle_locked(Buffer&& b);
-  // Kept: as many bytes as shm's default eager grant (a burst of that much stashed at once is
-  // the common case), in buffers of at most 256 KiB (larger ones are freed).
+  // Kept: 4 MiB (a burst of unexpected messages that came in frames: tcp's, and shm's eager
+  // ones sent while the peer's ring was full; shm's ring messages wait in the ring instead), in
+  // buffers of at most 256 KiB (larger ones are freed).
   static constexpr uint64_t kSpareBytes = 4 << 20;
   static constexpr uint64_t kSpareMaxBuffer = 256 << 10;
 

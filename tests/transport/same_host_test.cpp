@@ -53,6 +53,7 @@ class SameHost : public ::testing::Test {
     EngineConfig c = engine_config("shm", 1, 10s);
     c.transports = {"tcp", "shm"};
     c.op_timeout = 1000ms;  // also how long unregister waits for a peer inside its lease
+    c.options["shm.eager_credit"] = std::to_string(4u << 20);  // the grant the raw peers below expect
     victim_ = std::make_unique<Engine>(c);
     mem_.assign(3 * kPage, 0);
     fill_pattern(mem_.data(), mem_.size(), 77);

@@ -55,7 +55,11 @@ const Param<uint64_t> kEagerSlots{"shm.eager_slots", "SLUICE_SHM_EAGER_SLOTS", 1
                                   "peer announces a ring message there instead of with a SEND_RING frame, and "
                                   "wakes this side with a frame only when it stopped looking (32 bytes each); "
                                   "0 = every ring message comes with its frame"};
-const Param<uint64_t> kEagerCredit{"shm.eager_credit", "SLUICE_SHM_EAGER_CREDIT", 4 << 20, size_in(0, 1ull << 32),
+// 8 MiB: with 4 MiB, 512 SENDs of 64 KiB in flight (64 x 8 in the peers bench) ran out of
+// grant so often that most went as rendezvous, all copied by the receiver's one thread: 3,800-
+// 6,250 MB/s against 7,800-11,100 with 8 MiB (16 and 32 MiB: no better), measured with the C++
+// adapter of bench/peers on the 2-core host. The ring is 8 MiB per endpoint and direction.
+const Param<uint64_t> kEagerCredit{"shm.eager_credit", "SLUICE_SHM_EAGER_CREDIT", 8 << 20, size_in(0, 1ull << 32),
                                    "bytes of eager SENDs (each counted with its 56-byte header) that a peer may have "
                                    "queued to this endpoint and no recv took yet, and that this endpoint queues to a "
                                    "peer; 0 = this side takes no eager SEND"};
