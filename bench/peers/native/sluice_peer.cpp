@@ -20,6 +20,7 @@
 #include <cstring>
 #include <deque>
 #include <memory>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -84,10 +85,24 @@ sluice::EngineConfig config(const std::string& transport, int channels) {
   return c;
 }
 
+// SEND cells are synchronised with the target where native/mpi_peer.c has its barriers: the
+// timed loop starts once the target has taken the warm-up messages, and the next cell once it
+// has taken this cell's messages and checked them. Without that an eager SEND cell started
+// while the target was still taking the previous cell's messages (up to shm.eager_credit of
+// them), which only this adapter's rows paid. The target writes a byte to `cell_fd` at each point.
+void cell_signal(int fd) {
+  char b = 1;
+  if (::write(fd, &b, 1) != 1) die("target: cell pipe");
+}
+void cell_wait(int fd) {
+  char b;
+  if (::read(fd, &b, 1) != 1) throw std::runtime_error("the target exited in the middle of a SEND cell");
+}
+
 // The target: receives every SEND cell's messages in order (a window of receives kept posted
 // ahead), then the check batch, and prints one CHECK line per SEND cell.
 int target(const std::vector<Cell>& cells, uint64_t foot, const std::string& transport, int channels, bool memfd,
-           int addr_fd, int done_fd) {
+           int addr_fd, int done_fd, int cell_fd) {
   sluice::EngineConfig c = config(transport, channels);
   c.listen_host = "127.0.0.1";
   c.listen_port = 0;
@@ -105,10 +120,15 @@ int target(const std::vector<Cell>& cells, uint64_t foot, const std::string& tra
   for (size_t i = 0; i < cells.size(); ++i) {
     const Cell& cl = cells[i];
     if (cl.op != "send") continue;
-    const uint64_t total = static_cast<uint64_t>(warmup(cl) + cl.iters);
+    const uint64_t warm = static_cast<uint64_t>(warmup(cl)), total = warm + cl.iters;
     const size_t depth = static_cast<size_t>(cl.batch) * cl.conc * 2;
     std::deque<sluice::Future> pending;
-    for (uint64_t b = 0; b < total; ++b)
+    for (uint64_t b = 0; b < warm; ++b)
+      for (int j = 0; j < cl.batch; ++j) pending.push_back(ep->recv(buf.handle, slot_offset(cl, foot, b, j), cl.size));
+    for (auto& f : pending) must(f.wait(), "recv");
+    pending.clear();
+    cell_signal(cell_fd);  // the warm-up arrived: the initiator starts its clock
+    for (uint64_t b = warm; b < total; ++b)
       for (int j = 0; j < cl.batch; ++j) {
         if (pending.size() >= depth) {
           must(pending.front().wait(), "recv");
@@ -128,6 +148,7 @@ int target(const std::vector<Cell>& cells, uint64_t foot, const std::string& tra
     std::printf("CHECK {\"key\": \"%s/%llu/%d/%d\", \"ok\": %s}\n", cl.op.c_str(), (unsigned long long)cl.size,
                 cl.batch, cl.conc, ok ? "true" : "false");
     std::fflush(stdout);
+    cell_signal(cell_fd);  // taken and checked: the initiator may start its next cell
   }
   char ch;
   while (::read(done_fd, &ch, 1) > 0) {
@@ -139,7 +160,7 @@ int target(const std::vector<Cell>& cells, uint64_t foot, const std::string& tra
 // One cell on the initiator: the timed loop of common.timed_loop, then the byte check of
 // engines/sluice_peer.py. Returns false if the check failed.
 bool run_cell(sluice::Endpoint& ep, const Cell& c, uint64_t foot, Buffer& local, Buffer& check,
-              sluice::RemoteHandle remote, double* secs, double* lat_ms) {
+              sluice::RemoteHandle remote, int cell_fd, double* secs, double* lat_ms) {
   const bool send = c.op == "send", rd = c.op == "read";
   auto submit = [&](uint64_t i) {
     std::vector<sluice::Future> fs;
@@ -177,6 +198,7 @@ bool run_cell(sluice::Endpoint& ep, const Cell& c, uint64_t foot, Buffer& local,
     post(i);
   }
   while (!inflight.empty()) drain_one();
+  if (send) cell_wait(cell_fd);  // the target took the warm-up (mpi_peer.c: MPI_Barrier)
   lat = 0;
   double t0 = now();
   for (int i = 0; i < c.iters; ++i) {
@@ -205,6 +227,7 @@ bool run_cell(sluice::Endpoint& ep, const Cell& c, uint64_t foot, Buffer& local,
       std::vector<sluice::Future> fs;
       for (uint64_t j = 0; j < n; ++j) fs.push_back(ep.send(local.handle, j * c.size, c.size));
       for (auto& f : fs) must(f.wait(), "check send");  // the target checks and prints CHECK
+      cell_wait(cell_fd);  // ... and has taken every message of this cell
     } else {
       must(ep.write(same).wait(), "check write");
       must(ep.read(into_check).wait(), "check read back");
@@ -217,7 +240,7 @@ bool run_cell(sluice::Endpoint& ep, const Cell& c, uint64_t foot, Buffer& local,
 }
 
 int initiator(const std::vector<Cell>& cells, uint64_t foot, const std::string& transport, int channels, bool memfd,
-              const std::string& address) {
+              const std::string& address, int cell_fd) {
   sluice::Engine engine(config(transport, channels));
   sluice::ConnectOptions co;
   co.transport = transport;
@@ -233,7 +256,7 @@ int initiator(const std::vector<Cell>& cells, uint64_t foot, const std::string& 
     std::string error;
     bool ok = false;
     try {
-      ok = run_cell(ep, c, foot, local, check, *remote, &secs, &lat);
+      ok = run_cell(ep, c, foot, local, check, *remote, cell_fd, &secs, &lat);
       if (!ok) error = "byte check failed";
     } catch (const std::exception& e) {
       error = std::string("Error: ") + e.what();
@@ -278,8 +301,8 @@ int main(int argc, char** argv) {
   const std::string transport = argv[3];
   const int channels = std::atoi(argv[4]);
   const bool memfd = std::atoi(argv[5]) != 0;
-  int addr[2], done[2];
-  if (::pipe(addr) != 0 || ::pipe(done) != 0) die("pipe");
+  int addr[2], done[2], cell[2];
+  if (::pipe(addr) != 0 || ::pipe(done) != 0 || ::pipe(cell) != 0) die("pipe");
   std::fflush(stdout);
   pid_t child = ::fork();
   if (child < 0) die("fork");
@@ -287,8 +310,9 @@ int main(int argc, char** argv) {
     ::prctl(PR_SET_PDEATHSIG, SIGKILL);  // and the target dies with the initiator
     ::close(addr[0]);
     ::close(done[1]);
+    ::close(cell[0]);
     try {
-      std::_Exit(target(cells, foot, transport, channels, memfd, addr[1], done[0]));
+      std::_Exit(target(cells, foot, transport, channels, memfd, addr[1], done[0], cell[1]));
     } catch (const std::exception& e) {
       std::fprintf(stderr, "sluice_peer target: %s\n", e.what());
       std::_Exit(2);
@@ -296,13 +320,14 @@ int main(int argc, char** argv) {
   }
   ::close(addr[1]);
   ::close(done[0]);
+  ::close(cell[1]);
   std::string address;
   char ch;
   while (::read(addr[0], &ch, 1) == 1 && ch != '\n') address += ch;
   if (address.empty()) die("the target did not start");
   int rc = 2;
   try {
-    rc = initiator(cells, foot, transport, channels, memfd, address);
+    rc = initiator(cells, foot, transport, channels, memfd, address, cell[0]);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "sluice_peer initiator: %s\n", e.what());
   }
