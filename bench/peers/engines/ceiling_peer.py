@@ -29,8 +29,8 @@ def local(settings: dict, cells: list[Cell]) -> int:
     for c in cells:
         lone = c.batch == 1 and c.conc == 1
         if mode == "tcp":
-            args = ["tcp-pingpong", str(c.size), str(c.iters)] if lone else \
-                ["tcp", str(c.size), str(c.batch * c.iters), str(n)]
+            args = ["tcp-pingpong", str(c.size), str(c.iters), "1", str(FOOTPRINT)] if lone else \
+                ["tcp", str(c.size), str(c.batch * c.iters), str(n), str(FOOTPRINT)]
         else:
             args = [mode, str(c.size), str(c.batch * c.iters), "1" if lone else str(n), str(FOOTPRINT)]
         try:
