@@ -415,6 +415,55 @@ TEST(ShmSend, FromEngineMemoryLandsWholeWhicheverWayItIsCopied) {
   }
 }
 
+// Operations between shm.inline_max and shm.inline_split_max, striped over two lanes: the
+// submitting thread copies the first lane and the copy pool the other. Reads and writes, of
+// engine memory (mapped: memcpy) and of registered memory (process_vm_readv, PULL_WRITE), at
+// sizes on both sides of each threshold and at odd offsets: every byte lands, none outside.
+TEST(ShmCopy, OperationsSplitBetweenTheSubmitterAndThePoolLandWhole) {
+  EngineConfig cfg = engine_config("shm", 2, 10s);
+  cfg.stripe_threshold = 64 << 10;  // two lanes from 64 KiB on
+  Engine a(cfg);
+  Engine b(cfg);
+  constexpr uint64_t kLen = 4 << 20;
+  auto ma = a.allocate(kLen);
+  auto mb = b.allocate(kLen, Location::host(), "mapped");
+  std::vector<uint8_t> ra(kLen), rb(kLen);
+  auto ha = a.register_memory(ra.data(), kLen);
+  b.register_memory(rb.data(), kLen, Location::host(), "plain");
+  Endpoint ep = a.connect(b.local_info());
+  auto peer = b.accept(5s);
+  ASSERT_TRUE(peer.has_value());
+  std::mt19937_64 rng(33);
+  struct Side {
+    MemoryHandle local;
+    uint8_t* lp;
+    RemoteHandle remote;
+    uint8_t* rp;
+  };
+  const Side sides[] = {{ma.handle, static_cast<uint8_t*>(ma.ptr), *ep.remote_region("mapped"), static_cast<uint8_t*>(mb.ptr)},
+                        {ha, ra.data(), *ep.remote_region("plain"), rb.data()}};
+  const uint64_t sizes[] = {(64 << 10) + 1, 300 << 10, (1 << 20) - 7, 1 << 20, (1 << 20) + 1, (3 << 20) + 3};
+  for (int round = 0; round < 2; ++round)  // round 0 may find the peer's regions not yet described
+    for (const Side& sd : sides)
+      for (uint64_t n : sizes)
+        for (bool rd : {true, false}) {
+          fill_random(sd.lp, kLen, rng);
+          fill_random(sd.rp, kLen, rng);
+          std::vector<uint8_t> lbefore(sd.lp, sd.lp + kLen), rbefore(sd.rp, sd.rp + kLen);
+          const uint64_t loff = 13, roff = 4096 + 5;
+          Status st = rd ? ep.read({{sd.local, loff, sd.remote, roff, n}}).wait()
+                         : ep.write({{sd.local, loff, sd.remote, roff, n}}).wait();
+          ASSERT_TRUE(st.ok()) << st.to_string() << (rd ? " read " : " write ") << n;
+          const uint8_t* dst = rd ? sd.lp : sd.rp;
+          const std::vector<uint8_t>& dst_before = rd ? lbefore : rbefore;
+          const uint8_t* src = rd ? rbefore.data() + roff : lbefore.data() + loff;
+          const uint64_t doff = rd ? loff : roff;
+          ASSERT_EQ(0, std::memcmp(dst + doff, src, n)) << (rd ? "read " : "write ") << n << " round " << round;
+          EXPECT_EQ(0, std::memcmp(dst, dst_before.data(), doff)) << "bytes before the destination";
+          EXPECT_EQ(0, std::memcmp(dst + doff + n, dst_before.data() + doff + n, kLen - doff - n)) << "bytes after it";
+        }
+}
+
 // The eager ring (shm_eager.cpp): messages of every size from 0 to shm.eager_max, into recvs
 // posted before they arrive and into the stash, through a ring small enough (a 1 MiB grant:
 // 1 MiB + 64 KiB) that they wrap around it about eight times. Every byte must land in its own

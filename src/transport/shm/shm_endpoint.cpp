@@ -33,6 +33,14 @@ const Param<uint64_t> kInlineMax{"shm.inline_max", "SLUICE_SHM_INLINE_MAX", 64 <
 // One process_vm_readv moves about one core's worth of memory bandwidth; a large SEND was
 // copied by the one thread that received it (a torch rendezvous of 64 MiB: 4.9 GB/s on a
 // 16-core host, where gloo does 3.8).
+// The fixed cost of handing a lane to a pool thread (its wake-up, then the waiter's) was 28 us
+// of a lone 1 MiB read of a mapped region that memcpy alone moves in 55 us (84 against 55 us in
+// the peers bench); beyond about a MiB it is lost in the copy, and a submitting thread held for
+// longer would stall a caller that pipelines.
+const Param<uint64_t> kInlineSplitMax{"shm.inline_split_max", "SLUICE_SHM_INLINE_SPLIT_MAX", 1 << 20, size_in(0, 1ull << 30),
+                                      "an operation larger than shm.inline_max and at most this many bytes has its first "
+                                      "lane copied on the submitting thread while the copy pool copies the others; "
+                                      "0 = never"};
 const Param<uint64_t> kSendSplitMin{"shm.send_split_min", "SLUICE_SHM_SEND_SPLIT_MIN", 1 << 20, size_in(0, 1ull << 40),
                                     "a received SEND of at least this many bytes into a posted recv is copied in parts "
                                     "(of at least half this) by the receiving thread and the copy pool together; 0 = never"};
@@ -55,11 +63,13 @@ const Param<uint64_t> kEagerSlots{"shm.eager_slots", "SLUICE_SHM_EAGER_SLOTS", 1
                                   "peer announces a ring message there instead of with a SEND_RING frame, and "
                                   "wakes this side with a frame only when it stopped looking (32 bytes each); "
                                   "0 = every ring message comes with its frame"};
-// 8 MiB: with 4 MiB, 512 SENDs of 64 KiB in flight (64 x 8 in the peers bench) ran out of
-// grant so often that most went as rendezvous, all copied by the receiver's one thread: 3,800-
-// 6,250 MB/s against 7,800-11,100 with 8 MiB (16 and 32 MiB: no better), measured with the C++
-// adapter of bench/peers on the 2-core host. The ring is 8 MiB per endpoint and direction.
-const Param<uint64_t> kEagerCredit{"shm.eager_credit", "SLUICE_SHM_EAGER_CREDIT", 8 << 20, size_in(0, 1ull << 32),
+// 32 MiB: a burst that outruns the grant sends its overflow as rendezvous, copied by the
+// receiver's one thread. 512 SENDs of 64 KiB in flight (64 x 8 in the peers bench, after the
+// bench's other SEND cells, C++ adapter, 3 runs, MB/s): 4 MiB 3,800-6,250; 8 MiB 5,637-12,057;
+// 16 MiB 6,193-11,919; 32 MiB 8,926-11,234 (vader 5,600-6,500). The ring it sizes is populated
+// when the peer asks for it: made page by page instead, the first pass of a burst through it
+// paid a page fault per 4 KiB on both sides (64 KiB lone SENDs: 1,250 instead of 9,000 MB/s).
+const Param<uint64_t> kEagerCredit{"shm.eager_credit", "SLUICE_SHM_EAGER_CREDIT", 32 << 20, size_in(0, 1ull << 32),
                                    "bytes of eager SENDs (each counted with its 56-byte header) that a peer may have "
                                    "queued to this endpoint and no recv took yet, and that this endpoint queues to a "
                                    "peer; 0 = this side takes no eager SEND"};
@@ -151,6 +161,7 @@ ShmEndpoint::ShmEndpoint(const EndpointSetup& s, Host& host, std::string peer_so
       waiter_(busy_wait_of(s.config)),
       copy_delay_ms_(kCopyDelayMs.read()),
       inline_max_(kInlineMax.get(s.config)),
+      inline_split_max_(kInlineSplitMax.get(s.config)),
       split_min_(kSendSplitMin.get(s.config)),
       eager_max_(kEagerMax.get(s.config)),
       eager_credit_(kEagerCredit.get(s.config)),
@@ -313,8 +324,16 @@ void ShmEndpoint::submit(std::shared_ptr<TransferOp> op) {
   const bool here = op->bytes <= inline_max_;
   if (!here) note_submit(false);
   track_lanes(token, *op);
+  // Up to shm.inline_split_max, the first lane is ours while the pool takes the others (queued
+  // first, so that they start while we copy). Never the only lane: a caller that pipelines
+  // single-lane operations keeps the pool's threads busy, not its own.
+  size_t mine = op->lanes.size(), busy = 0;
+  if (!here && op->bytes <= inline_split_max_)
+    for (size_t l = 0; l < op->lanes.size(); ++l)
+      if (!op->lanes[l].pieces.empty() && busy++ == 0) mine = l;
+  if (busy < 2) mine = op->lanes.size();
   for (size_t l = 0; l < op->lanes.size(); ++l)
-    if (!op->lanes[l].pieces.empty()) {
+    if (!op->lanes[l].pieces.empty() && l != mine) {
       Job j;
       j.op = op;
       j.token = token;
@@ -324,6 +343,13 @@ void ShmEndpoint::submit(std::shared_ptr<TransferOp> op) {
       else
         enqueue(std::move(j));
     }
+  if (mine < op->lanes.size()) {
+    Job j;
+    j.op = op;
+    j.token = token;
+    j.lane = mine;
+    run_here(j);
+  }
 }
 
 void ShmEndpoint::run_here(Job& job) {

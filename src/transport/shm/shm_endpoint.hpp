@@ -307,6 +307,7 @@ class ShmEndpoint final : public EndpointBase,
   void moved() { moving_.store(std::chrono::steady_clock::now().time_since_epoch().count(), std::memory_order_relaxed); }
   const int copy_delay_ms_;  // test only (shm.test_copy_delay_ms): a copy waits this long first
   const uint64_t inline_max_;  // shm.inline_max
+  const uint64_t inline_split_max_;  // shm.inline_split_max
   const uint64_t split_min_;   // shm.send_split_min
   const uint64_t eager_max_;     // shm.eager_max: the largest eager SEND sent or taken
   const uint64_t eager_credit_;  // shm.eager_credit: eager bytes queued, either way, not yet taken
