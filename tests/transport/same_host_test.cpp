@@ -46,6 +46,16 @@ struct Fd {
   }
 };
 
+// The type of the next frame the victim sends a raw peer (its payload read and dropped), or
+// FrameType{} if none came within 5 s.
+FrameType next_type(int fd) {
+  FrameHeader a{};
+  if (!read_all(fd, &a, sizeof(a), 5s)) return FrameType{};
+  std::string text(a.length, '\0');
+  if (a.length && !read_all(fd, text.data(), a.length, 5s)) return FrameType{};
+  return static_cast<FrameType>(a.type);
+}
+
 class SameHost : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -431,13 +441,6 @@ TEST_F(SameHost, EagerRingTakesOnlyTheNextPositionOfItsOwnRing) {
     FrameHeader h = make_frame(FrameType::kSendRing, seq, len, pos);
     return write_all(fd, &h, sizeof(h));
   };
-  auto next_type = [&](int fd) {
-    FrameHeader a{};
-    if (!read_all(fd, &a, sizeof(a), 5s)) return FrameType{};
-    std::string text(a.length, '\0');
-    if (a.length && !read_all(fd, text.data(), a.length, 5s)) return FrameType{};
-    return static_cast<FrameType>(a.type);
-  };
   // (1) A SEND_RING before the ring was handed out: refused.
   {
     net::Socket ctl;
@@ -569,13 +572,6 @@ TEST_F(SameHost, EagerRingQueueTakesDescriptorsInSequenceOrder) {
       std::this_thread::sleep_for(1ms);
     }
     return false;
-  };
-  auto next_type = [&](int fd) {
-    FrameHeader a{};
-    if (!read_all(fd, &a, sizeof(a), 5s)) return FrameType{};
-    std::string text(a.length, '\0');
-    if (a.length && !read_all(fd, text.data(), a.length, 5s)) return FrameType{};
-    return static_cast<FrameType>(a.type);
   };
   std::vector<uint8_t> m0(3000), m1(4096), m2(777), m3(100);
   fill_pattern(m0.data(), m0.size(), 61);

@@ -65,8 +65,8 @@ const Param<uint64_t> kEagerSlots{"shm.eager_slots", "SLUICE_SHM_EAGER_SLOTS", 1
                                   "0 = every ring message comes with its frame"};
 // 32 MiB: a burst that outruns the grant sends its overflow as rendezvous, copied by the
 // receiver's one thread. 512 SENDs of 64 KiB in flight (64 x 8 in the peers bench, after the
-// bench's other SEND cells, C++ adapter, 3 runs, MB/s): 4 MiB 3,800-6,250; 8 MiB 5,637-12,057;
-// 16 MiB 6,193-11,919; 32 MiB 8,926-11,234 (vader 5,600-6,500). The ring it sizes is populated
+// bench's other SEND cells, C++ adapter, memfd, 3 runs, MB/s): 8 MiB 4,951-5,446; 16 MiB
+// 3,803-11,273; 32 MiB 8,667-11,402; Open MPI's vader beside them 5,993-7,048. The ring it sizes is populated
 // when the peer asks for it: made page by page instead, the first pass of a burst through it
 // paid a page fault per 4 KiB on both sides (64 KiB lone SENDs: 1,250 instead of 9,000 MB/s).
 const Param<uint64_t> kEagerCredit{"shm.eager_credit", "SLUICE_SHM_EAGER_CREDIT", 32 << 20, size_in(0, 1ull << 32),
