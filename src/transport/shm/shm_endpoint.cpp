@@ -131,6 +131,27 @@ class Held {
   std::vector<std::pair<uint32_t, uint64_t>> held_;
 };
 
+struct SendCopy {
+  explicit SendCopy(PeerLeases& l) : held(l) {}
+  MessageMatcher::Claim claim;  // the posted recv the bytes go into
+  uint64_t op_id = 0;           // the sender's sequence, for its SEND_ACK
+  Held held;                    // the sender's region, while any part may read it
+  std::shared_ptr<Mapping> keep;  // our mapping of it (memfd), while any part may read it
+  std::atomic<int> left{0};     // parts not yet done
+  std::mutex mu;
+  Status st;  // the first part's failure
+};
+
+namespace {
+// One part of a SEND's copy: out of our mapping of the sender's memfd region, or with
+// process_vm_readv from the sender's address.
+Status copy_part(pid_t pid, uint8_t* dst, uint64_t src, const uint8_t* mapped, uint64_t len) {
+  if (!mapped) return cma::read(pid, {{dst, src, len}});
+  std::memcpy(dst, mapped, len);
+  return Status::Ok();
+}
+}  // namespace
+
 namespace {
 
 // The op's local region that holds p; null for memory the op does not pin. An op from a
@@ -592,13 +613,8 @@ void ShmEndpoint::run_one() {
 
 void ShmEndpoint::run_job(Job& job) {
   if (job.kind == Job::kPart) {
-    // Counted as a copy by the receiving thread, which waits for this part.
-    if (job.mapped) {
-      std::memcpy(job.dst, job.mapped, job.len);  // the receiving thread holds the mapping
-      job.split->done(Status::Ok());
-    } else {
-      job.split->done(cma::read(pid_.load(), {{job.dst, job.src, job.len}}));
-    }
+    // Counted as a copy (copy_send) until the last part is done; job.send holds the mapping.
+    send_part_done(job.send, copy_part(pid_.load(), job.dst, job.src, job.mapped, job.len));
     return;
   }
   if (job.kind == Job::kServe) {
@@ -771,39 +787,40 @@ Status ShmEndpoint::serve_rts(StreamChannel& ch, const FrameHeader& h, PayloadRe
   auto claim = events_->matcher().claim(h.op_id, length, /*lazy=*/true);
   if (claim.error.code == ErrorCode::kProtocol) return claim.error;
   Status st = claim.error;
-  if (claim.stash || claim.dest) {
-    uint64_t n = claim.stash ? length : std::min(length, claim.capacity);
+  // Region 0: the sender names no region of its own (a StagingEndpoint's host copy, alive
+  // until this send is acked), so there is no lease to check and the copy goes by address.
+  // That gives the sender nothing: we read only the sender's own memory (process_vm_readv
+  // on its pid, which the kernel named), at most n bytes, into the recv buffer or the
+  // bounded stash; a named region was never a bound on the address either.
+  // Engine-allocated (memfd) memory of the sender that we mapped: copied with memcpy out of
+  // the mapping, checked against the region as its owner described it (a sender that names
+  // an address outside it is read with process_vm_readv, its own memory only, as above).
+  if (claim.dest && st.ok() && std::min(length, claim.capacity) > 0) {
+    // Into a posted recv: the last part of the copy completes it and acks (send_part_done).
+    copy_send(std::move(claim), h.op_id, src.region, src.slot, h.region, std::min(length, claim.capacity));
+    return Status::Ok();
+  }
+  if (claim.stash && length > 0) {
     Held held(leases_);
-    // Region 0: the sender names no region of its own (a StagingEndpoint's host copy, alive
-    // until this send is acked), so there is no lease to check and the copy goes by address.
-    // That gives the sender nothing: we read only the sender's own memory (process_vm_readv
-    // on its pid, which the kernel named), at most n bytes, into the recv buffer or the
-    // bounded stash; a named region was never a bound on the address either.
-    // Engine-allocated (memfd) memory of the sender that we mapped: copied with memcpy out of
-    // the mapping, checked against the region as its owner described it (a sender that names
-    // an address outside it is read with process_vm_readv, its own memory only, as above).
     std::shared_ptr<Mapping> keep;
     uint32_t slot = src.slot;
-    const uint8_t* mapped = n && src.region != 0 ? send_source(src.region, h.region, n, &keep, &slot) : nullptr;
-    if (n && src.region != 0) st = held.enter(slot, src.region, "the sender's");
-    // The copy writes into a recv's buffer: a failure of the endpoint waits for it.
-    const bool copying = n && st.ok() && begin_copy();
-    if (n && st.ok() && !copying) st = {ErrorCode::kCancelled, "endpoint closed"};
+    const uint8_t* mapped = src.region != 0 ? send_source(src.region, h.region, length, &keep, &slot) : nullptr;
+    if (src.region != 0) st = held.enter(slot, src.region, "the sender's");
+    // The copy writes into a recv's buffer once one takes the stash: a failure of the
+    // endpoint waits for it.
+    const bool copying = st.ok() && begin_copy();
+    if (st.ok() && !copying) st = {ErrorCode::kCancelled, "endpoint closed"};
     // No recv posted: the buffer grows chunk by chunk as the copy succeeds, so an announced
     // size that the sender's memory does not back costs nothing.
     constexpr uint64_t kChunk = 1 << 20;
-    if (claim.dest) {
-      if (n && st.ok()) st = copy_send(claim.dest, h.region, mapped, n);
-    } else {
-      for (uint64_t off = 0; st.ok() && off < n;) {
-        uint64_t k = std::min(kChunk, n - off);
-        uint8_t* dst = MessageMatcher::stash_room(claim, off + k);
-        if (mapped) std::memcpy(dst + off, mapped + off, k);
-        else st = cma::read(pid_.load(), {{dst + off, h.region + off, k}});
-        off += k;
-      }
+    for (uint64_t off = 0; st.ok() && off < length;) {
+      uint64_t k = std::min(kChunk, length - off);
+      uint8_t* dst = MessageMatcher::stash_room(claim, off + k);
+      if (mapped) std::memcpy(dst + off, mapped + off, k);
+      else st = cma::read(pid_.load(), {{dst + off, h.region + off, k}});
+      off += k;
     }
-    if (n && st.ok()) st = held.still("the sender's");
+    if (st.ok()) st = held.still("the sender's");
     if (copying) end_copy();
   }
   st = events_->matcher().deliver(claim, st);
@@ -841,46 +858,79 @@ const uint8_t* ShmEndpoint::send_source(uint64_t id, uint64_t addr, uint64_t n, 
   return nullptr;
 }
 
-Status ShmEndpoint::copy_send(uint8_t* dst, uint64_t src, const uint8_t* mapped, uint64_t n) {
-  const pid_t pid = pid_.load();
-  auto copy = [&](uint64_t off, uint64_t k) -> Status {
-    if (!mapped) return cma::read(pid, {{dst + off, src + off, k}});
-    std::memcpy(dst + off, mapped + off, k);
-    return Status::Ok();
-  };
+void ShmEndpoint::copy_send(MessageMatcher::Claim&& claim, uint64_t op_id, uint64_t region, uint32_t slot,
+                            uint64_t addr, uint64_t n) {
+  auto c = std::make_shared<SendCopy>(leases_);
+  c->claim = std::move(claim);
+  c->op_id = op_id;
+  uint8_t* const dst = c->claim.dest;
+  const uint8_t* mapped = region != 0 ? send_source(region, addr, n, &c->keep, &slot) : nullptr;
+  Status st = region != 0 ? c->held.enter(slot, region, "the sender's") : Status::Ok();
+  // The copy writes into the recv's buffer: a failure of the endpoint waits for it (the copy
+  // count is held until the last part is done, see send_part_done).
+  if (st.ok() && !begin_copy()) {
+    st = {ErrorCode::kCancelled, "endpoint closed"};
+    c->keep.reset();
+  }
+  if (!st.ok()) {
+    finish_send_copy(*c, st);
+    return;
+  }
   const uint64_t part_min = std::max<uint64_t>(split_min_ / 2, 1);
   const int parts = split_min_ == 0 || n < split_min_
                         ? 1
                         : static_cast<int>(std::min<uint64_t>(n / part_min, host_.copy_pool().size() + 1));
-  if (parts <= 1) return copy(0, n);
   // Page-aligned parts, so that no two threads copy into one page.
-  const uint64_t step = (n / parts + 4095) & ~uint64_t(4095);
-  auto split = std::make_shared<SplitCopy>();
+  const uint64_t step = parts <= 1 ? n : (n / parts + 4095) & ~uint64_t(4095);
   std::vector<Job> queued;
   for (uint64_t off = step; off < n; off += step) {
     Job j;
     j.kind = Job::kPart;
-    j.split = split;
+    j.send = c;
     j.dst = dst + off;
-    j.src = src + off;
+    j.src = addr + off;
     j.mapped = mapped ? mapped + off : nullptr;
     j.len = std::min(step, n - off);
     queued.push_back(std::move(j));
   }
-  split->left = static_cast<int>(queued.size());
-  {
-    std::lock_guard<std::mutex> lk(mu_);
-    if (stop_) {
-      split->left = 0;
-      return {ErrorCode::kCancelled, "endpoint closed"};
+  c->left.store(static_cast<int>(queued.size()) + 1, std::memory_order_relaxed);
+  if (!queued.empty()) {
+    bool stopped;
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      stopped = stop_;
+      if (!stopped) {
+        for (auto& j : queued) jobs_.push_back(std::move(j));
+        schedule_locked();
+      }
     }
-    // At the front: this thread waits for them (the peer's SEND is held up meanwhile).
-    for (auto it = queued.rbegin(); it != queued.rend(); ++it) jobs_.push_front(std::move(*it));
-    schedule_locked();
+    if (stopped)
+      for (size_t i = 0; i < queued.size(); ++i) send_part_done(c, {ErrorCode::kCancelled, "endpoint closed"});
   }
-  Status st = copy(0, std::min(step, n));
-  Status rest = split->wait();
-  return st.ok() ? rest : st;
+  send_part_done(c, copy_part(pid_.load(), dst, addr, mapped, std::min(step, n)));
+}
+
+void ShmEndpoint::send_part_done(const std::shared_ptr<SendCopy>& c, const Status& part) {
+  if (!part.ok()) {
+    std::lock_guard<std::mutex> lk(c->mu);
+    if (c->st.ok()) c->st = part;
+  }
+  if (c->left.fetch_sub(1, std::memory_order_acq_rel) != 1) return;
+  Status st;
+  {
+    std::lock_guard<std::mutex> lk(c->mu);
+    st = c->st;
+  }
+  if (st.ok()) st = c->held.still("the sender's");
+  end_copy();
+  finish_send_copy(*c, st);
+}
+
+void ShmEndpoint::finish_send_copy(SendCopy& c, const Status& st) {
+  // The sender's answer first: a receiver that closes as soon as its recv completes still
+  // acks the message it took.
+  if (control_) post_status(*control_, FrameType::kSendAck, c.op_id, 0, MessageMatcher::sender_status(c.claim, st));
+  events_->matcher().deliver(c.claim, st);
 }
 
 void ShmEndpoint::stop_io() {
@@ -888,16 +938,21 @@ void ShmEndpoint::stop_io() {
     std::lock_guard<std::mutex> lk(ctl_mu_);
     if (control_) control_->shutdown();
   }
+  std::vector<std::shared_ptr<SendCopy>> parts;
   {
-    std::unique_lock<std::mutex> lk(mu_);
+    std::lock_guard<std::mutex> lk(mu_);
     stop_ = true;
-    // Parts of a split SEND copy that no pool thread started: the receiving thread waits for
-    // them (and holds the copy count that we wait for below).
+    // Parts of a SEND's copy that no pool thread started: failed below, outside mu_ (the
+    // last part of a copy completes its recv and gives back the copy count we wait for).
     for (auto& j : jobs_)
-      if (j.kind == Job::kPart) j.split->done({ErrorCode::kCancelled, "endpoint closed"});
+      if (j.kind == Job::kPart) parts.push_back(std::move(j.send));
     jobs_.clear();
     for (; post_count_ > 0; --post_count_, post_head_ = (post_head_ + 1) % post_ring_.size())
       post_ring_[post_head_].reset();
+  }
+  for (auto& c : parts) send_part_done(c, {ErrorCode::kCancelled, "endpoint closed"});
+  {
+    std::unique_lock<std::mutex> lk(mu_);
     // EndpointBase::fail() fails the ops next: no copy may still be writing into their memory
     // then. Running jobs are not waited for here (this may run on a pool thread, inside one
     // of ours, which is never inside a copy here); copies that began are waited for, and no

@@ -102,25 +102,13 @@ struct PostOp : TransferOp {
   PullPiece pull{};  // the PULL_WRITE's payload
 };
 
-// One large SEND's copy cut into parts (serve_rts): the receiving thread copies part 0 and
-// the copy pool the others; the receiving thread waits for every part (it holds the copy
-// count meanwhile, so stop_io() waits for the parts too, and cancels those not started).
-struct SplitCopy {
-  std::mutex mu;
-  std::condition_variable cv;
-  int left = 0;
-  Status st;
-  void done(const Status& s) {
-    std::lock_guard<std::mutex> lk(mu);
-    if (st.ok() && !s.ok()) st = s;
-    if (--left == 0) cv.notify_all();
-  }
-  Status wait() {
-    std::unique_lock<std::mutex> lk(mu);
-    cv.wait(lk, [&] { return left == 0; });
-    return st;
-  }
-};
+// One SEND's copy into its posted recv (serve_rts), cut into parts: the receiving thread
+// copies part 0 and the copy pool the others, and whichever part ends last completes the recv
+// and acks the sender (finish_send_copy). Nobody waits for the parts: the receiving thread goes
+// on to the next message, so a batch of large SENDs keeps every copy thread busy (waiting for
+// each message's parts held a batch of 1 MiB SENDs to one thread's process_vm_readv rate).
+// Defined in shm_endpoint.cpp.
+struct SendCopy;
 
 // The describe id that names an endpoint's eager ring (never a region id: those stay below 2^52).
 constexpr uint64_t kEagerRingId = ~uint64_t{0};
@@ -199,9 +187,9 @@ class ShmEndpoint final : public EndpointBase,
     FrameHeader hdr{};
     std::vector<PullPiece> pull;
     Status error;  // kLane: the region description it was parked on could not be had
-    // kPart: one part of a split SEND copy (process_vm_readv of the peer's `src` into `dst`,
-    // or a memcpy from `mapped`, our mapping of the sender's memfd region)
-    std::shared_ptr<SplitCopy> split;
+    // kPart: one part of a SEND's copy (process_vm_readv of the peer's `src` into `dst`, or a
+    // memcpy from `mapped`, our mapping of the sender's memfd region)
+    std::shared_ptr<SendCopy> send;
     uint8_t* dst = nullptr;
     uint64_t src = 0, len = 0;
     const uint8_t* mapped = nullptr;
@@ -225,11 +213,14 @@ class ShmEndpoint final : public EndpointBase,
   void post_pull(const std::shared_ptr<TransferOp>& op, uint64_t token);
   void serve_pull(const Job& job);
   Status serve_rts(StreamChannel& ch, const FrameHeader& h, PayloadReader& payload);
-  // The copy of a SEND's n bytes from the peer's address src into dst (a posted recv): cut
-  // into parts over the copy pool from shm.send_split_min on, else one process_vm_readv here.
-  // A SEND's copy into `dst`: from `mapped` (our mapping of the sender's memfd region) when
-  // set, else from the sender's address `src` with process_vm_readv; split across the copy pool.
-  Status copy_send(uint8_t* dst, uint64_t src, const uint8_t* mapped, uint64_t n);
+  // The copy of a SEND's n bytes into the recv it claimed: from our mapping of the sender's
+  // memfd region when it is one, else from the sender's address with process_vm_readv; cut
+  // into parts over the copy pool from shm.send_split_min on. Returns once part 0 is copied;
+  // the last part completes the recv and acks the sender.
+  void copy_send(MessageMatcher::Claim&& claim, uint64_t op_id, uint64_t region, uint32_t slot, uint64_t addr,
+                 uint64_t n);
+  void send_part_done(const std::shared_ptr<SendCopy>& c, const Status& st);
+  void finish_send_copy(SendCopy& c, const Status& st);  // acks the sender, completes the recv
   // Where [addr, addr+n) of the peer's region `id` lies in our mapping of it (the region as its
   // owner described it, `*keep` holding the mapping and `*slot` its lease), or null: not a
   // mapped memfd region, or not inside it. An unknown region is described in the background.

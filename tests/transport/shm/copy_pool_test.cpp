@@ -270,6 +270,76 @@ TEST(ShmCopyPool, LargeSendsAreCopiedInParts) {
   EXPECT_EQ(0, std::memcmp(dst.data(), src.data(), n));
 }
 
+// Many large SENDs in flight at once, from plain (process_vm_readv) and engine-allocated
+// (mapped memfd) memory: the receiving thread hands each message's parts to the pool and goes
+// on to the next message without waiting, so parts of many messages are copied at once and
+// their recvs complete out of order. Every message lands whole in its own recv (a truncated
+// one up to its recv's capacity), nothing is written past a recv, small eager messages
+// between them keep their places, and messages that came before their recvs are stashed.
+TEST(ShmCopyPool, ManyLargeSendsInFlightLandWholeInTheirRecvs) {
+  sluice::EngineConfig c = pool_config(2);
+  c.options["shm.send_split_min"] = "64K";
+  sluice::Engine a(c), b(c);
+  sluice::Endpoint ep = a.connect(b.local_info());
+  auto acc = b.accept(5s);
+  ASSERT_TRUE(acc.has_value());
+  ASSERT_EQ(ep.transport(), "shm");
+  sluice::Endpoint peer = *acc;
+  const std::vector<uint64_t> sizes = {(1 << 20) + 77, 300 << 10, 4096, 2 << 20, (64 << 10) + 1, 130 << 10, 1};
+  constexpr int kMessages = 42;
+  constexpr uint64_t kGap = 4096;  // untouched bytes after every recv's capacity
+  uint64_t total = 0;
+  for (int i = 0; i < kMessages; ++i) total += sizes[i % sizes.size()] + kGap;
+  for (bool memfd : {false, true}) {
+    SCOPED_TRACE(memfd ? "memfd" : "plain");
+    sluice::Allocation sa, da;
+    std::vector<uint8_t> sv, dv;
+    uint8_t *src, *dst;
+    sluice::MemoryHandle hs, hd;
+    if (memfd) {
+      sa = a.allocate(total, sluice::Location::host(), "src");
+      da = b.allocate(total, sluice::Location::host(), "dst");
+      src = static_cast<uint8_t*>(sa.ptr), dst = static_cast<uint8_t*>(da.ptr);
+      hs = sa.handle, hd = da.handle;
+    } else {
+      sv.resize(total), dv.resize(total);
+      src = sv.data(), dst = dv.data();
+      hs = a.register_memory(src, total), hd = b.register_memory(dst, total);
+    }
+    fill_pattern(src, total, memfd ? 7 : 8);
+    std::memset(dst, 0xEE, total);
+    std::vector<uint64_t> off(kMessages), cap(kMessages);
+    for (uint64_t i = 0, o = 0; i < kMessages; ++i) {
+      const uint64_t n = sizes[i % sizes.size()];
+      off[i] = o;
+      cap[i] = i % 9 == 4 ? n / 2 + 1 : n;  // some truncated
+      o += n + kGap;
+    }
+    // The first few messages go before their recvs (stashed), the rest into posted recvs.
+    constexpr int kEarly = 3;
+    std::vector<sluice::Future> sends, recvs;
+    for (int i = 0; i < kEarly; ++i) sends.push_back(ep.send(hs, off[i], sizes[i % sizes.size()]));
+    ASSERT_TRUE(sends.back().wait_for(30s));
+    for (int i = 0; i < kMessages; ++i) recvs.push_back(peer.recv(hd, off[i], cap[i]));
+    for (int i = kEarly; i < kMessages; ++i) sends.push_back(ep.send(hs, off[i], sizes[i % sizes.size()]));
+    for (int i = 0; i < kMessages; ++i) {
+      const uint64_t n = sizes[i % sizes.size()];
+      ASSERT_TRUE(recvs[i].wait_for(30s) && sends[i].wait_for(30s)) << "message " << i;
+      if (cap[i] >= n) {
+        EXPECT_TRUE(recvs[i].status().ok()) << i << ": " << recvs[i].status().to_string();
+        EXPECT_TRUE(sends[i].status().ok()) << i << ": " << sends[i].status().to_string();
+      } else {
+        EXPECT_EQ(recvs[i].status().code, sluice::ErrorCode::kTruncated) << i << ": " << recvs[i].status().to_string();
+      }
+      const uint64_t got = std::min(n, cap[i]);
+      EXPECT_EQ(0, std::memcmp(dst + off[i], src + off[i], got)) << "message " << i << " (" << n << " bytes)";
+      const uint64_t end = i + 1 < kMessages ? off[i + 1] : total;
+      EXPECT_TRUE(std::all_of(dst + off[i] + got, dst + end, [](uint8_t v) { return v == 0xEE; }))
+          << "bytes written past the " << got << " bytes of message " << i;
+    }
+  }
+}
+
 // The receiving endpoint closes while a large SEND's copy is about to be cut into parts (a
 // test-only delay holds it there): the recv fails, nothing waits for parts that never run,
 // and nothing lands in the recv's buffer afterwards.
