@@ -102,9 +102,13 @@ def warmup_batches(cell: Cell) -> int:
 
 
 def timed_loop(cell: Cell, submit: Callable[[np.ndarray], object], wait: Callable[[object], None],
-               footprint: int = FOOTPRINT) -> tuple[float, float]:
+               footprint: int = FOOTPRINT, sync: Callable[[], None] | None = None) -> tuple[float, float]:
     """Runs warm-up then `cell.iters` batches with at most `cell.conc` outstanding.
-    Returns (seconds, mean batch latency in ms: submit until its completion is seen)."""
+    Returns (seconds, mean batch latency in ms: submit until its completion is seen).
+    `sync`, called between the warm-up and the clock's start: a SEND adapter waits there until
+    the target took the warm-up (native/mpi_peer.c's MPI_Barrier), so that the clock does not
+    run while the target still checks the last cell's bytes (a send that completes once
+    queued would otherwise find no receive posted)."""
     warm = warmup_batches(cell)
     offs = slot_offsets(cell.size, cell.batch, warm + cell.iters, footprint)
     inflight: collections.deque = collections.deque()
@@ -126,6 +130,8 @@ def timed_loop(cell: Cell, submit: Callable[[np.ndarray], object], wait: Callabl
         post(offs[i])
     while inflight:
         drain_one()
+    if sync is not None:
+        sync()
     lat = 0.0
     t0 = time.perf_counter()
     for i in range(cell.iters):

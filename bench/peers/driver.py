@@ -104,7 +104,7 @@ def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--quick", action="store_true", help="a few sizes, one round: the CI check (no win/lose bar)")
     p.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 3; --quick 1)")
-    p.add_argument("--sizes", default=None, help="comma-separated byte sizes (default 4K..64M)")
+    p.add_argument("--sizes", default=None, help="comma-separated byte sizes, K/M/G suffixes allowed (default 4K..64M)")
     p.add_argument("--ops", default=None, help="comma-separated: read,write,send")
     p.add_argument("--shapes", default="1x1,64x8",
                    help="comma-separated BATCHxCONCURRENCY (default 1x1,64x8; all four: 1x1,1x8,64x1,64x8)")
@@ -130,8 +130,21 @@ def parse_args(argv):
     return p.parse_args(argv)
 
 
+def parse_size(text: str) -> int:
+    """4096, 4K, 1M, 2G (powers of 1024)."""
+    t = text.strip().upper().removesuffix("IB").removesuffix("B")
+    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(t[-1:], 1)
+    try:
+        n = int(t[:-1] if scale > 1 else t) * scale
+    except ValueError:
+        raise SystemExit(f"--sizes: {text!r} is not a size (bytes, or with a K/M/G suffix)") from None
+    if n <= 0:
+        raise SystemExit(f"--sizes: {text!r} is not a positive size")
+    return n
+
+
 def default_cells(o) -> list[Cell]:
-    sizes = [int(s) for s in o.sizes.split(",")] if o.sizes else \
+    sizes = [parse_size(s) for s in o.sizes.split(",")] if o.sizes else \
         ([4 << 10, 64 << 10] if o.quick else [4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20])
     # SEND cells last, whatever --ops says: a target checks and restores a SEND cell's slots
     # after the initiator has moved on, so a READ cell after it read the target mid-restore

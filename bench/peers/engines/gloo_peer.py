@@ -44,13 +44,17 @@ def target(settings: dict, cells: list[Cell]) -> int:
     for c in cells:
         if c.op != "send":
             continue
-        offs = slot_offsets(c.size, c.batch, warmup_batches(c) + c.iters)
-        pending = []
-        for row in offs:
-            pending.append([dist.irecv(t[int(o): int(o) + c.size], src=0) for o in row])
-            if len(pending) >= c.conc:
-                for w in pending.pop(0):
-                    w.wait()
+        warm = warmup_batches(c)
+        offs = slot_offsets(c.size, c.batch, warm + c.iters)
+        for w in [dist.irecv(t[int(o): int(o) + c.size], src=0) for row in offs[:warm] for o in row]:
+            w.wait()
+        post = lambda row: [dist.irecv(t[int(o): int(o) + c.size], src=0) for o in row]
+        pending = [post(row) for row in offs[warm: warm + c.conc]]  # posted before the start
+        dist.barrier()  # the warm-up arrived: the initiator starts its clock (timed_loop's sync)
+        for row in offs[warm + c.conc:]:
+            for w in pending.pop(0):
+                w.wait()
+            pending.append(post(row))
         for ws in pending:
             for w in ws:
                 w.wait()
@@ -79,7 +83,7 @@ def initiator(settings: dict, cells: list[Cell], info: dict) -> int:
     def run_one(c: Cell):
         if c.op != "send":
             raise NotImplementedError("gloo has two-sided send/recv only")
-        secs, lat = timed_loop(c, lambda offs: submit(offs, c.size), wait)
+        secs, lat = timed_loop(c, lambda offs: submit(offs, c.size), wait, sync=dist.barrier)
         n = min(c.batch, max(1, FOOTPRINT // c.size))
         local[: n * c.size] = pattern(n * c.size, check_seed(c))
         wait(submit(np.arange(n) * c.size, c.size))

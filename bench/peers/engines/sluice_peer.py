@@ -47,21 +47,29 @@ def _buffer(engine, memfd: bool, name=None):
     return a, engine.register(a, name=name)
 
 
-def recv_checks(ep, buf, handle, cells: list[Cell]) -> None:
+def recv_checks(ep, buf, handle, sync_handle, cells: list[Cell]) -> None:
     """Receives every SEND cell's messages in order (the k-th send meets the k-th recv),
     then the check batch, and prints one CHECK line per cell."""
     for i, c in enumerate(cells):
         if c.op != "send":
             continue
-        offs = slot_offsets(c.size, c.batch, warmup_batches(c) + c.iters)
+        warm = warmup_batches(c)
+        offs = slot_offsets(c.size, c.batch, warm + c.iters)
+        for f in [ep.recv(handle, int(off), c.size) for row in offs[:warm] for off in row]:
+            f.wait()
         # A window of receives kept posted ahead (the oldest waited for, then the next one
-        # posted), so that few messages arrive before their receive.
+        # posted), so that few messages arrive before their receive; the first window is
+        # posted before the initiator is told to start.
         depth, pending = c.batch * c.conc * 2, collections.deque()
-        for row in offs:
-            for off in row:
-                if len(pending) >= depth:
-                    pending.popleft().wait()
-                pending.append(ep.recv(handle, int(off), c.size))
+        timed = [int(off) for row in offs[warm:] for off in row]
+        for off in timed[:depth]:
+            pending.append(ep.recv(handle, off, c.size))
+        # The warm-up arrived: the initiator starts its clock (timed_loop's sync; the engine's
+        # own SEND, as native/mpi_peer.c's MPI_Barrier and native/sluice_peer.cpp's pipe).
+        ep.send(sync_handle, 0, 1).wait()
+        for off in timed[depth:]:
+            pending.popleft().wait()
+            pending.append(ep.recv(handle, off, c.size))
         for f in pending:
             f.wait()
         n = min(c.batch, max(1, FOOTPRINT // c.size))
@@ -92,7 +100,8 @@ def target(settings: dict, cells: list[Cell]) -> int:
     ep = engine.accept(60)
     if ep is None:
         raise SystemExit("sluice target: no initiator connected within 60 s")
-    recv_checks(ep, buf, handle, cells)
+    sync = np.zeros(64, dtype=np.uint8)
+    recv_checks(ep, buf, handle, engine.register(sync), cells)
     wait_stdin_eof()
     engine.close()
     return 0
@@ -125,7 +134,9 @@ def initiator(settings: dict, cells: list[Cell], info: dict) -> int:
             fn = ep.read if c.op == "read" else ep.write
             submit = lambda offs: fn(batch_of(offs, c.size))
             wait = lambda f: f.result()
-        secs, lat = timed_loop(c, submit, wait)
+        # SEND cells: the target's one-byte SEND says it took the warm-up (recv_checks).
+        sync = (lambda: ep.recv(ch, 0, 1).result()) if c.op == "send" else None
+        secs, lat = timed_loop(c, submit, wait, sync=sync)
         n = min(c.batch, max(1, FOOTPRINT // c.size))
         offs = np.arange(n, dtype=np.uint64) * np.uint64(c.size)
         seed = check_seed(c)

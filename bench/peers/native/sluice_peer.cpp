@@ -127,15 +127,19 @@ int target(const std::vector<Cell>& cells, uint64_t foot, const std::string& tra
       for (int j = 0; j < cl.batch; ++j) pending.push_back(ep->recv(buf.handle, slot_offset(cl, foot, b, j), cl.size));
     for (auto& f : pending) must(f.wait(), "recv");
     pending.clear();
-    cell_signal(cell_fd);  // the warm-up arrived: the initiator starts its clock
+    // The first window of receives is posted before the initiator is told to start.
+    bool signalled = false;
     for (uint64_t b = warm; b < total; ++b)
       for (int j = 0; j < cl.batch; ++j) {
         if (pending.size() >= depth) {
+          if (!signalled) cell_signal(cell_fd);  // the warm-up arrived: the initiator starts its clock
+          signalled = true;
           must(pending.front().wait(), "recv");
           pending.pop_front();
         }
         pending.push_back(ep->recv(buf.handle, slot_offset(cl, foot, b, j), cl.size));
       }
+    if (!signalled) cell_signal(cell_fd);
     for (auto& f : pending) must(f.wait(), "recv");
     const uint64_t n = std::min<uint64_t>(cl.batch, std::max<uint64_t>(1, foot / cl.size));
     std::vector<sluice::Future> fs;
