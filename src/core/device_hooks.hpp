@@ -12,6 +12,9 @@ struct DeviceMemoryHooks {
   void (*free)(void* ptr) = nullptr;
   // Throws Error unless [ptr, ptr+length) is memory of `device`.
   void (*check)(const void* ptr, uint64_t length, int device) = nullptr;
+  // Copies n bytes of host memory into device memory, synchronously. Throws Error. (A message
+  // that arrived before its recv waits in host memory; the recv may be in device memory.)
+  void (*upload)(void* device, const void* host, uint64_t n) = nullptr;
 };
 
 // nullptr unless a device module registered itself.

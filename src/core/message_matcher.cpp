@@ -1,5 +1,7 @@
 #include "core/message_matcher.hpp"
 
+#include "core/device_hooks.hpp"
+
 #include <algorithm>
 #include <cstring>
 #include <string>
@@ -12,6 +14,25 @@ Status truncation(uint64_t length, uint64_t capacity) {
                                      std::to_string(capacity) + "-byte receive buffer"};
 }
 
+// The stashed bytes (host memory) into the recv's buffer, which may be device memory (a tcp
+// recv into a CUDA region: a host memcpy there was a segfault).
+Status copy_into_recv(MessageOp& op, const uint8_t* src, uint64_t n) {
+  const RegionEntry* e = op.pin.get();
+  if (!e || e->location.is_host()) {
+    std::memcpy(op.ptr, src, n);
+    return Status::Ok();
+  }
+  const DeviceMemoryHooks* hooks = device_memory_hooks();
+  if (!hooks || !hooks->upload)
+    return {ErrorCode::kUnsupported, "recv into " + e->location.to_string() + " memory: this build cannot copy into it"};
+  try {
+    hooks->upload(op.ptr, src, n);
+  } catch (const Error& err) {
+    return err.status();
+  }
+  return Status::Ok();
+}
+
 }  // namespace
 
 void MessageMatcher::finish_recv(MessageOp& op, const StashSlot& msg) {
@@ -19,10 +40,12 @@ void MessageMatcher::finish_recv(MessageOp& op, const StashSlot& msg) {
   // rest was never written).
   const uint64_t have = msg.held ? msg.length : std::min<uint64_t>(msg.length, msg.data.size());
   uint64_t n = msg.status.ok() ? std::min(op.length, have) : 0;
-  if (n) std::memcpy(op.ptr, msg.held ? msg.held : msg.data.data(), n);
-  op.future->set_bytes(n);
+  const Status copied = n ? copy_into_recv(op, msg.held ? msg.held : msg.data.data(), n) : Status::Ok();
+  op.future->set_bytes(copied.ok() ? n : 0);
   if (!msg.status.ok())
     op.future->complete(msg.status);
+  else if (!copied.ok())
+    op.future->complete(copied);
   else if (msg.length > op.length)
     op.future->complete(truncation(msg.length, op.length));
   else

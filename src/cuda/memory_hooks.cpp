@@ -2,6 +2,7 @@
 #include "core/device_hooks.hpp"
 #include "cuda/copy_kernels.hpp"
 #include "cuda/cuda_util.hpp"
+#include "cuda/staging.hpp"
 
 namespace sluice::detail::cuda {
 namespace {
@@ -42,7 +43,9 @@ void hook_check(const void* ptr, uint64_t length, int device) {
   load_ours(device);
 }
 
-const DeviceMemoryHooks kHooks{hook_allocate, hook_free, hook_check};
+void hook_upload(void* device, const void* host, uint64_t n) { staging::upload(device, host, n); }
+
+const DeviceMemoryHooks kHooks{hook_allocate, hook_free, hook_check, hook_upload};
 
 const bool registered = [] {
   device_memory_hooks() = &kHooks;

@@ -5,6 +5,7 @@
 #include <numeric>
 #include <thread>
 
+#include "core/device_hooks.hpp"
 #include "core/message_matcher.hpp"
 
 using namespace sluice;
@@ -355,4 +356,56 @@ TEST(MessageMatcher, HeldStashIsReadInPlaceAndHandedBackAfterTheCopy) {
   EXPECT_EQ(std::string(c, 5), "third");
   EXPECT_EQ(sink->calls[4], "held 26");
   EXPECT_EQ(sink->calls[5], "credit 300");
+}
+
+namespace {
+int g_uploads = 0;
+void fake_upload(void* device, const void* host, uint64_t n) {
+  ++g_uploads;
+  std::memcpy(device, host, n);
+}
+// Installs `h` as the device module's hooks for the scope (the real ones, if this build has
+// them, come back after).
+struct HooksScope {
+  const DeviceMemoryHooks* saved = device_memory_hooks();
+  explicit HooksScope(const DeviceMemoryHooks* h) { device_memory_hooks() = h; }
+  ~HooksScope() { device_memory_hooks() = saved; }
+};
+}  // namespace
+
+// A message that arrived before its recv waits in host memory; a recv into device memory
+// (a region whose location is cuda) takes it through the device module's upload, never with a
+// host memcpy into device memory (on a GPU host that was a segfault: the tcp recv of a CUDA
+// tensor whose message came first). Without a device module the recv fails, its buffer untouched.
+TEST(MessageMatcher, StashedMessageIntoDeviceMemoryGoesThroughTheDeviceModule) {
+  uint8_t fake_device[32];  // host memory standing in for a cuda:0 region
+  auto entry = std::make_shared<RegionEntry>();
+  entry->id = 7;
+  entry->base = fake_device;
+  entry->length = sizeof(fake_device);
+  entry->location = Location::cuda(0);
+  for (bool with_module : {false, true}) {
+    SCOPED_TRACE(with_module ? "device module" : "no device module");
+    DeviceMemoryHooks hooks;
+    hooks.upload = fake_upload;
+    HooksScope scope(with_module ? &hooks : nullptr);
+    g_uploads = 0;
+    std::memset(fake_device, 0xAA, sizeof(fake_device));
+    MessageMatcher m(1 << 20);
+    EXPECT_TRUE(arrive(m, 0, "stashed before its recv").ok());
+    auto r = recv_op(fake_device, sizeof(fake_device));
+    r->pin = RegionPin(entry);
+    m.post_recv(r);
+    ASSERT_TRUE(r->future->done());
+    if (with_module) {
+      EXPECT_TRUE(r->future->status().ok()) << r->future->status().to_string();
+      EXPECT_EQ(g_uploads, 1);
+      EXPECT_EQ(std::string(reinterpret_cast<char*>(fake_device), 23), "stashed before its recv");
+      EXPECT_EQ(r->future->bytes(), 23u);
+    } else {
+      EXPECT_EQ(r->future->status().code, ErrorCode::kUnsupported) << r->future->status().to_string();
+      EXPECT_EQ(r->future->bytes(), 0u);
+      EXPECT_EQ(fake_device[0], 0xAA) << "host memcpy into device memory";
+    }
+  }
 }
