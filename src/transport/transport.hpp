@@ -49,6 +49,10 @@ struct TransferOp {
   // its channel is replaced is retried or failed (PendingOps::open_on).
   std::atomic<uint64_t> posted_lanes{0};
   uint64_t done_lanes = 0;  // under PendingOps' lock
+  // tcp, kRead: a read of the rest of a striped message the peer is sending (SEND_PULL
+  // frames; a piece's remote_id is the message's sequence, remote_offset the offset in it),
+  // not of a region.
+  bool message_pull = false;
 };
 
 // The thin post path (Capabilities::rma_post): what a proxy posts, one request per call.

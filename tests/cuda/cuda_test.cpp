@@ -7,6 +7,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstring>
 #include <string>
@@ -847,6 +848,64 @@ TEST(Staging, TcpCudaToCuda) {
   { auto st_ = ep.write({{src.handle, 3, *ep.remote_region("host"), 0, n}}).wait(); ASSERT_TRUE(st_.ok()) << st_.to_string(); }
   EXPECT_TRUE(hbuf == data);
   (void)hh;
+}
+
+// tcp SENDs into and out of cuda memory: received in place through pinned chunks
+// (staging::receive), a striped one's rest pulled into a pinned buffer and uploaded
+// (tcp.send_stripe_min; docs/wire-protocol.md), sent from cuda memory staged by the adapter.
+// Whole and striped, exact, truncated, and before the recv (stashed in host memory).
+TEST(Staging, TcpSendsIntoAndOutOfCudaMemory) {
+  NEED_GPUS(1);
+  Engine a(quiet()), b(quiet());
+  const size_t max = (6 << 20) + 77;
+  auto hsrc = a.allocate(max, Location::host());
+  auto dsrc = a.allocate(max, Location::cuda(0));
+  auto ddst = b.allocate(max + 4096, Location::cuda(second_device()));
+  ConnectOptions o;
+  o.transport = "tcp";
+  auto ep = a.connect(b.local_info(), o);
+  ASSERT_EQ(ep.transport(), "tcp");
+  auto acc = b.accept(std::chrono::seconds(5));
+  ASSERT_TRUE(acc.has_value());
+  Endpoint peer = *acc;
+  int seed = 40;
+  for (bool from_cuda : {false, true}) {
+    for (size_t n : {size_t(64 << 10), size_t(1 << 20), max}) {
+      for (size_t cap : {n, n / 2 + 1}) {
+        SCOPED_TRACE(std::string(from_cuda ? "cuda" : "host") + " -> cuda, " + std::to_string(n) + " into " +
+                     std::to_string(cap));
+        auto data = pattern(n, ++seed);
+        if (from_cuda) CK(cudaMemcpy(dsrc.ptr, data.data(), n, cudaMemcpyHostToDevice));
+        else std::memcpy(hsrc.ptr, data.data(), n);
+        CK(cudaMemset(ddst.ptr, 0xEE, max + 4096));
+        CK(cudaDeviceSynchronize());
+        auto r = peer.recv(ddst.handle, 0, cap);
+        auto s = ep.send(from_cuda ? dsrc.handle : hsrc.handle, 0, n);
+        auto rs = r.wait();
+        auto ss = s.wait();
+        const size_t got = std::min(n, cap);
+        if (cap >= n) {
+          ASSERT_TRUE(rs.ok()) << rs.to_string();
+          ASSERT_TRUE(ss.ok()) << ss.to_string();
+        } else {
+          EXPECT_EQ(rs.code, ErrorCode::kTruncated) << rs.to_string();
+        }
+        std::vector<uint8_t> back(max + 4096);
+        CK(cudaMemcpy(back.data(), ddst.ptr, back.size(), cudaMemcpyDeviceToHost));
+        EXPECT_EQ(0, std::memcmp(back.data(), data.data(), got));
+        EXPECT_TRUE(std::all_of(back.begin() + got, back.end(), [](uint8_t v) { return v == 0xEE; }))
+            << "bytes past the recv";
+      }
+    }
+  }
+  // Before its recv: stashed in host memory, then copied up.
+  auto data = pattern(max, 99);
+  std::memcpy(hsrc.ptr, data.data(), max);
+  { auto st_ = ep.send(hsrc.handle, 0, max).wait(); ASSERT_TRUE(st_.ok()) << st_.to_string(); }
+  { auto st_ = peer.recv(ddst.handle, 0, max).wait(); ASSERT_TRUE(st_.ok()) << st_.to_string(); }
+  std::vector<uint8_t> back(max);
+  CK(cudaMemcpy(back.data(), ddst.ptr, max, cudaMemcpyDeviceToHost));
+  EXPECT_TRUE(back == data);
 }
 
 // shm stages cuda memory on this side; the peer's cuda memory is out of its reach.

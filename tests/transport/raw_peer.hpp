@@ -6,6 +6,7 @@
 #include <poll.h>
 #include <sys/socket.h>
 
+#include <cerrno>
 #include <chrono>
 #include <cstdint>
 
@@ -30,6 +31,22 @@ inline BootHeader boot_header(uint16_t kind, uint32_t length, uint16_t version =
   BootHeader h{0x42434c53, version, kind, length, 0};
   h.check = boot_check(h);
   return h;
+}
+
+// Reads exactly n bytes from `fd`, waiting at most 5 s for each part; false on EOF, an
+// error or that wait.
+inline bool recv_all(int fd, void* buf, size_t n) {
+  auto* p = static_cast<char*>(buf);
+  while (n) {
+    pollfd pf{fd, POLLIN, 0};
+    if (::poll(&pf, 1, 5000) <= 0) return false;
+    ssize_t r = ::recv(fd, p, n, 0);
+    if (r < 0 && errno == EINTR) continue;
+    if (r <= 0) return false;
+    p += r;
+    n -= static_cast<size_t>(r);
+  }
+  return true;
 }
 
 // Waits until the peer closes `fd` (EOF or reset); drains whatever it sends first.

@@ -30,20 +30,6 @@ namespace {
 
 constexpr uint64_t kBytes = 4096;
 
-bool recv_all(int fd, void* buf, size_t n) {
-  auto* p = static_cast<char*>(buf);
-  while (n) {
-    pollfd pf{fd, POLLIN, 0};
-    if (::poll(&pf, 1, 5000) <= 0) return false;
-    ssize_t r = ::recv(fd, p, n, 0);
-    if (r < 0 && errno == EINTR) continue;
-    if (r <= 0) return false;
-    p += r;
-    n -= static_cast<size_t>(r);
-  }
-  return true;
-}
-
 class TcpPostHostile : public ::testing::Test {
  protected:
   void SetUp() override {

@@ -29,12 +29,17 @@ enum class FrameType : uint8_t {
   kSendRing = 14,   // shm: an eager SEND whose bytes the sender put in the receiver's eager
                     // ring: op_id = sequence, region = length, offset = ring position; no payload
   kRingBell = 15,   // shm: descriptors wait in the receiver's eager ring queue; no payload
-  kMax = 15,
+  kSendPull = 16,   // tcp: "send me bytes of your message in flight": op_id = my read's token,
+                    // region = the message's sequence, offset = byte offset in it, length
+                    // (imm low, aux high); answered like READ_REQ (READ_RESP or NACK, in order)
+  kMax = 16,
 };
 
 enum FrameFlags : uint8_t {
   kLaneEnd = 1,  // last frame of this batch on this channel: respond with ACK/NACK
   kImmPart = 2,  // with kLaneEnd on writes: one of `aux` lanes of a write_with_imm
+  kPullRest = 4,  // on a tcp SEND: the message is (imm low, aux high) bytes, of which the first
+                  // `length` follow; the receiver asks for the rest with SEND_PULL frames
 };
 
 struct FrameHeader {

@@ -235,6 +235,12 @@ size_t PendingOps::sends() const {
   return sends_.size();
 }
 
+std::shared_ptr<MessageOp> PendingOps::find_send(uint64_t seq) {
+  std::lock_guard<std::mutex> lk(mu_);
+  auto it = sends_.find(seq);
+  return it == sends_.end() ? nullptr : it->second.op;
+}
+
 std::shared_ptr<MessageOp> PendingOps::take_send(uint64_t seq) {
   std::lock_guard<std::mutex> lk(mu_);
   auto it = sends_.find(seq);

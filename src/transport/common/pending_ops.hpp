@@ -29,6 +29,8 @@ class PendingOps {
   bool lane_done(uint64_t token, const Status& st, int lane = -1);
   bool note_error(uint64_t token, const Status& st);
   std::shared_ptr<MessageOp> take_send(uint64_t seq);
+  // The send `seq` still waiting for its answer, left pending; null if there is none.
+  std::shared_ptr<MessageOp> find_send(uint64_t seq);
   // Fail everything now and everything added later.
   void fail_all(const Status& why);
   // Ops of the thin post path (TransferOp::post set, no future) complete through `handler`

@@ -78,6 +78,15 @@ const Param<bool> kRetryRma{"tcp.retry_rma", "SLUICE_TCP_RETRY_RMA", true, boole
                             "reads and writes caught on a replaced tcp channel are sent again on the new one "
                             "(counted as retries); off: they fail. send, write_with_imm and post_signal never are"};
 
+// Why: a pair's SENDs keep their order on channel 0, one TCP stream, which moved 4.1 GB/s on
+// the 2-core loopback host where two streams moved 5.9 (docs/peers.md, "What is left").
+const Param<uint64_t> kSendStripeMin{"tcp.send_stripe_min", "SLUICE_TCP_SEND_STRIPE_MIN", 1 << 20,
+                                     size_in(0, 1ull << 40),
+                                     "a SEND of at least this many bytes, on an endpoint of 2 or more channels, is "
+                                     "striped: its first 1/channels goes with its header on channel 0 (which keeps "
+                                     "messages in order) and the receiver reads the rest from the sender's message "
+                                     "over the other channels (SEND_PULL); 0 = every SEND whole on channel 0"};
+
 const Param<int> kTestMuteChannel{"tcp.test_mute_channel", "SLUICE_TCP_TEST_MUTE_CHANNEL", -1, int_in(-1, 63),
                                   "test only: on accepted endpoints, the first connection of this channel reads the "
                                   "peer's requests and never answers them (a stall without a link to break); -1 = off",
@@ -144,6 +153,7 @@ struct ReadPiece {
   bool lane_end;
   uint64_t remote_id;      // what to ask again when the channel is replaced
   uint64_t remote_offset;
+  bool pull;               // a SEND_PULL (remote_id: the message's sequence), not a READ_REQ
 };
 
 struct ImmProgress {
@@ -207,6 +217,7 @@ class TcpEndpoint final : public EndpointBase,
         lane_mu_(s.channels),
         rto_max_ms_(kRtoMaxMs.get(s.config) < 0 ? auto_rto_max_ms(s.config.op_timeout) : kRtoMaxMs.get(s.config)),
         socket_buffer_(kSocketBuffer.get(s.config)),
+        stripe_min_(kSendStripeMin.get(s.config)),
         give_up_ms_(rto_max_ms_ ? uncapped_give_up_ms() : 0) {
     pending_.set_post_handler([this](const std::shared_ptr<TransferOp>& op, const Status& st) { post_finished(op, st); });
     for (int c = 0; c < nchan_; ++c) replacing_[c] = false;
@@ -231,7 +242,11 @@ class TcpEndpoint final : public EndpointBase,
       opener_ = open;  // replacement channels are dialed with it (redial)
     }
     for (int i = 0; i < nchan_; ++i) {
-      auto [sock, reply] = open(i, nlohmann::json::object());
+      // Channel 0's hello says that we take striped SENDs; the reply, that the peer does.
+      nlohmann::json hello = nlohmann::json::object();
+      if (i == 0) hello["send_pull"] = 1;
+      auto [sock, reply] = open(i, hello);
+      if (i == 0 && reply.is_object() && reply.value("send_pull", 0) == 1) peer_pulls_ = true;
       std::lock_guard<std::mutex> lk(attach_mu_);
       install(i, std::move(sock));
     }
@@ -242,7 +257,12 @@ class TcpEndpoint final : public EndpointBase,
     std::lock_guard<std::mutex> lk(attach_mu_);
     if (claimed_[index]) throw Error(ErrorCode::kProtocol, "channel " + std::to_string(index) + " attached twice");
     claimed_[index] = true;
-    return nlohmann::json::object();
+    nlohmann::json reply = nlohmann::json::object();
+    if (index == 0 && hello.is_object() && hello.value("send_pull", 0) == 1) {
+      peer_pulls_ = true;  // a peer that says so takes striped SENDs
+      reply["send_pull"] = 1;  // and so do we
+    }
+    return reply;
   }
 
   bool adopt(int index, net::Socket sock) override {
@@ -282,7 +302,7 @@ class TcpEndpoint final : public EndpointBase,
       if (is_read)
         for (size_t i = 0; i < pieces.size(); ++i)
           reads_[c].push_back({token, pieces[i].local, pieces[i].length, i + 1 == pieces.size(),
-                               pieces[i].remote_id, pieces[i].remote_offset});
+                               pieces[i].remote_id, pieces[i].remote_offset, keep->message_pull});
       keep->posted_lanes.fetch_or(uint64_t{1} << c, std::memory_order_release);
       post_lane(*ch, token, *keep, c, nlanes);
     }
@@ -301,8 +321,9 @@ class TcpEndpoint final : public EndpointBase,
       OutFrame f;
       if (is_read) {
         // A request has no payload; the wanted length rides in imm (low) and aux (high).
-        f.hdr = make_frame(FrameType::kReadReq, token, p.remote_id, p.remote_offset, 0, flags,
-                           static_cast<uint32_t>(p.length), static_cast<uint32_t>(p.length >> 32));
+        f.hdr = make_frame(op.message_pull ? FrameType::kSendPull : FrameType::kReadReq, token, p.remote_id,
+                           p.remote_offset, 0, flags, static_cast<uint32_t>(p.length),
+                           static_cast<uint32_t>(p.length >> 32));
       } else {
         const bool imm = op.kind == OpKind::kWriteImm;
         f.hdr = make_frame(FrameType::kWrite, token, p.remote_id, p.remote_offset, p.length, flags,
@@ -316,7 +337,18 @@ class TcpEndpoint final : public EndpointBase,
   void send(std::shared_ptr<MessageOp> op) override {
     if (!pending_.add_send(op)) return;
     OutFrame f;
-    f.hdr = make_frame(FrameType::kSend, op->seq, 0, 0, op->length);
+    // Striped (tcp.send_stripe_min): the first 1/channels with the header, in order on
+    // channel 0; the receiver reads the rest from op->ptr with SEND_PULL frames on the other
+    // channels while we wait for its SEND_ACK (serve_send_pull). Only a SEND that finds no
+    // other of ours in flight: behind others, channel 0's stream already keeps both sides
+    // busy, and striping measured 0.92x for 1 MiB SENDs 64 x 8, against 1.04-1.22x for lone
+    // ones of 1-64 MiB (docs/performance.md).
+    const uint64_t head = pending_.sends() > 1 ? op->length : stripe_head(op->length);
+    if (head < op->length)
+      f.hdr = make_frame(FrameType::kSend, op->seq, 0, 0, head, kPullRest, static_cast<uint32_t>(op->length),
+                         static_cast<uint32_t>(op->length >> 32));
+    else
+      f.hdr = make_frame(FrameType::kSend, op->seq, 0, 0, op->length);
     f.data = op->ptr;  // host memory (StagingEndpoint staged a cuda message)
     note_submit(1);
     std::lock_guard<std::mutex> lane_lk(lane_mu_[0]);  // see submit(): a replacement swaps channels under it
@@ -425,6 +457,7 @@ class TcpEndpoint final : public EndpointBase,
         case FrameType::kWrite:
         case FrameType::kReadReq:
         case FrameType::kSignal:
+        case FrameType::kSendPull:
         case FrameType::kSend: return Status::Ok();
         default: break;
       }
@@ -448,6 +481,7 @@ class TcpEndpoint final : public EndpointBase,
       case FrameType::kNack: return take_nack(ch, h, payload);
       case FrameType::kSignal: return serve_signal(ch, h);
       case FrameType::kSend: return serve_send(ch, h, payload);
+      case FrameType::kSendPull: return serve_send_pull(ch, h);
       case FrameType::kSendAck: return complete_send_ack(pending_, h, payload);
       case FrameType::kError: return peer_error(payload);
       default: return {ErrorCode::kProtocol, "unexpected frame type " + std::to_string(h.type) + " on a tcp channel"};
@@ -471,7 +505,8 @@ class TcpEndpoint final : public EndpointBase,
     switch (static_cast<FrameType>(h.type)) {
       case FrameType::kWrite:
       case FrameType::kSignal:
-      case FrameType::kReadReq: pending_.progress(h.op_id); break;
+      case FrameType::kReadReq:
+      case FrameType::kSendPull: pending_.progress(h.op_id); break;
       case FrameType::kSend: pending_.progress_send(h.op_id); break;
       default: return;
     }
@@ -651,8 +686,9 @@ class TcpEndpoint final : public EndpointBase,
         if (it == open.end() || !retryable(*it->second)) continue;
         reads_[c].push_back(rp);
         OutFrame f;
-        f.hdr = make_frame(FrameType::kReadReq, rp.token, rp.remote_id, rp.remote_offset, 0, rp.lane_end ? kLaneEnd : 0,
-                           static_cast<uint32_t>(rp.length), static_cast<uint32_t>(rp.length >> 32));
+        f.hdr = make_frame(rp.pull ? FrameType::kSendPull : FrameType::kReadReq, rp.token, rp.remote_id,
+                           rp.remote_offset, 0, rp.lane_end ? kLaneEnd : 0, static_cast<uint32_t>(rp.length),
+                           static_cast<uint32_t>(rp.length >> 32));
         ch.post(std::move(f));
       }
       for (auto& [token, op] : open) {
@@ -974,12 +1010,30 @@ class TcpEndpoint final : public EndpointBase,
     return Status::Ok();
   }
 
+  // How many bytes of a `length`-byte SEND go with its header on channel 0; `length` unless it
+  // is striped (tcp.send_stripe_min, a peer that takes it, 2 or more channels).
+  uint64_t stripe_head(uint64_t length) const {
+    if (stripe_min_ == 0 || length < stripe_min_ || nchan_ < 2 || !peer_pulls_.load(std::memory_order_relaxed))
+      return length;
+    return std::max<uint64_t>((length / nchan_ + 4095) & ~uint64_t(4095), 1);
+  }
+
   Status serve_send(StreamChannel& ch, const FrameHeader& h, PayloadReader& payload) {
     Status room = response_room(ch);
     if (!room.ok()) return room;
-    auto claim = events_->matcher().claim(h.op_id, h.length, /*lazy=*/true);
+    // A striped message (kPullRest): `h.length` of its bytes follow, the rest we read with
+    // SEND_PULL. Only on channel 0, and only from a peer we told that we take them.
+    const bool striped = h.flags & kPullRest;
+    const uint64_t length = striped ? (uint64_t(h.aux) << 32) | h.imm : h.length;
+    if (striped && (ch.index() != 0 || h.length >= length || h.length == 0))
+      return {ErrorCode::kProtocol, "striped SEND of " + std::to_string(length) + " bytes with " +
+                                        std::to_string(h.length) + " in its frame on channel " +
+                                        std::to_string(ch.index())};
+    auto claim = events_->matcher().claim(h.op_id, length, /*lazy=*/true);
     if (claim.error.code == ErrorCode::kProtocol) return claim.error;
     Status st = claim.error;
+    uint8_t* dest = nullptr;  // where the pulled rest lands: [h.length, want)
+    uint64_t want = 0;
     if (claim.stash) {
       // No recv yet: the buffer grows as the bytes arrive, so a header that announces a huge
       // message and then stalls costs nothing.
@@ -993,30 +1047,146 @@ class TcpEndpoint final : public EndpointBase,
         }
         off += k;
       }
+      // The rest of a striped message is read from the sender's memory into a buffer of its
+      // announced size (within the unexpected-message budget claim() charged it to).
+      if (striped) dest = MessageMatcher::stash_room(claim, length), want = length;
     } else if (claim.dest) {
-      uint64_t n = std::min(h.length, claim.capacity);
-      bool got = true;
-      Status up;
-      if (staging::available() && staging::is_device_ptr(claim.dest)) {
-        try {
-          got = staging::receive(claim.dest, n, [&](void* b, uint64_t k) { return payload.read(b, k); });
-        } catch (const Error& e) {
-          up = e.status();
+      const uint64_t n = std::min(length, claim.capacity);
+      const bool device = staging::available() && staging::is_device_ptr(claim.dest);
+      uint8_t* const d = claim.dest;
+      // The first k bytes from this frame: kPeerLost if the stream broke, a CUDA error's status.
+      auto read_head = [&](uint64_t k) -> Status {
+        bool got = true;
+        if (!device) {
+          got = payload.read(d, k);
+        } else {
+          try {
+            got = staging::receive(d, k, [&](void* b, uint64_t m) { return payload.read(b, m); });
+          } catch (const Error& e) {
+            return e.status();
+          }
         }
-      } else {
-        got = payload.read(claim.dest, n);
+        return got ? Status::Ok() : Status{ErrorCode::kPeerLost, "connection lost mid-message"};
+      };
+      if (striped && n > h.length) {
+        // The rest (truncated: what fits) is asked for before the head is read, so that both
+        // stream at once; the head is one more part of the pull's completion.
+        auto pull = start_pull(std::move(claim), h.op_id, d, h.length, n, /*head=*/true, device);
+        Status head = read_head(h.length);
+        pull->part_done(head);
+        return head.code == ErrorCode::kPeerLost ? head : Status::Ok();  // the pull answers the sender
       }
-      if (!up.ok()) {
-        st = up;
-      } else if (!got) {
+      Status got = read_head(n);
+      if (got.code == ErrorCode::kPeerLost) {
         // Complete the matched recv (or its stash) instead of dropping the claim.
-        Status lost{ErrorCode::kPeerLost, "connection lost mid-message"};
-        events_->matcher().deliver(claim, lost);
-        return lost;
+        events_->matcher().deliver(claim, got);
+        return got;
       }
+      st = got;
+    }
+    if (dest && want > h.length) {
+      start_pull(std::move(claim), h.op_id, dest, h.length, want);
+      return Status::Ok();  // the pull's completion answers the sender
     }
     st = events_->matcher().deliver(claim, st);
     post_status(ch, FrameType::kSendAck, h.op_id, 0, st);
+    return Status::Ok();
+  }
+
+  // Reads bytes [from, to) of the peer's message `seq` into dest + from, over channels 1..N-1
+  // (SEND_PULL frames, answered and retried like READ_REQs), then acks the sender on channel
+  // 0 and completes the claim. `head`: one more part, the frame's bytes, that the caller
+  // completes. `device`: dest is CUDA memory; the bytes land in a pinned buffer and are
+  // uploaded before the claim completes.
+  std::shared_ptr<FutureState> start_pull(MessageMatcher::Claim&& claim, uint64_t seq, uint8_t* dest, uint64_t from,
+                                          uint64_t to, bool head = false, bool device = false) {
+    auto op = std::make_shared<TransferOp>();
+    op->kind = OpKind::kRead;
+    op->message_pull = true;
+    op->lanes.resize(static_cast<size_t>(nchan_));
+    std::shared_ptr<uint8_t> bounce;
+    Status early;
+    if (device) {
+      try {
+        bounce = staging::pinned(to - from);
+      } catch (const Error& e) {
+        early = e.status();
+      }
+    }
+    const int first = nchan_ > 1 ? 1 : 0;  // a peer that stripes to a one-channel endpoint: channel 0
+    const int others = nchan_ - first;
+    const uint64_t step = ((to - from) / others + 4095) & ~uint64_t(4095);
+    int lanes = 0;
+    for (int c = first; early.ok() && c < nchan_; ++c) {
+      const uint64_t a = std::min(to, from + step * (c - first));
+      const uint64_t b = c + 1 == nchan_ ? to : std::min(to, a + step);
+      auto& lane = op->lanes[static_cast<size_t>(c)];
+      // Pieces of at most 4 MiB: progress is seen piece by piece, as for a read.
+      for (uint64_t off = a; off < b;) {
+        const uint64_t k = std::min<uint64_t>(4 << 20, b - off);
+        lane.pieces.push_back(Piece{bounce ? bounce.get() + (off - from) : dest + off, seq, off, 0, k});
+        lane.bytes += k;
+        off += k;
+      }
+      if (!lane.pieces.empty()) ++lanes;
+    }
+    op->bytes = to - from;
+    op->future = std::make_shared<FutureState>(OpKind::kRead, lanes + (head ? 1 : 0));
+    auto held = std::make_shared<MessageMatcher::Claim>(std::move(claim));
+    std::weak_ptr<TcpEndpoint> self = weak_from_this();
+    op->future->on_complete([self, held, seq, bounce, dest, from, to](const Status& pulled) {
+      auto me = self.lock();
+      if (!me) return;
+      Status st = pulled;
+      if (st.ok() && bounce) {
+        try {
+          staging::upload(dest + from, bounce.get(), to - from);
+        } catch (const Error& e) {
+          st = e.status();
+        }
+      }
+      const Status ack = MessageMatcher::sender_status(*held, st);
+      {
+        std::lock_guard<std::mutex> lane_lk(me->lane_mu_[0]);  // a replacement swaps channels under it
+        post_status(*me->channels_[0], FrameType::kSendAck, seq, 0, ack);
+      }
+      me->events_->matcher().deliver(*held, st);
+    });
+    auto f = op->future;
+    if (!early.ok()) {
+      if (!head) f->complete(early);
+      else f->note_error(early);  // completes with it when the caller's head part is done
+      return f;
+    }
+    submit(std::move(op));
+    return f;
+  }
+
+  // SEND_PULL: bytes of our message `h.region` (a sequence) that the receiver reads while the
+  // send waits for its SEND_ACK; only a send in flight, only within it.
+  Status serve_send_pull(StreamChannel& ch, const FrameHeader& h) {
+    const uint64_t length = (uint64_t(h.aux) << 32) | h.imm;
+    Status room = response_room(ch);
+    if (!room.ok()) return room;
+    Status st;
+    auto op = pending_.find_send(h.region);
+    if (!op)
+      st = {ErrorCode::kInvalidArgument, "SEND_PULL for message " + std::to_string(h.region) + ", which is not in flight"};
+    else if (length == 0 || length > kMaxFramePayload || h.offset > op->length || length > op->length - h.offset)
+      st = {ErrorCode::kInvalidArgument, "SEND_PULL of bytes [" + std::to_string(h.offset) + ", +" +
+                                             std::to_string(length) + ") of a " + std::to_string(op->length) +
+                                             "-byte message"};
+    if (!st.ok()) {
+      post_status(ch, FrameType::kNack, h.op_id, h.flags & kLaneEnd, st);
+      return Status::Ok();
+    }
+    pending_.progress_send(h.region);
+    OutFrame f;
+    f.hdr = make_frame(FrameType::kReadResp, h.op_id, 0, 0, length, h.flags & kLaneEnd);
+    f.response = true;
+    f.data = op->ptr + h.offset;
+    f.keep = op;  // its pin too, until the bytes left
+    ch.post(std::move(f));
     return Status::Ok();
   }
 
@@ -1059,6 +1229,8 @@ class TcpEndpoint final : public EndpointBase,
   std::unordered_map<uint64_t, ImmProgress> imm_;
   const int rto_max_ms_;  // tcp.rto_max_ms resolved (auto_rto_max_ms), 0 = kernel default
   const int socket_buffer_;  // tcp.socket_buffer
+  const uint64_t stripe_min_;  // tcp.send_stripe_min
+  std::atomic<bool> peer_pulls_{false};  // the peer takes striped SENDs (channel 0's hello)
   const int give_up_ms_;  // TCP_USER_TIMEOUT with the cap (uncapped_give_up_ms), else 0
 };
 
