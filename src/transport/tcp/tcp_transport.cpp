@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <deque>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -1073,7 +1074,7 @@ class TcpEndpoint final : public EndpointBase,
         // stream at once; the head is one more part of the pull's completion.
         auto pull = start_pull(std::move(claim), h.op_id, d, h.length, n, /*head=*/true, device);
         Status head = read_head(h.length);
-        pull->part_done(head);
+        pull->done(head);
         return head.code == ErrorCode::kPeerLost ? head : Status::Ok();  // the pull answers the sender
       }
       Status got = read_head(n);
@@ -1093,13 +1094,37 @@ class TcpEndpoint final : public EndpointBase,
     return Status::Ok();
   }
 
+  // The end of a striped message's receipt: its pull (an internal read op) and, when the
+  // caller reads the frame's bytes meanwhile, that head. Not parts of the read op's future: a
+  // future completed by anything but its lanes would leave the op pending (and time it out).
+  struct PullJoin {
+    std::atomic<int> left;
+    std::mutex mu;
+    Status st;  // the first failure
+    std::function<void(const Status&)> finish;
+    explicit PullJoin(int n) : left(n) {}
+    void done(const Status& part) {
+      if (!part.ok()) {
+        std::lock_guard<std::mutex> lk(mu);
+        if (st.ok()) st = part;
+      }
+      if (left.fetch_sub(1, std::memory_order_acq_rel) != 1) return;
+      Status out;
+      {
+        std::lock_guard<std::mutex> lk(mu);
+        out = st;
+      }
+      finish(out);
+    }
+  };
+
   // Reads bytes [from, to) of the peer's message `seq` into dest + from, over channels 1..N-1
   // (SEND_PULL frames, answered and retried like READ_REQs), then acks the sender on channel
-  // 0 and completes the claim. `head`: one more part, the frame's bytes, that the caller
-  // completes. `device`: dest is CUDA memory; the bytes land in a pinned buffer and are
-  // uploaded before the claim completes.
-  std::shared_ptr<FutureState> start_pull(MessageMatcher::Claim&& claim, uint64_t seq, uint8_t* dest, uint64_t from,
-                                          uint64_t to, bool head = false, bool device = false) {
+  // 0 and completes the claim. `head`: the caller reads the frame's bytes meanwhile and calls
+  // done() on the returned join with how that went. `device`: dest is CUDA memory; the bytes
+  // land in a pinned buffer and are uploaded before the claim completes.
+  std::shared_ptr<PullJoin> start_pull(MessageMatcher::Claim&& claim, uint64_t seq, uint8_t* dest, uint64_t from,
+                                       uint64_t to, bool head = false, bool device = false) {
     auto op = std::make_shared<TransferOp>();
     op->kind = OpKind::kRead;
     op->message_pull = true;
@@ -1131,10 +1156,10 @@ class TcpEndpoint final : public EndpointBase,
       if (!lane.pieces.empty()) ++lanes;
     }
     op->bytes = to - from;
-    op->future = std::make_shared<FutureState>(OpKind::kRead, lanes + (head ? 1 : 0));
+    auto join = std::make_shared<PullJoin>(head ? 2 : 1);
     auto held = std::make_shared<MessageMatcher::Claim>(std::move(claim));
     std::weak_ptr<TcpEndpoint> self = weak_from_this();
-    op->future->on_complete([self, held, seq, bounce, dest, from, to](const Status& pulled) {
+    join->finish = [self, held, seq, bounce, dest, from, to](const Status& pulled) {
       auto me = self.lock();
       if (!me) return;
       Status st = pulled;
@@ -1151,15 +1176,15 @@ class TcpEndpoint final : public EndpointBase,
         post_status(*me->channels_[0], FrameType::kSendAck, seq, 0, ack);
       }
       me->events_->matcher().deliver(*held, st);
-    });
-    auto f = op->future;
+    };
     if (!early.ok()) {
-      if (!head) f->complete(early);
-      else f->note_error(early);  // completes with it when the caller's head part is done
-      return f;
+      join->done(early);
+      return join;
     }
+    op->future = std::make_shared<FutureState>(OpKind::kRead, lanes);
+    op->future->on_complete([join](const Status& st) { join->done(st); });
     submit(std::move(op));
-    return f;
+    return join;
   }
 
   // SEND_PULL: bytes of our message `h.region` (a sequence) that the receiver reads while the
