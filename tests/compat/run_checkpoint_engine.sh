@@ -50,6 +50,11 @@ run() {
   say "venv $venv (with the system's site-packages, for torch)"
   [ -x "$venv/bin/python" ] || "$PY" -m venv --system-site-packages "$venv"
   local vpy=$venv/bin/python
+  # A PYTHON that is itself a venv's (the GPU image's torch lives in one) lends the new venv
+  # only the base interpreter's site-packages: name its own in a .pth file too.
+  "$PY" -c 'import site, sys; sys.exit(0 if sys.prefix != sys.base_prefix else 1)' &&
+    "$PY" -c 'import site; print("".join(f"import site; site.addsitedir({d!r})\n" for d in site.getsitepackages()))' \
+      >"$("$vpy" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/_parent_venv.pth"
   pipi() {
     if [ -n "$wh" ]; then "$vpy" -m pip install -q --disable-pip-version-check --no-index --find-links "$wh" "$@"
     else "$vpy" -m pip install -q --disable-pip-version-check "$@"; fi
@@ -61,6 +66,8 @@ run() {
   say "sluice"
   if [ -n "$wh" ] && ls "$wh"/sluice-*.whl >/dev/null 2>&1; then
     pipi --force-reinstall --no-deps "$wh"/sluice-*.whl
+  elif (cd / && "$vpy" -c 'import sluice') 2>/dev/null; then
+    echo "sluice: the one $PY already has ($(cd / && "$vpy" -c 'import sluice; print(sluice.__file__)'))"
   else
     command -v nvcc >/dev/null || echo "run_checkpoint_engine.sh: no nvcc: sluice builds without CUDA and cannot register the GPU bucket" >&2
     CMAKE_ARGS="${CMAKE_ARGS:-} -DSLUICE_WITH_CUDA=ON" "$vpy" -m pip install -q --disable-pip-version-check "$ROOT"
@@ -80,11 +87,14 @@ PYEOF
     die "a real mooncake.engine is importable in $venv (from the system site-packages?); uninstall it: the run must show the facade alone"
   fi
 
+  SLUICE_MOONCAKE_COMPAT=1 "$vpy" -c 'from mooncake.engine import TransferEngine; import sluice.compat.mooncake as m; assert TransferEngine is m.TransferEngine' ||
+    die "SLUICE_MOONCAKE_COMPAT=1 does not make mooncake.engine the Sluice facade in $venv (is the import hook's .pth installed?)"
+
   say "test_update.py from the checkpoint-engine $CE_VERSION sdist"
   local work sdist
   work=$(mktemp -d /tmp/ce-acceptance.XXXXXX)
   if [ -n "$wh" ]; then
-    sdist=$(ls "$wh"/checkpoint_engine-"$CE_VERSION".tar.gz "$wh"/checkpoint-engine-"$CE_VERSION".tar.gz 2>/dev/null | head -1)
+    sdist=$(ls "$wh"/checkpoint_engine-"$CE_VERSION".tar.gz "$wh"/checkpoint-engine-"$CE_VERSION".tar.gz 2>/dev/null | head -1 || true)
   else
     "$vpy" -m pip download -q -d "$work" --no-deps --no-binary :all: "checkpoint-engine==$CE_VERSION"
     sdist=$(ls "$work"/checkpoint*engine-"$CE_VERSION".tar.gz | head -1)

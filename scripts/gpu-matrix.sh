@@ -1,0 +1,115 @@
+#!/usr/bin/env bash
+# The GPU matrix: every test and benchmark that needs one or more GPUs, in stages, each with a
+# time limit and a log of its own. Not part of CI (CI has no GPU). Run on a host with >= 2 GPUs:
+#
+#   scripts/gpu-matrix.sh [STAGE ...]          default: info cxx ag port nvlink wheel torch tbench ce
+#
+# Stages:
+#   info    GPUs, links (nvidia-smi topo), driver, Python and torch versions
+#   cxx     sluice_cuda_tests and sluice_port_channel_cuda_tests (2-GPU tests included)
+#   sanit   the port channel's GPU tests under compute-sanitizer memcheck and racecheck
+#   ag      the LL AllGather against NCCL, bit-equality and timing, at 2 ranks and at every
+#           GPU of the host when there are more (tools/sluice-gpu-bench/allgather_bench.py)
+#   port    sluice-port-bench (port channel vs the copy engine, ping-pong, request rate)
+#   nvlink  sluice-gpu-bench (nvlink transport vs cudaMemcpyPeerAsync)
+#   wheel   builds the sluice wheel with CUDA and the torch backend against this host's torch,
+#           installs it into this Python, and leaves it in $WH for the ce stage
+#   torch   python/tests/torch_backend/run_cuda.sh at 2 ranks and at every GPU of the host
+#   tbench  tools/sluice-torch-bench/bench.py --device cuda against NCCL, 2 ranks
+#   ce      checkpoint-engine 0.4.2, unmodified, on the Mooncake facade
+#           (tests/compat/run_checkpoint_engine.sh run $WH; $WH must hold its wheels: `fetch`)
+#
+# Environment: BIN = a folder with prebuilt libsluice.so, sluice_cuda_tests,
+# sluice_port_channel_cuda_tests, sluice-gpu-bench, sluice-port-bench (default: build them
+# here into build-gpu/ with cmake); LOGS = where the logs go (default gpu-logs/); WH = the
+# wheelhouse (default .device/wh); STAGE_TIMEOUT = seconds per stage (default 900).
+# NVLink multicast stays off (NCCL_NVLS_ENABLE=0 and friends): never remove that.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1
+LOGS=${LOGS:-$ROOT/gpu-logs}
+WH=${WH:-$ROOT/.device/wh}
+PY=${PYTHON:-python3}
+mkdir -p "$LOGS"
+NGPU=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || echo 0)
+[ "$NGPU" -ge 1 ] || { echo "gpu-matrix.sh: no GPU here (nvidia-smi -L lists none)" >&2; exit 1; }
+
+bin_setup() {
+  if [ -n "${BIN:-}" ]; then
+    BIN=$(cd "$BIN" && pwd)
+  else
+    BIN=$ROOT/build-gpu
+    cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null &&
+      ninja -C build-gpu sluice sluice_cuda_tests sluice_port_channel_cuda_tests sluice-gpu-bench sluice-port-bench >/dev/null || return 1
+    ln -sf tests/cuda/sluice_cuda_tests tests/port_channel/sluice_port_channel_cuda_tests \
+      tools/sluice-gpu-bench/sluice-gpu-bench tools/sluice-port-bench/sluice-port-bench build-gpu/ 2>/dev/null
+  fi
+  export LD_LIBRARY_PATH=$BIN${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+}
+
+s_info() {
+  nvidia-smi -L; nvidia-smi topo -m; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+  nproc; "$PY" --version; "$PY" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "gpus", torch.cuda.device_count())'
+  command -v nvcc && nvcc --version | tail -1
+}
+s_cxx() {
+  local rc=0
+  "$BIN/sluice_cuda_tests" --gtest_brief=1 || rc=1
+  "$BIN/sluice_port_channel_cuda_tests" --gtest_brief=1 || rc=1
+  return $rc
+}
+s_sanit() {
+  local rc=0 t
+  for t in memcheck racecheck; do
+    compute-sanitizer --tool "$t" --error-exitcode 9 "$BIN/sluice_port_channel_cuda_tests" \
+      --gtest_brief=1 --gtest_filter='-*OffsetsAndSizesBeyondFourGiB*' || rc=1
+  done
+  return $rc
+}
+s_ag() {
+  local rc=0 w
+  for w in 2 $([ "$NGPU" -gt 2 ] && echo "$NGPU"); do
+    SLUICE_LIBRARY=$BIN/libsluice.so "$PY" tools/sluice-gpu-bench/allgather_bench.py --world "$w" \
+      --out "$LOGS/allgather-$w.md" || rc=1
+  done
+  return $rc
+}
+s_port() { "$BIN/sluice-port-bench"; }
+s_nvlink() { "$BIN/sluice-gpu-bench" --out "$LOGS/nvlink.md"; }
+s_wheel() {
+  mkdir -p "$WH" && rm -f "$WH"/sluice-*.whl
+  CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) SKBUILD_CMAKE_DEFINE="SLUICE_TORCH_PYTHON=$(command -v "$PY")" \
+    "$PY" -m pip wheel -q --no-build-isolation --no-deps -w "$WH" . &&
+    "$PY" -m pip install -q --force-reinstall --no-deps "$WH"/sluice-*.whl &&
+    (cd /tmp && "$PY" -c 'import sluice, sluice.torch as st; print("sluice", sluice.__version__, "torch backend", st.available())')
+}
+s_torch() {
+  local rc=0 w
+  for w in 2 $([ "$NGPU" -gt 2 ] && echo "$NGPU"); do
+    PYTHON=$PY python/tests/torch_backend/run_cuda.sh "$w" || rc=1
+  done
+  return $rc
+}
+s_tbench() {
+  "$PY" -m torch.distributed.run --standalone --nproc_per_node=2 tools/sluice-torch-bench/bench.py \
+    --device cuda --markdown ${TBENCH_ARGS:-}
+}
+s_ce() { PYTHON=$PY tests/compat/run_checkpoint_engine.sh run "$WH"; }
+
+stages=("$@")
+[ ${#stages[@]} -gt 0 ] || stages=(info cxx ag port nvlink wheel torch tbench ce)
+case " ${stages[*]} " in *" cxx "*|*" sanit "*|*" ag "*|*" port "*|*" nvlink "*) bin_setup || { echo "gpu-matrix.sh: building the GPU binaries failed" >&2; exit 1; } ;; esac
+summary=()
+for s in "${stages[@]}"; do
+  declare -F "s_$s" >/dev/null || { echo "gpu-matrix.sh: unknown stage $s" >&2; exit 2; }
+  t0=$SECONDS
+  echo "=================== $s ($NGPU GPUs) ==================="
+  timeout -k 10 "${STAGE_TIMEOUT:-900}" bash -c "$(declare -f "s_$s"); $(declare -p BIN ROOT LOGS WH PY NGPU 2>/dev/null); s_$s" \
+    > >(tee "$LOGS/$s.log") 2>&1
+  rc=$?
+  summary+=("$s: $([ $rc = 0 ] && echo passed || echo "FAILED (exit $rc)") in $((SECONDS - t0)) s")
+  echo "--- ${summary[-1]}"
+done
+printf '%s\n' "== gpu-matrix.sh summary" "${summary[@]}" | tee "$LOGS/summary.txt"
