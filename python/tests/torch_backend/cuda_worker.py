@@ -375,7 +375,10 @@ def ll_allgather_checks(sl, gloo, nccl, rank: int, world: int, dev: torch.device
     before = ll_calls(sl)
     if expect_ll:
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        # thread_local: other threads of these processes (NCCL's watchdog, the engine's progress
+        # threads) may query events meanwhile, which a global-mode capture would fail on; the
+        # capturing thread itself (the backend's launch path) is held to the strict rules.
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
             dist.all_gather_into_tensor(og, xg, group=sl)
             dist.all_gather(lg, xg, group=sl)
         assert ll_calls(sl) - before == 2, "the captured calls did not take the low-latency path"
