@@ -308,9 +308,10 @@ SluiceBackend::SluiceBackend(const c10::intrusive_ptr<c10d::Store>& store, int r
     if (d.valid()) cuda_path_ = d.transport();
   if (cuda_path_ != "host") cuda_regs_ = std::make_unique<CudaRegistrations>(*engine_);
   // The low-latency all_gather: this rank could take it with a device endpoint (nvlink, so the
-  // same host) to every peer; all ranks agree through the Store (ll_allgather.hpp).
+  // same host) to every peer; all ranks agree through the Store (ll_allgather.hpp) once the
+  // mailbox is up (a peer that is through may already send to us).
+  std::string ll_off;
   if (size > 1) {
-    std::string ll_off;
     if (ll_bytes == 0)
       ll_off = "SLUICE_TORCH_LL_ALLGATHER_BYTES=0";
     else if (size > LowLatencyAllGather::kMaxWorld)
@@ -324,12 +325,20 @@ SluiceBackend::SluiceBackend(const c10::intrusive_ptr<c10d::Store>& store, int r
       if (j != rank && !dev[j].valid())
         ll_off = "no device endpoint between ranks " + std::to_string(rank) + " and " + std::to_string(j) +
                  " (another host, or GPUs that cannot share memory)";
-    const bool publish = has_nvlink && size <= LowLatencyAllGather::kMaxWorld;
-    ll_ = std::make_unique<LowLatencyAllGather>(store, rank, size, ll_bytes, ll_off, publish,
-                                                std::chrono::steady_clock::now() + timeout);
   }
   mailbox_ = std::make_unique<Mailbox>(*engine_, std::move(peers), std::move(data), rank, timeout, rndv_bytes,
                                        max_unexpected_bytes, std::move(dev), inline_bytes);
+  if (size > 1) {
+    try {
+      ll_ = std::make_unique<LowLatencyAllGather>(store, rank, size, ll_bytes, ll_off,
+                                                  /*publish=*/has_nvlink && size <= LowLatencyAllGather::kMaxWorld,
+                                                  std::chrono::steady_clock::now() + timeout);
+    } catch (...) {
+      mailbox_->close();  // no destructor runs for a constructor that throws
+      engine_->close();
+      throw;
+    }
+  }
   worker_ = std::thread([this] { worker(); });
 }
 
