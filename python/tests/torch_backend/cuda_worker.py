@@ -16,6 +16,11 @@ refuses that, so its part is skipped, saying so).
    fresh allocations every round (the registration cache must notice a new buffer at an old
    address), non-contiguous tensors, a send written on a side stream, a size mismatch that
    fails both sides and leaves the pair working, and the same through SLUICE_TORCH_CUDA_PATH=host.
+4. The low-latency all_gather (one NVLink kernel on the caller's stream, docs/torch.md): all_gather
+   and all_gather_into_tensor below, at and above the threshold (1 MiB, and 4 KiB on a second
+   group) in six dtypes, bit for bit against gloo and NCCL, the backend's counter saying which
+   calls took it, Work/stream semantics and a CUDA graph replayed twice; off (and still right) on
+   the host-path group, on a threshold-0 group, and wherever ranks share a GPU.
 Prints 'sluice-torch-cuda OK rank=<r> checks=<n>'.
 """
 from __future__ import annotations
