@@ -24,6 +24,10 @@ SLUICE_API int device_count();
 SLUICE_API std::string unavailable_reason();
 // Whether this build of libsluice has CUDA support at all.
 SLUICE_API bool built_with_cuda();
+// Whether `stream` (a cudaStream_t; nullptr = the legacy default stream) is being captured into
+// a CUDA graph. Safe to call during a capture (cudaStreamIsCapturing); false without CUDA or
+// when the query fails.
+SLUICE_API bool stream_capturing(void* stream);
 
 // The CUDA allocation that holds `ptr` (device memory only): its base, size, device and the
 // driver's buffer id, which a new allocation never repeats even at the same address. Code

@@ -32,6 +32,15 @@ std::string unavailable_reason() {
 }
 bool built_with_cuda() { return true; }
 
+bool stream_capturing(void* stream) {
+  cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(static_cast<cudaStream_t>(stream), &st) != cudaSuccess) {
+    cudaGetLastError();  // not sticky: clear it
+    return false;
+  }
+  return st == cudaStreamCaptureStatusActive;
+}
+
 bool allocation_of(const void* ptr, Allocation* out) {
   const int dev = d::pointer_device(ptr);
   if (dev < 0) return false;

@@ -10,6 +10,7 @@ namespace {
 int device_count() { return 0; }
 std::string unavailable_reason() { return "libsluice was built without CUDA"; }
 bool built_with_cuda() { return false; }
+bool stream_capturing(void*) { return false; }
 bool allocation_of(const void*, Allocation*) { return false; }
 Future read_on_stream(Endpoint&, const Batch&, void*) { none("read_on_stream"); }
 Future write_on_stream(Endpoint&, const Batch&, void*) { none("write_on_stream"); }

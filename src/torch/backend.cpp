@@ -76,6 +76,47 @@ int SluiceWork::sourceRank() const {
   return source_;
 }
 
+StreamWork::StreamWork(c10d::OpType type, std::vector<at::Tensor> outputs, c10::Stream stream,
+                       std::shared_ptr<c10::Event> done, bool captured, int rank)
+    : Work(rank, type),
+      outputs_(std::move(outputs)),
+      stream_(stream),
+      done_(std::move(done)),
+      captured_(captured),
+      future_(c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()),
+                                                       std::vector<c10::Device>{stream.device()})) {
+  // As NCCL does: the future is complete now; being a CUDA future, it recorded an event on the
+  // current stream (the op's: the caller holds a guard on its device) and makes whoever reads
+  // its value wait for it.
+  future_->markCompleted(c10::IValue(outputs_));
+}
+
+bool StreamWork::isCompleted() {
+  {
+    std::lock_guard<std::mutex> lk(mutex_);
+    if (completed_) return true;
+  }
+  // Never query an event made in a capture (a query would invalidate it).
+  if (!captured_ && !done_->query()) return false;
+  finish();
+  return true;
+}
+
+void StreamWork::synchronize() {
+  const c10::impl::DeviceGuardImplInterface* g = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
+  const c10::Stream cur = g->getStream(stream_.device());
+  if (cur == stream_) return;  // ordered already
+  // Across the start or end of a capture an event wait means nothing or is refused (see
+  // LowLatencyAllGather::launch); within one capture or outside any, it orders the streams.
+  if (captured_ != cuda::stream_capturing(cur.native_handle())) return;
+  done_->block(cur);
+}
+
+bool StreamWork::wait(std::chrono::milliseconds) {
+  synchronize();
+  return true;
+}
+
 namespace {
 
 void check_cpu(const at::Tensor& t, const char* what) {
@@ -119,6 +160,9 @@ SluiceBackend::SluiceBackend(const c10::intrusive_ptr<c10d::Store>& store, int r
       env_bytes("SLUICE_TORCH_MAX_UNEXPECTED_BYTES", Mailbox::kDefaultMaxUnexpectedBytes);
   // Eager messages up to this size travel inside their header's engine message (mailbox.hpp).
   const uint64_t inline_bytes = env_bytes("SLUICE_TORCH_INLINE_BYTES", Mailbox::kDefaultInlineBytes);
+  // CUDA all_gathers of up to this many bytes per rank run as one NVLink kernel on the
+  // caller's stream where the group allows it (ll_allgather.hpp); 0 turns that off.
+  const uint64_t ll_bytes = env_bytes("SLUICE_TORCH_LL_ALLGATHER_BYTES", LowLatencyAllGather::kDefaultMaxBytes);
   if (inline_bytes > Mailbox::kMaxInlineBytes)
     throw Error(ErrorCode::kInvalidArgument, "sluice: SLUICE_TORCH_INLINE_BYTES must be at most " +
                                                  std::to_string(Mailbox::kMaxInlineBytes) + ", got " +
@@ -263,8 +307,38 @@ SluiceBackend::SluiceBackend(const c10::intrusive_ptr<c10d::Store>& store, int r
   for (auto& d : dev)
     if (d.valid()) cuda_path_ = d.transport();
   if (cuda_path_ != "host") cuda_regs_ = std::make_unique<CudaRegistrations>(*engine_);
+  // The low-latency all_gather: this rank could take it with a device endpoint (nvlink, so the
+  // same host) to every peer; all ranks agree through the Store (ll_allgather.hpp) once the
+  // mailbox is up (a peer that is through may already send to us).
+  std::string ll_off;
+  if (size > 1) {
+    if (ll_bytes == 0)
+      ll_off = "SLUICE_TORCH_LL_ALLGATHER_BYTES=0";
+    else if (size > LowLatencyAllGather::kMaxWorld)
+      ll_off = "a group of " + std::to_string(size) + " ranks (it takes at most " +
+               std::to_string(LowLatencyAllGather::kMaxWorld) + ")";
+    else if (cuda_path == "host")
+      ll_off = "SLUICE_TORCH_CUDA_PATH=host";
+    else if (!has_nvlink)
+      ll_off = "no nvlink transport on this rank (no GPU seen, or libsluice built without CUDA)";
+    for (int j = 0; j < size && ll_off.empty(); ++j)
+      if (j != rank && !dev[j].valid())
+        ll_off = "no device endpoint between ranks " + std::to_string(rank) + " and " + std::to_string(j) +
+                 " (another host, or GPUs that cannot share memory)";
+  }
   mailbox_ = std::make_unique<Mailbox>(*engine_, std::move(peers), std::move(data), rank, timeout, rndv_bytes,
                                        max_unexpected_bytes, std::move(dev), inline_bytes);
+  if (size > 1) {
+    try {
+      ll_ = std::make_unique<LowLatencyAllGather>(store, rank, size, ll_bytes, ll_off,
+                                                  /*publish=*/has_nvlink && size <= LowLatencyAllGather::kMaxWorld,
+                                                  std::chrono::steady_clock::now() + timeout);
+    } catch (...) {
+      mailbox_->close();  // no destructor runs for a constructor that throws
+      engine_->close();
+      throw;
+    }
+  }
   worker_ = std::thread([this] { worker(); });
 }
 
@@ -272,6 +346,10 @@ SluiceBackend::~SluiceBackend() { shutdown(); }
 
 std::string SluiceBackend::transport() const { return transport_; }
 std::string SluiceBackend::cuda_path() const { return cuda_path_; }
+uint64_t SluiceBackend::ll_allgather_calls() const { return ll_ ? ll_->calls() : 0; }
+std::string SluiceBackend::ll_allgather_state() const {
+  return ll_ ? ll_->state() : "off: a group of one rank";
+}
 
 namespace {
 // The caller's current stream on t's device: the device path's copies run on the engine's
@@ -375,7 +453,13 @@ void SluiceBackend::shutdown() {
     mailbox_->close();
   }
   cuda_regs_.reset();  // its registrations go before the engine does
+  ll_.reset();         // waits for this rank's kernels (peers ran theirs: each needs all ranks)
   if (engine_) engine_->close();
+}
+
+void SluiceBackend::abort() {
+  if (ll_) ll_->abandon();
+  shutdown();
 }
 
 void SluiceBackend::say_goodbye() {

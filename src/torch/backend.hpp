@@ -1,5 +1,6 @@
 // The torch.distributed backend "sluice" (CPU tensors; CUDA tensors through host copies, see
-// host_staging.hpp): a c10d::Backend whose point-to-point
+// host_staging.hpp, except large send/recv between GPUs of a host and small all_gathers, see
+// ll_allgather.hpp): a c10d::Backend whose point-to-point
 // operations go through a Mailbox over one engine endpoint per peer, and whose collectives
 // are direct algorithms over those messages, run in call order on one worker thread.
 #pragma once
@@ -16,6 +17,7 @@
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include "cuda_registrations.hpp"
+#include "ll_allgather.hpp"
 #include "mailbox.hpp"
 #include "sluice/engine.hpp"
 
@@ -34,12 +36,18 @@ class SluiceBackend final : public c10d::Backend {
   const std::string getBackendName() const override { return "sluice"; }
   void setTimeout(std::chrono::milliseconds timeout) override;
   void shutdown() override;
-  void abort() override { shutdown(); }
+  // Like shutdown(), but never waits for the GPU: a low-latency all_gather kernel may be
+  // spinning for a peer that is gone, so its buffer is left to the process's end.
+  void abort() override;
   // The transport the endpoints run ("" for a world of one).
   std::string transport() const;
   // How large CUDA tensors move between ranks: "nvlink" (directly between GPUs, to the peers
   // a device endpoint reaches) or "host" (through host memory).
   std::string cuda_path() const;
+  // The low-latency all_gather of CUDA tensors (ll_allgather.hpp): the calls that took it, and
+  // its state ("on ...", "off: why").
+  uint64_t ll_allgather_calls() const;
+  std::string ll_allgather_state() const;
 
   c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dst, int tag) override;
   c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int src, int tag) override;
@@ -97,6 +105,11 @@ class SluiceBackend final : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> send_device(const at::Tensor& t, int dst, int tag);
   c10::intrusive_ptr<c10d::Work> recv_device(const at::Tensor& t, int src, int tag);
   void say_goodbye();  // shutdown(): quiesce every endpoint before closing it
+  // all_gather (`into_one` false: one output per rank) or all_gather_into_tensor (`outs` is the
+  // one output) of CUDA tensors through the low-latency AllGather on the current stream; null
+  // when the call does not take that path (the caller then stages through host memory).
+  c10::intrusive_ptr<c10d::Work> allgather_ll(c10d::OpType type, const at::Tensor& in, const std::vector<at::Tensor>& outs,
+                                              bool into_one);
 
   std::chrono::milliseconds timeout_;
   std::unique_ptr<Engine> engine_;
@@ -104,6 +117,7 @@ class SluiceBackend final : public c10d::Backend {
   std::string transport_;
   std::string cuda_path_ = "host";
   std::unique_ptr<CudaRegistrations> cuda_regs_;  // the device path's registrations
+  std::unique_ptr<LowLatencyAllGather> ll_;       // null for a world of one
   uint64_t seq_ = 0;  // collectives issued (same order on every rank)
   at::Tensor scratch_;  // see scratch()
 

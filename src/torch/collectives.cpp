@@ -4,9 +4,13 @@
 #include <cstring>
 
 #include <ATen/ATen.h>
+#include <c10/core/DeviceGuard.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 
 #include "backend.hpp"
 #include "host_staging.hpp"
+#include "sluice/cuda.hpp"
+#include "work.hpp"
 
 namespace sluice::torch_backend {
 
@@ -303,9 +307,68 @@ c10::intrusive_ptr<c10d::Work> SluiceBackend::reduce(std::vector<at::Tensor>& te
   });
 }
 
+c10::intrusive_ptr<c10d::Work> SluiceBackend::allgather_ll(c10d::OpType type, const at::Tensor& in,
+                                                            const std::vector<at::Tensor>& outs, bool into_one) {
+  // What decides is shared by every rank under the collective's contract (CUDA tensors of one
+  // dtype and size); the group's part was agreed when it was made (ll_allgather.hpp).
+  if (!ll_ || !ll_->on() || !in.defined() || !in.is_cuda() || in.layout() != at::kStrided ||
+      in.nbytes() > ll_->max_bytes())
+    return {};
+  const int64_t n = in.numel();
+  for (const auto& o : outs)
+    if (!o.defined() || !o.is_cuda() || o.layout() != at::kStrided || o.device() != in.device() ||
+        o.scalar_type() != in.scalar_type())
+      return {};
+  if (into_one ? outs.size() != 1 || outs[0].numel() != n * size() : static_cast<int>(outs.size()) != size())
+    return {};
+  if (!into_one)
+    for (const auto& o : outs)
+      if (o.numel() != n) return {};  // the host path names the mismatch
+  c10::DeviceGuard guard(in.device());
+  // The caller's current stream on the tensors' device. Its cudaStream_t comes from c10's
+  // device-independent interface, so no CUDA torch header is needed: Stream::native_handle()
+  // asks the DeviceGuardImplInterface registered for CUDA (CUDAGuardImpl, in the CUDA torch's
+  // libc10_cuda) for getStreamNativeHandle(), which is CUDAStream(s).stream(), the same handle
+  // torch.cuda.current_stream().cuda_stream gives (nullptr for the legacy default stream, which
+  // CUDA also names 0). The stream carries its device; the guard above makes it current too.
+  const c10::impl::DeviceGuardImplInterface* g = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
+  const c10::Stream stream = g->getStream(in.device());
+  const bool capturing = cuda::stream_capturing(stream.native_handle());
+  // Nothing to move: done on every rank without a word (and without setting anything up).
+  if (n == 0) {
+    auto done = std::make_shared<c10::Event>(c10::DeviceType::CUDA);
+    done->record(stream);
+    return c10::make_intrusive<StreamWork>(type, outs, stream, std::move(done), capturing, rank());
+  }
+  bool ready = false;
+  try {
+    ready = ll_->ensure(in.device(), timeout_);
+  } catch (const c10::Error&) {
+    throw;
+  } catch (const std::exception& e) {
+    std::rethrow_exception(backend_error(std::string("sluice: ") + c10d::opTypeToString(type) + " failed: " + e.what()));
+  }
+  if (!ready) return {};  // every rank fell back at this same call
+  ll_->count();
+  at::Tensor src = in.is_contiguous() ? in : in.contiguous();  // copies on the current stream
+  at::Tensor dst = into_one && outs[0].is_contiguous() ? outs[0] : at::empty({n * size()}, in.options());
+  ll_->launch(src.data_ptr(), dst.data_ptr(), in.nbytes(), stream, capturing);
+  if (into_one) {
+    if (!dst.is_same(outs[0])) outs[0].copy_(dst.view(outs[0].sizes()));
+  } else {
+    for (int j = 0; j < size(); ++j) outs[j].copy_(dst.narrow(0, n * j, n).view(outs[j].sizes()));
+  }
+  auto done = std::make_shared<c10::Event>(c10::DeviceType::CUDA);
+  done->record(stream);
+  ll_->note_done(done, stream, capturing);
+  return c10::make_intrusive<StreamWork>(type, outs, stream, std::move(done), capturing, rank());
+}
+
 c10::intrusive_ptr<c10d::Work> SluiceBackend::allgather(std::vector<std::vector<at::Tensor>>& outputs,
                                                          std::vector<at::Tensor>& inputs,
                                                          const c10d::AllgatherOptions& opts) {
+  if (inputs.size() == 1 && outputs.size() == 1)
+    if (auto w = allgather_ll(c10d::OpType::ALLGATHER, inputs[0], outputs[0], /*into_one=*/false)) return w;
   if (any_cuda(outputs) || any_cuda(inputs)) {
     HostStaging s;
     auto host_out = s.outputs(outputs);
@@ -341,6 +404,7 @@ c10::intrusive_ptr<c10d::Work> SluiceBackend::allgather(std::vector<std::vector<
 
 c10::intrusive_ptr<c10d::Work> SluiceBackend::_allgather_base(at::Tensor& output, at::Tensor& input,
                                                                const c10d::AllgatherOptions& opts) {
+  if (auto w = allgather_ll(c10d::OpType::_ALLGATHER_BASE, input, {output}, /*into_one=*/true)) return w;
   if (output.is_cuda() || input.is_cuda()) {
     HostStaging s;
     auto host_out = s.output(output);

@@ -16,7 +16,11 @@ PYBIND11_MODULE(_sluice_torch, m) {
       .def_property_readonly("transport", &SluiceBackend::transport,
                              "The engine transport the endpoints run (shm, tcp, ...).")
       .def_property_readonly("cuda_path", &SluiceBackend::cuda_path,
-                             "How large CUDA tensors move: 'nvlink' (directly between GPUs) or 'host'.");
+                             "How large CUDA tensors move: 'nvlink' (directly between GPUs) or 'host'.")
+      .def_property_readonly("ll_allgather_calls", &SluiceBackend::ll_allgather_calls,
+                             "all_gather calls on CUDA tensors that ran as the low-latency NVLink kernel.")
+      .def_property_readonly("ll_allgather_state", &SluiceBackend::ll_allgather_state,
+                             "The low-latency all_gather's state: 'on ...' or 'off: <why>'.");
   m.def(
       "create_backend",
       [](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size, std::chrono::milliseconds timeout) {

@@ -7,7 +7,11 @@
 #include <string>
 #include <vector>
 
+#include <memory>
+
 #include <ATen/core/ivalue.h>
+#include <c10/core/Event.h>
+#include <c10/core/Stream.h>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
 namespace sluice::torch_backend {
@@ -36,6 +40,35 @@ class SluiceWork final : public c10d::Work {
   int rank_;
   int source_ = -1;
   std::string peer_;
+  c10::intrusive_ptr<c10::ivalue::Future> future_;
+};
+
+// The Work of an op queued on the caller's CUDA stream (the low-latency all_gather,
+// ll_allgather.hpp), with NCCL's semantics for such work: nothing waits on the host.
+//  * wait() / synchronize(): the caller's current stream waits for the op (an event wait, none
+//    when that is the op's own stream); returns at once.
+//  * isCompleted(): whether the GPU has finished it (the event, queried; a Work made during a
+//    graph capture reads as completed, since its work runs at each replay instead).
+//  * getFuture(): completed at once with the outputs, as a CUDA future (its devices set): a
+//    then() callback runs at once on the host, and its value() and wait() make the current
+//    stream wait for the op, as c10's Future does for CUDA values.
+class StreamWork final : public c10d::Work {
+ public:
+  // `done` was recorded on `stream` after the op's last work there.
+  StreamWork(c10d::OpType type, std::vector<at::Tensor> outputs, c10::Stream stream, std::shared_ptr<c10::Event> done,
+             bool captured, int rank);
+
+  bool isCompleted() override;
+  bool wait(std::chrono::milliseconds timeout = kNoTimeout) override;
+  void synchronize() override;
+  std::vector<at::Tensor> result() override { return outputs_; }
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
+
+ private:
+  std::vector<at::Tensor> outputs_;
+  c10::Stream stream_;
+  std::shared_ptr<c10::Event> done_;
+  bool captured_;
   c10::intrusive_ptr<c10::ivalue::Future> future_;
 };
 

@@ -66,7 +66,26 @@ TEST(CudaNoDevice, ReportsCleanly) {
   }
   for (auto& t : e.transports()) EXPECT_NE(t, "nvlink");
   EXPECT_THROW(cuda::AllGather(1, 1024, cuda::DType::kUInt8, 2, 0, 0), Error);
+  EXPECT_FALSE(cuda::stream_capturing(nullptr));  // the query fails: not capturing
 }
+
+#ifdef SLUICE_TEST_CUDA
+// What the torch backend asks before it waits on an event or sets its AllGather up.
+TEST(CudaStream, CaptureIsReported) {
+  NEED_GPUS(1);
+  CK(cudaSetDevice(0));
+  cudaStream_t s = nullptr;
+  CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  EXPECT_FALSE(cuda::stream_capturing(s));
+  CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+  EXPECT_TRUE(cuda::stream_capturing(s));
+  cudaGraph_t g = nullptr;
+  CK(cudaStreamEndCapture(s, &g));
+  EXPECT_FALSE(cuda::stream_capturing(s));
+  CK(cudaGraphDestroy(g));
+  CK(cudaStreamDestroy(s));
+}
+#endif
 
 // The same-host proof nvlink and shm share (runs without a GPU): the answer must come with a
 // lease table that is a memfd and from the engine the peer's info names; the peer's pid is

@@ -16,6 +16,12 @@ on CUDA tensors). NVLink multicast stays off (NCCL_NVLS_ENABLE=0 is set here).
 --baseline names another baseline: `sluice-host` is a second sluice group whose CUDA tensors go
 through host memory (SLUICE_TORCH_CUDA_PATH=host), against the device path of the first, e.g.
 with both ranks on one GPU, where NCCL refuses to run.
+all_gather on CUDA tensors of up to SLUICE_TORCH_LL_ALLGATHER_BYTES per rank (default 1 MiB) takes
+the low-latency NVLink kernel where the group allows it (docs/torch.md); the header says whether
+it is on, and the last line how many of the timed calls took it. For issue 12's small-message
+bar on two GPUs:
+    torchrun --nproc_per_node=2 tools/sluice-torch-bench/bench.py --device cuda --ops all_gather \
+        --max-bytes 1048576 --iters 200 --markdown
 """
 from __future__ import annotations
 
@@ -82,6 +88,8 @@ def main() -> None:
     if rank == 0:
         print(f"# world={world} transport={st.backend_transport()} cuda path={st.backend_cuda_path()} "
               f"device={args.device} host cores={os.cpu_count()} load={os.getloadavg()[0]:.1f}")
+        if args.device == "cuda":
+            print(f"# low-latency all_gather: {st.backend_ll_allgather()['state']}")
         if args.markdown:
             print(f"| op | bytes | sluice us (p10-p90) | {base} us (p10-p90) | sluice GB/s | {base} GB/s | speedup |")
             print("|---|---:|---:|---:|---:|---:|---:|")
@@ -140,6 +148,9 @@ def main() -> None:
                 else:
                     print(f"{op:<11}{nbytes:>11}{med['sluice']:>12.1f}{spread['sluice']:>18}{med[base]:>12.1f}"
                           f"{spread[base]:>18}{gbs['sluice']:>13.3f}{gbs[base]:>11.3f}{speedup:>9.2f}", flush=True)
+    if rank == 0 and args.device == "cuda":
+        ll = st.backend_ll_allgather()
+        print(f"# low-latency all_gather: {ll['calls']} calls took it; {ll['state']}")
     dist.destroy_process_group()
 
 

@@ -7,8 +7,9 @@
 Bootstrap goes through the c10d Store torch hands the backend (env:// under torchrun,
 tcp://, or a given Store). ``SLUICE_TORCH_TRANSPORT=shm|tcp`` forces the transport of every
 endpoint; every ``SLUICE_*`` engine variable applies (docs/configuration.md). CPU and CUDA
-tensors; CUDA tensors go through host copies for now ("cpu:sluice,cuda:nccl" keeps NCCL for
-them). See docs/torch.md.
+tensors; CUDA tensors go through host copies, except large send/recv between the GPUs of a host
+and all_gathers of up to SLUICE_TORCH_LL_ALLGATHER_BYTES per rank there, which move over NVLink
+("cpu:sluice,cuda:nccl" keeps NCCL for them). See docs/torch.md.
 
 Without the compiled extension (a sluice built where torch was not importable) this module
 still imports; creating a group then raises ImportError saying how to get the backend.
@@ -69,6 +70,15 @@ def backend_cuda_path(group: Optional["dist.ProcessGroup"] = None) -> str:
     return backend.cuda_path
 
 
+def backend_ll_allgather(group: Optional["dist.ProcessGroup"] = None) -> "dict[str, Any]":
+    """The low-latency all_gather of CUDA tensors of ``group`` (docs/torch.md): ``{"calls": n,
+    "state": s}``, where ``calls`` counts the all_gather / all_gather_into_tensor calls that ran
+    as one NVLink kernel on the caller's stream, and ``state`` is "on ..." or "off: <why>"."""
+    pg = group if group is not None else dist.group.WORLD
+    backend = pg._get_backend(torch.device("cpu"))  # type: ignore[union-attr]
+    return {"calls": backend.ll_allgather_calls, "state": backend.ll_allgather_state}
+
+
 def _register() -> None:
     if getattr(dist.Backend, "SLUICE", None) is not None:
         return  # imported twice (e.g. reloaded): already registered
@@ -81,4 +91,4 @@ import torch  # noqa: E402  (after torch.distributed, which imports it)
 
 _register()
 
-__all__ = ["BACKEND_NAME", "available", "backend_cuda_path", "backend_transport"]
+__all__ = ["BACKEND_NAME", "available", "backend_cuda_path", "backend_ll_allgather", "backend_transport"]

@@ -16,6 +16,11 @@ refuses that, so its part is skipped, saying so).
    fresh allocations every round (the registration cache must notice a new buffer at an old
    address), non-contiguous tensors, a send written on a side stream, a size mismatch that
    fails both sides and leaves the pair working, and the same through SLUICE_TORCH_CUDA_PATH=host.
+4. The low-latency all_gather (one NVLink kernel on the caller's stream, docs/torch.md): all_gather
+   and all_gather_into_tensor below, at and above the threshold (1 MiB, and 4 KiB on a second
+   group) in six dtypes, bit for bit against gloo and NCCL, the backend's counter saying which
+   calls took it, Work/stream semantics and a CUDA graph replayed twice; off (and still right) on
+   the host-path group, on a threshold-0 group, and wherever ranks share a GPU.
 Prints 'sluice-torch-cuda OK rank=<r> checks=<n>'.
 """
 from __future__ import annotations
@@ -265,6 +270,163 @@ def device_path_checks(sl, rank: int, world: int, dev: torch.device, expect_path
     return checks
 
 
+def ll_calls(group) -> int:
+    return st.backend_ll_allgather(group)["calls"]
+
+
+def ll_allgather_checks(sl, gloo, nccl, rank: int, world: int, dev: torch.device, expect_ll: bool,
+                        threshold: int) -> int:
+    """all_gather and all_gather_into_tensor of CUDA tensors on `sl` below, at and above the
+    low-latency threshold, bit for bit against gloo on CPU tensors and, given `nccl`, against
+    NCCL; `expect_ll`: calls of at most `threshold` bytes per rank must take the low-latency
+    path (the backend's counter), larger ones must not. Returns the number of checks."""
+    checks = 0
+    poison = 77  # not a value data() makes, in any dtype
+    for dtype in (torch.float32, torch.bfloat16, torch.float64, torch.int64, torch.uint8, torch.float16):
+        es = torch.empty(0, dtype=dtype).element_size()
+        counts = sorted({0, 1, 7, 1001, 65_537, max(threshold // es - 1, 0), threshold // es,
+                         threshold // es + 1, threshold // es + 4099})
+        for n in counts:
+            nbytes = n * es
+            what = f"ll all_gather {dtype} n={n} ({nbytes} B/rank, threshold {threshold})"
+            x = data(rank, n, dtype, salt=31)
+            want = torch.empty(n * world, dtype=dtype)
+            dist.all_gather_into_tensor(want, x, group=gloo)
+            xc = x.to(dev)
+            before = ll_calls(sl)
+            out = torch.full((n * world,), poison, dtype=dtype, device=dev)
+            dist.all_gather_into_tensor(out, xc, group=sl)
+            same(out, want, f"{what}: into_tensor")
+            outs = [torch.full((n,), poison, dtype=dtype, device=dev) for _ in range(world)]
+            dist.all_gather(outs, xc, group=sl)
+            for i in range(world):
+                same(outs[i], want[i * n:(i + 1) * n], f"{what}: list[{i}]")
+            took = ll_calls(sl) - before
+            exp = 2 if expect_ll and 0 < nbytes <= threshold else 0  # 0 bytes: no kernel
+            assert took == exp, f"{what}: {took} of 2 calls took the low-latency path, expected {exp} " \
+                                f"({st.backend_ll_allgather(sl)['state']})"
+            if nccl is not None and n > 0:
+                ref = torch.full((n * world,), poison, dtype=dtype, device=dev)
+                dist.all_gather_into_tensor(ref, xc, group=nccl)
+                same(out, ref, f"{what}: against nccl")
+                checks += 1
+            checks += 3
+    # Shapes, non-contiguous input and outputs (contiguous copies on the stream, same path).
+    n = 3001
+    base = data(rank, 2 * n, torch.float32, salt=33)
+    x = base[::2]
+    want = torch.empty(n * world)
+    dist.all_gather_into_tensor(want, x.contiguous(), group=gloo)
+    before = ll_calls(sl)
+    big = torch.full((2 * n * world,), float(poison), device=dev)
+    dist.all_gather_into_tensor(big[1::2], base.to(dev)[::2], group=sl)
+    same(big[1::2], want, "ll non-contiguous into_tensor")
+    same(big[0::2], torch.full((n * world,), float(poison)), "ll non-contiguous: the other elements untouched")
+    bigs = [torch.full((2 * n,), float(poison), device=dev) for _ in range(world)]
+    dist.all_gather([b[::2] for b in bigs], base.to(dev)[::2], group=sl)
+    for i in range(world):
+        same(bigs[i][::2], want[i * n:(i + 1) * n], f"ll non-contiguous list[{i}]")
+    x2 = data(rank, 15, torch.int32, salt=34).view(3, 5)
+    want2 = torch.empty(3 * world, 5, dtype=torch.int32)
+    dist.all_gather_into_tensor(want2, x2, group=gloo)
+    out2 = torch.full((3 * world, 5), poison, dtype=torch.int32, device=dev)
+    dist.all_gather_into_tensor(out2, x2.to(dev), group=sl)
+    same(out2, want2, "ll 2-d into_tensor")
+    took = ll_calls(sl) - before
+    exp = (2 * (n * 4 <= threshold) + (15 * 4 <= threshold)) if expect_ll else 0
+    assert took == exp, f"ll shapes: {took} calls took the low-latency path, expected {exp}"
+    checks += 4
+    # Stream order and Work semantics: the input is written on a side stream that is current
+    # during the op (after ~10 ms of GPU sleep); async_op; wait() on another stream; polling
+    # is_completed(); the future.
+    n = 4096
+    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+    expect_out = torch.cat([torch.full((n,), float(r + 1)) for r in range(world)])
+    with torch.cuda.stream(s1):
+        x = torch.empty(n, device=dev)
+        out = torch.full((n * world,), float(poison), device=dev)
+        torch.cuda._sleep(20_000_000)
+        x.fill_(float(rank + 1))
+        work = dist.all_gather_into_tensor(out, x, group=sl, async_op=True)
+    with torch.cuda.stream(s2):
+        work.wait()  # s2 waits for the op
+        y = out * 2
+    s2.synchronize()
+    same(y, expect_out * 2, "ll stream order (wait on another stream)")
+    while not work.is_completed():
+        pass
+    assert work.is_success()
+    fut = work.get_future()
+    val = fut.wait()
+    same(val[0], expect_out, "ll future value")
+    with torch.cuda.stream(s1):
+        torch.cuda._sleep(20_000_000)
+        x.fill_(float(rank + 10))
+        work = dist.all_gather_into_tensor(out, x, group=sl, async_op=True)
+        chained = work.get_future().then(lambda f: f.value()[0] * 3)
+    got = chained.wait()
+    torch.cuda.current_stream().synchronize()
+    same(got, torch.cat([torch.full((n,), float(r + 10)) for r in range(world)]) * 3, "ll future then()")
+    checks += 4
+    # A CUDA graph: captured once (after the warm-up calls above set the path up), replayed
+    # twice with new inputs.
+    n = 1000
+    xg = torch.empty(n, device=dev)
+    og = torch.full((n * world,), float(poison), device=dev)
+    lg = [torch.full((n,), float(poison), device=dev) for _ in range(world)]
+    xg.copy_(data(rank, n, torch.float32, salt=40).to(dev))
+    dist.all_gather_into_tensor(og, xg, group=sl)  # warm-up on this stream
+    torch.cuda.synchronize()
+    before = ll_calls(sl)
+    if expect_ll:
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: other threads of these processes (NCCL's watchdog, the engine's progress
+        # threads) may query events meanwhile, which a global-mode capture would fail on; the
+        # capturing thread itself (the backend's launch path) is held to the strict rules.
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            dist.all_gather_into_tensor(og, xg, group=sl)
+            dist.all_gather(lg, xg, group=sl)
+        assert ll_calls(sl) - before == 2, "the captured calls did not take the low-latency path"
+        for rep in range(2):
+            xg.copy_(data(rank, n, torch.float32, salt=41 + rep).to(dev))
+            og.fill_(float(poison))
+            for t in lg:
+                t.fill_(float(poison))
+            graph.replay()
+            torch.cuda.synchronize()
+            want = torch.cat([data(r, n, torch.float32, salt=41 + rep) for r in range(world)])
+            same(og, want, f"ll graph replay {rep}: into_tensor")
+            for i in range(world):
+                same(lg[i], want[i * n:(i + 1) * n], f"ll graph replay {rep}: list[{i}]")
+            checks += 2
+        assert ll_calls(sl) - before == 2, "replays must not count as calls"
+        # eager calls after the graph still work, on this stream and on another one
+        for k, stream in enumerate((torch.cuda.current_stream(), torch.cuda.Stream())):
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                xg.copy_(data(rank, n, torch.float32, salt=50 + k).to(dev))
+                dist.all_gather_into_tensor(og, xg, group=sl)
+            stream.synchronize()
+            same(og, torch.cat([data(r, n, torch.float32, salt=50 + k) for r in range(world)]),
+                 f"ll eager after the graph, stream {k}")
+            checks += 1
+        del graph
+    return checks
+
+
+def ll_state_checks(group, rank: int, world: int, dev: torch.device, want_off: str) -> int:
+    """A group where the low-latency path must be off, saying `want_off`; its all_gather still
+    gives the right bits (host staging)."""
+    n = 257
+    x = data(rank, n, torch.float32, salt=60).to(dev)
+    out = torch.empty(n * world, device=dev)
+    dist.all_gather_into_tensor(out, x, group=group)
+    same(out, torch.cat([data(r, n, torch.float32, salt=60) for r in range(world)]), f"off ({want_off})")
+    info = st.backend_ll_allgather(group)
+    assert info["calls"] == 0 and info["state"].startswith("off") and want_off in info["state"], info
+    return 1
+
+
 def main() -> int:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local = int(os.environ.get("LOCAL_RANK", rank))
@@ -295,6 +457,32 @@ def main() -> int:
     hsl = dist.new_group(backend="cpu:sluice,cuda:sluice")
     del os.environ["SLUICE_TORCH_CUDA_PATH"]
     checks += device_path_checks(hsl, rank, world, dev, "host")
+    dist.barrier(group=gloo)
+
+    # The low-latency all_gather (one NVLink kernel on the caller's stream): on the group above
+    # at the default threshold (1 MiB per rank), on one made with a 4 KiB threshold, and off on
+    # the host-staging group and on one made with the threshold 0.
+    nccl = dist.new_group(backend="nccl") if own_gpu else None
+    expect_ll = own_gpu and want == "nvlink"
+    before = ll_calls(sl)
+    checks += ll_allgather_checks(sl, gloo, nccl, rank, world, dev, expect_ll, 1 << 20)
+    info = st.backend_ll_allgather(sl)
+    if expect_ll:
+        assert before > 0, f"cuda_on_sluice's small all_gathers did not take the low-latency path: {info}"
+        assert info["state"].startswith("on:"), info
+    else:
+        assert info["calls"] == 0 and info["state"].startswith("off"), info
+        if rank == 0:
+            print(f"cuda_worker: the low-latency all_gather is off here, as expected: {info['state']}", flush=True)
+    os.environ["SLUICE_TORCH_LL_ALLGATHER_BYTES"] = "4096"
+    small = dist.new_group(backend="cpu:sluice,cuda:sluice")
+    del os.environ["SLUICE_TORCH_LL_ALLGATHER_BYTES"]
+    checks += ll_allgather_checks(small, gloo, nccl, rank, world, dev, expect_ll, 4096)
+    checks += ll_state_checks(hsl, rank, world, dev, "SLUICE_TORCH_CUDA_PATH=host")
+    os.environ["SLUICE_TORCH_LL_ALLGATHER_BYTES"] = "0"
+    zero = dist.new_group(backend="cpu:sluice,cuda:sluice")
+    del os.environ["SLUICE_TORCH_LL_ALLGATHER_BYTES"]
+    checks += ll_state_checks(zero, rank, world, dev, "SLUICE_TORCH_LL_ALLGATHER_BYTES=0")
     dist.barrier(group=gloo)
     dist.destroy_process_group()
     print(f"sluice-torch-cuda OK rank={rank} checks={checks}", flush=True)

@@ -149,6 +149,10 @@ def main() -> int:
     os.environ["SLUICE_TORCH_RNDV_BYTES"] = "12abc"
     expect_error("a group with a bad threshold", lambda: dist.new_group(backend="sluice"),
                  "SLUICE_TORCH_RNDV_BYTES must be a byte count, got '12abc'")
+    del os.environ["SLUICE_TORCH_RNDV_BYTES"]
+    os.environ["SLUICE_TORCH_LL_ALLGATHER_BYTES"] = "1M"
+    expect_error("a group with a bad low-latency all_gather threshold", lambda: dist.new_group(backend="sluice"),
+                 "SLUICE_TORCH_LL_ALLGATHER_BYTES must be a byte count, got '1M'")
 
     dist.destroy_process_group()
     print(f"rndv OK rank={rank}", flush=True)

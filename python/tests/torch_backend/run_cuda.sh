@@ -8,7 +8,8 @@
 # installed in it with the torch backend (docs/torch.md, "Getting the backend"). Runs
 # cuda_worker.py under torchrun: CPU tensors over sluice vs gloo and CUDA tensors over NCCL in
 # one "cpu:sluice,cuda:nccl" group (one GPU per rank only), then every op on CUDA tensors over
-# a "cuda:sluice" group against the same op on CPU tensors, and stream ordering. Then the CPU
+# a "cuda:sluice" group against the same op on CPU tensors, and stream ordering, the device path
+# of send/recv and the low-latency all_gather (against NCCL too, one GPU per rank). Then the CPU
 # matrix (worker.py, shm and tcp) on the same machine.
 set -euo pipefail
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)

@@ -191,6 +191,12 @@ def main() -> int:
         same(y, data(prv, 16 << 20, torch.float32), "send/recv 64 MiB")
         checks += 2
     dist.barrier()
+    # CPU tensors never take the low-latency all_gather (CUDA tensors only); without a GPU it is
+    # off, saying why.
+    ll = st.backend_ll_allgather()
+    assert ll["calls"] == 0, ll
+    if not torch.cuda.is_available() or world == 1:
+        assert ll["state"].startswith("off: "), ll
     transport = st.backend_transport()
     want = os.environ.get("SLUICE_TORCH_TRANSPORT")
     if want and world > 1:
