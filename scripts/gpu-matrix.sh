@@ -13,7 +13,8 @@
 #   port    sluice-port-bench (port channel vs the copy engine, ping-pong, request rate)
 #   nvlink  sluice-gpu-bench (nvlink transport vs cudaMemcpyPeerAsync)
 #   wheel   builds the sluice wheel with CUDA and the torch backend against this host's torch,
-#           installs it into this Python, and leaves it in $WH for the ce stage
+#           installs it into this Python, and leaves it in $WH for the ce stage (6.5 minutes
+#           on the 64-core 4xH200 host: plan device time for it; torch and ce need it)
 #   torch   python/tests/torch_backend/run_cuda.sh at 2 ranks and at every GPU of the host
 #   tbench  tools/sluice-torch-bench/bench.py --device cuda against NCCL, 2 ranks
 #   ce      checkpoint-engine 0.4.2, unmodified, on the Mooncake facade
@@ -22,7 +23,10 @@
 # Environment: BIN = a folder with prebuilt libsluice.so, sluice_cuda_tests,
 # sluice_port_channel_cuda_tests, sluice-gpu-bench, sluice-port-bench (default: build them
 # here into build-gpu/ with cmake); LOGS = where the logs go (default gpu-logs/); WH = the
-# wheelhouse (default .device/wh); STAGE_TIMEOUT = seconds per stage (default 900).
+# wheelhouse (default .device/wh; `tests/compat/run_checkpoint_engine.sh fetch` fills it where
+# PyPI is reachable; the GPU machine reaches nothing); STAGE_TIMEOUT = seconds per stage
+# (default 900). Measured on 4xH200 (2026-11-27): info+cxx+ag+port+nvlink 57 s, wheel 391 s,
+# torch (2 and 4 ranks) 167 s, tbench 25 s, ce 197 s.
 # NVLink multicast stays off (NCCL_NVLS_ENABLE=0 and friends): never remove that.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -96,7 +100,9 @@ s_tbench() {
   "$PY" -m torch.distributed.run --standalone --nproc_per_node=2 tools/sluice-torch-bench/bench.py \
     --device cuda --markdown ${TBENCH_ARGS:-}
 }
-s_ce() { PYTHON=$PY tests/compat/run_checkpoint_engine.sh run "$WH"; }
+# Each of checkpoint-engine's four tests took 40-50 s on 4xH200; a failing one can hang until
+# its timeout (its checker process waits), so the timeout here is short.
+s_ce() { CE_TIMEOUT=${CE_TIMEOUT:-300} PYTHON=$PY tests/compat/run_checkpoint_engine.sh run "$WH"; }
 
 stages=("$@")
 [ ${#stages[@]} -gt 0 ] || stages=(info cxx ag port nvlink wheel torch tbench ce)
