@@ -7,16 +7,17 @@
 #include <stdexcept>
 
 #include "collective/hier_allgather_plan.hpp"
+#include "expect_error.hpp"
 #include "plan_sim.hpp"
 #include "sluice/error.hpp"
 
-using sluice::Error;
 using sluice::ErrorCode;
 using sluice::detail::HierAllGatherPlan;
 using sluice::detail::plan_hier_allgather;
 using sluice::detail::Step;
 using sluice::detail::StepKind;
 using sluice::detail::Topology;
+using sluice::test::expect_error;
 using sluice::test::plan_all;
 using sluice::test::simulate;
 
@@ -114,39 +115,15 @@ TEST(HierPlan, OneHostSplitIntoTwoNodesOfTwo) {
 
 TEST(HierPlan, BadArgumentsAreRefused) {
   const Topology t = Topology::blocks(8, 4);
-  try {
-    plan_hier_allgather(t, 8, 16);
-    FAIL() << "rank 8 of 8 accepted";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.code(), ErrorCode::kOutOfRange);
-    EXPECT_NE(std::string(e.what()).find("rank 8 outside world size 8"), std::string::npos) << e.what();
-  }
-  try {
-    plan_hier_allgather(t, 0, 0);
-    FAIL() << "shard_bytes 0 accepted";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument);
-    EXPECT_NE(std::string(e.what()).find("shard_bytes is 0"), std::string::npos) << e.what();
-  }
-  try {
-    plan_hier_allgather(t, 0, uint64_t{1} << 62);
-    FAIL() << "8 x 2^62 bytes accepted";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument);
-    EXPECT_NE(std::string(e.what()).find("overflow"), std::string::npos) << e.what();
-  }
+  expect_error([&] { plan_hier_allgather(t, 8, 16); }, ErrorCode::kOutOfRange, "rank 8 outside world size 8");
+  expect_error([&] { plan_hier_allgather(t, 0, 0); }, ErrorCode::kInvalidArgument, "shard_bytes is 0");
+  expect_error([&] { plan_hier_allgather(t, 0, uint64_t{1} << 62); }, ErrorCode::kInvalidArgument, "overflow");
 }
 
 TEST(HierPlan, MalformedTextIsRefusedWithTheLine) {
   const std::string good = plan_hier_allgather(Topology::blocks(4, 2), 1, 10).serialize();
   auto refused = [](const std::string& text, const std::string& needle) {
-    try {
-      HierAllGatherPlan::parse(text);
-      ADD_FAILURE() << "accepted:\n" << text;
-    } catch (const Error& e) {
-      EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument);
-      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
-    }
+    expect_error([&] { HierAllGatherPlan::parse(text); }, ErrorCode::kInvalidArgument, needle);
   };
   refused("", "line 1: missing header");
   refused("other 1 rank=0\n", "not a sluice-hier-allgather plan");

@@ -5,24 +5,13 @@
 #include <vector>
 
 #include "collective/topology.hpp"
-#include "sluice/error.hpp"
+#include "expect_error.hpp"
 
-using sluice::Error;
 using sluice::ErrorCode;
 using sluice::detail::Topology;
+using sluice::test::expect_error;
 
 namespace {
-
-template <typename F>
-void expect_error(F&& f, ErrorCode code, const std::string& needle) {
-  try {
-    f();
-    ADD_FAILURE() << "no error; expected one mentioning '" << needle << "'";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.code(), code) << e.what();
-    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
-  }
-}
 
 TEST(Topology, BlocksAreTorchrunsLayout) {
   const Topology t = Topology::blocks(16, 8);
