@@ -139,6 +139,9 @@ HierAllGatherPlan HierAllGatherPlan::parse(std::string_view text) {
   p.shard_bytes = head.number<uint64_t>("shard_bytes", "shard_bytes=");
   const size_t count = head.number<size_t>("steps", "steps=");
   head.end();
+  if (p.world_size <= 0 || p.rank < 0 || p.rank >= p.world_size || p.nodes <= 0 || p.ranks_per_node <= 0 ||
+      static_cast<int64_t>(p.nodes) * p.ranks_per_node != p.world_size || p.shard_bytes == 0)
+    head.bad("inconsistent header (rank, world, nodes x per_node, shard_bytes)");
   if (count > static_cast<size_t>(4) * p.world_size + 4) head.bad("more steps than any plan of this world has");
   p.steps.reserve(count);
   for (size_t i = 0; i < count; ++i) {

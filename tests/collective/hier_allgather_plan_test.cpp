@@ -133,6 +133,8 @@ TEST(HierPlan, MalformedTextIsRefusedWithTheLine) {
   refused(std::string(good).replace(good.find("2 nvl_send"), 1, "0"), "line 7: phases out of order");
   refused(std::string(good).replace(good.find("shard_bytes=10"), 14, "shard_bytes=x"), "shard_bytes 'x' is not a number");
   refused(good + "1 net_send 3 1 10 10\n", "text after the last step");
+  refused(std::string(good).replace(good.find("nodes=2"), 7, "nodes=3"), "line 1: inconsistent header");
+  refused(std::string(good).replace(good.find("rank=1"), 6, "rank=4"), "line 1: inconsistent header");
 }
 
 // Mutations: each breaks the plan in one way a buggy planner could; the simulator must say so.
