@@ -7,5 +7,7 @@
 namespace sluice::detail::shm {
 
 uint64_t test_ring_messages_served();
+// How many SENDs this process copied into recvs its peers offered (shm_offer.cpp).
+uint64_t test_offered_sends();
 
 }  // namespace sluice::detail::shm
