@@ -310,6 +310,7 @@ std::shared_ptr<FutureState> MessageMatcher::imm_recv() {
 
 void MessageMatcher::fail_all(const Status& why) {
   std::deque<std::shared_ptr<MessageOp>> recvs;
+  std::vector<std::shared_ptr<MessageOp>> taken;
   std::deque<std::shared_ptr<FutureState>> waiters;
   std::vector<std::shared_ptr<MessageOp>> stash_waiters;
   {
@@ -317,12 +318,14 @@ void MessageMatcher::fail_all(const Status& why) {
     if (failed_.ok()) failed_ = why;
     recvs.swap(recvs_);
     // Offers not yet taken are withdrawn, so that a sender still running copies into none of
-    // these buffers once they failed (one that took its offer already is the endpoint's
-    // failure to report: the transport fails with its peer).
+    // these buffers once they failed. A sender that took its offer first may still be copying
+    // (a local close or a protocol error does not stop a live peer): its recv's failure says
+    // so, as an expired one's does, since the user may reuse the buffer once it failed.
     for (auto& r : recvs)
       if (r->offer_word) {
         uint64_t open = r->offer_open;
-        std::atomic_ref<uint64_t>(*r->offer_word).compare_exchange_strong(open, r->offer_revoked);
+        if (!std::atomic_ref<uint64_t>(*r->offer_word).compare_exchange_strong(open, r->offer_revoked))
+          taken.push_back(r);
         r->offer_word = nullptr;
         r->offer_keep.reset();
       }
@@ -333,7 +336,11 @@ void MessageMatcher::fail_all(const Status& why) {
       if (s->waiter) stash_waiters.push_back(std::move(s->waiter));
     landing_.clear();
   }
-  for (auto& r : recvs) r->future->complete(why);
+  for (auto& r : recvs)
+    r->future->complete(std::find(taken.begin(), taken.end(), r) == taken.end()
+                            ? why
+                            : Status{why.code, why.message + " (its sender had taken this recv's offer and "
+                                                             "may still write its buffer)"});
   for (auto& r : stash_waiters) r->future->complete(why);
   for (auto& w : waiters) w->complete(why);
 }

@@ -74,7 +74,8 @@ bool ShmEndpoint::send_offered(const std::shared_ptr<MessageOp>& op) {
   const uint64_t offset = std::atomic_ref<uint64_t>(s.offset).load(std::memory_order_relaxed);
   const uint64_t capacity = std::atomic_ref<uint64_t>(s.capacity).load(std::memory_order_relaxed);
   // A message longer than the recv goes as SEND_RTS, which reports the truncation to both.
-  if (op->length > capacity) return false;
+  // The ring's own id names no region (and asking for it again would only be refused).
+  if (op->length > capacity || region == kEagerRingId) return false;
   // Our SENDs still waiting for their SEND_ACK come first: this copy runs on the sending
   // thread, under the endpoint's send lock, and a batch's copies belong on the receiver's
   // copy pool (serve_rts), where they run in parallel.
