@@ -656,9 +656,9 @@ TEST_F(SameHost, EagerRingQueueTakesDescriptorsInSequenceOrder) {
 // Recv offers (shm_offer.cpp) against a raw proven peer that maps the victim's ring: a recv in
 // engine memory waiting for message 0 is offered in the ring's first offer slot (its region,
 // offset and capacity, word = offered). A SEND_PUT for a message whose offer the peer did not
-// take, or longer than the buffer offered, closes the channel and fails the recv, with the
-// victim's memory intact; a SEND_PUT after taking the offer completes the recv with the
-// length it names.
+// take (or turned to taken for another message of the slot), for a message not offered, or
+// longer than the buffer offered, closes the channel and fails the recv, with the victim's
+// memory intact; a SEND_PUT after taking the offer completes the recv with the length it names.
 TEST_F(SameHost, RecvOffersTakeOnlyTakenOffersWithinTheirBuffer) {
   using detail::shm::RecvOfferSlot;
   constexpr uint64_t kRing = (4u << 20) + 64 * 1024;
@@ -671,7 +671,9 @@ TEST_F(SameHost, RecvOffersTakeOnlyTakenOffersWithinTheirBuffer) {
   };
   auto recv_mem = victim_->allocate(kPage, Location::host(), "offered");
   auto* rp = static_cast<uint8_t*>(recv_mem.ptr);
-  for (int mode = 0; mode < 3; ++mode) {  // 0: offer not taken; 1: too long; 2: taken, honest
+  // 0: offer not taken; 1: too long; 2: taken, honest; 3: the word turned to taken for the
+  // slot's next message (64); 4: the offer taken, the SEND_PUT names message 1 (not offered).
+  for (int mode = 0; mode < 5; ++mode) {
     SCOPED_TRACE("mode " + std::to_string(mode));
     std::memset(rp, 0xa5, kPage);
     net::Socket ctl;
@@ -702,10 +704,10 @@ TEST_F(SameHost, RecvOffersTakeOnlyTakenOffersWithinTheirBuffer) {
       ASSERT_TRUE(put_frame(ctl.fd(), 0, 10));
     } else {
       uint64_t open = detail::shm::offer_word(0, detail::shm::kOffered);
-      ASSERT_TRUE(word.compare_exchange_strong(open, detail::shm::offer_word(0, detail::shm::kTaken)));
-      ASSERT_TRUE(put_frame(ctl.fd(), 0, mode == 1 ? 1001 : 600));
+      ASSERT_TRUE(word.compare_exchange_strong(open, detail::shm::offer_word(mode == 3 ? 64 : 0, detail::shm::kTaken)));
+      ASSERT_TRUE(put_frame(ctl.fd(), mode == 4 ? 1 : 0, mode == 1 ? 1001 : 600));
     }
-    if (mode < 2) {
+    if (mode != 2) {
       EXPECT_EQ(next_type(ctl.fd()), FrameType::kError);
       ASSERT_TRUE(r.wait_for(5s));
       EXPECT_FALSE(r.status().ok());

@@ -30,6 +30,7 @@ namespace sluice::detail::shm {
 namespace {
 
 std::atomic<uint64_t> g_puts{0};  // test_offered_sends()
+std::atomic<OfferTamper> g_tamper{nullptr};  // set_test_offer_tamper()
 
 // Region descriptions that offers may start (the receiver names the ids): past it such a SEND
 // goes as SEND_RTS, as it would until the description arrives anyway.
@@ -52,6 +53,7 @@ void ShmEndpoint::offer(MessageOp& recv, uint64_t seq, uint64_t incoming) {
   std::atomic_ref<uint64_t>(s.offset).store(static_cast<uint64_t>(recv.ptr - e->base), std::memory_order_relaxed);
   std::atomic_ref<uint64_t>(s.capacity).store(recv.length, std::memory_order_relaxed);
   std::atomic_ref<uint64_t>(s.word).store(offer_word(seq, kOffered), std::memory_order_release);
+  if (OfferTamper t = g_tamper.load(std::memory_order_relaxed)) t(s, seq);
   rec = {seq, &recv, recv.length, true};
   recv.offer_word = &s.word;
   recv.offer_open = offer_word(seq, kOffered);
@@ -142,5 +144,6 @@ Status ShmEndpoint::serve_put(const FrameHeader& h, PayloadReader& payload) {
 }
 
 uint64_t test_offered_sends() { return g_puts.load(std::memory_order_relaxed); }
+void set_test_offer_tamper(OfferTamper f) { g_tamper.store(f, std::memory_order_relaxed); }
 
 }  // namespace sluice::detail::shm
