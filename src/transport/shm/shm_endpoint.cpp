@@ -97,6 +97,17 @@ const Param<uint64_t> kRecvOffers{"shm.recv_offers", "SLUICE_SHM_RECV_OFFERS", 6
                                   "eager ring it hands out, so that a lone rendezvous SEND is copied by its sender "
                                   "straight into the recv's buffer with one frame and no round trip (32 bytes each); "
                                   "0 = this side neither offers recvs nor takes offers"};
+// The sending thread copies an offered recv's message alone, where SEND_RTS has the receiver
+// split a message of shm.send_split_min or more over its copy pool. Lone SENDs here (2 cores,
+// sluice-bench, offers against main's SEND_RTS, interleaved medians): 1 MiB 1.57x, 2 MiB 1.22x,
+// 8 MiB 1.23x, but 16 MiB 0.80x and 32 MiB 0.72x; a host with more copy threads gains more
+// from the split, so the bound is set low.
+const Param<uint64_t> kRecvOfferMax{"shm.recv_offer_max", "SLUICE_SHM_RECV_OFFER_MAX", 2ull << 20,
+                                    size_in(0, 1ull << 44),
+                                    "a SEND of at most this many bytes may be copied by the sending thread into "
+                                    "the recv its peer offered (shm.recv_offers); a larger one goes as SEND_RTS, "
+                                    "whose copy the receiver splits over its copy pool (shm.send_split_min); 0 = "
+                                    "this side takes no offer"};
 
 // What this thread submitted on an endpoint since its last wait (the last endpoint it used):
 // whether an answer will come over the control channel, and whether only copy pool
@@ -185,7 +196,8 @@ ShmEndpoint::ShmEndpoint(const EndpointSetup& s, Host& host, std::string peer_so
       ring_eager_(kEagerRing.get(s.config)),
       ring_slots_(kEagerSlots.get(s.config)),
       populate_max_(kMapPopulateMax.get(s.config)),
-      offers_(ring_eager_ ? kRecvOffers.get(s.config) : 0) {
+      offers_(ring_eager_ ? kRecvOffers.get(s.config) : 0),
+      offer_max_(kRecvOfferMax.get(s.config)) {
   pending_.set_post_handler([this](const std::shared_ptr<TransferOp>& op, const Status& st) { on_post_done(op, st); });
   // Cleared in stop_io(), before this goes away. Offers start once the peer maps our ring.
   if (offers_ && events_) events_->matcher().set_offerer(this);

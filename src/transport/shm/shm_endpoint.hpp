@@ -327,6 +327,7 @@ class ShmEndpoint final : public EndpointBase,
   const uint64_t ring_slots_;  // shm.eager_slots: descriptors in the queue of the ring we hand out
   const uint64_t populate_max_;  // shm.map_populate_max
   const uint64_t offers_;      // shm.recv_offers: offer slots in the ring we hand out (0: none, and we take none)
+  const uint64_t offer_max_;   // shm.recv_offer_max: the largest SEND we copy into an offered recv
   mutable std::mutex rx_ring_mu_;
   mutable int rx_ring_fd_ = -1;
   mutable uint64_t rx_ring_size_ = 0;   // its data area (shm_ring.hpp)

@@ -62,8 +62,8 @@ void ShmEndpoint::offer(MessageOp& recv, uint64_t seq, uint64_t incoming) {
 }
 
 bool ShmEndpoint::send_offered(const std::shared_ptr<MessageOp>& op) {
-  if (offers_ == 0 || op->length == 0 || !tx_ring_ready_.load(std::memory_order_acquire) || tx_offers_ == 0 ||
-      failed())
+  if (offers_ == 0 || op->length == 0 || op->length > offer_max_ || !tx_ring_ready_.load(std::memory_order_acquire) ||
+      tx_offers_ == 0 || failed())
     return false;
   const RegionEntry* mine = op->pin.get();
   if (mine && !mine->location.is_host()) return false;  // send() reports it

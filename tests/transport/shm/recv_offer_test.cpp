@@ -52,7 +52,7 @@ void wait_for_offers(sluice::Endpoint& ep, sluice::Endpoint& peer, sluice::Memor
 // each into a recv posted two ahead, as a receiver that keeps a window does: every byte lands in
 // its own recv and none beside it, a message shorter than its recv reports its own length, and
 // most went through their offers. Then a message longer than its recv: it goes as SEND_RTS and
-// both sides hear of the truncation.
+// both sides hear of the truncation; and one larger than shm.recv_offer_max goes as SEND_RTS.
 TEST(RecvOffers, LoneSendsLandWholeInTheirOfferedRecvs) {
   sluice::Engine a(offer_config()), b(offer_config());
   constexpr uint64_t kLen = 16 << 20;
@@ -110,6 +110,16 @@ TEST(RecvOffers, LoneSendsLandWholeInTheirOfferedRecvs) {
   EXPECT_EQ(test_offered_sends(), taken) << "a SEND longer than its recv went through the recv's offer";
   EXPECT_EQ(0, std::memcmp(dst, src, 100000));
   EXPECT_EQ(dst[100000], 0x3c);
+  // Larger than shm.recv_offer_max (2 MiB): the sending thread would copy it alone, where
+  // SEND_RTS splits it over the receiver's copy pool; it goes as SEND_RTS, whole.
+  const uint64_t big = (2 << 20) + 1;
+  auto rb = peer->recv(mb.handle, 4096, 3 << 20);
+  ASSERT_TRUE(ep.send(ma.handle, 7, big).wait().ok());
+  ASSERT_TRUE(rb.wait_for(10s));
+  ASSERT_TRUE(rb.status().ok()) << rb.status().to_string();
+  EXPECT_EQ(rb.bytes(), big);
+  EXPECT_EQ(0, std::memcmp(dst + 4096, src + 7, big));
+  EXPECT_EQ(test_offered_sends(), taken) << "a SEND larger than shm.recv_offer_max took its offer";
 }
 
 // A recv that gives up (recv_timeout) withdraws its offer first: the late message must not be
