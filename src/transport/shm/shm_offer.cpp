@@ -14,8 +14,12 @@
 // - the sender writes only into a region the receiver registered and mapped for it (which it
 //   could WRITE into anyway); a SEND_PUT the receiver did not offer, or that is longer than
 //   the buffer it offered, fails the endpoint;
-// - a recv that gives up (recv_timeout) first turns its slot's word from offered to revoked;
-//   if the sender took it first, the recv waits for its SEND_PUT (MessageMatcher::expire).
+// - a recv that gives up (recv_timeout, or its endpoint failing or closing) first turns its
+//   slot's word from offered to revoked; if the sender took it first, the recv waits for its
+//   SEND_PUT (up to twice recv_timeout), or fails saying that its buffer may still be written
+//   (MessageMatcher::expire, fail_all).
+// Only SENDs up to shm.recv_offer_max: the sending thread copies alone, where SEND_RTS splits
+// a large message over the receiver's copy pool.
 #include <cstring>
 #include <thread>
 
