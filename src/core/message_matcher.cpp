@@ -3,6 +3,7 @@
 #include "core/device_hooks.hpp"
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <string>
 
@@ -76,6 +77,7 @@ void MessageMatcher::post_recv(std::shared_ptr<MessageOp> op) {
     }
     op->seq = posted_++;
     if (unexpected_.empty()) {
+      if (offerer_) offerer_->offer(*op, op->seq, incoming_);
       recvs_.push_back(std::move(op));
       return;
     }
@@ -96,6 +98,16 @@ void MessageMatcher::post_recv(std::shared_ptr<MessageOp> op) {
   give_back(*slot, credit, sink);
   std::lock_guard<std::mutex> lk(mu_);  // the slot is ours alone now
   recycle_locked(std::move(slot->data));
+}
+
+void MessageMatcher::set_offerer(RecvOfferer* o) {
+  std::lock_guard<std::mutex> lk(mu_);
+  offerer_ = o;
+}
+
+void MessageMatcher::clear_offerer(RecvOfferer* o) {
+  std::lock_guard<std::mutex> lk(mu_);
+  if (offerer_ == o) offerer_ = nullptr;
 }
 
 void MessageMatcher::recycle_locked(Buffer&& b) {
@@ -223,7 +235,7 @@ uint8_t* MessageMatcher::stash_room(Claim& c, uint64_t size) {
 }
 
 size_t MessageMatcher::expire(std::chrono::steady_clock::time_point now, std::chrono::milliseconds timeout) {
-  std::vector<std::shared_ptr<MessageOp>> recvs;
+  std::vector<std::shared_ptr<MessageOp>> recvs, taken;
   std::vector<std::shared_ptr<FutureState>> imms;
   {
     std::lock_guard<std::mutex> lk(mu_);
@@ -232,6 +244,17 @@ size_t MessageMatcher::expire(std::chrono::steady_clock::time_point now, std::ch
     for (auto& r : recvs_) {
       if (r->expired) continue;
       if (now - r->future->started() < timeout) break;
+      if (r->offer_word) {
+        uint64_t open = r->offer_open;
+        if (!std::atomic_ref<uint64_t>(*r->offer_word).compare_exchange_strong(open, r->offer_revoked)) {
+          // The sender took the offer: its copy is bounded and its frame follows it. Only a
+          // sender stopped in the middle gets here twice the timeout later.
+          if (now - r->future->started() < 2 * timeout) continue;
+          taken.push_back(r);
+        }
+        r->offer_word = nullptr;
+        r->offer_keep.reset();
+      }
       r->expired = true;
       r->pin.release();  // the user may free or reuse the buffer once the future fails
       recvs.push_back(r);
@@ -243,7 +266,11 @@ size_t MessageMatcher::expire(std::chrono::steady_clock::time_point now, std::ch
   }
   if (recvs.empty() && imms.empty()) return 0;
   const std::string limit = std::to_string(timeout.count()) + " ms (recv_timeout)";
-  for (auto& r : recvs) r->future->complete({ErrorCode::kTimeout, "recv: no message arrived for it within " + limit});
+  for (auto& r : recvs)
+    r->future->complete(std::find(taken.begin(), taken.end(), r) != taken.end()
+                            ? Status{ErrorCode::kTimeout, "recv: its sender took it (a recv offer) and did not say it "
+                                                          "finished within twice " + limit + "; its buffer may still be written"}
+                            : Status{ErrorCode::kTimeout, "recv: no message arrived for it within " + limit});
   for (auto& f : imms) f->complete({ErrorCode::kTimeout, "imm_recv: no imm arrived within " + limit});
   return recvs.size() + imms.size();
 }
@@ -283,12 +310,25 @@ std::shared_ptr<FutureState> MessageMatcher::imm_recv() {
 
 void MessageMatcher::fail_all(const Status& why) {
   std::deque<std::shared_ptr<MessageOp>> recvs;
+  std::vector<std::shared_ptr<MessageOp>> taken;
   std::deque<std::shared_ptr<FutureState>> waiters;
   std::vector<std::shared_ptr<MessageOp>> stash_waiters;
   {
     std::lock_guard<std::mutex> lk(mu_);
     if (failed_.ok()) failed_ = why;
     recvs.swap(recvs_);
+    // Offers not yet taken are withdrawn, so that a sender still running copies into none of
+    // these buffers once they failed. A sender that took its offer first may still be copying
+    // (a local close or a protocol error does not stop a live peer): its recv's failure says
+    // so, as an expired one's does, since the user may reuse the buffer once it failed.
+    for (auto& r : recvs)
+      if (r->offer_word) {
+        uint64_t open = r->offer_open;
+        if (!std::atomic_ref<uint64_t>(*r->offer_word).compare_exchange_strong(open, r->offer_revoked))
+          taken.push_back(r);
+        r->offer_word = nullptr;
+        r->offer_keep.reset();
+      }
     waiters.swap(imm_waiters_);
     for (auto& s : unexpected_)
       if (s->waiter) stash_waiters.push_back(std::move(s->waiter));
@@ -296,7 +336,11 @@ void MessageMatcher::fail_all(const Status& why) {
       if (s->waiter) stash_waiters.push_back(std::move(s->waiter));
     landing_.clear();
   }
-  for (auto& r : recvs) r->future->complete(why);
+  for (auto& r : recvs)
+    r->future->complete(std::find(taken.begin(), taken.end(), r) == taken.end()
+                            ? why
+                            : Status{why.code, why.message + " (its sender had taken this recv's offer and "
+                                                             "may still write its buffer)"});
   for (auto& r : stash_waiters) r->future->complete(why);
   for (auto& w : waiters) w->complete(why);
 }

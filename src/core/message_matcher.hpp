@@ -83,6 +83,24 @@ struct MessageOp {
   // released, but the recv keeps its sequence slot so that its late message is drained (and
   // its sender told) instead of landing in the next recv.
   bool expired = false;
+  // Offered to its sender ahead of the message (RecvOfferer), through a word in memory both
+  // sides share: `offer_open` while the offer stands. A sender that took it may be copying
+  // into the buffer, so the recv expires only once expire() turned the word from
+  // `offer_open` to `offer_revoked`. Set under the matcher's lock; offer_keep keeps the word
+  // mapped.
+  uint64_t* offer_word = nullptr;
+  uint64_t offer_open = 0, offer_revoked = 0;
+  std::shared_ptr<const void> offer_keep;
+};
+
+// A transport that hands a recv waiting for its message to the sender ahead of it (shm's recv
+// offers), so that the sender copies straight into the recv's buffer. offer() runs under the
+// matcher's lock and must not call back into the matcher.
+class RecvOfferer {
+ public:
+  virtual ~RecvOfferer() = default;
+  // `recv` will take message `seq`; `incoming` messages were claimed so far.
+  virtual void offer(MessageOp& recv, uint64_t seq, uint64_t incoming) = 0;
 };
 
 class MessageMatcher {
@@ -105,6 +123,10 @@ class MessageMatcher {
   };
 
   void post_recv(std::shared_ptr<MessageOp> op);
+  // Recvs posted from now on that wait for their message go to `o` (one at a time; not owned:
+  // the transport clears it, with clear_offerer, before it goes away).
+  void set_offerer(RecvOfferer* o);
+  void clear_offerer(RecvOfferer* o);  // only if `o` is the one set
   // The sequence number the next claim() must name.
   uint64_t next_incoming() {
     std::lock_guard<std::mutex> lk(mu_);
@@ -122,7 +144,9 @@ class MessageMatcher {
   // Grows a lazy claim's stash buffer to `size` bytes (<= its length); returns its start.
   static uint8_t* stash_room(Claim& c, uint64_t size);
   // Receive deadlines: every recv and imm_recv that nothing matched for `timeout` completes
-  // with kTimeout. Returns how many did.
+  // with kTimeout. Returns how many did. An offered recv whose sender took the offer is spared
+  // (its message is on its way) until twice the timeout, then fails saying that its buffer
+  // may still be written.
   size_t expire(std::chrono::steady_clock::time_point now, std::chrono::milliseconds timeout);
   // What deliver() will report to the sender, without delivering: a transport can acknowledge
   // the sender before it completes the receiver's future (a receiver that closes as soon as
@@ -166,6 +190,7 @@ class MessageMatcher {
   std::deque<uint32_t> imms_;
   std::deque<std::shared_ptr<FutureState>> imm_waiters_;
   Status failed_;
+  RecvOfferer* offerer_ = nullptr;
 };
 
 }  // namespace sluice::detail

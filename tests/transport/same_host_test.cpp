@@ -431,7 +431,8 @@ TEST_F(SameHost, EagerSendsStayWithinTheGrant) {
 // the victim's memory outside the recv is never touched.
 TEST_F(SameHost, EagerRingTakesOnlyTheNextPositionOfItsOwnRing) {
   constexpr uint64_t kRing = (4u << 20) + 64 * 1024;  // the data area: the grant plus a message
-  constexpr uint64_t kRingTotal = kRing + 1024 * sizeof(detail::shm::RingDesc) + sizeof(detail::shm::RingControl);
+  // ...then the 64 recv offer slots of the default shm.recv_offers.
+  constexpr uint64_t kRingTotal = detail::shm::ring_total_bytes(kRing, 1024, 64);
   auto ring_of = [&](uint64_t token, Fd* fd) {
     net::Socket s = sh::connect(socket_);
     sh::send(s.fd(), {{"op", "describe"}, {"token", token}, {"to_passive", true}, {"region", ~uint64_t{0}}});
@@ -530,7 +531,7 @@ TEST_F(SameHost, EagerRingQueueTakesDescriptorsInSequenceOrder) {
   using detail::shm::RingDesc;
   constexpr uint64_t kRing = (4u << 20) + 64 * 1024;
   constexpr uint64_t kSlots = 1024;
-  constexpr uint64_t kRingTotal = kRing + kSlots * sizeof(RingDesc) + sizeof(RingControl);
+  constexpr uint64_t kRingTotal = detail::shm::ring_total_bytes(kRing, kSlots, 64);  // and the default recv offers
   struct Peer {
     net::Socket ctl;
     Fd fd;
@@ -648,6 +649,74 @@ TEST_F(SameHost, EagerRingQueueTakesDescriptorsInSequenceOrder) {
     ASSERT_TRUE(p.bell());
     EXPECT_EQ(next_type(p.ctl.fd()), FrameType::kError) << len << " bytes at " << pos;
     EXPECT_FALSE(r.wait_for(5s) && r.status().ok());
+    expect_memory_intact();
+  }
+}
+
+// Recv offers (shm_offer.cpp) against a raw proven peer that maps the victim's ring: a recv in
+// engine memory waiting for message 0 is offered in the ring's first offer slot (its region,
+// offset and capacity, word = offered). A SEND_PUT for a message whose offer the peer did not
+// take (or turned to taken for another message of the slot), for a message not offered, or
+// longer than the buffer offered, closes the channel and fails the recv, with the victim's
+// memory intact; a SEND_PUT after taking the offer completes the recv with the length it names.
+TEST_F(SameHost, RecvOffersTakeOnlyTakenOffersWithinTheirBuffer) {
+  using detail::shm::RecvOfferSlot;
+  constexpr uint64_t kRing = (4u << 20) + 64 * 1024;
+  constexpr uint64_t kSlots = 1024, kOffers = 64;
+  constexpr uint64_t kRingTotal = detail::shm::ring_total_bytes(kRing, kSlots, kOffers);
+  auto put_frame = [](int fd, uint64_t seq, uint64_t n) {
+    FrameHeader h = make_frame(FrameType::kSendPut, seq, 0, 0, 0, 0, static_cast<uint32_t>(n),
+                               static_cast<uint32_t>(n >> 32));
+    return write_all(fd, &h, sizeof(h));
+  };
+  auto recv_mem = victim_->allocate(kPage, Location::host(), "offered");
+  auto* rp = static_cast<uint8_t*>(recv_mem.ptr);
+  // 0: offer not taken; 1: too long; 2: taken, honest; 3: the word turned to taken for the
+  // slot's next message (64); 4: the offer taken, the SEND_PUT names message 1 (not offered).
+  for (int mode = 0; mode < 5; ++mode) {
+    SCOPED_TRACE("mode " + std::to_string(mode));
+    std::memset(rp, 0xa5, kPage);
+    net::Socket ctl;
+    ASSERT_NO_FATAL_FAILURE(prove_eager_peer(9393 + mode, &ctl));
+    Fd fd;
+    net::Socket s = sh::connect(socket_);
+    sh::send(s.fd(), {{"op", "describe"}, {"token", 9393 + mode}, {"to_passive", true}, {"region", ~uint64_t{0}}});
+    json d = sh::recv(s.fd(), sh::Clock::now() + 5s, &fd.fd);
+    ASSERT_FALSE(d.contains("error")) << d.dump();
+    ASSERT_EQ(d["offers"].get<uint64_t>(), kOffers);
+    ASSERT_EQ(d["length"].get<uint64_t>(), kRingTotal);
+    auto* ring = static_cast<uint8_t*>(::mmap(nullptr, kRingTotal, PROT_READ | PROT_WRITE, MAP_SHARED, fd.fd, 0));
+    ASSERT_NE(ring, MAP_FAILED);
+    struct Unmap {
+      uint8_t* p;
+      ~Unmap() { ::munmap(p, kRingTotal); }
+    } unmap{ring};
+    RecvOfferSlot* offers = detail::shm::ring_offers(ring, kRing, kSlots);
+    auto acc = victim_->accept(2s);
+    ASSERT_TRUE(acc.has_value());
+    auto r = acc->recv(recv_mem.handle, 100, 1000);
+    std::atomic_ref<uint64_t> word(offers[0].word);
+    EXPECT_EQ(word.load(), detail::shm::offer_word(0, detail::shm::kOffered));
+    EXPECT_EQ(offers[0].region, recv_mem.handle.id);
+    EXPECT_EQ(offers[0].offset, 100u);
+    EXPECT_EQ(offers[0].capacity, 1000u);
+    if (mode == 0) {
+      ASSERT_TRUE(put_frame(ctl.fd(), 0, 10));
+    } else {
+      uint64_t open = detail::shm::offer_word(0, detail::shm::kOffered);
+      ASSERT_TRUE(word.compare_exchange_strong(open, detail::shm::offer_word(mode == 3 ? 64 : 0, detail::shm::kTaken)));
+      ASSERT_TRUE(put_frame(ctl.fd(), mode == 4 ? 1 : 0, mode == 1 ? 1001 : 600));
+    }
+    if (mode != 2) {
+      EXPECT_EQ(next_type(ctl.fd()), FrameType::kError);
+      ASSERT_TRUE(r.wait_for(5s));
+      EXPECT_FALSE(r.status().ok());
+    } else {
+      ASSERT_TRUE(r.wait_for(5s));
+      EXPECT_TRUE(r.status().ok()) << r.status().to_string();
+      EXPECT_EQ(r.bytes(), 600u);
+    }
+    for (uint64_t i = 0; i < kPage; ++i) ASSERT_EQ(rp[i], 0xa5) << "byte " << i << " of the recv's memory";
     expect_memory_intact();
   }
 }

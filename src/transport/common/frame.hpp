@@ -32,7 +32,9 @@ enum class FrameType : uint8_t {
   kSendPull = 16,   // tcp: "send me bytes of your message in flight": op_id = my read's token,
                     // region = the message's sequence, offset = byte offset in it, length
                     // (imm low, aux high); answered like READ_REQ (READ_RESP or NACK, in order)
-  kMax = 16,
+  kSendPut = 17,    // shm: the sender copied message op_id (imm low, aux high bytes) into the
+                    // recv the receiver offered for it (shm_offer.cpp); status, payload = message
+  kMax = 17,
 };
 
 enum FrameFlags : uint8_t {

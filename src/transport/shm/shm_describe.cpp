@@ -178,6 +178,19 @@ void ShmEndpoint::described(uint64_t id, const Status& answer, const nlohmann::j
     if (!st.ok()) j.error = st;
     enqueue(std::move(j));
   }
+  // Prefaulted behind the parked lanes, a chunk a job, so that a close waits for one chunk at
+  // most and other endpoints' jobs take turns with these (shm.map_populate_max).
+  if (st.ok() && rr.map && rr.length <= populate_max_) {
+    constexpr uint64_t kChunk = 64ull << 20;
+    for (uint64_t off = 0; off < rr.length; off += kChunk) {
+      Job j;
+      j.kind = Job::kPopulate;
+      j.map = rr.map;
+      j.src = off;
+      j.len = std::min(kChunk, rr.length - off);
+      enqueue(std::move(j));
+    }
+  }
 }
 
 bool ShmEndpoint::park_if_undescribed(Job& job) {

@@ -160,13 +160,18 @@ void ShmEndpoint::ring_described(const Status& st, const nlohmann::json& r, int 
   const uint64_t size = r["length"].get<uint64_t>();
   // The layout (shm_ring.hpp): a data area, then `slots` descriptors and the receiver's words.
   // A peer that names no layout hands out a data area alone (its messages all come with frames).
-  uint64_t data = size, slots = 0;
+  // One that names no offers makes none.
+  uint64_t data = size, slots = 0, offers = 0;
   if (r.contains("data") || r.contains("slots")) {
-    if (!r.value("data", nlohmann::json()).is_number_unsigned() || !r.value("slots", nlohmann::json()).is_number_unsigned())
+    if (!r.value("data", nlohmann::json()).is_number_unsigned() || !r.value("slots", nlohmann::json()).is_number_unsigned() ||
+        !r.value("offers", nlohmann::json(0)).is_number_unsigned())
       return;
     data = r["data"].get<uint64_t>();
     slots = r["slots"].get<uint64_t>();
-    if (slots > (1u << 20) || data % kRingAlign != 0 || data > size || ring_total_bytes(data, slots) != size) return;
+    offers = r.value("offers", uint64_t{0});
+    if (slots > (1u << 20) || offers > (1u << 16) || data % kRingAlign != 0 || data > size ||
+        ring_total_bytes(data, slots, offers) != size)
+      return;
   }
   // A ring smaller than the largest eager message it must hold would never have room; one
   // larger than our own grant plus a message is more than we ever queue, and mapping it
@@ -186,14 +191,15 @@ void ShmEndpoint::ring_described(const Status& st, const nlohmann::json& r, int 
   tx_ring_ = std::move(m);
   tx_data_ = data;
   tx_slots_ = slots;
+  tx_offers_ = offers;
   tx_ring_ready_.store(true, std::memory_order_release);
 }
 
-int ShmEndpoint::eager_ring_fd(uint64_t* size, uint64_t* data, uint64_t* slots) const {
+int ShmEndpoint::eager_ring_fd(uint64_t* size, uint64_t* data, uint64_t* slots, uint64_t* offers) const {
   std::lock_guard<std::mutex> lk(rx_ring_mu_);
   if (!rx_ring_.load(std::memory_order_relaxed)) {
     const uint64_t d = ring_data_bytes(eager_credit_, eager_max_);
-    const uint64_t n = ring_total_bytes(d, ring_slots_);
+    const uint64_t n = ring_total_bytes(d, ring_slots_, offers_);
     // Allocated on the peer's first request: an endpoint that never receives eager SENDs costs
     // nothing. Sealed, so that the peer cannot shrink it under our reads (SIGBUS).
     int fd = sealed_memfd("sluice-eager-ring", n);
@@ -213,11 +219,14 @@ int ShmEndpoint::eager_ring_fd(uint64_t* size, uint64_t* data, uint64_t* slots) 
     rx_ring_fd_ = fd;
     rx_ring_size_ = d;
     rx_ring_slots_ = ring_slots_;
+    rx_ring_offers_ = offers_;
+    rx_offers_.assign(offers_, OfferRecord{});  // offer() reads them only once rx_ring_ is set
     rx_ring_.store(static_cast<uint8_t*>(p), std::memory_order_release);
   }
   *size = rx_ring_map_->length;
   *data = rx_ring_size_;
   *slots = rx_ring_slots_;
+  *offers = rx_ring_offers_;
   return ::fcntl(rx_ring_fd_, F_DUPFD_CLOEXEC, 0);
 }
 

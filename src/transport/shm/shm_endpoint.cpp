@@ -1,4 +1,5 @@
 #include "transport/shm/shm_endpoint.hpp"
+#include "transport/shm/held_leases.hpp"
 
 #include <fcntl.h>
 #include <sys/mman.h>
@@ -23,6 +24,11 @@ constexpr uint64_t kInlinePull = 64 << 10;  // PULL_WRITEs up to this many bytes
 const Param<int> kCopyDelayMs{"shm.test_copy_delay_ms", "SLUICE_SHM_TEST_COPY_DELAY_MS", 0, int_in(0, 60000),
                               "test only: each shm copy into an op's memory sleeps this many ms first",
                               ParamScope::kTest};
+// Test only: a SEND copied into an offered recv (shm_offer.cpp) waits this long after taking
+// the offer, so a test can hold an offer taken past the receiver's recv_timeout.
+const Param<int> kPutDelayMs{"shm.test_put_delay_ms", "SLUICE_SHM_TEST_PUT_DELAY_MS", 0, int_in(0, 60000),
+                             "test only: a SEND copied into a recv its peer offered sleeps this many ms after "
+                             "taking the offer", ParamScope::kTest};
 // A lone small copy costs less than handing it to a pool thread and waking the waiter
 // afterwards (peers bench: a 4 KiB read took about 15 us through the pool, where Open MPI's
 // vader took 3); bigger ones go to the pool, whose threads copy lanes in parallel.
@@ -73,6 +79,35 @@ const Param<uint64_t> kEagerCredit{"shm.eager_credit", "SLUICE_SHM_EAGER_CREDIT"
                                    "bytes of eager SENDs (each counted with its 56-byte header) that a peer may have "
                                    "queued to this endpoint and no recv took yet, and that this endpoint queues to a "
                                    "peer; 0 = this side takes no eager SEND"};
+// A peer region this side maps (to read from, write into, or copy SENDs in and out of) was
+// faulted in page by page on its first use: 1 us a 4 KiB page here, 256 us for the first copy
+// into each MiB against 48 us for the copy (peers bench, lone 1 MiB SENDs over a fresh 64 MiB
+// region). Prefaulting a 64 MiB mapping takes 7 ms, 1 GiB 107 ms, off the data path; beyond
+// the bound the page tables (2 MiB a GiB) are not worth spending up front.
+const Param<uint64_t> kMapPopulateMax{"shm.map_populate_max", "SLUICE_SHM_MAP_POPULATE_MAX", 1ull << 30,
+                                      size_in(0, 1ull << 44),
+                                      "a peer's memfd region of at most this many bytes that this side maps is "
+                                      "prefaulted in the background on the copy pool (64 MiB a job) instead of page "
+                                      "by page on its first copies; 0 = never"};
+
+// 64 slots: a receiver keeps more recvs posted ahead than that only for batches, whose SENDs
+// go as SEND_RTS anyway (send_offered).
+const Param<uint64_t> kRecvOffers{"shm.recv_offers", "SLUICE_SHM_RECV_OFFERS", 64, size_in(0, 1 << 16),
+                                  "posted recvs (in engine-allocated memory) that this side offers its peer in the "
+                                  "eager ring it hands out, so that a lone rendezvous SEND is copied by its sender "
+                                  "straight into the recv's buffer with one frame and no round trip (32 bytes each); "
+                                  "0 = this side neither offers recvs nor takes offers"};
+// The sending thread copies an offered recv's message alone, where SEND_RTS has the receiver
+// split a message of shm.send_split_min or more over its copy pool. Lone SENDs here (2 cores,
+// sluice-bench, offers against main's SEND_RTS, interleaved medians): 1 MiB 1.57x, 2 MiB 1.22x,
+// 8 MiB 1.23x, but 16 MiB 0.80x and 32 MiB 0.72x; a host with more copy threads gains more
+// from the split, so the bound is set low.
+const Param<uint64_t> kRecvOfferMax{"shm.recv_offer_max", "SLUICE_SHM_RECV_OFFER_MAX", 2ull << 20,
+                                    size_in(0, 1ull << 44),
+                                    "a SEND of at most this many bytes may be copied by the sending thread into "
+                                    "the recv its peer offered (shm.recv_offers); a larger one goes as SEND_RTS, "
+                                    "whose copy the receiver splits over its copy pool (shm.send_split_min); 0 = "
+                                    "this side takes no offer"};
 
 // What this thread submitted on an endpoint since its last wait (the last endpoint it used):
 // whether an answer will come over the control channel, and whether only copy pool
@@ -101,35 +136,6 @@ struct FdGuard {
 };
 
 }  // namespace
-
-// Leases held on the peer's regions for one copy; left when this goes out of scope.
-class Held {
- public:
-  explicit Held(PeerLeases& l) : leases_(l) {}
-  ~Held() {
-    for (auto& [slot, id] : held_) leases_.leave(slot);
-  }
-  Status enter(uint32_t slot, uint64_t id, const char* whose) {
-    for (auto& h : held_)
-      if (h.second == id) return Status::Ok();
-    if (slot == kNoLease || !leases_.enter(slot, id))
-      return {ErrorCode::kUnknownHandle, std::string(whose) + " region " + std::to_string(id) + " is no longer registered"};
-    held_.emplace_back(slot, id);
-    return Status::Ok();
-  }
-  // After the copy: the bytes count only if the owner withdrew none of the regions meanwhile.
-  Status still(const char* whose) const {
-    for (auto& [slot, id] : held_)
-      if (!leases_.still(slot, id))
-        return {ErrorCode::kUnknownHandle, std::string(whose) + " region " + std::to_string(id) +
-                                               " was unregistered during the copy; the copy is discarded"};
-    return Status::Ok();
-  }
-
- private:
-  PeerLeases& leases_;
-  std::vector<std::pair<uint32_t, uint64_t>> held_;
-};
 
 struct SendCopy {
   explicit SendCopy(PeerLeases& l) : held(l) {}
@@ -181,14 +187,20 @@ ShmEndpoint::ShmEndpoint(const EndpointSetup& s, Host& host, std::string peer_so
       timeout_(s.config.connect_timeout),
       waiter_(busy_wait_of(s.config)),
       copy_delay_ms_(kCopyDelayMs.read()),
+      put_delay_ms_(kPutDelayMs.read()),
       inline_max_(kInlineMax.get(s.config)),
       inline_split_max_(kInlineSplitMax.get(s.config)),
       split_min_(kSendSplitMin.get(s.config)),
       eager_max_(kEagerMax.get(s.config)),
       eager_credit_(kEagerCredit.get(s.config)),
       ring_eager_(kEagerRing.get(s.config)),
-      ring_slots_(kEagerSlots.get(s.config)) {
+      ring_slots_(kEagerSlots.get(s.config)),
+      populate_max_(kMapPopulateMax.get(s.config)),
+      offers_(ring_eager_ ? kRecvOffers.get(s.config) : 0),
+      offer_max_(kRecvOfferMax.get(s.config)) {
   pending_.set_post_handler([this](const std::shared_ptr<TransferOp>& op, const Status& st) { on_post_done(op, st); });
+  // Cleared in stop_io(), before this goes away. Offers start once the peer maps our ring.
+  if (offers_ && events_) events_->matcher().set_offerer(this);
 }
 
 ShmEndpoint::~ShmEndpoint() {
@@ -253,9 +265,9 @@ nlohmann::json ShmEndpoint::describe_local(uint64_t id, const same_host::PeerCre
     throw Error(ErrorCode::kProtocol, "describe from a process that is not this endpoint's peer");
   if (id == kEagerRingId) {
     // This endpoint's own ring, to its proven peer alone: it holds nothing but that peer's messages.
-    uint64_t size = 0, data = 0, slots = 0;
-    *fd_out = eager_ring_fd(&size, &data, &slots);
-    return {{"addr", 0}, {"length", size}, {"slot", kNoLease}, {"data", data}, {"slots", slots}};
+    uint64_t size = 0, data = 0, slots = 0, offers = 0;
+    *fd_out = eager_ring_fd(&size, &data, &slots, &offers);
+    return {{"addr", 0}, {"length", size}, {"slot", kNoLease}, {"data", data}, {"slots", slots}, {"offers", offers}};
   }
   Status st;
   // Pinned while we answer: a memfd is closed only after its region's pins drain, so the
@@ -433,7 +445,7 @@ void ShmEndpoint::post_pull(const std::shared_ptr<TransferOp>& op, uint64_t toke
 }
 
 void ShmEndpoint::send(std::shared_ptr<MessageOp> op) {
-  if (send_eager(op)) return;
+  if (send_eager(op) || send_offered(op)) return;
   if (!pending_.add_send(op)) return;
   // No pin: a StagingEndpoint's host copy of a CUDA message, alive until the send completed;
   // the receiver reads it by address (region 0, see serve_rts). shm itself moves host memory
@@ -510,6 +522,7 @@ Status ShmEndpoint::on_frame(StreamChannel& ch, const FrameHeader& h, PayloadRea
       return complete_send_ack(pending_, h, payload);
     case FrameType::kSend: return in_order([&] { return serve_eager(h, payload); });
     case FrameType::kSendRing: return in_order([&] { return serve_ring(h); });
+    case FrameType::kSendPut: return in_order([&] { return serve_put(h, payload); });
     case FrameType::kRingBell: return drain_ring();
     case FrameType::kCredit: return take_credit(h);
     case FrameType::kError: return peer_error(payload);
@@ -612,6 +625,14 @@ void ShmEndpoint::run_one() {
 }
 
 void ShmEndpoint::run_job(Job& job) {
+  if (job.kind == Job::kPopulate) {
+#ifdef MADV_POPULATE_WRITE
+    // Faults the pages in as a first write would, and writes nothing. A kernel without it
+    // (before 5.14) says EINVAL: the copies fault them in as before.
+    if (!failed()) ::madvise(job.map->base + job.src, job.len, MADV_POPULATE_WRITE);
+#endif
+    return;
+  }
   if (job.kind == Job::kPart) {
     // Counted as a copy (copy_send) until the last part is done; job.send holds the mapping.
     send_part_done(job.send, copy_part(pid_.load(), job.dst, job.src, job.mapped, job.len));
@@ -934,6 +955,7 @@ void ShmEndpoint::finish_send_copy(SendCopy& c, const Status& st) {
 }
 
 void ShmEndpoint::stop_io() {
+  if (events_) events_->matcher().clear_offerer(this);  // no offer() runs once this returned
   {
     std::lock_guard<std::mutex> lk(ctl_mu_);
     if (control_) control_->shutdown();

@@ -119,6 +119,7 @@ class ShmEndpoint final : public EndpointBase,
                           public ProgressSource,
                           public CopyClient,
                           public CreditSink,
+                          public RecvOfferer,
                           public std::enable_shared_from_this<ShmEndpoint> {
  public:
   ShmEndpoint(const EndpointSetup& s, Host& host, std::string peer_socket);
@@ -172,6 +173,9 @@ class ShmEndpoint final : public EndpointBase,
   void release_credit(uint64_t bytes) override;
   // A message the matcher stashed in our eager ring was copied out (serve_ring).
   void release_held(uint64_t end) override;
+  // RecvOfferer (shm_offer.cpp): a recv that waits for its message, in a region of ours the
+  // peer can map, is offered to the peer in our eager ring.
+  void offer(MessageOp& recv, uint64_t seq, uint64_t incoming) override;
   // The answer to start_describe(id) (a reactor thread, or the caller when the ask could not
   // start): keeps the description and re-queues the jobs parked on it, with `st` if it failed.
   void described(uint64_t id, const Status& st, const nlohmann::json& reply, int fd);
@@ -179,7 +183,7 @@ class ShmEndpoint final : public EndpointBase,
 
  private:
   struct Job {
-    enum Kind { kLane, kServe, kPart } kind = kLane;
+    enum Kind { kLane, kServe, kPart, kPopulate } kind = kLane;
     std::shared_ptr<TransferOp> op;
     uint64_t token = 0;
     size_t lane = 0;
@@ -193,6 +197,8 @@ class ShmEndpoint final : public EndpointBase,
     uint8_t* dst = nullptr;
     uint64_t src = 0, len = 0;
     const uint8_t* mapped = nullptr;
+    // kPopulate: prefault [src, src + len) of our mapping of a peer region (see described())
+    std::shared_ptr<Mapping> map;
   };
 
   void install(net::Socket sock);
@@ -256,11 +262,20 @@ class ShmEndpoint final : public EndpointBase,
   }
   Status serve_ring_message(uint64_t seq, uint64_t n, uint64_t pos);
   Status take_credit(const FrameHeader& h);
+  // Recv offers (shm_offer.cpp, shm.recv_offers). A lone rendezvous SEND woke the receiver
+  // (SEND_RTS), which copied and woke the sender back (SEND_ACK): two wake-ups around one
+  // copy, 131 us for a 1 MiB message that memcpy moves in 51. The receiver now writes each
+  // posted recv that waits for its message into its ring's offer slots (no frame); a sender
+  // that finds the offer for its message copies into its mapping of the recv's buffer, sends
+  // one SEND_PUT frame and completes at once.
+  // Sending side: true if the offer for op's message was taken and the message went this way.
+  bool send_offered(const std::shared_ptr<MessageOp>& op);
+  Status serve_put(const FrameHeader& h, PayloadReader& payload);
   // The answer to start_describe(kEagerRingId): maps the peer's ring (sending side).
   void ring_described(const Status& st, const nlohmann::json& reply, int fd);
   // Our ring for the peer's eager SENDs (receiving side; allocated on the first ask): a
-  // duplicate of its descriptor, and its size in *size.
-  int eager_ring_fd(uint64_t* size, uint64_t* data, uint64_t* slots) const;
+  // duplicate of its descriptor, and its size in *size (its layout in the others).
+  int eager_ring_fd(uint64_t* size, uint64_t* data, uint64_t* slots, uint64_t* offers) const;
   Status take_ack(const FrameHeader& h, PayloadReader& payload);
   bool mapped_locked(uint64_t id) const;
   // EndpointBase: shuts the control channel and the job queue, then waits until no copy
@@ -297,6 +312,7 @@ class ShmEndpoint final : public EndpointBase,
   std::atomic<std::chrono::steady_clock::rep> moving_{0};  // when work of ours last completed
   void moved() { moving_.store(std::chrono::steady_clock::now().time_since_epoch().count(), std::memory_order_relaxed); }
   const int copy_delay_ms_;  // test only (shm.test_copy_delay_ms): a copy waits this long first
+  const int put_delay_ms_;   // test only (shm.test_put_delay_ms): a copy into an offered recv too
   const uint64_t inline_max_;  // shm.inline_max
   const uint64_t inline_split_max_;  // shm.inline_split_max
   const uint64_t split_min_;   // shm.send_split_min
@@ -309,12 +325,26 @@ class ShmEndpoint final : public EndpointBase,
   // The eager ring (shm_eager.cpp). Receiving side: ours, which the peer writes into.
   const bool ring_eager_;  // shm.eager_ring
   const uint64_t ring_slots_;  // shm.eager_slots: descriptors in the queue of the ring we hand out
+  const uint64_t populate_max_;  // shm.map_populate_max
+  const uint64_t offers_;      // shm.recv_offers: offer slots in the ring we hand out (0: none, and we take none)
+  const uint64_t offer_max_;   // shm.recv_offer_max: the largest SEND we copy into an offered recv
   mutable std::mutex rx_ring_mu_;
   mutable int rx_ring_fd_ = -1;
   mutable uint64_t rx_ring_size_ = 0;   // its data area (shm_ring.hpp)
   mutable uint64_t rx_ring_slots_ = 0;  // its descriptor queue
   uint64_t rx_desc_next_ = 0;           // the next descriptor to take (the channel reader's)
+  mutable uint64_t rx_ring_offers_ = 0;  // its offer slots
   mutable std::atomic<uint8_t*> rx_ring_{nullptr};
+  // What we offered in each offer slot (receiving side; sized with the ring): the slot is ours
+  // to reuse once its message was claimed.
+  struct OfferRecord {
+    uint64_t seq = 0;
+    const MessageOp* recv = nullptr;
+    uint64_t capacity = 0;
+    bool used = false;
+  };
+  std::mutex offers_mu_;  // never held while calling into the matcher (offer() runs under its lock)
+  mutable std::vector<OfferRecord> rx_offers_;
   mutable std::shared_ptr<Mapping> rx_ring_map_;  // owns the mapping; stash slots that read it hold it too
   std::atomic<uint64_t> rx_ring_next_{0};  // where the next message goes (the channel reader moves it)
   // Ring messages not yet copied out, oldest first: their ends, and whether copied out. A
@@ -332,6 +362,7 @@ class ShmEndpoint final : public EndpointBase,
   std::atomic<bool> tx_ring_ready_{false};   // tx_ring_ set
   std::shared_ptr<Mapping> tx_ring_;
   uint64_t tx_data_ = 0, tx_slots_ = 0;   // its data area and descriptor queue (set before ready)
+  uint64_t tx_offers_ = 0;                // its offer slots (set before ready)
   uint64_t tx_desc_ = 0;                  // our next descriptor (under the send lock)
   uint64_t tx_head_ = 0;                  // where our next message goes (under the send lock)
   std::atomic<uint64_t> tx_tail_{0};      // everything before it the peer copied out

@@ -7,5 +7,12 @@
 namespace sluice::detail::shm {
 
 uint64_t test_ring_messages_served();
+// How many SENDs this process copied into recvs its peers offered (shm_offer.cpp).
+uint64_t test_offered_sends();
+// Test only: a receiver's offer() hands each slot it just wrote (for message `seq`) to `f`,
+// which may rewrite it as a hostile receiver would (recv_offer_test.cpp); nullptr: none.
+struct RecvOfferSlot;
+using OfferTamper = void (*)(RecvOfferSlot& slot, uint64_t seq);
+void set_test_offer_tamper(OfferTamper f);
 
 }  // namespace sluice::detail::shm
