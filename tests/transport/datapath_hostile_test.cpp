@@ -4,6 +4,7 @@
 #include <poll.h>
 #include <signal.h>
 #include <sys/socket.h>
+#include <sys/time.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -166,6 +167,11 @@ TEST_F(DatapathHostile, ZeroLengthSendFloodIsRefusedAtTheBound) {
   c.max_unexpected_messages = 1000;
   start(c, 4096);
   net::Socket ch = forged_channel(4003);
+  // The victim stops reading once it failed the endpoint and keeps its socket until the
+  // endpoint is closed, so a burst in flight then can fill the socket buffers: bound our own
+  // sends (a blocking send here hung this test about once in a few hundred runs).
+  const timeval send_limit{2, 0};
+  ASSERT_EQ(::setsockopt(ch.fd(), SOL_SOCKET, SO_SNDTIMEO, &send_limit, sizeof send_limit), 0);
   auto ep = victim_->accept(5s);
   ASSERT_TRUE(ep.has_value());
   std::atomic<bool> stop{false};
