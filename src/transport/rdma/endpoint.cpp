@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <charconv>
+#include <mutex>
 #include <cstring>
 
 #include "core/log.hpp"
@@ -37,6 +38,14 @@ const Param<int> kMinMtu{"rdma.min_mtu", "SLUICE_RDMA_MIN_MTU", 0,
                          },
                          "smallest path MTU (bytes) an endpoint accepts; connecting over a smaller one fails "
                          "naming both ports; 0 = any"};
+// The queue pairs' transport timer and retry count (NCCL_IB_TIMEOUT / NCCL_IB_RETRY_CNT): a
+// packet or its ACK lost is sent again after 4.096 us * 2^timeout, up to retry_cnt times in a
+// row, then the work request fails with a retry-exceeded error (and failover takes over).
+const Param<int> kAckTimeout{"rdma.timeout", "SLUICE_IB_TIMEOUT", 14, int_in(1, 31),
+                             "queue pair transport timer, 4.096 us * 2^N per try (14: 67 ms)"};
+const Param<int> kRetryCnt{"rdma.retry_cnt", "SLUICE_IB_RETRY_CNT", 7, int_in(0, 7),
+                           "retries in a row before a lost packet fails its queue pair (SoftRoCE: at most 6, "
+                           "since it reads 7 as 'forever')"};
 // Test-only knobs: read from the environment when an endpoint is created (ParamScope::kTest),
 // so a test can give one endpoint of an engine a different shape or a fault.
 const Param<uint64_t> kMaxWrBytesParam{"rdma.max_wr_bytes", "SLUICE_RDMA_MAX_WR_BYTES", rdma::kMaxWrBytes,
@@ -90,6 +99,8 @@ RdmaEndpoint::RdmaEndpoint(std::shared_ptr<Rails> rails, const Registry* reg, co
   busy_ = std::chrono::milliseconds(kBusyMs.get(s.config));
   poll_budget_ = std::chrono::microseconds(kPollUs.get(s.config));
   min_mtu_ = kMinMtu.get(s.config);
+  ack_timeout_ = kAckTimeout.get(s.config);
+  retry_cnt_ = kRetryCnt.get(s.config);
   fault_rkey_xor_ = static_cast<uint32_t>(kFaultRkeyXor.read());
   max_wr_bytes_ = kMaxWrBytesParam.read();
   max_sge_ = kMaxSgeParam.read();
@@ -283,8 +294,8 @@ void RdmaEndpoint::bring_up_qp(ibv_qp* qp, int rail, const QpAddress& r, const N
   if (rc) throw Error(ErrorCode::kSystem, std::string("rdma: QP to RTR: ") + std::strerror(rc));
   ibv_qp_attr rts{};
   rts.qp_state = IBV_QPS_RTS;
-  rts.timeout = 14;  // 4.096 us * 2^14 = 67 ms per try
-  rts.retry_cnt = 7;
+  rts.timeout = static_cast<uint8_t>(ack_timeout_);
+  rts.retry_cnt = static_cast<uint8_t>(retry_count_for(d));
   rts.rnr_retry = 7;  // the window accounting keeps RNR away; this is only a safety net
   rts.sq_psn = qp_address(qp, rail).psn;
   rts.max_rd_atomic = static_cast<uint8_t>(rd_atom);
@@ -292,6 +303,17 @@ void RdmaEndpoint::bring_up_qp(ibv_qp* qp, int rail, const QpAddress& r, const N
                     IBV_QP_STATE | IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT | IBV_QP_RNR_RETRY | IBV_QP_SQ_PSN |
                         IBV_QP_MAX_QP_RD_ATOMIC);
   if (rc) throw Error(ErrorCode::kSystem, std::string("rdma: QP to RTS: ") + std::strerror(rc));
+}
+
+// See effective_retry_cnt (negotiate.hpp); said once per process, where it applies.
+int RdmaEndpoint::retry_count_for(const Device& d) const {
+  const int n = effective_retry_cnt(retry_cnt_, d.attr().vendor_id);
+  if (n == retry_cnt_) return n;
+  static std::once_flag said;
+  std::call_once(said, [&] {
+    SLUICE_LOG(kInfo, "rdma: " << d.name() << " is SoftRoCE, which retries forever at rdma.retry_cnt 7: using 6");
+  });
+  return n;
 }
 
 json RdmaEndpoint::hello_body(int index) {

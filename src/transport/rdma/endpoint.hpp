@@ -210,6 +210,7 @@ class RdmaEndpoint final : public EndpointBase,
   ibv_qp* make_qp(int index, int rail);  // a QP in INIT on `rail`, not yet the channel's
   int peer_rail_up(int preferred) const;  // the peer's rail `preferred`, or one its info does not mark down
   QpAddress qp_address(const ibv_qp* qp, int rail) const;
+  int retry_count_for(const Device& d) const;
   void bring_up_qp(ibv_qp* qp, int rail, const QpAddress& remote, const Negotiated& n);
   // Checks the peer's address against our port on `rail` (negotiate.hpp); throws naming both.
   Negotiated negotiate_with(int index, int rail, const QpAddress& remote) const;
@@ -366,6 +367,8 @@ class RdmaEndpoint final : public EndpointBase,
   std::atomic<bool> sleeping_{false};  // in poll() with the CQs armed
   std::atomic<bool> ready_{false};     // every QP is in RTS and the progress thread runs
   int min_mtu_ = 0;                    // rdma.min_mtu: the smallest path MTU we accept (0 = any)
+  int ack_timeout_ = 14;               // rdma.timeout
+  int retry_cnt_ = 7;                  // rdma.retry_cnt (see retry_count_for)
   uint32_t fault_rkey_xor_ = 0;        // test-only fault injection (SLUICE_RDMA_FAULT_RKEY_XOR)
   std::atomic<std::chrono::steady_clock::rep> last_submit_{0};
   std::chrono::microseconds spin_{50};

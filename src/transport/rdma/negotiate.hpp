@@ -69,4 +69,15 @@ struct Negotiated {
 // versions differ) or a path MTU below min_mtu_bytes.
 Negotiated negotiate(const PortDesc& local, const QpAddress& remote, int min_mtu_bytes);
 
+// The transport retry count a queue pair on a device of this vendor gets for rdma.retry_cnt
+// `configured`. SoftRoCE (rxe, vendor id 0xffffff) treats 7 like an RNR retry count of 7:
+// it never decrements it (rxe_comp.c), so a queue pair whose retransmissions the peer never
+// answers retries every timer tick forever and the endpoint learns only at op_timeout
+// (measured in the two-guest wire test under 1% loss: PSNs still for 30 s, the retry counter
+// climbing every 67 ms). 6 fails it after six ticks, and failover replaces the channel.
+constexpr uint32_t kSoftRoceVendorId = 0xffffff;
+inline int effective_retry_cnt(int configured, uint32_t vendor_id) {
+  return vendor_id == kSoftRoceVendorId && configured > 6 ? 6 : configured;
+}
+
 }  // namespace sluice::detail::rdma

@@ -268,3 +268,14 @@ TEST(RdmaGid, HexIsStrictAndReadableFormsAreAddresses) {
 }
 
 }  // namespace
+
+TEST(RdmaRetryCount, SoftRoceNeverGetsTheCountItWouldRetryForever) {
+  // rxe never decrements a transport retry count of 7: 6 is the most that still ends.
+  EXPECT_EQ(effective_retry_cnt(7, kSoftRoceVendorId), 6);
+  EXPECT_EQ(effective_retry_cnt(6, kSoftRoceVendorId), 6);
+  EXPECT_EQ(effective_retry_cnt(0, kSoftRoceVendorId), 0);
+  // A hardware HCA (Mellanox 0x02c9, Broadcom 0x14e4) counts 7 as seven retries.
+  EXPECT_EQ(effective_retry_cnt(7, 0x02c9), 7);
+  EXPECT_EQ(effective_retry_cnt(7, 0x14e4), 7);
+  EXPECT_EQ(effective_retry_cnt(3, 0x02c9), 3);
+}
