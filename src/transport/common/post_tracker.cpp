@@ -95,6 +95,11 @@ void SignalSequencer::drain_locked(std::vector<PostSignal>* ready) {
   }
 }
 
+bool SignalSequencer::idle() {
+  std::lock_guard<std::mutex> lk(mu_);
+  return epochs_.size() == 1 && epochs_.front().writes == 0;
+}
+
 size_t SignalSequencer::clear() {
   std::lock_guard<std::mutex> lk(mu_);
   size_t n = 0;

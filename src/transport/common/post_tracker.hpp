@@ -64,6 +64,8 @@ class SignalSequencer {
   // A write of `epoch` finished (ok or not): the signals now due, in order, are appended to
   // *ready (issue them in that order).
   void write_done(uint64_t epoch, std::vector<PostSignal>* ready);
+  // Nothing outstanding and nothing queued: a signal now would be due at once.
+  bool idle();
   // Forget everything queued (the endpoint failed); returns how many signals were dropped.
   size_t clear();
 
