@@ -5,9 +5,11 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
+#include "sluice/error.hpp"
 #include "sluice/export.hpp"
 #include "sluice/future.hpp"
 #include "sluice/metrics.hpp"
@@ -18,6 +20,34 @@ namespace sluice {
 namespace detail {
 class EndpointImpl;
 }
+
+// One request of Endpoint::post_batch: a post_write or a post_signal, with its arguments.
+struct PostRequest {
+  enum class Kind : uint8_t { kWrite, kSignal };
+  Kind kind = Kind::kWrite;
+  MemoryHandle local;         // kWrite: the source
+  uint64_t local_offset = 0;  // kWrite
+  RemoteHandle remote;        // kWrite: the destination; kSignal: the counter's region
+  uint64_t remote_offset = 0;
+  uint64_t length = 0;        // kWrite
+  uint64_t add = 1;           // kSignal
+
+  static PostRequest write(MemoryHandle local, uint64_t local_offset, RemoteHandle remote, uint64_t remote_offset,
+                           uint64_t length) {
+    return {Kind::kWrite, local, local_offset, remote, remote_offset, length, 0};
+  }
+  static PostRequest signal(RemoteHandle remote, uint64_t offset, uint64_t add = 1) {
+    return {Kind::kSignal, MemoryHandle{}, 0, remote, offset, 0, add};
+  }
+};
+
+// What post_batch did: the first `posted` requests were posted; if `error` is not ok, request
+// number `posted` failed with it (its message is what post_write / post_signal would have
+// thrown) and none after it was posted.
+struct PostBatchResult {
+  size_t posted = 0;
+  Status error;
+};
 
 class SLUICE_API Endpoint {
  public:
@@ -71,6 +101,12 @@ class SLUICE_API Endpoint {
   void post_write(MemoryHandle local, uint64_t local_offset, RemoteHandle remote, uint64_t remote_offset,
                   uint64_t length);
   void post_signal(RemoteHandle remote, uint64_t offset, uint64_t add = 1);
+  // The requests in order, as that many post_write / post_signal calls would post them (same
+  // checks, same ordering: a signal after every earlier write of the endpoint), in one call
+  // so that a transport can turn many small requests into few operations (nvlink: one
+  // kernel for a run of small writes and their signals). Errors are returned, not thrown,
+  // so that the caller learns which request failed (PostBatchResult).
+  PostBatchResult post_batch(std::span<const PostRequest> requests);
   void flush(std::chrono::milliseconds timeout = std::chrono::milliseconds(0));
 
   // The handle of a region the peer registered under `name`, if its blob advertised one.

@@ -56,6 +56,9 @@ struct ProxyOptions {
   std::chrono::milliseconds liveness_interval{20};
   // Bound (ns) of every push of the channels' handles (PortChannelDeviceHandle::spin_ns).
   uint64_t push_spin_ns = port::kDefaultSpinNs;
+  // Requests a worker pops before it posts them, as one Endpoint::post_batch per endpoint
+  // (0: the engine's port.batch_max parameter, default 256; 1: one request at a time).
+  uint32_t batch_max = 0;
 };
 
 // Counters of one proxy (all workers together).
@@ -65,6 +68,7 @@ struct ProxyStats {
   uint64_t signals = 0;
   uint64_t flushes = 0;
   uint64_t dropped = 0;   // requests of failed channels, consumed without effect
+  uint64_t batches = 0;   // Endpoint::post_batch calls (puts + signals over batches: the mean batch)
 };
 
 // One channel: an endpoint, its default destination / source memories and a semaphore pair.

@@ -114,6 +114,7 @@ void bind_port_channel(py::module_& m, const std::function<std::shared_ptr<sluic
              d["signals"] = s.signals;
              d["flushes"] = s.flushes;
              d["dropped"] = s.dropped;
+             d["batches"] = s.batches;
              return d;
            })
       .def_property_readonly("channels", [](const PyProxy& p) { return p.proxy->channels(); })

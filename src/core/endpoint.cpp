@@ -239,18 +239,30 @@ const RegionInfo& EndpointImpl::remote_locked(RemoteHandle remote, uint64_t offs
   return r;
 }
 
-void EndpointImpl::post_write(MemoryHandle local, uint64_t local_offset, RemoteHandle remote, uint64_t remote_offset,
-                              uint64_t length) {
-  check_post("post_write");
+PostWrite EndpointImpl::make_write(MemoryHandle local, uint64_t local_offset, RemoteHandle remote,
+                                   uint64_t remote_offset, uint64_t length) {
   if (length == 0) throw Error(ErrorCode::kInvalidArgument, "post_write: zero length");
   PostWrite w;
   w.pin = pin_local(local, local_offset, length, "post_write", -1);
   w.src = w.pin.get()->base + local_offset;
-  {
-    std::lock_guard<std::mutex> lk(peer_mu_);
-    const RegionInfo& r = remote_locked(remote, remote_offset, length, "post_write");
-    w.dst = Piece{const_cast<uint8_t*>(w.src), r.id, remote_offset, r.addr + remote_offset, length};
-  }
+  std::lock_guard<std::mutex> lk(peer_mu_);
+  const RegionInfo& r = remote_locked(remote, remote_offset, length, "post_write");
+  w.dst = Piece{const_cast<uint8_t*>(w.src), r.id, remote_offset, r.addr + remote_offset, length};
+  return w;
+}
+
+PostSignal EndpointImpl::make_signal(RemoteHandle remote, uint64_t offset, uint64_t add) {
+  if (offset % 8 != 0)
+    throw Error(ErrorCode::kInvalidArgument, "post_signal: offset " + std::to_string(offset) + " is not 8-byte aligned");
+  std::lock_guard<std::mutex> lk(peer_mu_);
+  const RegionInfo& r = remote_locked(remote, offset, 8, "post_signal");
+  return PostSignal{r.id, offset, r.addr + offset, add, r.location};
+}
+
+void EndpointImpl::post_write(MemoryHandle local, uint64_t local_offset, RemoteHandle remote, uint64_t remote_offset,
+                              uint64_t length) {
+  check_post("post_write");
+  PostWrite w = make_write(local, local_offset, remote, remote_offset, length);
   std::lock_guard<std::mutex> lk(post_mu_);
   Status st = transport_->post_write(std::move(w), engine_->config().op_timeout);
   if (!st.ok()) throw Error(st.code, "post_write: " + st.message);
@@ -259,18 +271,56 @@ void EndpointImpl::post_write(MemoryHandle local, uint64_t local_offset, RemoteH
 
 void EndpointImpl::post_signal(RemoteHandle remote, uint64_t offset, uint64_t add) {
   check_post("post_signal");
-  if (offset % 8 != 0)
-    throw Error(ErrorCode::kInvalidArgument, "post_signal: offset " + std::to_string(offset) + " is not 8-byte aligned");
-  PostSignal s;
-  {
-    std::lock_guard<std::mutex> lk(peer_mu_);
-    const RegionInfo& r = remote_locked(remote, offset, 8, "post_signal");
-    s = PostSignal{r.id, offset, r.addr + offset, add, r.location};
-  }
+  PostSignal s = make_signal(remote, offset, add);
   std::lock_guard<std::mutex> lk(post_mu_);
   Status st = transport_->post_signal(s, engine_->config().op_timeout);
   if (!st.ok()) throw Error(st.code, "post_signal: " + st.message);
   counters_->signalled();
+}
+
+PostBatchResult EndpointImpl::post_batch(std::span<const PostRequest> requests) {
+  PostBatchResult res;
+  if (requests.empty()) return res;
+  auto what = [&](size_t i) { return requests[i].kind == PostRequest::Kind::kSignal ? "post_signal" : "post_write"; };
+  // Built under post_mu_ (the posters' lock) so that the item vector is reused: no
+  // allocation per batch in the steady state.
+  std::lock_guard<std::mutex> lk(post_mu_);
+  std::vector<PostItem>& items = batch_items_;
+  items.clear();
+  // The checks of the single calls, request by request: the requests before a bad one are
+  // still posted, as they would have been one call at a time.
+  Status bad;
+  try {
+    check_post(what(0));
+    for (const PostRequest& r : requests) {
+      PostItem it;
+      if (r.kind == PostRequest::Kind::kSignal) {
+        it.signal = true;
+        it.sig = make_signal(r.remote, r.remote_offset, r.add);
+      } else {
+        it.write = make_write(r.local, r.local_offset, r.remote, r.remote_offset, r.length);
+      }
+      items.push_back(std::move(it));
+    }
+  } catch (const Error& e) {
+    bad = e.status();
+  }
+  Status st;
+  const size_t built = items.size();
+  const size_t n = built ? transport_->post_batch(std::span<PostItem>(items.data(), built), engine_->config().op_timeout, &st) : 0;
+  for (size_t i = 0; i < n; ++i) {
+    if (items[i].signal)
+      counters_->signalled();
+    else
+      counters_->posted(requests[i].length);
+  }
+  items.clear();  // unpins what was not posted
+  res.posted = n;
+  if (n < built)
+    res.error = {st.code, std::string(what(n)) + ": " + st.message};
+  else
+    res.error = bad;
+  return res;
 }
 
 void EndpointImpl::flush(std::chrono::milliseconds timeout) {
@@ -441,6 +491,10 @@ void Endpoint::post_write(MemoryHandle local, uint64_t local_offset, RemoteHandl
 void Endpoint::post_signal(RemoteHandle remote, uint64_t offset, uint64_t add) {
   head(impl_).note_posts();
   Live(impl_, false)->post_signal(remote, offset, add);
+}
+PostBatchResult Endpoint::post_batch(std::span<const PostRequest> requests) {
+  head(impl_).note_posts();
+  return Live(impl_, false)->post_batch(requests);
 }
 void Endpoint::flush(std::chrono::milliseconds timeout) {
   Live live(impl_, false);

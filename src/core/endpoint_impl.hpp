@@ -43,6 +43,7 @@ class EndpointImpl final : public EndpointEvents, public std::enable_shared_from
   void post_write(MemoryHandle local, uint64_t local_offset, RemoteHandle remote, uint64_t remote_offset,
                   uint64_t length);
   void post_signal(RemoteHandle remote, uint64_t offset, uint64_t add);
+  PostBatchResult post_batch(std::span<const PostRequest> requests);
   void flush(std::chrono::milliseconds timeout);
 
   std::optional<RemoteHandle> remote_region(const std::string& name) const;
@@ -133,6 +134,10 @@ class EndpointImpl final : public EndpointEvents, public std::enable_shared_from
   // thread can complete it.
   void prepare(FutureState& f, bool count = true) const;
   void check_post(const char* what) const;
+  // A post_write / post_signal checked and resolved as the single calls do (throw Error).
+  PostWrite make_write(MemoryHandle local, uint64_t local_offset, RemoteHandle remote, uint64_t remote_offset,
+                       uint64_t length);
+  PostSignal make_signal(RemoteHandle remote, uint64_t offset, uint64_t add);
   // The peer's region `remote`, checked for [offset, offset + length); call under peer_mu_.
   const RegionInfo& remote_locked(RemoteHandle remote, uint64_t offset, uint64_t length, const char* what) const;
   // `index`: the assignment's index in its batch, named in errors (-1: none).
@@ -157,6 +162,7 @@ class EndpointImpl final : public EndpointEvents, public std::enable_shared_from
 
   std::chrono::microseconds busy_wait_{0};
   std::mutex post_mu_;  // one poster at a time (the transports' post contract)
+  std::vector<PostItem> batch_items_;  // post_batch's items, reused (post_mu_)
   std::mutex send_mu_;  // orders sequence numbering with hand-over to the transport
   std::atomic<uint64_t> send_seq_{0};
   std::atomic<unsigned> rotate_{0};

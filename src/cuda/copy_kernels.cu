@@ -1,5 +1,7 @@
 #include "cuda/copy_kernels.hpp"
 
+#include "cuda/post_batch_kernel.hpp"
+
 #include <mutex>
 #include <set>
 
@@ -34,7 +36,7 @@ cudaError_t load_kernels() {
   // cudaFuncGetAttributes loads a lazily loaded kernel (CUDA programming guide, Lazy Loading).
   cudaFuncAttributes a;
   for (const void* f : {reinterpret_cast<const void*>(&add_u64), reinterpret_cast<const void*>(&copy16),
-                        reinterpret_cast<const void*>(&copy1)})
+                        reinterpret_cast<const void*>(&copy1), post_batch_kernel()})
     if (cudaError_t e = cudaFuncGetAttributes(&a, f); e != cudaSuccess) return e;
   return cudaSuccess;
 }

@@ -16,7 +16,7 @@ uint32_t PortChannel::id() const { return need(rec_).id; }
 Status PortChannel::status() const { return need(rec_).status(); }
 
 ProxyService::ProxyService(Engine& engine, ProxyOptions options)
-    : core_(std::make_shared<detail::ProxyCore>(engine.impl().registry(), options)) {}
+    : core_(std::make_shared<detail::ProxyCore>(engine.impl().registry(), options, engine.impl().config())) {}
 ProxyService::~ProxyService() { core_->stop(); }
 
 MemoryId ProxyService::add_memory(MemoryHandle local) { return core_->add_local(local); }

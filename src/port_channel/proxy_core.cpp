@@ -5,6 +5,7 @@
 #include <string>
 
 #include "core/log.hpp"
+#include "core/params.hpp"
 #include "core/registry.hpp"
 
 namespace sluice::detail {
@@ -17,6 +18,10 @@ using Clock = std::chrono::steady_clock;
 constexpr size_t kTailOffset = 0, kStateOffset = 64, kLine = 64;
 
 std::string mem_name(MemoryId id) { return "memory id " + std::to_string(id); }
+
+const Param<uint64_t> kBatchMax{"port.batch_max", "SLUICE_PORT_BATCH_MAX", 256, size_in(1, 1 << 20),
+                                "port channel: requests a proxy worker pops before it posts them, as one "
+                                "Endpoint::post_batch per endpoint (1 = one request at a time)"};
 
 }  // namespace
 
@@ -57,9 +62,10 @@ Status PortChannelRecord::status() const {
   return why;
 }
 
-ProxyCore::ProxyCore(Registry& registry, ProxyOptions options)
+ProxyCore::ProxyCore(Registry& registry, ProxyOptions options, const EngineConfig& config)
     : registry_(registry),
       opt_(options),
+      batch_max_(options.batch_max ? options.batch_max : static_cast<size_t>(kBatchMax.get(config))),
       mems_(std::make_shared<const Memories>()),
       chans_(std::make_shared<const Channels>()) {
   if (opt_.workers < 1)
@@ -70,6 +76,9 @@ ProxyCore::ProxyCore(Registry& registry, ProxyOptions options)
   if (opt_.fifo_depth > (1u << 24))
     throw Error(ErrorCode::kInvalidArgument, "ProxyService: fifo_depth " + std::to_string(opt_.fifo_depth) +
                                                  " is above the limit of 2^24 requests (1 GiB of pinned memory)");
+  // A batch never holds more than one FIFO's worth: what a worker pops it has room for.
+  batch_max_ = std::min<size_t>(batch_max_, opt_.fifo_depth);
+  opt_.batch_max = static_cast<uint32_t>(batch_max_);  // options() reports what is used
   for (int i = 0; i < opt_.workers; ++i)
     fifos_.push_back(std::make_shared<Fifo>(opt_.fifo_depth, opt_.producers, opt_.cuda_device));
 }
@@ -241,6 +250,7 @@ ProxyStats ProxyCore::stats() const {
   s.signals = signals_.load();
   s.flushes = flushes_.load();
   s.dropped = dropped_.load();
+  s.batches = batches_.load();
   return s;
 }
 
@@ -249,16 +259,17 @@ size_t ProxyCore::memories() const { return snapshot().mems->size(); }
 
 void ProxyCore::worker(int index) {
   Fifo& f = *fifos_[index];
-  const uint64_t mask = f.handle.depth - 1;
-  constexpr uint64_t kTicketMask = ~0ull >> port::kTicketShift;
   Snapshot snap = snapshot();
   auto idle_since = Clock::now();
   auto next_liveness = idle_since + opt_.liveness_interval;
   uint64_t since_check = 0;
+  std::vector<Popped> popped;
+  popped.reserve(batch_max_);
+  PostBatcher batch({&puts_, &signals_, &dropped_, &batches_});
   while (running_.load(std::memory_order_relaxed)) {
-    port::Request* s = f.slots + (f.next & mask);
-    uint64_t control = __atomic_load_n(&s->control, __ATOMIC_ACQUIRE);
-    if (control == 0) {
+    popped.clear();
+    if (!pop(f, index, snap, &popped)) break;
+    if (popped.empty()) {
       auto now = Clock::now();
       if (now >= next_liveness) {
         check_liveness(index, snap);
@@ -276,8 +287,30 @@ void ProxyCore::worker(int index) {
       if (now - idle_since > opt_.idle_spin) std::this_thread::sleep_for(opt_.idle_sleep);
       continue;
     }
+    for (const Popped& p : popped) handle(p, snap, batch);
+    batch.post_all();
+    idle_since = Clock::now();
+    since_check += popped.size();
+    if (since_check >= 64) {
+      since_check = 0;
+      if (idle_since >= next_liveness) {
+        check_liveness(index, snap);
+        next_liveness = idle_since + opt_.liveness_interval;
+      }
+    }
+  }
+}
+
+bool ProxyCore::pop(Fifo& f, int index, Snapshot& snap, std::vector<Popped>* out) {
+  const uint64_t mask = f.handle.depth - 1;
+  constexpr uint64_t kTicketMask = ~0ull >> port::kTicketShift;
+  while (out->size() < batch_max_) {
+    port::Request* s = f.slots + (f.next & mask);
+    uint64_t control = __atomic_load_n(&s->control, __ATOMIC_ACQUIRE);
+    if (control == 0) return true;
     if ((control >> port::kTicketShift) != ((f.next + 1) & kTicketMask)) {
       // Only a producer writing outside the protocol gets here; nothing later can be trusted.
+      // What was popped before it is dropped with the FIFO's channels.
       __atomic_store_n(f.state, port::kFifoCorrupt, __ATOMIC_RELEASE);
       snap = snapshot();
       for (auto& c : *snap.chans)
@@ -286,29 +319,22 @@ void ProxyCore::worker(int index) {
                                              std::to_string(f.next & mask) + " holds ticket " +
                                              std::to_string((control >> port::kTicketShift) - 1) + ", expected " +
                                              std::to_string(f.next)});
-      break;
+      return false;
     }
-    port::Request r;
-    r.dst_offset = s->dst_offset;
-    r.src_offset = s->src_offset;
-    r.size = s->size;
-    r.dst_mem = s->dst_mem;
-    r.src_mem = s->src_mem;
-    r.channel = s->channel;
+    Popped& p = out->emplace_back();
+    p.r.dst_offset = s->dst_offset;
+    p.r.src_offset = s->src_offset;
+    p.r.size = s->size;
+    p.r.dst_mem = s->dst_mem;
+    p.r.src_mem = s->src_mem;
+    p.r.channel = s->channel;
+    p.kinds = control & port::kKindMask;
     // Pop before posting: the request is copied, and producers refill the slot meanwhile.
     __atomic_store_n(&s->control, 0, __ATOMIC_RELAXED);
-    uint64_t ticket = f.next++;
+    p.ticket = f.next++;
     __atomic_store_n(f.tail, f.next, __ATOMIC_RELEASE);
-    handle(r, control & port::kKindMask, ticket, snap);
-    idle_since = Clock::now();
-    if (++since_check >= 64) {
-      since_check = 0;
-      if (idle_since >= next_liveness) {
-        check_liveness(index, snap);
-        next_liveness = idle_since + opt_.liveness_interval;
-      }
-    }
   }
+  return true;
 }
 
 void ProxyCore::check_liveness(int index, const Snapshot& snap) {
@@ -324,7 +350,8 @@ void ProxyCore::check_liveness(int index, const Snapshot& snap) {
   }
 }
 
-void ProxyCore::handle(const port::Request& r, uint64_t kinds, uint64_t ticket, Snapshot& snap) {
+void ProxyCore::handle(const Popped& p, Snapshot& snap, PostBatcher& batch) {
+  const port::Request& r = p.r;
   requests_.fetch_add(1, std::memory_order_relaxed);
   if (r.channel >= snap.chans->size()) snap = snapshot();
   if (r.channel >= snap.chans->size()) {
@@ -338,35 +365,43 @@ void ProxyCore::handle(const port::Request& r, uint64_t kinds, uint64_t ticket, 
     dropped_.fetch_add(1, std::memory_order_relaxed);
     return;
   }
-  try {
-    if ((kinds & port::kPut) && r.size > 0) {
-      if (std::max(r.dst_mem, r.src_mem) >= snap.mems->size()) snap = snapshot();
-      if (r.dst_mem >= snap.mems->size() || r.src_mem >= snap.mems->size())
-        throw Error(ErrorCode::kInvalidArgument, "put names " + mem_name(std::max(r.dst_mem, r.src_mem)) +
-                                                     ", never added (the service has " +
-                                                     std::to_string(snap.mems->size()) + ")");
+  bool first = true;
+  if ((p.kinds & port::kPut) && r.size > 0) {
+    if (std::max(r.dst_mem, r.src_mem) >= snap.mems->size()) snap = snapshot();
+    std::string bad;
+    if (r.dst_mem >= snap.mems->size() || r.src_mem >= snap.mems->size()) {
+      bad = "put names " + mem_name(std::max(r.dst_mem, r.src_mem)) + ", never added (the service has " +
+            std::to_string(snap.mems->size()) + ")";
+    } else {
       const MemoryEntry& dst = (*snap.mems)[r.dst_mem];
       const MemoryEntry& src = (*snap.mems)[r.src_mem];
       if (!dst.remote || dst.endpoint != c.ep.impl().get())
-        throw Error(ErrorCode::kInvalidArgument, "put destination " + mem_name(r.dst_mem) +
-                                                     (dst.remote ? " is a region of another endpoint's peer"
-                                                                 : " is a local memory"));
-      if (src.remote)
-        throw Error(ErrorCode::kInvalidArgument, "put source " + mem_name(r.src_mem) + " is a remote memory");
-      c.ep.post_write(src.local, r.src_offset, dst.remote_handle, r.dst_offset, r.size);
-      puts_.fetch_add(1, std::memory_order_relaxed);
+        bad = "put destination " + mem_name(r.dst_mem) +
+              (dst.remote ? " is a region of another endpoint's peer" : " is a local memory");
+      else if (src.remote)
+        bad = "put source " + mem_name(r.src_mem) + " is a remote memory";
+      else
+        batch.add(c, PostRequest::write(src.local, r.src_offset, dst.remote_handle, r.dst_offset, r.size), true);
     }
-    if (kinds & port::kSignal) {
-      c.ep.post_signal(c.remote_sem.region, c.remote_sem.offset, 1);
-      signals_.fetch_add(1, std::memory_order_relaxed);
+    if (!bad.empty()) {
+      // The channel's earlier requests still go out first, as they did one at a time.
+      batch.post_all();
+      c.fail({ErrorCode::kInvalidArgument, "channel " + std::to_string(c.id) + ": " + bad});
+      return;
     }
-    if (kinds & port::kFlush) {
+    first = false;
+  }
+  if (p.kinds & port::kSignal) batch.add(c, PostRequest::signal(c.remote_sem.region, c.remote_sem.offset, 1), first);
+  if (p.kinds & port::kFlush) {
+    batch.post_all();
+    if (c.failed.load(std::memory_order_acquire)) return;  // a post of this request failed it
+    try {
       c.ep.flush(opt_.flush_timeout);
       flushes_.fetch_add(1, std::memory_order_relaxed);
-      __atomic_store_n(&c.state->flush_done, ticket + 1, __ATOMIC_RELEASE);
+      __atomic_store_n(&c.state->flush_done, p.ticket + 1, __ATOMIC_RELEASE);
+    } catch (const Error& e) {
+      c.fail({e.code(), "channel " + std::to_string(c.id) + ": " + e.status().message});
     }
-  } catch (const Error& e) {
-    c.fail({e.code(), "channel " + std::to_string(c.id) + ": " + e.status().message});
   }
 }
 

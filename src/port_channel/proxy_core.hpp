@@ -8,7 +8,9 @@
 #include <thread>
 #include <vector>
 
+#include "port_channel/post_batcher.hpp"
 #include "port_channel/shared_block.hpp"
+#include "sluice/config.hpp"
 #include "sluice/endpoint.hpp"
 #include "sluice/port_channel.hpp"
 
@@ -58,7 +60,8 @@ struct PortChannelRecord {
 
 class ProxyCore {
  public:
-  ProxyCore(Registry& registry, ProxyOptions options);
+  // `config`: the engine's, for the port.* parameters.
+  ProxyCore(Registry& registry, ProxyOptions options, const EngineConfig& config);
   ~ProxyCore();
 
   MemoryId add_local(MemoryHandle h);
@@ -73,6 +76,11 @@ class ProxyCore {
   const ProxyOptions& options() const { return opt_; }
 
  private:
+  struct Popped {
+    port::Request r;
+    uint64_t kinds = 0;
+    uint64_t ticket = 0;
+  };
   using Memories = std::vector<MemoryEntry>;
   using Channels = std::vector<std::shared_ptr<PortChannelRecord>>;
   struct Snapshot {
@@ -82,11 +90,17 @@ class ProxyCore {
   Snapshot snapshot() const;
   MemoryId append_memory(MemoryEntry e);
   void worker(int index);
-  void handle(const port::Request& r, uint64_t kinds, uint64_t ticket, Snapshot& snap);
+  // Pops what the FIFO holds, up to port.batch_max requests, into *out (false: the FIFO is
+  // corrupt, its channels failed, the worker ends).
+  bool pop(Fifo& f, int index, Snapshot& snap, std::vector<Popped>* out);
+  // Adds a popped request's puts and signals to the batch; a flush (or an error the proxy
+  // finds itself) first posts the batch so far, so it happens in FIFO order.
+  void handle(const Popped& p, Snapshot& snap, PostBatcher& batch);
   void check_liveness(int index, const Snapshot& snap);
 
   Registry& registry_;
   ProxyOptions opt_;
+  size_t batch_max_ = 1;  // port.batch_max
   std::vector<std::shared_ptr<Fifo>> fifos_;
   std::vector<std::thread> threads_;
 
@@ -99,7 +113,7 @@ class ProxyCore {
   uint32_t next_worker_ = 0;
   std::atomic<bool> running_{false};
 
-  std::atomic<uint64_t> requests_{0}, puts_{0}, signals_{0}, flushes_{0}, dropped_{0};
+  std::atomic<uint64_t> requests_{0}, puts_{0}, signals_{0}, flushes_{0}, dropped_{0}, batches_{0};
 };
 
 }  // namespace sluice::detail

@@ -7,6 +7,7 @@
 #include <chrono>
 #include <functional>
 #include <memory>
+#include <span>
 #include <string>
 #include <utility>
 #include <vector>
@@ -68,6 +69,12 @@ struct PostSignal {
   uint64_t remote_addr = 0;    // the peer's virtual address of remote_offset
   uint64_t add = 0;
   Location location;           // where the peer's counter lives
+};
+// One request of a batch (post_batch): a write or a signal.
+struct PostItem {
+  bool signal = false;
+  PostWrite write;     // !signal
+  PostSignal sig;      // signal
 };
 
 // What a transport endpoint reports up to the core endpoint that owns it.
@@ -131,6 +138,21 @@ class TransportEndpoint {
   }
   virtual Status flush(std::chrono::milliseconds timeout) {
     return {ErrorCode::kUnsupported, "this transport has no thin post path"};
+  }
+  // The items in order, exactly as post_write / post_signal one by one (same contract, same
+  // ordering, `timeout` for each wait on post.depth); returns how many were posted. It stops
+  // at the first item that fails: *error is its status and no item after it is posted. A
+  // transport overrides it to turn a run of small posts into fewer operations (nvlink: one
+  // kernel); this default is the loop, so every transport with a post path has the call.
+  virtual size_t post_batch(std::span<PostItem> items, std::chrono::milliseconds timeout, Status* error) {
+    for (size_t i = 0; i < items.size(); ++i) {
+      Status st = items[i].signal ? post_signal(items[i].sig, timeout) : post_write(std::move(items[i].write), timeout);
+      if (!st.ok()) {
+        *error = std::move(st);
+        return i;
+      }
+    }
+    return items.size();
   }
   // The peer's info changed (hello reply, refresh_remote_regions): new regions, new keys.
   virtual void peer_updated(const EngineInfo& peer) {}

@@ -3,7 +3,7 @@
 namespace sluice::detail {
 
 EndpointBase::EndpointBase(const EndpointSetup& s)
-    : events_(s.events), posts_(post_depth(s.config)), peer_engine_id_(s.peer.engine_id) {}
+    : events_(s.events), posts_(post_depth(s.config), post_flush_spin(s.config)), peer_engine_id_(s.peer.engine_id) {}
 
 bool EndpointBase::fail(const Status& found, bool notify) {
   if (failed_.exchange(true, std::memory_order_acq_rel)) return false;

@@ -4,6 +4,7 @@
 // workers, several channels), the sequencing that keeps a signal behind the writes before it.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -17,12 +18,16 @@
 
 namespace sluice::detail {
 
-// post.depth for `config` (the parameter is declared with the tracker).
+// post.depth and post.flush_spin_us for `config` (the parameters are declared with the tracker).
 size_t post_depth(const EngineConfig& config);
+std::chrono::microseconds post_flush_spin(const EngineConfig& config);
 
 class PostTracker {
  public:
-  explicit PostTracker(size_t depth) : depth_(depth ? depth : 1) {}
+  // `flush_spin`: how long flush() polls for the last completion before it sleeps on the
+  // condition variable (a sleeping flusher wakes some microseconds after the completion).
+  explicit PostTracker(size_t depth, std::chrono::microseconds flush_spin = std::chrono::microseconds(0))
+      : depth_(depth ? depth : 1), flush_spin_(flush_spin) {}
 
   // Room for one more post: waits while `depth` posts are outstanding, at most `timeout`.
   // Returns the endpoint's failure, kTimeout, or Ok (the post is then counted: call done()
@@ -42,9 +47,12 @@ class PostTracker {
 
  private:
   const size_t depth_;
+  const std::chrono::microseconds flush_spin_;
   mutable std::mutex mu_;
   std::condition_variable cv_;
-  size_t outstanding_ = 0;
+  // Changed under mu_; atomic so that flush() can poll it without the lock.
+  std::atomic<size_t> outstanding_{0};
+  std::atomic<bool> has_failed_{false};
   Status first_error_;
   Status failed_;
 };
@@ -64,6 +72,8 @@ class SignalSequencer {
   // A write of `epoch` finished (ok or not): the signals now due, in order, are appended to
   // *ready (issue them in that order).
   void write_done(uint64_t epoch, std::vector<PostSignal>* ready);
+  // Nothing outstanding and nothing queued: a signal now would be due at once.
+  bool idle();
   // Forget everything queued (the endpoint failed); returns how many signals were dropped.
   size_t clear();
 

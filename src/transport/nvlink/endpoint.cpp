@@ -29,6 +29,14 @@ const Param<bool> kPinHostMappings{"nvlink.pin_host_mappings", "SLUICE_NVLINK_PI
                                    "a peer's memfd host region mapped here is page-locked for CUDA (cudaHostRegister) on "
                                    "its first copy to or from our GPU if all its pages are in memory, so those copies run "
                                    "at copy-engine speed and asynchronously; false = pageable copies"};
+const Param<bool> kPostBatch{"nvlink.post_batch", "SLUICE_NVLINK_POST_BATCH", true, boolean(),
+                             "thin post path: post_batch (the port channel's proxy) turns a run of small writes and "
+                             "their signals into one kernel; false = one copy-engine job or signal kernel per post"};
+const Param<uint64_t> kPostSmCopyMax{"nvlink.post_sm_copy_max", "SLUICE_NVLINK_POST_SM_COPY_MAX", 64 << 10,
+                                      size_in(0, 1ull << 30),
+                                      "thin post path: in post_batch, writes from local GPU memory into the peer's GPU "
+                                      "memory up to this size are SM copies inside the batch kernel, larger ones "
+                                      "copy-engine jobs; 0 = every write on the copy engine (signals still batched)"};
 
 }  // namespace
 
@@ -83,6 +91,8 @@ NvlinkEndpoint::NvlinkEndpoint(const EndpointSetup& s, NvlinkHost& host, std::st
   split_min_ = kSplitMin.get(s.config);
   inline_max_ = kInlineMax.get(s.config);
   pin_host_ = kPinHostMappings.get(s.config);
+  post_batching_ = kPostBatch.get(s.config);
+  post_sm_copy_max_ = kPostSmCopyMax.get(s.config);
   // Where the engine lets waiters poll (spare cores), let them poll for about as long as
   // the copy should take, as cudaStreamSynchronize does: a sleeping waiter wakes late.
   poll_waiters_ = busy_wait_of(s.config).count() > 0;
@@ -213,7 +223,10 @@ void NvlinkEndpoint::close(const Status& why) {
   stop_posts();
   {
     std::lock_guard<std::mutex> lk(post_mu_);
-    for (auto& ps : post_streams_) cudaStreamDestroy(ps->stream);
+    for (auto& ps : post_streams_) {
+      if (ps->arrivals) cudaFreeAsync(ps->arrivals, ps->stream);  // stream-ordered: never waits for user kernels
+      cudaStreamDestroy(ps->stream);
+    }
     post_streams_.clear();
     last_post_stream_ = nullptr;
   }

@@ -206,6 +206,8 @@ class NvlinkEndpoint final : public EndpointBase, public StreamChannel::Handler,
   Status post_write(PostWrite&& w, std::chrono::milliseconds timeout) override;
   Status post_signal(const PostSignal& s, std::chrono::milliseconds timeout) override;
   Status flush(std::chrono::milliseconds timeout) override;
+  // post_batch.cpp: runs of small writes and their signals as one batch kernel.
+  size_t post_batch(std::span<PostItem> items, std::chrono::milliseconds timeout, Status* error) override;
 
   // control.cpp
   void send(std::shared_ptr<MessageOp> op) override;
@@ -270,6 +272,21 @@ class NvlinkEndpoint final : public EndpointBase, public StreamChannel::Handler,
   void mark_all_locked();
   Status enqueue_post_locked(PostOp& op, uint64_t token, const uint8_t* src, uint8_t* dst, uint64_t n);
   Status launch_signal_locked(PostOp& op, uint64_t token, bool mark_now);
+  Status wait_other_streams_locked(PostStream& ps);
+  Status check_write(const PostWrite& w, RemoteView* rv);
+  Status check_signal(const PostSignal& s, RemoteView* rv);
+
+  // post_batch.cpp
+  // In the run; posted (or failed) by the single call; or: launch the run, then try again.
+  enum class Batched { kAdded, kSingle, kLaunchFirst };
+  Batched batch_write(PostWrite& w, const RemoteView& rv, std::chrono::milliseconds timeout, size_t index, Status* st);
+  Batched batch_signal(const PostSignal& s, const RemoteView& rv, std::chrono::milliseconds timeout, size_t index,
+                       Status* st);
+  Status batch_admit(std::chrono::milliseconds timeout, size_t index);
+  Status batch_start_locked(PostStream* ps, size_t index, bool copy);
+  Status launch_group(size_t* failed_at, bool mark_now);
+  Status launch_group_locked(bool mark_now);
+  bool sm_reach_locked(int from, int to);
   void launch_deferred_signal(uint64_t token);
   void send_signal_frame(uint64_t token, uint64_t region, uint64_t offset, uint64_t add);
   Status owner_post_done(uint64_t token, const Status& st);
@@ -334,6 +351,11 @@ class NvlinkEndpoint final : public EndpointBase, public StreamChannel::Handler,
   std::atomic<size_t> post_marks_{0};       // marks the poller has to watch
   std::atomic<int> flushing_{0};            // flushes waiting: every post is marked at once
   uint64_t peer_enabled_[64] = {};          // bit `to` of [from]: enable_peer_access ran (post_mu_)
+  uint64_t peer_reach_[64] = {};            // bit `to` of [from]: a kernel on `from` reaches `to` (post_mu_)
+  uint64_t peer_known_[64] = {};            // bit `to` of [from]: peer_reach_ says (post_mu_)
+  bool post_batching_ = true;               // nvlink.post_batch
+  uint64_t post_sm_copy_max_ = 64 << 10;    // nvlink.post_sm_copy_max
+  PostGroup group_;                         // post_batch's run being collected (the poster's)
   // Writes the owner executes (PULL_WRITE) counted for signal kernels, which must not run
   // before the owner answered them (sequencer_, the base's, counts our stream copies for
   // signals sent as frames, which must not leave before those copies are done).

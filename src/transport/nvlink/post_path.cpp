@@ -25,39 +25,6 @@
 #include "transport/nvlink/endpoint.hpp"
 
 namespace sluice::detail::nvlink {
-namespace {
-
-// Makes `device` current for a scope and restores the caller's: posters are application
-// threads, their current device is theirs.
-class DeviceScope {
- public:
-  explicit DeviceScope(int device) {
-    if (cudaGetDevice(&prev_) != cudaSuccess) {
-      cudaGetLastError();
-      prev_ = -1;
-    }
-    if (prev_ != device && cudaSetDevice(device) != cudaSuccess) cudaGetLastError();  // the enqueue reports it
-  }
-  ~DeviceScope() {
-    int now = -1;
-    if (prev_ >= 0 && cudaGetDevice(&now) == cudaSuccess && now != prev_) cudaSetDevice(prev_);
-  }
-
- private:
-  int prev_ = -1;
-};
-
-Status cuda_status(cudaError_t e, const char* what) {
-  if (e == cudaSuccess) return Status::Ok();
-  cudaGetLastError();
-  return {ErrorCode::kInternal, std::string("nvlink post: ") + what + ": " + cudaGetErrorString(e)};
-}
-
-Status gone(uint64_t id) {
-  return {ErrorCode::kUnknownHandle, "peer region " + std::to_string(id) + " is no longer registered"};
-}
-
-}  // namespace
 
 // The peer region `id` as described already; a post never waits for a description (see the
 // top of peer_view.cpp): it fails, and the poller describes the region meanwhile.
@@ -191,11 +158,9 @@ Status NvlinkEndpoint::enqueue_post_locked(PostOp& op, uint64_t token, const uin
   return Status::Ok();
 }
 
-// The signal kernel on the op's post stream, behind every copy posted before it.
-Status NvlinkEndpoint::launch_signal_locked(PostOp& op, uint64_t token, bool mark_now) {
-  if (posts_stopped_) return {ErrorCode::kCancelled, "endpoint closed"};
-  PostStream& ps = *op.stream;
-  // Copies before this signal on other devices' post streams: wait for them too.
+// Copies on other devices' post streams are waited for by `ps` (an event behind each), so
+// that a signal launched on `ps` next comes after them too.
+Status NvlinkEndpoint::wait_other_streams_locked(PostStream& ps) {
   for (auto& other : post_streams_) {
     if (other.get() == &ps || other->entries.empty()) continue;
     mark_locked(*other);
@@ -206,6 +171,14 @@ Status NvlinkEndpoint::launch_signal_locked(PostOp& op, uint64_t token, bool mar
         return st;
     }
   }
+  return Status::Ok();
+}
+
+// The signal kernel on the op's post stream, behind every copy posted before it.
+Status NvlinkEndpoint::launch_signal_locked(PostOp& op, uint64_t token, bool mark_now) {
+  if (posts_stopped_) return {ErrorCode::kCancelled, "endpoint closed"};
+  PostStream& ps = *op.stream;
+  if (Status st = wait_other_streams_locked(ps); !st.ok()) return st;
   {
     DeviceScope scope(ps.device);
     if (Status st = cuda_status(cu::signal_add(reinterpret_cast<uint64_t*>(op.counter), op.signal_add, ps.stream),
@@ -238,21 +211,30 @@ void NvlinkEndpoint::send_signal_frame(uint64_t token, uint64_t region, uint64_t
   control_->post(std::move(fr));
 }
 
-Status NvlinkEndpoint::post_write(PostWrite&& w, std::chrono::milliseconds timeout) {
+// post_write's checks (post_batch makes them too): the peer region as its owner describes
+// it, the bounds, and a way for the bytes to go.
+Status NvlinkEndpoint::check_write(const PostWrite& w, RemoteView* rv) {
   if (failed()) return post_failure();
   const uint64_t id = w.dst.remote_id, off = w.dst.remote_offset, n = w.dst.length;
-  RemoteView rv;
-  if (Status st = post_view(id, &rv); !st.ok()) return st;
-  if (!in_bounds(off, n, rv.length))
-    return {ErrorCode::kOutOfRange, "peer region " + std::to_string(id) + " is " + std::to_string(rv.length) +
+  if (Status st = post_view(id, rv); !st.ok()) return st;
+  if (!in_bounds(off, n, rv->length))
+    return {ErrorCode::kOutOfRange, "peer region " + std::to_string(id) + " is " + std::to_string(rv->length) +
                                         " bytes (as its owner describes it); " + std::to_string(n) +
                                         " bytes at offset " + std::to_string(off) + " do not fit"};
+  const bool local_cuda = !w.pin.get()->location.is_host();
+  if (rv->host && !rv->ptr && local_cuda)
+    return {ErrorCode::kUnsupported, "nvlink post_write: from GPU memory into peer host memory that is not mapped "
+                                     "here (not engine-allocated) needs staging; use write()"};
+  return Status::Ok();
+}
+
+Status NvlinkEndpoint::post_write(PostWrite&& w, std::chrono::milliseconds timeout) {
+  RemoteView rv;
+  if (Status st = check_write(w, &rv); !st.ok()) return st;
+  const uint64_t id = w.dst.remote_id, off = w.dst.remote_offset, n = w.dst.length;
   const RegionEntry* src_region = w.pin.get();
   const int local_device = src_region->location.is_host() ? -1 : src_region->location.device;
   const bool by_owner = rv.host && !rv.ptr;
-  if (by_owner && local_device >= 0)
-    return {ErrorCode::kUnsupported, "nvlink post_write: from GPU memory into peer host memory that is not mapped "
-                                     "here (not engine-allocated) needs staging; use write()"};
   if (Status st = posts_.admit(timeout); !st.ok()) return st;
 
   if (rv.host && rv.ptr && local_device < 0) {
@@ -333,21 +315,28 @@ Status NvlinkEndpoint::post_write(PostWrite&& w, std::chrono::milliseconds timeo
   return st;
 }
 
-Status NvlinkEndpoint::post_signal(const PostSignal& s, std::chrono::milliseconds timeout) {
+// post_signal's checks (post_batch makes them too).
+Status NvlinkEndpoint::check_signal(const PostSignal& s, RemoteView* rv) {
   if (failed()) return post_failure();
   const uint64_t id = s.remote_id;
-  RemoteView rv;
-  if (Status st = post_view(id, &rv); !st.ok()) return st;
-  if (s.remote_offset % 8 != 0 || !in_bounds(s.remote_offset, 8, rv.length))
-    return {ErrorCode::kOutOfRange, "peer region " + std::to_string(id) + " is " + std::to_string(rv.length) +
+  if (Status st = post_view(id, rv); !st.ok()) return st;
+  if (s.remote_offset % 8 != 0 || !in_bounds(s.remote_offset, 8, rv->length))
+    return {ErrorCode::kOutOfRange, "peer region " + std::to_string(id) + " is " + std::to_string(rv->length) +
                                         " bytes (as its owner describes it); no aligned counter at offset " +
                                         std::to_string(s.remote_offset)};
+  if (!rv->host && reinterpret_cast<uintptr_t>(rv->ptr + s.remote_offset) % 8 != 0)
+    return {ErrorCode::kInvalidArgument, "post_signal: the counter's address is not 8-byte aligned"};
+  return Status::Ok();
+}
+
+Status NvlinkEndpoint::post_signal(const PostSignal& s, std::chrono::milliseconds timeout) {
+  RemoteView rv;
+  if (Status st = check_signal(s, &rv); !st.ok()) return st;
+  const uint64_t id = s.remote_id;
   // A counter in the peer's GPU memory (always mapped here) is raised by our kernel; one in
   // its host memory by its owner.
   const bool kernel = !rv.host;
   uint8_t* counter = kernel ? rv.ptr + s.remote_offset : nullptr;
-  if (kernel && reinterpret_cast<uintptr_t>(counter) % 8 != 0)
-    return {ErrorCode::kInvalidArgument, "post_signal: the counter's address is not 8-byte aligned"};
   if (Status st = posts_.admit(timeout); !st.ok()) return st;
   if (kernel && (rv.slot == kNoLease || !leases_.enter(rv.slot, id))) {
     posts_.cancel();

@@ -7,8 +7,11 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <string>
 #include <utility>
 #include <vector>
+
+#include "cuda/post_batch_kernel.hpp"
 
 #include "transport/common/lease_table.hpp"
 #include "transport/common/same_host_wire.hpp"
@@ -76,9 +79,58 @@ struct PostStream {
   };
   int device = 0;
   cudaStream_t stream = nullptr;
+  unsigned* arrivals = nullptr;  // the batch kernel's grid-wide counter (stream-ordered allocation)
   Ring<Entry> entries;  // enqueued, not completed, in stream order
   Ring<Mark> marks;
   size_t unmarked = 0;  // entries at the back that no mark covers yet
 };
+
+// A run of small posts collected by post_batch (post_batch.cpp) for one batch kernel on
+// `stream`: SM copies and kernel signals, and the posts' entries, pushed on the stream's
+// ring once the kernel is launched. Reused: no allocation per batch.
+struct PostGroup {
+  PostStream* stream = nullptr;
+  cuda::BatchArgs args;
+  std::vector<PostStream::Entry> entries;
+  size_t first_item = 0;  // the batch index of its first post (reported if the launch fails)
+  bool empty() const { return entries.empty(); }
+  void clear() {
+    stream = nullptr;
+    args.copies = args.signals = 0;
+    entries.clear();
+  }
+};
+
+// Makes `device` current for a scope and restores the caller's: posters are application
+// threads, their current device is theirs.
+class DeviceScope {
+ public:
+  explicit DeviceScope(int device) {
+    if (cudaGetDevice(&prev_) != cudaSuccess) {
+      cudaGetLastError();
+      prev_ = -1;
+    }
+    if (prev_ != device && cudaSetDevice(device) != cudaSuccess) cudaGetLastError();  // the enqueue reports it
+  }
+  ~DeviceScope() {
+    int now = -1;
+    if (prev_ >= 0 && cudaGetDevice(&now) == cudaSuccess && now != prev_) cudaSetDevice(prev_);
+  }
+  DeviceScope(const DeviceScope&) = delete;
+  DeviceScope& operator=(const DeviceScope&) = delete;
+
+ private:
+  int prev_ = -1;
+};
+
+inline Status cuda_status(cudaError_t e, const char* what) {
+  if (e == cudaSuccess) return Status::Ok();
+  cudaGetLastError();
+  return {ErrorCode::kInternal, std::string("nvlink post: ") + what + ": " + cudaGetErrorString(e)};
+}
+
+inline Status gone(uint64_t id) {
+  return {ErrorCode::kUnknownHandle, "peer region " + std::to_string(id) + " is no longer registered"};
+}
 
 }  // namespace sluice::detail::nvlink

@@ -1,0 +1,268 @@
+// nvlink's batched thin post path (TransportEndpoint::post_batch; the port channel's proxy
+// posts what it popped this way). One post at a time costs a copy-engine job per write and a
+// signal kernel per signal, about 11 us a put+signal on H200 (docs/port-channel.md). Here a
+// run of posts becomes ONE kernel launch on the post stream: each small write is an SM copy
+// inside it, and its signals are raised by its last block once every copy of the launch is
+// visible system-wide (cuda/post_batch_kernel.cu). A signal thus never overtakes a write
+// before it, as with the single calls; it may wait for writes after it in the same launch,
+// which the contract allows.
+//
+// What does not fit the kernel goes exactly as the single call would send it, after the run
+// collected so far is launched, so stream order keeps every earlier post ahead of it:
+//  - a write larger than nvlink.post_sm_copy_max, from host memory, into peer host memory,
+//    or from another device than the run's: a copy-engine job (post_write);
+//  - a signal into peer host memory (an owner's kSignal frame), or one while writes the owner
+//    executes (PULL_WRITE) are unanswered (owner_seq_ must hold it back): post_signal.
+// Each post keeps its own PostOp, token, lease and pin, and counts against post.depth, so
+// completion (a mark behind the kernel), flush, failure and the region leases are those of
+// the single calls. A post that finds post.depth full while the run holds admitted posts
+// launches the run first (those posts can only finish once launched), then waits.
+#include "transport/nvlink/endpoint.hpp"
+
+namespace sluice::detail::nvlink {
+
+// A kernel on `from` can dereference memory of device `to` (cached per pair).
+bool NvlinkEndpoint::sm_reach_locked(int from, int to) {
+  if (from == to) return from >= 0;
+  if (from < 0 || to < 0 || from >= 64 || to >= 64) return false;
+  const uint64_t bit = uint64_t(1) << to;
+  if (!(peer_known_[from] & bit)) {
+    int can = 0;
+    if (cudaDeviceCanAccessPeer(&can, from, to) != cudaSuccess) {
+      cudaGetLastError();
+      can = 0;
+    }
+    if (can) peer_reach_[from] |= bit;
+    peer_known_[from] |= bit;
+  }
+  return (peer_reach_[from] & bit) != 0;
+}
+
+// Room for one more post, without waiting while the run holds admitted posts (they finish
+// only once launched): kTimeout with a non-empty run means "launch it, then come back".
+Status NvlinkEndpoint::batch_admit(std::chrono::milliseconds timeout, size_t) {
+  if (!group_.empty()) return posts_.admit(std::chrono::milliseconds(0));
+  return posts_.admit(timeout);
+}
+
+NvlinkEndpoint::Batched NvlinkEndpoint::batch_write(PostWrite& w, const RemoteView& rv,
+                                                    std::chrono::milliseconds timeout, size_t index, Status* st) {
+  const RegionEntry* src = w.pin.get();
+  const uint64_t id = w.dst.remote_id, off = w.dst.remote_offset, n = w.dst.length;
+  // An SM copy reads our GPU memory and writes the peer's GPU memory mapped here.
+  if (src->location.is_host() || rv.host || !rv.ptr || n > post_sm_copy_max_) return Batched::kSingle;
+  const int device = src->location.device;
+  {
+    std::lock_guard<std::mutex> lk(post_mu_);
+    if (!group_.empty() && group_.stream->device != device) return Batched::kSingle;
+    if (!sm_reach_locked(device, rv.owner_device)) return Batched::kSingle;
+  }
+  if (Status a = batch_admit(timeout, index); !a.ok()) {
+    if (a.code == ErrorCode::kTimeout && !group_.empty()) return Batched::kLaunchFirst;
+    *st = a;
+    return Batched::kSingle;
+  }
+  if (rv.slot == kNoLease || !leases_.enter(rv.slot, id)) {
+    posts_.cancel();
+    forget_region(id, gone(id));
+    *st = gone(id);
+    return Batched::kSingle;
+  }
+  const uint8_t* from = w.src;
+  auto op = take_post();
+  op->kind = OpKind::kWrite;
+  op->bytes = n;
+  op->pins.push_back(std::move(w.pin));
+  op->via = PostOp::Via::kStream;
+  op->lease_slot = rv.slot;
+  op->lease_id = id;
+  const uint64_t token = pending_.add(op);
+  if (!token) {
+    *st = post_failure();  // the post handler left the lease and counted it done
+    return Batched::kSingle;
+  }
+  std::unique_lock<std::mutex> lk(post_mu_);
+  Status s = posts_stopped_ ? Status{ErrorCode::kCancelled, "endpoint closed"} : Status::Ok();
+  PostStream* ps = nullptr;
+  if (s.ok()) {
+    try {
+      ps = post_stream(device);
+    } catch (const Error& e) {
+      s = e.status();
+    }
+  }
+  if (!s.ok()) {
+    lk.unlock();
+    pending_.lane_done(token, s);
+    *st = s;
+    return Batched::kSingle;
+  }
+  peer_access_locked(device, rv.owner_device);
+  op->stream = ps;
+  op->post_epoch = sequencer_.write_posted();  // a signal frame after it waits for the kernel
+  if (group_.empty()) {
+    group_.stream = ps;
+    group_.first_item = index;
+  }
+  group_.args.copy[group_.args.copies++] = cuda::BatchCopy{from, rv.ptr + off, n};
+  group_.entries.push_back({token, op->post_epoch, true});
+  last_post_stream_ = ps;
+  return Batched::kAdded;
+}
+
+NvlinkEndpoint::Batched NvlinkEndpoint::batch_signal(const PostSignal& s, const RemoteView& rv,
+                                                     std::chrono::milliseconds timeout, size_t index, Status* st) {
+  // A counter in host memory is raised by its owner (a frame); a signal behind unanswered
+  // PULL_WRITEs waits in owner_seq_: both as post_signal does it.
+  if (rv.host || !owner_seq_.idle()) return Batched::kSingle;
+  const uint64_t id = s.remote_id;
+  PostStream* ps = nullptr;
+  {
+    std::lock_guard<std::mutex> lk(post_mu_);
+    if (posts_stopped_) return Batched::kSingle;  // post_signal reports it
+    ps = group_.empty() ? last_post_stream_ : group_.stream;
+    if (!ps) {
+      int device = 0;
+      if (cudaGetDevice(&device) != cudaSuccess) cudaGetLastError();
+      try {
+        ps = post_stream(device);
+      } catch (const Error&) {
+        return Batched::kSingle;  // post_signal reports it
+      }
+    }
+  }
+  if (Status a = batch_admit(timeout, index); !a.ok()) {
+    if (a.code == ErrorCode::kTimeout && !group_.empty()) return Batched::kLaunchFirst;
+    *st = a;
+    return Batched::kSingle;
+  }
+  if (rv.slot == kNoLease || !leases_.enter(rv.slot, id)) {
+    posts_.cancel();
+    forget_region(id, gone(id));
+    *st = gone(id);
+    return Batched::kSingle;
+  }
+  auto op = take_post();
+  op->kind = OpKind::kWrite;
+  op->bytes = 8;
+  op->signal = true;
+  op->signal_add = s.add;
+  op->via = PostOp::Via::kStream;
+  op->counter = rv.ptr + s.remote_offset;
+  op->lease_slot = rv.slot;
+  op->lease_id = id;
+  op->stream = ps;
+  const uint64_t token = pending_.add(op);
+  if (!token) {
+    *st = post_failure();
+    return Batched::kSingle;
+  }
+  std::unique_lock<std::mutex> lk(post_mu_);
+  if (posts_stopped_) {
+    lk.unlock();
+    Status c{ErrorCode::kCancelled, "endpoint closed"};
+    pending_.lane_done(token, c);
+    *st = c;
+    return Batched::kSingle;
+  }
+  peer_access_locked(ps->device, rv.owner_device);
+  if (group_.empty()) {
+    group_.stream = ps;
+    group_.first_item = index;
+  }
+  group_.args.signal[group_.args.signals++] =
+      cuda::BatchSignal{reinterpret_cast<uint64_t*>(rv.ptr + s.remote_offset), s.add};
+  group_.entries.push_back({token, 0, false});
+  return Batched::kAdded;
+}
+
+// Launches the run collected so far. On failure its posts finish with the error (flush
+// reports it too, as for a single post that failed) and *failed_at is the batch index of
+// its first post: none of the run was posted.
+Status NvlinkEndpoint::launch_group(size_t* failed_at, bool mark_now) {
+  if (group_.empty()) return Status::Ok();
+  std::unique_lock<std::mutex> lk(post_mu_);
+  Status st = launch_group_locked(mark_now);
+  lk.unlock();
+  if (!st.ok()) {
+    for (const PostStream::Entry& e : group_.entries) pending_.lane_done(e.token, st);
+    *failed_at = group_.first_item;
+  }
+  group_.clear();
+  return st;
+}
+
+Status NvlinkEndpoint::launch_group_locked(bool mark_now) {
+  PostStream& ps = *group_.stream;
+  Status st = posts_stopped_ ? Status{ErrorCode::kCancelled, "endpoint closed"} : Status::Ok();
+  // Signals also wait for copies before them on other devices' post streams.
+  if (st.ok() && group_.args.signals > 0) st = wait_other_streams_locked(ps);
+  if (st.ok()) {
+    DeviceScope scope(ps.device);
+    if (group_.args.signals > 0 && !ps.arrivals) {
+      // Stream-ordered, so that it never waits for a user's kernel spinning on the device.
+      void* p = nullptr;
+      st = cuda_status(cudaMallocAsync(&p, sizeof(unsigned), ps.stream), "cudaMallocAsync");
+      if (st.ok()) st = cuda_status(cudaMemsetAsync(p, 0, sizeof(unsigned), ps.stream), "cudaMemsetAsync");
+      if (st.ok()) ps.arrivals = static_cast<unsigned*>(p);
+    }
+    if (st.ok()) st = cuda_status(cuda::post_batch(group_.args, ps.arrivals, ps.stream), "batch kernel");
+  }
+  if (!st.ok()) {
+    for (const PostStream::Entry& e : group_.entries)
+      if (e.write) sequencer_.write_dropped(e.epoch);
+    return st;
+  }
+  for (const PostStream::Entry& e : group_.entries) ps.entries.push(e);
+  ps.unmarked += group_.entries.size();
+  unmarked_total_ += group_.entries.size();
+  last_post_stream_ = &ps;
+  if (mark_now || unmarked_total_ >= mark_every_ || flushing_.load(std::memory_order_acquire) > 0) mark_all_locked();
+  return Status::Ok();
+}
+
+size_t NvlinkEndpoint::post_batch(std::span<PostItem> items, std::chrono::milliseconds timeout, Status* error) {
+  if (!post_batching_) return TransportEndpoint::post_batch(items, timeout, error);
+  group_.clear();
+  size_t failed_at = 0;
+  for (size_t i = 0; i < items.size();) {
+    PostItem& it = items[i];
+    // A full run is launched before the next post joins it.
+    if (group_.args.copies == cuda::kBatchCopies || group_.args.signals == cuda::kBatchSignals) {
+      if (Status ls = launch_group(&failed_at, false); !ls.ok()) {
+        *error = ls;
+        return failed_at;
+      }
+    }
+    RemoteView rv;
+    Status st = it.signal ? check_signal(it.sig, &rv) : check_write(it.write, &rv);
+    Batched how = Batched::kSingle;
+    if (st.ok())
+      how = it.signal ? batch_signal(it.sig, rv, timeout, i, &st) : batch_write(it.write, rv, timeout, i, &st);
+    if (st.ok() && how == Batched::kAdded) {
+      ++i;
+      continue;
+    }
+    // post.depth is full of this run's own posts: launch (and mark) it, then admit again.
+    const bool retry = st.ok() && how == Batched::kLaunchFirst;
+    if (Status ls = launch_group(&failed_at, retry); !ls.ok()) {
+      *error = ls;
+      return failed_at;
+    }
+    if (retry) continue;
+    // Not for the kernel, or failed: posted alone, behind the run just launched.
+    if (st.ok()) st = it.signal ? post_signal(it.sig, timeout) : post_write(std::move(it.write), timeout);
+    if (!st.ok()) {
+      *error = st;
+      return i;
+    }
+    ++i;
+  }
+  if (Status ls = launch_group(&failed_at, false); !ls.ok()) {
+    *error = ls;
+    return failed_at;
+  }
+  return items.size();
+}
+
+}  // namespace sluice::detail::nvlink
