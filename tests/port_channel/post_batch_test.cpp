@@ -19,7 +19,7 @@
 using namespace sluice;
 using namespace sluice_test;
 
-namespace {
+namespace post_batch_test {  // named: the unity build joins this file with port_channel_test.cpp
 
 constexpr uint64_t kSem = (1ull << 20) - 8;
 constexpr uint64_t kSem2 = (1ull << 20) - 16;
@@ -190,4 +190,4 @@ TEST_P(PostBatchTest, AFailedRequestInsideABatchFailsOnlyItsChannel) {
 
 INSTANTIATE_TEST_SUITE_P(Conformance, PostBatchTest, ::testing::ValuesIn(transports_under_test()), transport_name);
 
-}  // namespace
+}  // namespace post_batch_test
