@@ -10,7 +10,8 @@
 #   sanit   the port channel's GPU tests under compute-sanitizer memcheck and racecheck
 #   ag      the LL AllGather against NCCL, bit-equality and timing, at 2 ranks and at every
 #           GPU of the host when there are more (tools/sluice-gpu-bench/allgather_bench.py)
-#   port    sluice-port-bench (port channel vs the copy engine, ping-pong, request rate)
+#   port    sluice-port-bench (port channel vs the copy engine, ping-pong, request rate), the
+#           batched nvlink post path and nvlink.post_batch=false interleaved, 2 rounds each
 #   nvlink  sluice-gpu-bench (nvlink transport vs cudaMemcpyPeerAsync)
 #   wheel   builds the sluice wheel with CUDA and the torch backend against this host's torch,
 #           installs it into this Python, and leaves it in $WH for the ce stage (6.5 minutes
@@ -80,7 +81,15 @@ s_ag() {
   done
   return $rc
 }
-s_port() { "$BIN/sluice-port-bench"; }
+# The batched proxy path and the single-post path of the same build, interleaved (A/B).
+s_port() {
+  local r rc=0
+  for r in 1 2; do
+    echo "--- port bench round $r: nvlink.post_batch=true (default)"; "$BIN/sluice-port-bench" --peer-device 1 || rc=1
+    echo "--- port bench round $r: nvlink.post_batch=false"; "$BIN/sluice-port-bench" --peer-device 1 --set nvlink.post_batch=false || rc=1
+  done
+  return $rc
+}
 s_nvlink() { "$BIN/sluice-gpu-bench" --out "$LOGS/nvlink.md"; }
 s_wheel() {
   mkdir -p "$WH" && rm -f "$WH"/sluice-*.whl
