@@ -179,6 +179,18 @@ bool split_hostport(const std::string& s, std::string* host, uint16_t* port) {
 }
 
 // ------------------------------------------------------------------------------- server
+// On a failure, while this side's queue pairs still exist: their state and PSNs as the kernel
+// sees them (which side's requester or responder stopped), the neighbour table (rxe resolves
+// the peer's MAC through it for every packet) and the last kernel messages (a NIC watchdog).
+// Diagnostics only; the exit status says pass or fail.
+void dump_queue_pairs(const char* role) {
+  std::fflush(stdout);
+  std::string cmd = std::string("{ rdma resource show qp 2>&1 | grep -v GSI; ip neigh show 2>&1; "
+                                "dmesg 2>/dev/null | tail -8; } | sed 's/^/wire_peer ") + role + ": at failure: /'";
+  if (std::system(cmd.c_str()) != 0) std::printf("wire_peer %s: (no queue pair listing)\n", role);
+  std::fflush(stdout);
+}
+
 int run_server(const std::string& listen, int timeout_s) {
   start_watchdog(timeout_s, "server");
   std::string host;
@@ -303,7 +315,7 @@ int run_server(const std::string& listen, int timeout_s) {
       if (!err.empty()) {
         ++server_failures;
         std::printf("wire_peer server: %s FAILED: %s\n", op_name(cmd->op), err.c_str());
-        std::fflush(stdout);
+        dump_queue_pairs("server");
       }
       rep->magic = kMagic;
       rep->ok = err.empty();
@@ -314,7 +326,7 @@ int run_server(const std::string& listen, int timeout_s) {
     }
   } catch (const std::exception& e) {
     std::printf("wire_peer server: FAIL: %s\n", e.what());
-    std::fflush(stdout);
+    dump_queue_pairs("server");
     engine.close();
     return 1;
   }
@@ -377,7 +389,7 @@ struct Client {
       tally[phase].second++;
       if (failures.size() < 20) failures.push_back(phase + ": " + e.what());
       std::printf("wire_peer client: [%s] FAIL: %s\n", phase.c_str(), e.what());
-      std::fflush(stdout);
+      dump_queue_pairs("client");
       if (e.fatal || !ep.connected()) throw;
     }
   }
