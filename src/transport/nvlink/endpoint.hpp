@@ -283,6 +283,7 @@ class NvlinkEndpoint final : public EndpointBase, public StreamChannel::Handler,
   Batched batch_signal(const PostSignal& s, const RemoteView& rv, std::chrono::milliseconds timeout, size_t index,
                        Status* st);
   Status batch_admit(std::chrono::milliseconds timeout, size_t index);
+  Batched batch_enter(const RemoteView& rv, uint64_t id, std::chrono::milliseconds timeout, size_t index, Status* st);
   Status batch_start_locked(PostStream* ps, size_t index, bool copy);
   Status launch_group(size_t* failed_at, bool mark_now);
   Status launch_group_locked(bool mark_now);

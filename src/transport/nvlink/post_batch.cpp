@@ -45,6 +45,25 @@ Status NvlinkEndpoint::batch_admit(std::chrono::milliseconds timeout, size_t) {
   return posts_.admit(timeout);
 }
 
+// Admits one more post and enters the peer region's lease, as both batch_write and
+// batch_signal must before they add to the run: kAdded when both are held, else what the
+// caller returns (kLaunchFirst: launch the run and come back; kSingle with *st set: failed).
+NvlinkEndpoint::Batched NvlinkEndpoint::batch_enter(const RemoteView& rv, uint64_t id, std::chrono::milliseconds timeout,
+                                                    size_t index, Status* st) {
+  if (Status a = batch_admit(timeout, index); !a.ok()) {
+    if (a.code == ErrorCode::kTimeout && !group_.empty()) return Batched::kLaunchFirst;
+    *st = a;
+    return Batched::kSingle;
+  }
+  if (rv.slot == kNoLease || !leases_.enter(rv.slot, id)) {
+    posts_.cancel();
+    forget_region(id, gone(id));
+    *st = gone(id);
+    return Batched::kSingle;
+  }
+  return Batched::kAdded;
+}
+
 NvlinkEndpoint::Batched NvlinkEndpoint::batch_write(PostWrite& w, const RemoteView& rv,
                                                     std::chrono::milliseconds timeout, size_t index, Status* st) {
   const RegionEntry* src = w.pin.get();
@@ -57,17 +76,7 @@ NvlinkEndpoint::Batched NvlinkEndpoint::batch_write(PostWrite& w, const RemoteVi
     if (!group_.empty() && group_.stream->device != device) return Batched::kSingle;
     if (!sm_reach_locked(device, rv.owner_device)) return Batched::kSingle;
   }
-  if (Status a = batch_admit(timeout, index); !a.ok()) {
-    if (a.code == ErrorCode::kTimeout && !group_.empty()) return Batched::kLaunchFirst;
-    *st = a;
-    return Batched::kSingle;
-  }
-  if (rv.slot == kNoLease || !leases_.enter(rv.slot, id)) {
-    posts_.cancel();
-    forget_region(id, gone(id));
-    *st = gone(id);
-    return Batched::kSingle;
-  }
+  if (Batched b = batch_enter(rv, id, timeout, index, st); b != Batched::kAdded) return b;
   const uint8_t* from = w.src;
   auto op = take_post();
   op->kind = OpKind::kWrite;
@@ -131,17 +140,7 @@ NvlinkEndpoint::Batched NvlinkEndpoint::batch_signal(const PostSignal& s, const 
       }
     }
   }
-  if (Status a = batch_admit(timeout, index); !a.ok()) {
-    if (a.code == ErrorCode::kTimeout && !group_.empty()) return Batched::kLaunchFirst;
-    *st = a;
-    return Batched::kSingle;
-  }
-  if (rv.slot == kNoLease || !leases_.enter(rv.slot, id)) {
-    posts_.cancel();
-    forget_region(id, gone(id));
-    *st = gone(id);
-    return Batched::kSingle;
-  }
+  if (Batched b = batch_enter(rv, id, timeout, index, st); b != Batched::kAdded) return b;
   auto op = take_post();
   op->kind = OpKind::kWrite;
   op->bytes = 8;
