@@ -96,6 +96,8 @@ def _topology_module():
         p = os.path.join(os.path.dirname(os.path.abspath(__file__)), "topology.py")
         spec = importlib.util.spec_from_file_location("sluice_topology", p)
         mod = importlib.util.module_from_spec(spec)
+        import sys
+        sys.modules[spec.name] = mod  # dataclasses look their module up there
         spec.loader.exec_module(mod)
         return mod
 
