@@ -1,5 +1,5 @@
-// Hierarchical AllGather across nodes (issue 14; CUDA builds, throws kNoDevice without a GPU,
-// kUnsupported in a build without CUDA).
+// Hierarchical AllGather across nodes (issue 14; CUDA builds; throws kNoDevice without a GPU
+// or in a build without CUDA).
 //
 // World = N nodes x K ranks; rank g = (node n, local rank i); every rank contributes `bytes`;
 // out is rank-major, as torch's all_gather_into_tensor. One object per rank, built with the
@@ -34,8 +34,10 @@
 // mapped host memory and the later kernels skip the network steps; all_gather_bytes() throws
 // the stored error on the next call, and check() / status() report it at any time (after a
 // stream synchronize for a call just issued). After an error the object cannot be reused.
-// The intra-node phase (K > 1) is the LL AllGather, whose spins are NOT bounded: a local peer
-// killed mid-call still hangs its node peers (docs/gpu.md).
+// The intra-node phase (K > 1) is the LL AllGather with its spins bounded by the same timeout
+// (AllGather::set_timeout). A rank whose own steps all succeeded cannot tell that another rank
+// failed in the same call: until it reports an error itself (its next wait for the failed
+// rank's credit or data times out, within about two timeouts) its outputs may be incomplete.
 #pragma once
 
 #include <chrono>

@@ -42,6 +42,8 @@ void AllGather::connect(const std::vector<std::string>&) {}
 void AllGather::bootstrap(const std::string&, std::chrono::milliseconds) {}
 void AllGather::all_gather(const void*, void*, uint64_t, void*) {}
 void AllGather::all_gather_bytes(const void*, void*, uint64_t, void*) {}
+void AllGather::set_timeout(std::chrono::milliseconds) {}
+bool AllGather::timed_out() const { return false; }
 uint64_t AllGather::max_bytes() const { return 0; }
 uint64_t AllGather::ll_max_bytes() const { return 0; }
 int AllGather::world_size() const { return 0; }

@@ -264,6 +264,7 @@ HierAllGather::HierAllGather(uint64_t max_bytes, int world, int rank, int device
     d::check(cudaMalloc(&p, uint64_t(K) * N * max_bytes), "cudaMalloc (intra-node result)");
     m.scratch = static_cast<uint8_t*>(p);
     m.ag = std::make_unique<AllGather>(uint64_t(N) * max_bytes, 1, DType::kUInt8, K, m.w.local_rank, device);
+    m.ag->set_timeout(options.timeout);  // a local peer gone must not hang this node
   }
   // Device tables: channel handles (filled by connect), peers, permutation, counters.
   const size_t np = m.w.peers.size();
@@ -423,6 +424,10 @@ Status HierAllGather::status() const {
                                               " (node " + std::to_string(node) + ", rank " + std::to_string(rail_rank) +
                                               ") " + (code == int(ErrorCode::kTimeout) ? "timed out" : "failed") + why};
   }
+  if (m.ag && m.ag->timed_out())
+    return {ErrorCode::kTimeout, "HierAllGather rank " + std::to_string(m.rank) +
+                                     ": the intra-node AllGather timed out waiting for a local peer (node " +
+                                     std::to_string(m.w.node) + ")"};
   for (size_t p = 0; p < m.data_ch.size(); ++p) {
     for (const PortChannel* c : {&m.data_ch[p], &m.credit_ch[p]}) {
       Status s = c->status();
