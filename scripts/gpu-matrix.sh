@@ -14,7 +14,8 @@
 #           2 ranks forced inter (2 nodes x 1, port channels over the network between GPUs of
 #           this host), the same with NCCL forced onto sockets, 2 nodes x 2 when the host has
 #           >= 4 GPUs, the example under torchrun, and the kill test (a rank dies mid-loop, the
-#           other must raise within the timeout); HierAllGather.* of sluice_cuda_tests runs in cxx
+#           others must raise within the timeout; also 2 x 2 with >= 4 GPUs); HierAllGather.*
+#           of sluice_cuda_tests runs in cxx
 #   port    sluice-port-bench (port channel vs the copy engine, ping-pong, request rate), the
 #           batched nvlink post path and nvlink.post_batch=false interleaved, 2 rounds each
 #   nvlink  sluice-gpu-bench (nvlink transport vs cudaMemcpyPeerAsync)
@@ -102,6 +103,10 @@ s_hier() {
   done
   "$PY" tools/sluice-gpu-bench/hier_allgather_bench.py --world 2 --ranks-per-node 1 --timeout-ms 3000 \
     --kill-test || rc=1
+  if [ "$NGPU" -ge 4 ]; then
+    "$PY" tools/sluice-gpu-bench/hier_allgather_bench.py --world 4 --ranks-per-node 2 --timeout-ms 3000 \
+      --kill-test || rc=1
+  fi
   return $rc
 }
 # The batched proxy path and the single-post path of the same build, interleaved (A/B).

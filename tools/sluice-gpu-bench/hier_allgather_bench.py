@@ -199,7 +199,10 @@ def kill_worker(rank, world, args, port, result_dir):
     except hier.HierAllGatherError as e:
         took = time.monotonic() - last_ok
         good = e.code in (hier.PEER_LOST, hier.TIMEOUT, hier.CLOSED) and "HierAllGather" in str(e)
-        limit = 2 * args.timeout_ms / 1000 + 10
+        # A rank whose own steps succeeded learns of the failure when its next wait for a failed
+        # rank's credit or data times out: up to about two timeouts after the kill (three with
+        # an intra-node phase in between), plus the 10 calls between checks.
+        limit = 3 * args.timeout_ms / 1000 + 10
         outcome = ("ok" if good and took < limit else "bad") + f": code {e.code} after {took:.1f} s " \
             f"(limit {limit:.0f} s): {e}"
     with open(os.path.join(result_dir, f"rank{rank}"), "w") as f:
@@ -210,16 +213,12 @@ def kill_worker(rank, world, args, port, result_dir):
 def kill_test(args, port):
     import tempfile
     world = args.world
-    if args.ranks_per_node != 1:
-        print("kill test: only with --ranks-per-node 1 (the intra-node LL AllGather's spins are not bounded: "
-              "a killed local peer hangs its node; see docs/gpu.md)")
-        return 1
     ctx = mp.get_context("spawn")
     d = tempfile.mkdtemp(prefix="hier-kill-")
     procs = [ctx.Process(target=kill_worker, args=(r, world, args, port, d)) for r in range(world)]
     for p in procs:
         p.start()
-    deadline = time.monotonic() + 120 + 2 * args.timeout_ms / 1000
+    deadline = time.monotonic() + 120 + 3 * args.timeout_ms / 1000
     for p in procs:
         p.join(max(1, deadline - time.monotonic()))
     failed = 0
