@@ -310,6 +310,7 @@ struct AllGather::Impl {
   bool connected = false;
   uint64_t bound_ns = 0;  // 0: unbounded spins
   int* err = nullptr;     // mapped host memory: 1 once a spin ran out of time
+  int* err_dev = nullptr; // its device address
 };
 
 AllGather::AllGather(uint64_t max_tokens, uint64_t token_bytes, DType dtype, int world, int rank, int device)
@@ -349,6 +350,8 @@ AllGather::AllGather(uint64_t max_tokens, uint64_t token_bytes, DType dtype, int
   d::check(cudaHostAlloc(&e2, 64, cudaHostAllocMapped | cudaHostAllocPortable), "AllGather: cudaHostAlloc");
   m.err = static_cast<int*>(e2);
   std::memset(m.err, 0, 64);
+  d::check(cudaHostGetDevicePointer(&e2, m.err, 0), "AllGather: cudaHostGetDevicePointer");
+  m.err_dev = static_cast<int*>(e2);
 }
 
 AllGather::~AllGather() {
@@ -448,7 +451,7 @@ void AllGather::all_gather_bytes(const void* in, void* out, uint64_t bytes, void
   if (bytes <= m.ll_max) {
     uint64_t lines = (bytes + 7) / 8;
     unsigned blocks = static_cast<unsigned>(std::clamp<uint64_t>((lines + kThreads - 1) / kThreads, 1, std::min(m.sms, 64)));
-    ll_kernel<<<blocks, kThreads, 0, s>>>(m.peers, m.world, m.rank, i8, o8, bytes, m.L, m.bound_ns, m.err);
+    ll_kernel<<<blocks, kThreads, 0, s>>>(m.peers, m.world, m.rank, i8, o8, bytes, m.L, m.bound_ns, m.err_dev);
   } else {
     uint64_t chunk = std::max<uint64_t>(64 << 10, (bytes + kMaxChunks - 1) / kMaxChunks);
     uint64_t want = (bytes + 255) / 256;  // about 256 chunks when large
@@ -456,7 +459,7 @@ void AllGather::all_gather_bytes(const void* in, void* out, uint64_t bytes, void
     chunk = (chunk + 15) / 16 * 16;
     uint64_t nchunks = (bytes + chunk - 1) / chunk;
     unsigned blocks = static_cast<unsigned>(std::clamp<uint64_t>(nchunks, 1, std::min(m.sms, 64)));
-    simple_kernel<<<blocks, kThreads, 0, s>>>(m.peers, m.world, m.rank, i8, o8, bytes, chunk, m.L, m.bound_ns, m.err);
+    simple_kernel<<<blocks, kThreads, 0, s>>>(m.peers, m.world, m.rank, i8, o8, bytes, chunk, m.L, m.bound_ns, m.err_dev);
   }
   d::check(cudaGetLastError(), "AllGather kernel launch");
 }

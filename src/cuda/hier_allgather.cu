@@ -192,6 +192,7 @@ struct HierAllGather::Impl {
   std::string transport;
   std::unique_ptr<Engine> engine;
   uint8_t* rail = nullptr;  // pinned, mapped
+  uint8_t* rail_dev = nullptr;  // its device address (the same under UVA)
   MemoryHandle rail_h{};
   bool rail_registered = false;
   uint8_t* mine = nullptr;
@@ -251,6 +252,9 @@ HierAllGather::HierAllGather(uint64_t max_bytes, int world, int rank, int device
     d::check(cudaHostAlloc(&p, m.w.rail.bytes, cudaHostAllocMapped | cudaHostAllocPortable), "cudaHostAlloc (rail)");
     m.rail = static_cast<uint8_t*>(p);
     std::memset(m.rail, 0, m.w.rail.bytes);
+    void* dp = nullptr;
+    d::check(cudaHostGetDevicePointer(&dp, m.rail, 0), "cudaHostGetDevicePointer (rail)");
+    m.rail_dev = static_cast<uint8_t*>(dp);
     m.rail_h = m.engine->register_memory(m.rail, m.w.rail.bytes, Location::host(), kRailName);
     m.rail_registered = true;
   }
@@ -288,7 +292,8 @@ HierAllGather::HierAllGather(uint64_t max_bytes, int world, int rank, int device
   at += 4 * (np + 1);
   m.dv.out_slot = reinterpret_cast<int*>(at);
   d::check(cudaMemcpy(at, m.w.out_slot.data(), 4 * m.w.out_slot.size(), cudaMemcpyHostToDevice), "cudaMemcpy");
-  m.dv.status = m.status;  // UVA: the host pointer of mapped memory is valid on the device
+  d::check(cudaHostGetDevicePointer(&p, m.status, 0), "cudaHostGetDevicePointer (status)");
+  m.dv.status = static_cast<int*>(p);
   m.dv.npeers = static_cast<int>(np);
   m.dv.node = m.w.node;
   m.dv.nodes = N;
@@ -464,11 +469,11 @@ void HierAllGather::all_gather_bytes(const void* in, void* out, uint64_t bytes, 
   const unsigned blocks = static_cast<unsigned>(std::clamp<uint64_t>(grid_lines, 1, std::min(m.sms, 32)));
   if (N > 1) {
     credit_kernel<<<1, 32, 0, s>>>(m.dv);
-    stage_kernel<<<blocks, kHierThreads, 0, s>>>(m.dv, i8, m.rail, m.mine, bytes);
+    stage_kernel<<<blocks, kHierThreads, 0, s>>>(m.dv, i8, m.rail_dev, m.mine, bytes);
     exchange_kernel<<<1, 32, 0, s>>>(m.dv, bytes);
-    collect_kernel<<<blocks, kHierThreads, 0, s>>>(m.dv, m.rail, m.mine, bytes);
+    collect_kernel<<<blocks, kHierThreads, 0, s>>>(m.dv, m.rail_dev, m.mine, bytes);
   } else {
-    stage_kernel<<<blocks, kHierThreads, 0, s>>>(m.dv, i8, m.rail, m.mine, bytes);
+    stage_kernel<<<blocks, kHierThreads, 0, s>>>(m.dv, i8, m.rail_dev, m.mine, bytes);
   }
   d::check(cudaGetLastError(), "HierAllGather kernel launch");
   const uint8_t* src = m.mine;
