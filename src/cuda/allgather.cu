@@ -346,12 +346,23 @@ AllGather::AllGather(uint64_t max_tokens, uint64_t token_bytes, DType dtype, int
   }
   for (auto& b : m.peers.buf) b = nullptr;
   m.peers.buf[rank] = m.buf;
+  // The timeout flag (mapped host memory), and both kernels loaded now: a kernel's first launch
+  // waits for the kernels running on the device, e.g. a HierAllGather's exchange kernel
+  // spinning ahead of it on the stream.
+  d::check(cudaSetDevice(device), "cudaSetDevice");
   void* e2 = nullptr;
-  d::check(cudaHostAlloc(&e2, 64, cudaHostAllocMapped | cudaHostAllocPortable), "AllGather: cudaHostAlloc");
-  m.err = static_cast<int*>(e2);
-  std::memset(m.err, 0, 64);
-  d::check(cudaHostGetDevicePointer(&e2, m.err, 0), "AllGather: cudaHostGetDevicePointer");
-  m.err_dev = static_cast<int*>(e2);
+  e = cudaHostAlloc(&e2, 64, cudaHostAllocMapped | cudaHostAllocPortable);
+  if (e == cudaSuccess) {
+    m.err = static_cast<int*>(e2);
+    std::memset(m.err, 0, 64);
+    e = cudaHostGetDevicePointer(&e2, m.err, 0);
+    m.err_dev = static_cast<int*>(e2);
+  }
+  cudaFuncAttributes attr;
+  if (e == cudaSuccess) e = cudaFuncGetAttributes(&attr, ll_kernel);
+  if (e == cudaSuccess) e = cudaFuncGetAttributes(&attr, simple_kernel);
+  cudaSetDevice(prev);
+  d::check(e, "AllGather: setting up the timeout flag and loading the kernels");
 }
 
 AllGather::~AllGather() {
