@@ -19,6 +19,7 @@
 #include <cstring>
 
 #include "collective/hier_allgather_wiring.hpp"
+#include "collective/hier_rail.hpp"
 #include "collective/topology.hpp"
 #include "cuda/cuda_util.hpp"
 #include "sluice/allgather.hpp"
@@ -35,7 +36,6 @@ using sluice::detail::HierWiring;
 using sluice::detail::Topology;
 
 constexpr int kHierThreads = 512;
-constexpr const char* kRailName = "sluice.hier.rail";
 
 // Which step failed (status[1]).
 enum Step : int { kStepCredit = 1, kStepPut = 2, kStepData = 3, kStepCreditSignal = 4 };
@@ -189,21 +189,15 @@ struct HierAllGather::Impl {
   HierAllGatherOptions opt;
   Topology topo;
   HierWiring w;
-  std::string transport;
-  std::unique_ptr<Engine> engine;
-  uint8_t* rail = nullptr;  // pinned, mapped
+  uint8_t* rail = nullptr;      // pinned, mapped
   uint8_t* rail_dev = nullptr;  // its device address (the same under UVA)
-  MemoryHandle rail_h{};
-  bool rail_registered = false;
+  std::unique_ptr<sluice::detail::HierRail> net;  // engine, rail region, channels (N > 1)
   uint8_t* mine = nullptr;
   uint8_t* scratch = nullptr;
   int* status = nullptr;  // pinned, mapped
   uint8_t* devmem = nullptr;
   Dev dv{};
   std::unique_ptr<AllGather> ag;
-  std::unique_ptr<ProxyService> proxy;
-  std::vector<Endpoint> eps, accepted;
-  std::vector<PortChannel> data_ch, credit_ch;
   bool connected = false;
 };
 
@@ -231,23 +225,7 @@ HierAllGather::HierAllGather(uint64_t max_bytes, int world, int rank, int device
   const int N = m.w.nodes, K = m.w.ranks_per_node;
 
   DeviceGuard g(device);
-  // The engine: only the network transports (a forced inter-node run on one host must not
-  // pick nvlink or shm).
   if (N > 1) {
-    EngineConfig cfg;
-    if (!options.transport.empty()) cfg.transports = {options.transport};
-    else cfg.transports = {"rdma", "tcp"};
-    try {
-      m.engine = std::make_unique<Engine>(cfg);
-    } catch (const Error& e) {
-      if (!options.transport.empty()) throw;
-      cfg.transports = {"tcp"};  // no rdma on this host
-      m.engine = std::make_unique<Engine>(cfg);
-    }
-    auto ts = m.engine->transports();
-    m.transport = std::find(ts.begin(), ts.end(), "rdma") != ts.end() ? "rdma" : "tcp";
-    if (!options.transport.empty() && std::find(ts.begin(), ts.end(), options.transport) == ts.end())
-      throw Error(ErrorCode::kNoDevice, "HierAllGather: transport " + options.transport + " is not available here");
     void* p = nullptr;
     d::check(cudaHostAlloc(&p, m.w.rail.bytes, cudaHostAllocMapped | cudaHostAllocPortable), "cudaHostAlloc (rail)");
     m.rail = static_cast<uint8_t*>(p);
@@ -255,8 +233,13 @@ HierAllGather::HierAllGather(uint64_t max_bytes, int world, int rank, int device
     void* dp = nullptr;
     d::check(cudaHostGetDevicePointer(&dp, m.rail, 0), "cudaHostGetDevicePointer (rail)");
     m.rail_dev = static_cast<uint8_t*>(dp);
-    m.rail_h = m.engine->register_memory(m.rail, m.w.rail.bytes, Location::host(), kRailName);
-    m.rail_registered = true;
+    sluice::detail::HierRailOptions ro;
+    ro.transport = options.transport;
+    ro.producers = ProducerKind::kCuda;
+    ro.cuda_device = device;
+    ro.workers = options.proxy_workers;
+    ro.push_spin_ns = uint64_t(options.timeout.count()) * 1000000ull;
+    m.net = std::make_unique<sluice::detail::HierRail>(m.w, m.rail, ro);
   }
   void* p = nullptr;
   d::check(cudaHostAlloc(&p, 64, cudaHostAllocMapped | cudaHostAllocPortable), "cudaHostAlloc (status)");
@@ -317,16 +300,7 @@ HierAllGather::~HierAllGather() {
   cudaGetDevice(&prev);
   cudaSetDevice(m.device);
   cudaDeviceSynchronize();
-  if (m.proxy) m.proxy->stop();
-  m.proxy.reset();
-  m.data_ch.clear();
-  m.credit_ch.clear();
-  for (auto& ep : m.eps) ep.close();
-  for (auto& ep : m.accepted) ep.close();
-  m.eps.clear();
-  m.accepted.clear();
-  if (m.engine && m.rail_registered) m.engine->unregister_memory(m.rail_h);
-  m.engine.reset();
+  m.net.reset();  // stops the proxy and the engine before the rail is freed
   m.ag.reset();
   if (m.rail) cudaFreeHost(m.rail);
   if (m.status) cudaFreeHost(m.status);
@@ -345,7 +319,7 @@ std::string HierAllGather::handle() const {
   h.local_rank = m.w.local_rank;
   h.max_bytes = m.max_bytes;
   h.rail_bytes = m.w.rail.bytes;
-  if (m.engine) h.engine_info = m.engine->local_info();
+  if (m.net) h.engine_info = m.net->engine_info();
   if (m.ag) h.ag_handle = m.ag->handle();
   return h.encode();
 }
@@ -360,49 +334,15 @@ void HierAllGather::connect(const std::vector<std::string>& handles) {
     for (int j = 0; j < m.w.ranks_per_node; ++j) local[j] = hs[m.topo.rank_of(m.w.node, j)].ag_handle;
     m.ag->connect(local);
   }
-  if (!m.w.peers.empty()) {
-    ProxyOptions po;
-    po.workers = std::max(1, m.opt.proxy_workers);
-    po.producers = ProducerKind::kCuda;
-    po.cuda_device = m.device;
-    po.push_spin_ns = m.dv.spin_ns;
-    m.proxy = std::make_unique<ProxyService>(*m.engine, po);
-    ConnectOptions co;
-    co.transport = m.transport;
-    co.reconnect = false;  // a lost rail peer fails the collective; it is never silently redialled
-    const MemoryId src = m.proxy->add_memory(m.rail_h);
+  if (m.net) {
+    m.net->connect(hs);
     std::vector<PortChannelDeviceHandle> dh, ch;
-    for (const auto& peer : m.w.peers) {
-      const HierHandle& h = hs[peer.rank];
-      Endpoint ep = m.engine->connect(h.engine_info, co);
-      std::optional<RemoteHandle> rr = ep.remote_region(kRailName);
-      if (!rr)
-        throw Error(ErrorCode::kProtocol, "HierAllGather::connect: rank " + std::to_string(peer.rank) +
-                                              "'s engine has no region " + kRailName);
-      // Bounds of every put and signal are checked by the transport against the peer's
-      // registered region; the size the peer's handle claims must match it too.
-      const MemoryId dst = m.proxy->add_memory(ep, *rr);
-      m.data_ch.push_back(m.proxy->add_channel(ep, dst, src, {*rr, peer.remote_data_sem}, {m.rail_h, peer.local_data_sem}));
-      m.credit_ch.push_back(
-          m.proxy->add_channel(ep, dst, src, {*rr, peer.remote_credit_sem}, {m.rail_h, peer.local_credit_sem}));
-      dh.push_back(m.data_ch.back().device_handle());
-      ch.push_back(m.credit_ch.back().device_handle());
-      m.eps.push_back(std::move(ep));
-    }
-    // Every rail peer dialled us too: take those endpoints off the accept queue (whose length
-    // the engine bounds) and keep them for the object's lifetime. Our puts use our own.
-    for (size_t k = 0; k < m.w.peers.size(); ++k) {
-      std::optional<Endpoint> in = m.engine->accept(std::chrono::milliseconds(60000));
-      if (!in)
-        throw Error(ErrorCode::kTimeout, "HierAllGather::connect: " + std::to_string(k) + " of " +
-                                             std::to_string(m.w.peers.size()) + " rail peers connected within 60 s");
-      m.accepted.push_back(std::move(*in));
-    }
+    for (const auto& c : m.net->data()) dh.push_back(c.device_handle());
+    for (const auto& c : m.net->credit()) ch.push_back(c.device_handle());
     d::check(cudaMemcpy(m.dv.data, dh.data(), sizeof(PortChannelDeviceHandle) * dh.size(), cudaMemcpyHostToDevice),
              "cudaMemcpy (channel handles)");
     d::check(cudaMemcpy(m.dv.credit, ch.data(), sizeof(PortChannelDeviceHandle) * ch.size(), cudaMemcpyHostToDevice),
              "cudaMemcpy (channel handles)");
-    m.proxy->start();
   }
   m.connected = true;
 }
@@ -415,9 +355,9 @@ Status HierAllGather::status() const {
     const int node = __atomic_load_n(m.status + 2, __ATOMIC_ACQUIRE);
     std::string why;
     ErrorCode ec = static_cast<ErrorCode>(code);
-    for (size_t p = 0; p < m.w.peers.size() && p < m.data_ch.size(); ++p) {
+    for (size_t p = 0; m.net && p < m.net->data().size(); ++p) {
       if (m.w.peers[p].node != node) continue;
-      Status a = m.data_ch[p].status(), b = m.credit_ch[p].status();
+      Status a = m.net->data()[p].status(), b = m.net->credit()[p].status();
       const Status& bad = !a.ok() ? a : b;
       if (!bad.ok()) {
         why = ": " + bad.to_string();
@@ -433,13 +373,9 @@ Status HierAllGather::status() const {
     return {ErrorCode::kTimeout, "HierAllGather rank " + std::to_string(m.rank) +
                                      ": the intra-node AllGather timed out waiting for a local peer (node " +
                                      std::to_string(m.w.node) + ")"};
-  for (size_t p = 0; p < m.data_ch.size(); ++p) {
-    for (const PortChannel* c : {&m.data_ch[p], &m.credit_ch[p]}) {
-      Status s = c->status();
-      if (!s.ok())
-        return {s.code, "HierAllGather rank " + std::to_string(m.rank) + ": channel to rank " +
-                            std::to_string(m.w.peers[p].rank) + " failed: " + s.to_string()};
-    }
+  if (m.net) {
+    Status s = m.net->status();
+    if (!s.ok()) return {s.code, "HierAllGather rank " + std::to_string(m.rank) + ": " + s.message};
   }
   return Status::Ok();
 }
@@ -492,7 +428,9 @@ int HierAllGather::world_size() const { return impl_->world; }
 int HierAllGather::rank() const { return impl_->rank; }
 int HierAllGather::nodes() const { return impl_->w.nodes; }
 int HierAllGather::ranks_per_node() const { return impl_->w.ranks_per_node; }
-std::string HierAllGather::transport() const { return impl_->connected ? impl_->transport : std::string(); }
+std::string HierAllGather::transport() const {
+  return impl_->connected && impl_->net ? impl_->net->transport() : std::string();
+}
 
 }  // namespace sluice::cuda
 
