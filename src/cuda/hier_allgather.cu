@@ -109,7 +109,10 @@ __global__ void __launch_bounds__(kHierThreads) stage_kernel(Dev dv, const uint8
 
 // Step 3: own shard to every rail peer, then every rail peer's shard.
 __global__ void exchange_kernel(Dev dv, uint64_t bytes) {
-  if (status_code(dv.status) != 0) return;
+  __shared__ int failed;  // one read for the block, so that every thread takes the same branch
+  if (threadIdx.x == 0) failed = status_code(dv.status);
+  __syncthreads();
+  if (failed != 0) return;
   const uint64_t off = uint64_t(dv.node) * bytes;
   for (int p = threadIdx.x; p < dv.npeers; p += blockDim.x) {
     PortResult r = dv.data[p].put_with_signal(off, off, bytes);
