@@ -2,7 +2,7 @@
 # The GPU matrix: every test and benchmark that needs one or more GPUs, in stages, each with a
 # time limit and a log of its own. Not part of CI (CI has no GPU). Run on a host with >= 2 GPUs:
 #
-#   scripts/gpu-matrix.sh [STAGE ...]          default: info cxx ag port nvlink wheel torch tbench ce
+#   scripts/gpu-matrix.sh [STAGE ...]          default: info cxx ag hier port nvlink wheel torch tbench ce
 #
 # Stages:
 #   info    GPUs, links (nvidia-smi topo), driver, Python and torch versions
@@ -10,6 +10,12 @@
 #   sanit   the port channel's GPU tests under compute-sanitizer memcheck and racecheck
 #   ag      the LL AllGather against NCCL, bit-equality and timing, at 2 ranks and at every
 #           GPU of the host when there are more (tools/sluice-gpu-bench/allgather_bench.py)
+#   hier    the hierarchical AllGather against NCCL (tools/sluice-gpu-bench/hier_allgather_bench.py):
+#           2 ranks forced inter (2 nodes x 1, port channels over the network between GPUs of
+#           this host), the same with NCCL forced onto sockets, 2 nodes x 2 when the host has
+#           >= 4 GPUs, the example under torchrun, and the kill test (a rank dies mid-loop, the
+#           others must raise within the timeout; also 2 x 2 with >= 4 GPUs); HierAllGather.*
+#           of sluice_cuda_tests runs in cxx
 #   port    sluice-port-bench (port channel vs the copy engine, ping-pong, request rate), the
 #           batched nvlink post path and nvlink.post_batch=false interleaved, 2 rounds each
 #   nvlink  sluice-gpu-bench (nvlink transport vs cudaMemcpyPeerAsync)
@@ -81,6 +87,28 @@ s_ag() {
   done
   return $rc
 }
+s_hier() {
+  local rc=0
+  export SLUICE_LIBRARY=$BIN/libsluice.so
+  "$PY" tools/sluice-gpu-bench/hier_allgather_bench.py --world 2 --ranks-per-node 1 \
+    --out "$LOGS/hier-2x1.md" || rc=1
+  "$PY" tools/sluice-gpu-bench/hier_allgather_bench.py --world 2 --ranks-per-node 1 --transport tcp --nccl-socket \
+    --max-mib 16 --out "$LOGS/hier-2x1-socket.md" || rc=1
+  if [ "$NGPU" -ge 4 ]; then
+    "$PY" tools/sluice-gpu-bench/hier_allgather_bench.py --world 4 --ranks-per-node 2 \
+      --out "$LOGS/hier-2x2.md" || rc=1
+  fi
+  for m in "" "--eager-mode"; do
+    "$PY" -m torch.distributed.run --nproc-per-node 2 examples/python/all_gather_ll.py --mode inter $m || rc=1
+  done
+  "$PY" tools/sluice-gpu-bench/hier_allgather_bench.py --world 2 --ranks-per-node 1 --timeout-ms 3000 \
+    --kill-test || rc=1
+  if [ "$NGPU" -ge 4 ]; then
+    "$PY" tools/sluice-gpu-bench/hier_allgather_bench.py --world 4 --ranks-per-node 2 --timeout-ms 3000 \
+      --kill-test || rc=1
+  fi
+  return $rc
+}
 # The batched proxy path and the single-post path of the same build, interleaved (A/B).
 s_port() {
   local r rc=0
@@ -114,8 +142,8 @@ s_tbench() {
 s_ce() { CE_TIMEOUT=${CE_TIMEOUT:-300} PYTHON=$PY tests/compat/run_checkpoint_engine.sh run "$WH"; }
 
 stages=("$@")
-[ ${#stages[@]} -gt 0 ] || stages=(info cxx ag port nvlink wheel torch tbench ce)
-case " ${stages[*]} " in *" cxx "*|*" sanit "*|*" ag "*|*" port "*|*" nvlink "*) bin_setup || { echo "gpu-matrix.sh: building the GPU binaries failed" >&2; exit 1; } ;; esac
+[ ${#stages[@]} -gt 0 ] || stages=(info cxx ag hier port nvlink wheel torch tbench ce)
+case " ${stages[*]} " in *" cxx "*|*" sanit "*|*" ag "*|*" hier "*|*" port "*|*" nvlink "*) bin_setup || { echo "gpu-matrix.sh: building the GPU binaries failed" >&2; exit 1; } ;; esac
 summary=()
 for s in "${stages[@]}"; do
   declare -F "s_$s" >/dev/null || { echo "gpu-matrix.sh: unknown stage $s" >&2; exit 2; }

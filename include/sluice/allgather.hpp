@@ -49,6 +49,13 @@ class SLUICE_API AllGather {
   // Same with a byte count.
   void all_gather_bytes(const void* in, void* out, uint64_t bytes, void* stream);
 
+  // Bound of every wait for a peer's data inside the kernels (0, the default: wait as long as
+  // it takes). A wait that runs out sets a flag and the kernel returns with the output
+  // incomplete; timed_out() then says so (after a stream synchronize) and the object must not
+  // be used again. Takes effect for calls issued (or captured) after it.
+  void set_timeout(std::chrono::milliseconds timeout);
+  bool timed_out() const;
+
   uint64_t max_bytes() const;
   uint64_t ll_max_bytes() const;
   int world_size() const;

@@ -1,4 +1,4 @@
-"""Which rank lives on which node, for the hierarchical AllGather (issue 14; not built yet).
+"""Which rank lives on which node, for the hierarchical AllGather (issue 14; python/sluice/hier_allgather.py reads it).
 
     from sluice.topology import from_env
     topo = from_env()            # torchrun's RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE

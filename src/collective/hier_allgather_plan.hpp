@@ -1,7 +1,8 @@
 // The hierarchical AllGather's plan for one rank (issue 14): which shard goes where, in which
 // phase. Host-side and pure, so that CI (no GPU) checks the forwarding logic by simulating every
-// rank's plan (tests/collective/hier_allgather_plan_test.cpp). The GPU kernels and the port
-// channel wiring that will execute it are not written yet (docs/gpu.md).
+// rank's plan (tests/collective/hier_allgather_plan_test.cpp). The GPU implementation
+// (src/cuda/hier_allgather.cu, wired by hier_allgather_wiring.hpp) follows this scheme with the
+// intra-node phase as the LL AllGather of each rail block (docs/gpu.md).
 //
 // Layout: the output is all_gather_into_tensor's, rank-major: shard s (rank s's input) lives at
 // byte offset s * shard_bytes of every rank's output. A shard therefore has the same offset on

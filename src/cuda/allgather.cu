@@ -111,8 +111,27 @@ __device__ __forceinline__ void end_epoch(uint8_t* self, uint32_t epoch) {
   }
 }
 
+// The optional spin bound (AllGather::set_timeout; bound_ns 0 = spin until the data comes, the
+// default). Checked every 1024 spins: a flag in mapped host memory (set by whichever thread ran
+// out of time first, read by the host through AllGather::timed_out()) and the global timer.
+__device__ __forceinline__ bool spin_expired(uint64_t bound_ns, int* err, uint64_t& start, uint32_t& n) {
+  if (bound_ns == 0 || (++n & 1023) != 0) return false;
+  if (*reinterpret_cast<volatile int*>(err) != 0) return true;
+  uint64_t now;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+  if (start == 0) {
+    start = now;
+    return false;
+  }
+  if (now - start <= bound_ns) return false;
+  atomicExch_system(err, 1);
+  __threadfence_system();
+  return true;
+}
+
 __global__ void __launch_bounds__(kThreads) ll_kernel(Peers peers, int world, int rank, const uint8_t* __restrict__ in,
-                                                      uint8_t* __restrict__ out, uint64_t bytes, Layout L) {
+                                                      uint8_t* __restrict__ out, uint64_t bytes, Layout L,
+                                                      uint64_t bound_ns, int* err) {
   uint8_t* self = peers.buf[rank];
   const uint32_t epoch = begin_epoch(self);
   const uint64_t parity = epoch & 1;
@@ -132,13 +151,23 @@ __global__ void __launch_bounds__(kThreads) ll_kernel(Peers peers, int world, in
     store8(out + uint64_t(rank) * bytes + i * 8, v, n);
   }
   // Receive.
-  for (int k = 1; k < world; ++k) {
+  bool dead = false;
+  uint64_t t0 = 0;
+  uint32_t spins = 0;
+  for (int k = 1; k < world && !dead; ++k) {
     int p = (rank + world - k) % world;
     const uint8_t* slot = self + L.ll_off + (parity * world + p) * L.ll_slot;
     for (uint64_t i = first; i < lines; i += stride) {
       uint4 pkt;
-      do pkt = ld_v4(reinterpret_cast<const uint4*>(slot) + i);
-      while (pkt.y != epoch || pkt.w != epoch);
+      for (;;) {
+        pkt = ld_v4(reinterpret_cast<const uint4*>(slot) + i);
+        if (pkt.y == epoch && pkt.w == epoch) break;
+        if (spin_expired(bound_ns, err, t0, spins)) {
+          dead = true;
+          break;
+        }
+      }
+      if (dead) break;
       store8(out + uint64_t(p) * bytes + i * 8, make_uint2(pkt.x, pkt.z), bytes - i * 8);
     }
   }
@@ -178,7 +207,7 @@ __device__ __forceinline__ void block_copy(uint8_t* dst, const uint8_t* src, uin
 
 __global__ void __launch_bounds__(kThreads) simple_kernel(Peers peers, int world, int rank, const uint8_t* __restrict__ in,
                                                           uint8_t* __restrict__ out, uint64_t bytes, uint64_t chunk,
-                                                          Layout L) {
+                                                          Layout L, uint64_t bound_ns, int* err) {
   uint8_t* self = peers.buf[rank];
   const uint32_t epoch = begin_epoch(self);
   const uint64_t parity = epoch & 1;
@@ -203,23 +232,33 @@ __global__ void __launch_bounds__(kThreads) simple_kernel(Peers peers, int world
   }
   // Receive: wait for each chunk, copy it out.
   __shared__ int ready;
-  for (int k = 1; k < world; ++k) {
+  bool dead = false;
+  uint64_t t0 = 0;
+  uint32_t spins = 0;
+  for (int k = 1; k < world && !dead; ++k) {
     int p = (rank + world - k) % world;
     auto* flags = reinterpret_cast<const uint32_t*>(self + L.flags_off) + (parity * world + p) * kMaxChunks;
     const uint8_t* slot = self + L.staging_off + (parity * world + p) * L.staging_slot;
     for (uint64_t c = blockIdx.x; c < nchunks; c += gridDim.x) {
       if (threadIdx.x == 0) {
-        while (ld_acquire(flags + c) != epoch) {
-        }
         ready = 1;
+        while (ld_acquire(flags + c) != epoch) {
+          if (spin_expired(bound_ns, err, t0, spins)) {
+            ready = 0;
+            break;
+          }
+        }
       }
       __syncthreads();
+      if (!ready) {  // uniform in the block: every thread read the same shared word
+        dead = true;
+        break;
+      }
       uint64_t off = c * chunk, n = std::min<uint64_t>(chunk, bytes - off);
       block_copy(out + uint64_t(p) * bytes + off, slot + off, n, true);
       __syncthreads();
     }
   }
-  (void)ready;
   end_epoch(self, epoch);
 }
 
@@ -269,6 +308,9 @@ struct AllGather::Impl {
   Peers peers{};
   std::vector<void*> opened;
   bool connected = false;
+  uint64_t bound_ns = 0;  // 0: unbounded spins
+  int* err = nullptr;     // mapped host memory: 1 once a spin ran out of time
+  int* err_dev = nullptr; // its device address
 };
 
 AllGather::AllGather(uint64_t max_tokens, uint64_t token_bytes, DType dtype, int world, int rank, int device)
@@ -304,6 +346,23 @@ AllGather::AllGather(uint64_t max_tokens, uint64_t token_bytes, DType dtype, int
   }
   for (auto& b : m.peers.buf) b = nullptr;
   m.peers.buf[rank] = m.buf;
+  // The timeout flag (mapped host memory), and both kernels loaded now: a kernel's first launch
+  // waits for the kernels running on the device, e.g. a HierAllGather's exchange kernel
+  // spinning ahead of it on the stream.
+  d::check(cudaSetDevice(device), "cudaSetDevice");
+  void* e2 = nullptr;
+  e = cudaHostAlloc(&e2, 64, cudaHostAllocMapped | cudaHostAllocPortable);
+  if (e == cudaSuccess) {
+    m.err = static_cast<int*>(e2);
+    std::memset(m.err, 0, 64);
+    e = cudaHostGetDevicePointer(&e2, m.err, 0);
+    m.err_dev = static_cast<int*>(e2);
+  }
+  cudaFuncAttributes attr;
+  if (e == cudaSuccess) e = cudaFuncGetAttributes(&attr, ll_kernel);
+  if (e == cudaSuccess) e = cudaFuncGetAttributes(&attr, simple_kernel);
+  cudaSetDevice(prev);
+  d::check(e, "AllGather: setting up the timeout flag and loading the kernels");
 }
 
 AllGather::~AllGather() {
@@ -319,6 +378,7 @@ AllGather::~AllGather() {
     g_local.erase(reinterpret_cast<uint64_t>(m.buf));
   }
   if (m.buf) cudaFree(m.buf);
+  if (m.err) cudaFreeHost(m.err);
   cudaSetDevice(prev);
 }
 
@@ -402,7 +462,7 @@ void AllGather::all_gather_bytes(const void* in, void* out, uint64_t bytes, void
   if (bytes <= m.ll_max) {
     uint64_t lines = (bytes + 7) / 8;
     unsigned blocks = static_cast<unsigned>(std::clamp<uint64_t>((lines + kThreads - 1) / kThreads, 1, std::min(m.sms, 64)));
-    ll_kernel<<<blocks, kThreads, 0, s>>>(m.peers, m.world, m.rank, i8, o8, bytes, m.L);
+    ll_kernel<<<blocks, kThreads, 0, s>>>(m.peers, m.world, m.rank, i8, o8, bytes, m.L, m.bound_ns, m.err_dev);
   } else {
     uint64_t chunk = std::max<uint64_t>(64 << 10, (bytes + kMaxChunks - 1) / kMaxChunks);
     uint64_t want = (bytes + 255) / 256;  // about 256 chunks when large
@@ -410,10 +470,16 @@ void AllGather::all_gather_bytes(const void* in, void* out, uint64_t bytes, void
     chunk = (chunk + 15) / 16 * 16;
     uint64_t nchunks = (bytes + chunk - 1) / chunk;
     unsigned blocks = static_cast<unsigned>(std::clamp<uint64_t>(nchunks, 1, std::min(m.sms, 64)));
-    simple_kernel<<<blocks, kThreads, 0, s>>>(m.peers, m.world, m.rank, i8, o8, bytes, chunk, m.L);
+    simple_kernel<<<blocks, kThreads, 0, s>>>(m.peers, m.world, m.rank, i8, o8, bytes, chunk, m.L, m.bound_ns, m.err_dev);
   }
   d::check(cudaGetLastError(), "AllGather kernel launch");
 }
+
+void AllGather::set_timeout(std::chrono::milliseconds timeout) {
+  if (timeout.count() < 0) throw Error(ErrorCode::kInvalidArgument, "AllGather::set_timeout: negative timeout");
+  impl_->bound_ns = uint64_t(timeout.count()) * 1000000ull;
+}
+bool AllGather::timed_out() const { return __atomic_load_n(impl_->err, __ATOMIC_ACQUIRE) != 0; }
 
 uint64_t AllGather::max_bytes() const { return impl_->max_bytes; }
 uint64_t AllGather::ll_max_bytes() const { return impl_->ll_max; }

@@ -42,11 +42,48 @@ void AllGather::connect(const std::vector<std::string>&) {}
 void AllGather::bootstrap(const std::string&, std::chrono::milliseconds) {}
 void AllGather::all_gather(const void*, void*, uint64_t, void*) {}
 void AllGather::all_gather_bytes(const void*, void*, uint64_t, void*) {}
+void AllGather::set_timeout(std::chrono::milliseconds) {}
+bool AllGather::timed_out() const { return false; }
 uint64_t AllGather::max_bytes() const { return 0; }
 uint64_t AllGather::ll_max_bytes() const { return 0; }
 int AllGather::world_size() const { return 0; }
 int AllGather::rank() const { return 0; }
 }  // namespace sluice::cuda
+
+// The hierarchical AllGather without CUDA: constructing one reports kNoDevice; the C entry
+// points exist so that the ctypes wrapper gets that message instead of a missing symbol.
+#include <cstring>
+
+#include "sluice/hier_allgather.hpp"
+
+namespace sluice::cuda {
+struct HierAllGather::Impl {};
+HierAllGather::HierAllGather(uint64_t, int, int, int, const std::vector<int>&, HierAllGatherOptions) {
+  throw Error(ErrorCode::kNoDevice, "HierAllGather: libsluice was built without CUDA");
+}
+HierAllGather::~HierAllGather() = default;
+std::string HierAllGather::handle() const { return {}; }
+void HierAllGather::connect(const std::vector<std::string>&) {}
+void HierAllGather::all_gather_bytes(const void*, void*, uint64_t, void*) {}
+Status HierAllGather::status() const { return {ErrorCode::kNoDevice, "libsluice was built without CUDA"}; }
+void HierAllGather::check() const { throw Error(status()); }
+uint64_t HierAllGather::max_bytes() const { return 0; }
+int HierAllGather::world_size() const { return 0; }
+int HierAllGather::rank() const { return 0; }
+int HierAllGather::nodes() const { return 0; }
+int HierAllGather::ranks_per_node() const { return 0; }
+std::string HierAllGather::transport() const { return {}; }
+}  // namespace sluice::cuda
+
+extern "C" {
+SLUICE_API void* sluice_hag_create(uint64_t, int, int, int, const int*, const char*, int64_t, char* err, int errlen) {
+  if (err && errlen > 0) {
+    std::strncpy(err, "HierAllGather: libsluice was built without CUDA", errlen - 1);
+    err[errlen - 1] = 0;
+  }
+  return nullptr;
+}
+}  // extern "C"
 
 // Staging without CUDA: nothing can be staged.
 #include "cuda/staging.hpp"
