@@ -87,6 +87,7 @@ struct Pair {
   Endpoint ab, ba;
   std::unique_ptr<ProxyService> pa, pb;
   PortChannel ca, cb;
+  MemoryId a_to_b = 0, a_ra = 0, b_to_a = 0, b_rb = 0;  // the proxies' memory ids (a's and b's table)
 
   // `config`: both engines' (nvlink.* and port.* options); `start`: start the proxies now
   // (false: requests pushed before start() are popped as one batch).
@@ -113,8 +114,13 @@ struct Pair {
     pa = std::make_unique<ProxyService>(a, oa);
     pb = std::make_unique<ProxyService>(b, ob);
     RemoteHandle to_b = *ab.remote_region("rb"), to_a = *ba.remote_region("ra");
-    ca = pa->add_channel(ab, pa->add_memory(ab, to_b), pa->add_memory(ra.handle), {to_b, 2 * n}, {ra.handle, 2 * n});
-    cb = pb->add_channel(ba, pb->add_memory(ba, to_a), pb->add_memory(rb.handle), {to_a, 2 * n}, {rb.handle, 2 * n});
+    // One statement each: the order of a call's arguments is unspecified, and the ids follow it.
+    a_to_b = pa->add_memory(ab, to_b);
+    a_ra = pa->add_memory(ra.handle);
+    b_to_a = pb->add_memory(ba, to_a);
+    b_rb = pb->add_memory(rb.handle);
+    ca = pa->add_channel(ab, a_to_b, a_ra, {to_b, 2 * n}, {ra.handle, 2 * n});
+    cb = pb->add_channel(ba, b_to_a, b_rb, {to_a, 2 * n}, {rb.handle, 2 * n});
     if (start) {
       pa->start();
       pb->start();

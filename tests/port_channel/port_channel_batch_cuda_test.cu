@@ -5,6 +5,7 @@
 // the peer GPU that sees a signal sees every put before it (small, SM-copied, and large,
 // copy-engine, in one batch); a request out of range inside a batch fails its channel only;
 // Endpoint::post_batch over nvlink directly. Skips without a GPU (gpu_pair.cuh).
+#include <cstring>
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
@@ -263,7 +264,9 @@ TEST(PortChannelGpuBatch, OutOfRangeInsideABatchFailsOnlyItsChannel) {
   const int da = 0, db = other_device();
   RemoteHandle to_b = *p.ab.remote_region("rb");
   // A second channel on the same endpoint (same FIFO, same batch), its own semaphores.
-  PortChannel bad = p.pa->add_channel(p.ab, /*dst=*/0, /*src=*/1, {to_b, 2 * n + 8}, {p.ra.handle, 2 * n + 8});
+  PortChannel bad = p.pa->add_channel(p.ab, p.a_to_b, p.a_ra, {to_b, 2 * n + 8}, {p.ra.handle, 2 * n + 8});
+  // The region is as large as the engine allocated (a GPU allocation is rounded up).
+  const uint64_t end_b = p.rb.length;
   cudaSetDevice(da);
   fill<<<64, 256>>>(static_cast<uint8_t*>(p.ra.ptr), n, 3);
   CK(cudaDeviceSynchronize());
@@ -272,7 +275,7 @@ TEST(PortChannelGpuBatch, OutOfRangeInsideABatchFailsOnlyItsChannel) {
   SideStream sa(da);
   // good, good, bad (past the end of b's region), good: queued, then served as one batch.
   put_rounds<<<1, 1, 0, sa>>>(p.ca.device_handle(), n, 4096, 4096, 0, 2, res.p);
-  put_rounds<<<1, 1, 0, sa>>>(bad.device_handle(), 2 * n + 4096 - 4, 0, 8, 0, 1, res.p + 1);  // past the end
+  put_rounds<<<1, 1, 0, sa>>>(bad.device_handle(), end_b - 4, 0, 8, 0, 1, res.p + 1);  // past the end
   put_rounds<<<1, 1, 0, sa>>>(p.ca.device_handle(), n, 4096, 4096, 2, 1, res.p + 2);
   put_rounds<<<1, 1, 0, sa>>>(bad.device_handle(), n, 0, 8, 0, 1, res.p + 3);  // after the failure: dropped
   CK(cudaStreamSynchronize(sa));
@@ -321,13 +324,39 @@ TEST(PortChannelGpuBatch, EndpointPostBatchOverNvlink) {
   EXPECT_EQ(1u, counter_at(p.rb, 2 * n, db));
 
   std::vector<PostRequest> broken = {PostRequest::write(p.ra.handle, 0, to_b, n, 64), PostRequest::signal(to_b, 2 * n),
-                                     PostRequest::write(p.ra.handle, 0, to_b, 2 * n + 4096 - 8, 64),
+                                     PostRequest::write(p.ra.handle, 0, to_b, p.rb.length - 8, 64),  // past the end
                                      PostRequest::signal(to_b, 2 * n)};
   r = p.ab.post_batch(broken);
   EXPECT_EQ(2u, r.posted);
   EXPECT_EQ(ErrorCode::kOutOfRange, r.error.code) << r.error.to_string();
   p.ab.flush(std::chrono::seconds(30));
   EXPECT_EQ(2u, counter_at(p.rb, 2 * n, db)) << "only the signal before the bad write";
+}
+
+// A GPU producer's local semaphore: host memory a kernel cannot read (plain malloc) is
+// refused; pinned host memory mapped at the same address (cudaHostAlloc) is accepted.
+TEST(PortChannelGpuBatch, LocalSemaphoreInHostMemoryOnlyWhenPinnedAndMapped) {
+  NEED_GPU();
+  Pair p(1 << 16, 64, batch_config(), /*start=*/false);
+  RemoteHandle to_b = *p.ab.remote_region("rb");
+  std::vector<uint64_t> plain(64, 0);
+  MemoryHandle hp = p.a.register_memory(plain.data(), plain.size() * 8, Location::host(), "plain_sem");
+  try {
+    (void)p.pa->add_channel(p.ab, p.a_to_b, p.a_ra, {to_b, 2 * p.n + 16}, {hp, 0});
+    ADD_FAILURE() << "a semaphore in pageable host memory was accepted for GPU producers";
+  } catch (const Error& e) {
+    EXPECT_EQ(ErrorCode::kInvalidArgument, e.status().code) << e.what();
+  }
+  void* pinned = nullptr;
+  ASSERT_EQ(cudaSuccess, cudaHostAlloc(&pinned, 4096, cudaHostAllocMapped | cudaHostAllocPortable));
+  std::memset(pinned, 0, 4096);
+  MemoryHandle hm = p.a.register_memory(pinned, 4096, Location::host(), "mapped_sem");
+  PortChannel ch = p.pa->add_channel(p.ab, p.a_to_b, p.a_ra, {to_b, 2 * p.n + 16}, {hm, 8});
+  EXPECT_TRUE(ch.valid());
+  p.pa->stop();
+  p.a.unregister_memory(hm);
+  p.a.unregister_memory(hp);
+  cudaFreeHost(pinned);
 }
 
 }  // namespace
