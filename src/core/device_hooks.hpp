@@ -15,6 +15,10 @@ struct DeviceMemoryHooks {
   // Copies n bytes of host memory into device memory, synchronously. Throws Error. (A message
   // that arrived before its recv waits in host memory; the recv may be in device memory.)
   void (*upload)(void* device, const void* host, uint64_t n) = nullptr;
+  // True when [ptr, ptr+length) is pinned host memory that GPU threads read at the same
+  // address (cudaHostAlloc'd or cudaHostRegister'ed, mapped): a port channel's semaphore there
+  // can be waited on by a kernel. False for anything else, never throws.
+  bool (*host_mapped)(const void* ptr, uint64_t length) = nullptr;
 };
 
 // nullptr unless a device module registered itself.

@@ -45,7 +45,20 @@ void hook_check(const void* ptr, uint64_t length, int device) {
 
 void hook_upload(void* device, const void* host, uint64_t n) { staging::upload(device, host, n); }
 
-const DeviceMemoryHooks kHooks{hook_allocate, hook_free, hook_check, hook_upload};
+bool hook_host_mapped(const void* ptr, uint64_t length) {
+  if (!ptr || length == 0) return false;
+  for (const uint8_t* p : {static_cast<const uint8_t*>(ptr), static_cast<const uint8_t*>(ptr) + length - 1}) {
+    cudaPointerAttributes a{};
+    if (cudaPointerGetAttributes(&a, p) != cudaSuccess) {
+      cudaGetLastError();
+      return false;
+    }
+    if (a.type != cudaMemoryTypeHost || a.devicePointer != p) return false;
+  }
+  return true;
+}
+
+const DeviceMemoryHooks kHooks{hook_allocate, hook_free, hook_check, hook_upload, hook_host_mapped};
 
 const bool registered = [] {
   device_memory_hooks() = &kHooks;

@@ -4,6 +4,7 @@
 #include <chrono>
 #include <string>
 
+#include "core/device_hooks.hpp"
 #include "core/log.hpp"
 #include "core/params.hpp"
 #include "core/registry.hpp"
@@ -182,10 +183,15 @@ std::shared_ptr<PortChannelRecord> ProxyCore::add_channel(const Endpoint& ep, Me
                     " must be 8-byte aligned and inside region " + std::to_string(local_sem.region.id) + " (" +
                     std::to_string(entry->length) + " bytes)");
   bool producers_on_gpu = opt_.producers == ProducerKind::kCuda;
-  if (producers_on_gpu && entry->location.is_host())
+  // Host memory serves GPU producers only when it is pinned and mapped at the same address
+  // (the HierAllGather's rail buffer): a kernel then waits on it across the bus.
+  const DeviceMemoryHooks* hooks = device_memory_hooks();
+  if (producers_on_gpu && entry->location.is_host() &&
+      !(hooks && hooks->host_mapped && hooks->host_mapped(entry->base + local_sem.offset, 8)))
     throw Error(ErrorCode::kInvalidArgument,
-                std::string(what) + ": the local semaphore is host memory, but the producers are GPU threads "
-                                    "(register it as cuda memory)");
+                std::string(what) + ": the local semaphore is host memory that GPU threads cannot read (register "
+                                    "it as cuda memory, or use pinned mapped host memory), but the producers are "
+                                    "GPU threads");
   if (!producers_on_gpu && !entry->location.is_host())
     throw Error(ErrorCode::kInvalidArgument, std::string(what) + ": the local semaphore is " +
                                                  entry->location.to_string() +
