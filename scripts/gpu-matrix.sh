@@ -114,7 +114,7 @@ s_port() {
   local r rc=0
   for r in 1 2; do
     echo "--- port bench round $r: nvlink.post_batch=true (default)"; "$BIN/sluice-port-bench" --peer-device 1 || rc=1
-    echo "--- port bench round $r: nvlink.post_batch=false"; "$BIN/sluice-port-bench" --peer-device 1 --set nvlink.post_batch=false || rc=1
+    echo "--- port bench round $r: nvlink.post_batch=false"; "$BIN/sluice-port-bench" --peer-device 1 --requests 100000 --set nvlink.post_batch=false || rc=1
   done
   return $rc
 }

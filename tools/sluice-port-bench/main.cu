@@ -7,7 +7,7 @@
 //     one GPU thread (bound by the push cost) and by many (bound by the proxy)
 // It prints the settings it ran with first (the proxy's batching, nvlink's batch kernel), so
 // that tables from runs with other settings are not mixed up.
-//   sluice-port-bench [--peer-device 1] [--iters N] [--producers 1024] [--set key=value ...]
+//   sluice-port-bench [--peer-device 1] [--iters N] [--producers 1024] [--requests 1000000] [--set key=value ...]
 // --set passes an engine option to both engines, e.g. --set port.batch_max=1 or
 // --set nvlink.post_batch=false for the unbatched path (SLUICE_* variables work too).
 #include <cuda_runtime_api.h>
@@ -215,18 +215,19 @@ double copy_engine_bidir(int da, int db, uint64_t n, int rounds) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  int peer = 1, iters = 20, producers = 1024;
+  int peer = 1, iters = 20, producers = 1024, requests = 1000000;
   try {
     for (int i = 1; i + 1 < argc; i += 2) {
       std::string k = argv[i], v = argv[i + 1];
       if (k == "--peer-device") peer = std::atoi(v.c_str());
       else if (k == "--iters") iters = std::atoi(v.c_str());
       else if (k == "--producers") producers = std::max(1, std::atoi(v.c_str()));
+      else if (k == "--requests") requests = std::max(1, std::atoi(v.c_str()));
       else if (k == "--set" && v.find('=') != std::string::npos) g_config.set(v.substr(0, v.find('=')), v.substr(v.find('=') + 1));
       else throw Error(ErrorCode::kInvalidArgument, "unknown argument " + k);
     }
   } catch (const Error& e) {
-    std::fprintf(stderr, "%s\nusage: sluice-port-bench [--peer-device 1] [--iters N] [--producers 1024] [--set key=value ...]\n",
+    std::fprintf(stderr, "%s\nusage: sluice-port-bench [--peer-device 1] [--iters N] [--producers 1024] [--requests 1000000] [--set key=value ...]\n",
                  e.what());
     return 1;
   }
@@ -296,7 +297,7 @@ int main(int argc, char** argv) {
   CK(cudaStreamSynchronize(a.stream));
   std::printf("FIFO push (signal requests, FIFO never full): %.3f us per request\n", ns_of(a) / 1e3 / 2048);
   // ... and the sustained rate of 8-byte put+signal requests through one proxy.
-  constexpr int kMany = 1000000;
+  const int kMany = requests;  // --requests: the slow path (nvlink.post_batch=false) needs fewer
   auto t0 = Clock::now();
   pushes<<<1, 1, 0, a.stream>>>(a.ch.device_handle(), kMany, true, a.err, a.ns);
   CK(cudaStreamSynchronize(a.stream));
