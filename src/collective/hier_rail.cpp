@@ -2,9 +2,21 @@
 
 #include <algorithm>
 
+#include "core/params.hpp"
 #include "sluice/error.hpp"
 
 namespace sluice::detail {
+namespace {
+
+// A call waits for the proxy several times (put, data signal, credit). With the proxy's usual
+// 200 us spin, a call that took longer found the worker napping at every request and took longer
+// still; a collective's proxy polls through a run of calls, as MSCCL++'s proxy always does.
+const Param<uint64_t> kIdleSpinUs{"hier.proxy_idle_spin_us", "SLUICE_HIER_PROXY_IDLE_SPIN_US", 20000,
+                                  size_in(0, 60000000),
+                                  "hierarchical AllGather: microseconds an idle proxy worker keeps polling its FIFO "
+                                  "before it naps (a core while it polls; napping adds latency to the next call)"};
+
+}  // namespace
 
 HierRail::HierRail(const HierWiring& w, uint8_t* rail, HierRailOptions options) : w_(w), opt_(std::move(options)) {
   if (opt_.transport != "" && opt_.transport != "tcp" && opt_.transport != "rdma")
@@ -20,6 +32,8 @@ HierRail::HierRail(const HierWiring& w, uint8_t* rail, HierRailOptions options) 
   if (!opt_.transport.empty() && !has(opt_.transport.c_str()))
     throw Error(ErrorCode::kNoDevice, "HierAllGather: transport " + opt_.transport + " is not available here");
   transport_ = has("rdma") ? "rdma" : "tcp";
+  if (opt_.idle_spin.count() < 0)
+    opt_.idle_spin = std::chrono::microseconds(kIdleSpinUs.get(EngineConfig::from_env(cfg)));
   rail_h_ = engine_->register_memory(rail, w_.rail.bytes, Location::host(), kHierRailRegion);
 }
 
@@ -52,6 +66,7 @@ void HierRail::connect(const std::vector<HierHandle>& hs) {
   po.producers = opt_.producers;
   po.cuda_device = opt_.cuda_device;
   po.push_spin_ns = opt_.push_spin_ns;
+  po.idle_spin = opt_.idle_spin;
   proxy_ = std::make_unique<ProxyService>(*engine_, po);
   ConnectOptions co;
   co.transport = transport_;

@@ -21,6 +21,8 @@ struct HierRailOptions {
   ProducerKind producers = ProducerKind::kHost;
   int cuda_device = 0;
   int workers = 1;
+  // ProxyOptions::idle_spin; negative: the parameter hier.proxy_idle_spin_us (default 20 ms).
+  std::chrono::microseconds idle_spin{-1};
   uint64_t push_spin_ns = port::kDefaultSpinNs;
   std::chrono::milliseconds accept_timeout{60000};
 };
