@@ -10,8 +10,9 @@ collectives run on every rank. Rank 0 prints one row per (op, size): the median 
 backend with the spread of the samples (10th-90th percentile), the median bandwidth (bytes
 per rank / time), and sluice's speedup over the baseline (median over median). --markdown prints
 the rows as a Markdown table (docs/torch.md). SLUICE_TORCH_TRANSPORT=tcp forces tcp.
---device cuda times CUDA tensors (rank r on GPU r % count; every sample ends with
-torch.cuda.synchronize()) against NCCL in the same processes (gloo's tcp pairs abort the process
+--device cuda times CUDA tensors (rank r on GPU r % count; a collective's sample is
+--back-to-back calls, default 10, issued back to back and ended by one torch.cuda.synchronize(),
+time per call; a send/recv sample is one ping-pong) against NCCL in the same processes (gloo's tcp pairs abort the process
 on CUDA tensors). NVLink multicast stays off (NCCL_NVLS_ENABLE=0 is set here).
 --baseline names another baseline: `sluice-host` is a second sluice group whose CUDA tensors go
 through host memory (SLUICE_TORCH_CUDA_PATH=host), against the device path of the first, e.g.
@@ -26,6 +27,7 @@ bar on two GPUs:
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import os
 import statistics
 import time
@@ -51,19 +53,31 @@ def pct(sorted_values: List[float], p: float) -> float:
     return sorted_values[i]
 
 
-def timed(fn: Callable[[], None], group: dist.ProcessGroup) -> float:
+def timed(fn: Callable[[], None], group: dist.ProcessGroup, reps: int = 1, cuda: bool = False) -> float:
+    """Seconds per call of `reps` back-to-back calls, started together after a barrier. On CUDA
+    the barrier's own work is waited for first, and the calls are issued back to back with one
+    synchronize at the end (as nccl-tests and allgather_bench.py time), so a small collective is
+    not measured as a host round trip per call."""
     dist.barrier(group=group)
+    if cuda:
+        torch.cuda.synchronize()
     t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
+    for _ in range(reps):
+        fn()
+    if cuda:
+        torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / reps
 
 
 def main() -> None:
+    faulthandler.enable()  # a crash in the backend prints where Python was
     ap = argparse.ArgumentParser()
     ap.add_argument("--ops", default="sendrecv,all_reduce,all_gather")
     ap.add_argument("--min-bytes", type=int, default=8)
     ap.add_argument("--max-bytes", type=int, default=256 << 20)
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--back-to-back", type=int, default=None,
+                    help="calls per sample, one synchronize at the end (CUDA collectives; default 10 on cuda, 1 on cpu)")
     ap.add_argument("--markdown", action="store_true")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--baseline", choices=("gloo", "nccl", "sluice-host"), default=None,
@@ -102,6 +116,8 @@ def main() -> None:
             x = torch.ones(n, device=dev)
             out = torch.empty(n * world, device=dev)
             iters = args.iters if nbytes <= (16 << 20) else max(3, args.iters // 4)
+            # send/recv is a ping-pong that waits on the host anyway: one call per sample.
+            reps = 1 if op == "sendrecv" or dev.type != "cuda" else (args.back_to_back or 10)
 
             def run(g: dist.ProcessGroup) -> None:
                 if op == "sendrecv":
@@ -117,8 +133,6 @@ def main() -> None:
                     dist.all_gather_into_tensor(out, x, group=g)
                 else:
                     raise SystemExit(f"unknown op {op}")
-                if dev.type == "cuda":
-                    torch.cuda.synchronize()
 
             times: Dict[str, List[float]] = {"sluice": [], base: []}
             live = dict(groups)
@@ -134,7 +148,7 @@ def main() -> None:
                     times[name] = [float("nan")]
             for _ in range(iters):
                 for name, g in live.items():
-                    times[name].append(timed(lambda: run(g), g))
+                    times[name].append(timed(lambda: run(g), g, reps, dev.type == "cuda"))
             if rank == 0:
                 div = 2 if op == "sendrecv" else 1  # one-way time of a round trip
                 us = {k: sorted(t / div * 1e6 for t in v) for k, v in times.items()}
