@@ -18,16 +18,14 @@ import ctypes
 import os
 from typing import Optional
 
-__all__ = ["AllGather", "load_library"]
+__all__ = ["AllGather", "load_library", "open_library"]
 
 _lib = None
 
 
-def load_library(path: Optional[str] = None):
-    """Load libsluice (SLUICE_LIBRARY, this package's folder, then the loader's path)."""
-    global _lib
-    if _lib is not None and path is None:
-        return _lib
+def open_library(path: Optional[str] = None) -> ctypes.CDLL:
+    """libsluice, the first that loads of: `path`, SLUICE_LIBRARY, this package's folder, the
+    loader's path. Also used by hier_allgather.py, which sets up its own functions."""
     candidates = [path, os.environ.get("SLUICE_LIBRARY"),
                   os.path.join(os.path.dirname(os.path.abspath(__file__)), "libsluice.so"), "libsluice.so"]
     err = None
@@ -35,12 +33,18 @@ def load_library(path: Optional[str] = None):
         if not c:
             continue
         try:
-            lib = ctypes.CDLL(c)
-            break
+            return ctypes.CDLL(c)
         except OSError as e:  # try the next one
             err = e
-    else:
-        raise OSError(f"cannot load libsluice with CUDA support (set SLUICE_LIBRARY): {err}")
+    raise OSError(f"cannot load libsluice with CUDA support (set SLUICE_LIBRARY): {err}")
+
+
+def load_library(path: Optional[str] = None):
+    """Load libsluice (SLUICE_LIBRARY, this package's folder, then the loader's path)."""
+    global _lib
+    if _lib is not None and path is None:
+        return _lib
+    lib = open_library(path)
     vp, c_int, u64, cp = ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64, ctypes.c_char_p
     lib.sluice_ag_create.restype = vp
     lib.sluice_ag_create.argtypes = [u64, c_int, c_int, c_int, cp, c_int]

@@ -52,19 +52,7 @@ def load_library(path: Optional[str] = None):
     global _lib
     if _lib is not None and path is None:
         return _lib
-    candidates = [path, os.environ.get("SLUICE_LIBRARY"),
-                  os.path.join(os.path.dirname(os.path.abspath(__file__)), "libsluice.so"), "libsluice.so"]
-    err = None
-    for c in candidates:
-        if not c:
-            continue
-        try:
-            lib = ctypes.CDLL(c)
-            break
-        except OSError as e:
-            err = e
-    else:
-        raise OSError(f"cannot load libsluice with CUDA support (set SLUICE_LIBRARY): {err}")
+    lib = _sibling("cuda_allgather").open_library(path)
     vp, c_int, u64, i64, cp = ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64, ctypes.c_int64, ctypes.c_char_p
     if not hasattr(lib, "sluice_hag_create"):
         raise OSError("this libsluice has no hierarchical AllGather (sluice_hag_create): rebuild it")
@@ -87,24 +75,28 @@ def load_library(path: Optional[str] = None):
     return lib
 
 
-def _topology_module():
-    try:
-        from . import topology  # type: ignore
-        return topology
-    except ImportError:  # loaded by path, outside the package
-        import importlib.util
-        p = os.path.join(os.path.dirname(os.path.abspath(__file__)), "topology.py")
-        spec = importlib.util.spec_from_file_location("sluice_topology", p)
-        mod = importlib.util.module_from_spec(spec)
-        import sys
-        sys.modules[spec.name] = mod  # dataclasses look their module up there
-        spec.loader.exec_module(mod)
-        return mod
+def _sibling(name: str):
+    """A module of this package: imported, or loaded by path when this file was (outside the
+    package, as the benchmarks load it)."""
+    import importlib
+    import sys
+    if __package__:
+        return importlib.import_module("." + name, __package__)
+    key = "sluice_" + name
+    if key in sys.modules:
+        return sys.modules[key]
+    import importlib.util
+    p = os.path.join(os.path.dirname(os.path.abspath(__file__)), name + ".py")
+    spec = importlib.util.spec_from_file_location(key, p)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[key] = mod  # dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def node_ids_from_env(ranks_per_node: Optional[int] = None, env=None) -> Sequence[int]:
     """Every rank's node from torchrun's environment and the SLUICE_HIER_RANKS_PER_NODE switch."""
-    topo = _topology_module().from_env(env, ranks_per_node=ranks_per_node)
+    topo = _sibling("topology").from_env(env, ranks_per_node=ranks_per_node)
     return list(topo.node_of_rank)
 
 

@@ -17,6 +17,7 @@
 #include <cstdlib>
 
 #include "core/params.hpp"
+#include "cuda/c_api.hpp"
 #include "cuda/cuda_util.hpp"
 #include "sluice/allgather.hpp"
 
@@ -492,53 +493,35 @@ int AllGather::rank() const { return impl_->rank; }
 // built with hidden visibility and ctypes finds them by name.
 extern "C" {
 
-static void sluice_ag_err(const std::exception& e, char* err, int len) {
-  if (err && len > 0) {
-    std::strncpy(err, e.what(), len - 1);
-    err[len - 1] = 0;
-  }
-}
+namespace capi = sluice::detail::capi;
 
 SLUICE_API void* sluice_ag_create(uint64_t max_bytes, int world, int rank, int device, char* err, int errlen) {
-  try {
+  return capi::guarded<void*>(err, errlen, nullptr, [&] {
     return new sluice::cuda::AllGather(max_bytes, 1, sluice::cuda::DType::kUInt8, world, rank, device);
-  } catch (const std::exception& e) {
-    sluice_ag_err(e, err, errlen);
-    return nullptr;
-  }
+  });
 }
 
 SLUICE_API int sluice_ag_handle(void* ag, char* out, int outlen, char* err, int errlen) {
-  try {
+  return capi::guarded(err, errlen, -1, [&] {
     std::string h = static_cast<sluice::cuda::AllGather*>(ag)->handle();
     if (static_cast<int>(h.size()) + 1 > outlen) throw sluice::Error(sluice::ErrorCode::kInvalidArgument, "buffer too small");
     std::memcpy(out, h.c_str(), h.size() + 1);
     return static_cast<int>(h.size());
-  } catch (const std::exception& e) {
-    sluice_ag_err(e, err, errlen);
-    return -1;
-  }
+  });
 }
 
 SLUICE_API int sluice_ag_connect(void* ag, const char** handles, int n, char* err, int errlen) {
-  try {
-    std::vector<std::string> hs(handles, handles + n);
-    static_cast<sluice::cuda::AllGather*>(ag)->connect(hs);
+  return capi::guarded(err, errlen, -1, [&] {
+    static_cast<sluice::cuda::AllGather*>(ag)->connect(std::vector<std::string>(handles, handles + n));
     return 0;
-  } catch (const std::exception& e) {
-    sluice_ag_err(e, err, errlen);
-    return -1;
-  }
+  });
 }
 
 SLUICE_API int sluice_ag_run(void* ag, const void* in, void* out, uint64_t bytes, void* stream, char* err, int errlen) {
-  try {
+  return capi::guarded(err, errlen, -1, [&] {
     static_cast<sluice::cuda::AllGather*>(ag)->all_gather_bytes(in, out, bytes, stream);
     return 0;
-  } catch (const std::exception& e) {
-    sluice_ag_err(e, err, errlen);
-    return -1;
-  }
+  });
 }
 
 SLUICE_API void sluice_ag_destroy(void* ag) { delete static_cast<sluice::cuda::AllGather*>(ag); }

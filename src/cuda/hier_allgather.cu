@@ -21,6 +21,7 @@
 #include "collective/hier_allgather_wiring.hpp"
 #include "collective/hier_rail.hpp"
 #include "collective/topology.hpp"
+#include "cuda/c_api.hpp"
 #include "cuda/cuda_util.hpp"
 #include "sluice/allgather.hpp"
 #include "sluice/engine.hpp"
@@ -440,31 +441,23 @@ std::string HierAllGather::transport() const {
 // C entry points for ctypes (python/sluice/hier_allgather.py).
 extern "C" {
 
-static void sluice_hag_err(const std::exception& e, char* err, int len) {
-  if (err && len > 0) {
-    std::strncpy(err, e.what(), len - 1);
-    err[len - 1] = 0;
-  }
-}
+namespace capi = sluice::detail::capi;
 
 // transport: "tcp", "rdma" or "" (automatic); timeout_ms > 0.
 SLUICE_API void* sluice_hag_create(uint64_t max_bytes, int world, int rank, int device, const int* node_of_rank,
                                    const char* transport, int64_t timeout_ms, char* err, int errlen) {
-  try {
+  return capi::guarded<void*>(err, errlen, nullptr, [&] {
     sluice::cuda::HierAllGatherOptions o;
     o.transport = transport ? transport : "";
     o.timeout = std::chrono::milliseconds(timeout_ms);
     std::vector<int> nodes(node_of_rank, node_of_rank + (world > 0 ? world : 0));
     return new sluice::cuda::HierAllGather(max_bytes, world, rank, device, nodes, o);
-  } catch (const std::exception& e) {
-    sluice_hag_err(e, err, errlen);
-    return nullptr;
-  }
+  });
 }
 
 // Returns the handle's length (excluding the NUL), or -1; with out == nullptr only the length.
 SLUICE_API int64_t sluice_hag_handle(void* h, char* out, int64_t outlen, char* err, int errlen) {
-  try {
+  return capi::guarded<int64_t>(err, errlen, -1, [&] {
     std::string s = static_cast<sluice::cuda::HierAllGather*>(h)->handle();
     if (out) {
       if (static_cast<int64_t>(s.size()) + 1 > outlen)
@@ -472,33 +465,26 @@ SLUICE_API int64_t sluice_hag_handle(void* h, char* out, int64_t outlen, char* e
       std::memcpy(out, s.c_str(), s.size() + 1);
     }
     return static_cast<int64_t>(s.size());
-  } catch (const std::exception& e) {
-    sluice_hag_err(e, err, errlen);
-    return -1;
-  }
+  });
 }
 
 SLUICE_API int sluice_hag_connect(void* h, const char** handles, int n, char* err, int errlen) {
-  try {
-    std::vector<std::string> hs(handles, handles + n);
-    static_cast<sluice::cuda::HierAllGather*>(h)->connect(hs);
+  return capi::guarded(err, errlen, -1, [&] {
+    static_cast<sluice::cuda::HierAllGather*>(h)->connect(std::vector<std::string>(handles, handles + n));
     return 0;
-  } catch (const std::exception& e) {
-    sluice_hag_err(e, err, errlen);
-    return -1;
-  }
+  });
 }
 
-// 0, or the sluice::ErrorCode of the failure (message in err).
+// 0, or the sluice::ErrorCode of the failure (message in err); -1 for anything else.
 SLUICE_API int sluice_hag_run(void* h, const void* in, void* out, uint64_t bytes, void* stream, char* err, int errlen) {
   try {
     static_cast<sluice::cuda::HierAllGather*>(h)->all_gather_bytes(in, out, bytes, stream);
     return 0;
   } catch (const sluice::Error& e) {
-    sluice_hag_err(e, err, errlen);
+    capi::put_message(e.what(), err, errlen);
     return static_cast<int>(e.code()) ? static_cast<int>(e.code()) : -1;
   } catch (const std::exception& e) {
-    sluice_hag_err(e, err, errlen);
+    capi::put_message(e.what(), err, errlen);
     return -1;
   }
 }
@@ -506,10 +492,7 @@ SLUICE_API int sluice_hag_run(void* h, const void* in, void* out, uint64_t bytes
 SLUICE_API int sluice_hag_status(void* h, char* err, int errlen) {
   sluice::Status s = static_cast<sluice::cuda::HierAllGather*>(h)->status();
   if (s.ok()) return 0;
-  if (err && errlen > 0) {
-    std::strncpy(err, s.to_string().c_str(), errlen - 1);
-    err[errlen - 1] = 0;
-  }
+  capi::put_message(s.to_string().c_str(), err, errlen);
   return static_cast<int>(s.code);
 }
 
