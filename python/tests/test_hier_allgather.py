@@ -31,9 +31,18 @@ def test_node_ids_follow_the_mode_switch():
         hier.node_ids_from_env(env=env(1, 4, 1, 4, SLUICE_HIER_RANKS_PER_NODE=3))
 
 
+def _installed_package_dir():
+    """Where the installed sluice package is (the test suite's venv), without importing it."""
+    spec = importlib.util.find_spec("sluice")
+    return os.path.dirname(spec.origin) if spec and spec.origin else None
+
+
 def _library():
+    pkg = _installed_package_dir()
     cands = [os.environ.get("SLUICE_LIBRARY")] + glob.glob(
         os.path.join(os.path.dirname(__file__), "..", "sluice", "libsluice*.so"))
+    if pkg:  # the wheel puts libsluice beside the package
+        cands += glob.glob(os.path.join(pkg, "libsluice*.so"))
     for c in cands:
         if c and os.path.exists(c):
             try:
