@@ -21,11 +21,20 @@ namespace {
 
 class ReconnectOver : public ::testing::TestWithParam<std::string> {
  protected:
-  void TearDown() override {
+  void TearDown() override { close_all(); }
+  void close_all() {
     ep_ = {};
     if (a_) a_->close();
     if (b_) b_->close();
   }
+  // Registered memory must outlive the engine that serves it: a READ retried on a replaced
+  // channel may still be answered after the test's own read completed (ASan caught one). A
+  // test declares this after its buffers, so the engines close before the buffers are freed,
+  // early returns included.
+  struct CloseOnExit {
+    ReconnectOver* t;
+    ~CloseOnExit() { t->close_all(); }
+  };
   // A new engine listening where `old_addr` was. SLUICE_LISTEN (the RDMA guest sets it to
   // "<rxe ip>:0") overrides the config's listen address, so it is pointed there meanwhile.
   std::unique_ptr<Engine> restart_at(EngineConfig c, const std::string& old_addr) {
@@ -59,7 +68,8 @@ TEST_P(ReconnectOver, PeerRestartedOnTheSameAddress) {
   EngineConfig c = engine_config(GetParam(), 2, 10s);
   a_ = std::make_unique<Engine>(c);
   b_ = std::make_unique<Engine>(c);
-  std::vector<uint8_t> src(kBytes), old_dst(kBytes, 0), new_dst(kBytes, 0);
+  std::vector<uint8_t> src(kBytes), old_dst(kBytes, 0), new_dst(kBytes, 0), back(kBytes, 0);
+  CloseOnExit closer{this};
   fill_pattern(src.data(), src.size(), 5);
   MemoryHandle hs = a_->register_memory(src.data(), src.size(), Location::host(), "src");
   b_->register_memory(old_dst.data(), old_dst.size(), Location::host(), "dst");
@@ -90,7 +100,6 @@ TEST_P(ReconnectOver, PeerRestartedOnTheSameAddress) {
   ASSERT_TRUE(f.status().ok()) << f.status().to_string();
   EXPECT_EQ(new_dst, src);
   // Read back over the new connection too.
-  std::vector<uint8_t> back(kBytes, 0);
   MemoryHandle hb = a_->register_memory(back.data(), back.size(), Location::host(), "back");
   Future g = ep_.read({{hb, 0, *r, 0, kBytes}});
   ASSERT_TRUE(g.wait_for(10s));
@@ -105,7 +114,8 @@ TEST_P(ReconnectOver, UnflushedPostsHoldReconnectionUntilFlushReportsTheFailure)
   EngineConfig c = engine_config(GetParam(), 2, 10s);
   a_ = std::make_unique<Engine>(c);
   b_ = std::make_unique<Engine>(c);
-  std::vector<uint8_t> src(4096, 7), dst(4096, 0);
+  std::vector<uint8_t> src(4096, 7), dst(4096, 0), dst2(4096, 0);
+  CloseOnExit closer{this};
   MemoryHandle hs = a_->register_memory(src.data(), src.size(), Location::host(), "src");
   b_->register_memory(dst.data(), dst.size(), Location::host(), "dst");
   ep_ = a_->connect(b_->listen_address());
@@ -127,7 +137,6 @@ TEST_P(ReconnectOver, UnflushedPostsHoldReconnectionUntilFlushReportsTheFailure)
   // flush() reports the loss (or nothing, if the post had landed before it), then the next
   // operation reconnects to the new engine.
   code_of([&] { ep_.flush(); });
-  std::vector<uint8_t> dst2(4096, 0);
   b_->register_memory(dst2.data(), dst2.size(), Location::host(), "dst");
   ep_.refresh_remote_regions();
   EXPECT_EQ(ep_.metrics().reconnects, 1u);
