@@ -674,13 +674,25 @@ class TcpEndpoint final : public EndpointBase,
       retired_.push_back(std::move(channels_[c]));  // a submitter may still hold a pointer
       channels_[c] = std::make_unique<StreamChannel>(std::move(sock), this, c, socket_buffer_);
       StreamChannel& ch = *channels_[c];
-      ch.start();
-      answered(ch);
       std::deque<ReadPiece> old_reads;
       old_reads.swap(reads_[c]);
       std::unordered_map<uint64_t, std::shared_ptr<TransferOp>> open;
       for (auto& [token, op] : pending_.open_on(c)) open.emplace(token, std::move(op));
       send_caught = c == 0 && pending_.sends() > 0;
+      for (auto& [token, op] : open) {
+        if (retryable(*op)) {
+          ++retried;
+        } else {
+          failing.push_back(token);
+          if (failing_why.empty()) failing_why = std::string(op->future ? to_string(op->kind) : op->signal ? "post_signal" : "post_write");
+        }
+      }
+      // Counted before anything is sent again: a retried op may complete (and its waiter read
+      // the metrics) before this function returns.
+      replaced_.fetch_add(1);
+      retried_.fetch_add(retried);
+      ch.start();
+      answered(ch);
       // Reads first, in their old order: responses come back in request order.
       for (const ReadPiece& rp : old_reads) {
         auto it = open.find(rp.token);
@@ -693,12 +705,7 @@ class TcpEndpoint final : public EndpointBase,
         ch.post(std::move(f));
       }
       for (auto& [token, op] : open) {
-        if (!retryable(*op)) {
-          failing.push_back(token);
-          if (failing_why.empty()) failing_why = std::string(op->future ? to_string(op->kind) : op->signal ? "post_signal" : "post_write");
-          continue;
-        }
-        ++retried;
+        if (!retryable(*op)) continue;                // failed below
         if (op->kind == OpKind::kRead) continue;  // posted above
         if (!op->future) {
           // Copied: the post may be acked (and its op cleared for reuse) before its last frame is queued.
@@ -713,8 +720,6 @@ class TcpEndpoint final : public EndpointBase,
       replacing_[c] = false;
       replaced_at_[c] = Clock::now();
     }
-    replaced_.fetch_add(1);
-    retried_.fetch_add(retried);
     SLUICE_LOG(kInfo, "tcp: channel " << c << " to " << peer_id_ << " replaced by a fresh connection; " << retried
                                       << " op(s) sent again, " << failing.size() << " failed"
                                       << (send_caught ? ", a send was caught: the endpoint fails" : ""));
