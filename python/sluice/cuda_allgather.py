@@ -18,7 +18,7 @@ import ctypes
 import os
 from typing import Optional
 
-__all__ = ["AllGather", "load_library", "open_library"]
+__all__ = ["AllGather", "load_library", "open_library", "prepare_call"]
 
 _lib = None
 
@@ -60,6 +60,24 @@ def load_library(path: Optional[str] = None):
     return lib
 
 
+def prepare_call(tensor, out, stream, world_size: int):
+    """What an all_gather call hands the library: a contiguous input, the output (allocated
+    when not given; checked when given), the input's byte count and the stream (the current
+    one unless given). Shared with hier_allgather.py, whose calls take the same arguments."""
+    import torch
+
+    if not tensor.is_contiguous():
+        tensor = tensor.contiguous()
+    nbytes = tensor.numel() * tensor.element_size()
+    if out is None:
+        out = torch.empty((world_size * tensor.shape[0],) + tuple(tensor.shape[1:]),
+                          dtype=tensor.dtype, device=tensor.device)
+    if out.numel() * out.element_size() != nbytes * world_size or not out.is_contiguous():
+        raise ValueError("out must be contiguous and world_size times the input's size")
+    s = stream if stream is not None else torch.cuda.current_stream(tensor.device)
+    return tensor, out, nbytes, s
+
+
 class AllGather:
     """One rank's AllGather buffer; see the module docstring."""
 
@@ -97,17 +115,7 @@ class AllGather:
 
     def all_gather(self, tensor, out=None, stream=None):
         """out = concat over ranks of `tensor` along dim 0 (like all_gather_into_tensor)."""
-        import torch
-
-        if not tensor.is_contiguous():
-            tensor = tensor.contiguous()
-        nbytes = tensor.numel() * tensor.element_size()
-        if out is None:
-            out = torch.empty((self.world_size * tensor.shape[0],) + tuple(tensor.shape[1:]),
-                              dtype=tensor.dtype, device=tensor.device)
-        if out.numel() * out.element_size() != nbytes * self.world_size or not out.is_contiguous():
-            raise ValueError("out must be contiguous and world_size times the input's size")
-        s = stream if stream is not None else torch.cuda.current_stream(tensor.device)
+        tensor, out, nbytes, s = prepare_call(tensor, out, stream, self.world_size)
         if self._run(self._h, tensor.data_ptr(), out.data_ptr(), nbytes, s.cuda_stream, self._err, 1024) != 0:
             raise RuntimeError("sluice AllGather: " + self._err.value.decode())
         return out

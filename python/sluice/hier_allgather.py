@@ -146,17 +146,7 @@ class HierAllGather:
 
     def all_gather(self, tensor, out=None, stream=None):
         """out = concat over ranks of `tensor` along dim 0 (like all_gather_into_tensor)."""
-        import torch
-
-        if not tensor.is_contiguous():
-            tensor = tensor.contiguous()
-        nbytes = tensor.numel() * tensor.element_size()
-        if out is None:
-            out = torch.empty((self.world_size * tensor.shape[0],) + tuple(tensor.shape[1:]),
-                              dtype=tensor.dtype, device=tensor.device)
-        if out.numel() * out.element_size() != nbytes * self.world_size or not out.is_contiguous():
-            raise ValueError("out must be contiguous and world_size times the input's size")
-        s = stream if stream is not None else torch.cuda.current_stream(tensor.device)
+        tensor, out, nbytes, s = _sibling("cuda_allgather").prepare_call(tensor, out, stream, self.world_size)
         rc = self._lib.sluice_hag_run(self._h, tensor.data_ptr(), out.data_ptr(), nbytes, s.cuda_stream, self._err, 4096)
         if rc != 0:
             raise HierAllGatherError("sluice HierAllGather: " + self._err.value.decode(), rc)
