@@ -630,6 +630,14 @@ void StreamChannel::reader_loop() {
     Status st = handler_->on_frame(*this, h, payload);
     if (st.ok() && payload.remaining() && !payload.discard(payload.remaining()))
       st = {ErrorCode::kPeerLost, "connection to peer lost mid-frame"};
+    if (st.ok() && worked_since_yield_ + read_since_yield_ >= kYieldBytes) {
+      // A frame can cost far more than its bytes (shm's SEND_RTS copies a message): after a
+      // turn of such work the fiber yields between frames, as took() does within reads.
+      worked_since_yield_ = read_since_yield_ = 0;
+      between_frames_ = true;
+      wait_input(std::chrono::steady_clock::now());
+      between_frames_ = false;
+    }
     if (!st.ok()) {
       why = st;
       if (st.code == ErrorCode::kProtocol) {
@@ -688,7 +696,11 @@ void WaiterReceive::run(StreamChannel** lent, int n, const std::atomic<bool>& do
     // or a completion callback on this thread that closes the endpoint and waits for its
     // other channels. Ours to finish even once our future is done: handed back, it would go
     // on on a reactor after wait() returned (and the callback's captures could then be the
-    // endpoint's last owner, destroying it on its own fiber).
+    // endpoint's last owner, destroying it on its own fiber). Except a fiber that yielded
+    // between two frames (lent_between_frames): nothing of it is on our stack, and keeping it
+    // would hold a waiter whose future is done serving another side's backlog (shm: a
+    // receiver that could not post its next recvs while it copied later messages into the
+    // unexpected-message buffer, until that was full).
     bool busy = false;
     auto until = deadline;
     for (int i = 0; i < n; ++i) {
@@ -696,7 +708,7 @@ void WaiterReceive::run(StreamChannel** lent, int n, const std::atomic<bool>& do
       auto u = lent[i]->lent_until();
       if (u != Clock::time_point{}) {
         until = std::min(until, u);
-        busy = true;
+        busy = busy || !lent[i]->lent_between_frames();
       }
     }
     if (!busy && done.load(std::memory_order_acquire)) break;

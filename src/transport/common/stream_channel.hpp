@@ -116,6 +116,15 @@ class StreamChannel : private ReactorSource {
   void run_lent(short revents);
   // Borrower: when the parked fiber wants to run even without input ({}: only on input).
   std::chrono::steady_clock::time_point lent_until() const { return park_until_; }
+  // Borrower: the fiber parked between two frames after a turn of work (worked()), with no
+  // callback on its stack: it may be handed back to the reactor, which goes on with the next
+  // frame, so a waiter whose future completed returns to its caller instead of serving the
+  // rest of a long backlog.
+  bool lent_between_frames() const { return between_frames_; }
+  // Receive fiber (a frame handler): `bytes` of work this frame made the fiber do besides
+  // reading it, such as a copy; counted with the bytes read towards the next fairness yield,
+  // taken once the frame is done.
+  void worked(uint64_t bytes) { worked_since_yield_ += bytes; }
   bool finished() const { return fiber_->finished(); }
   // Borrower: the reactor drives the receive side again (and detaches a finished fiber).
   void give_back();
@@ -182,6 +191,8 @@ class StreamChannel : private ReactorSource {
   bool clean_wake_ = false;   // reactor thread: the fiber's last wake was a plain input report
   bool drained_ = false;      // receive fiber: a read since that wake left the socket empty
   uint64_t read_since_yield_ = 0;       // receive fiber only
+  uint64_t worked_since_yield_ = 0;     // receive fiber only (worked())
+  bool between_frames_ = false;         // receive fiber (and its borrower, on the same thread)
   bool finishing_ = false;              // under mu_: the fiber ended, the reactor's removal is queued
   bool detached_ = false;               // under mu_: the reactor dropped us (join() may return)
   std::condition_variable detached_cv_;

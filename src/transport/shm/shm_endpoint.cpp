@@ -818,7 +818,7 @@ Status ShmEndpoint::serve_rts(StreamChannel& ch, const FrameHeader& h, PayloadRe
   // an address outside it is read with process_vm_readv, its own memory only, as above).
   if (claim.dest && st.ok() && std::min(length, claim.capacity) > 0) {
     // Into a posted recv: the last part of the copy completes it and acks (send_part_done).
-    copy_send(std::move(claim), h.op_id, src.region, src.slot, h.region, std::min(length, claim.capacity));
+    ch.worked(copy_send(std::move(claim), h.op_id, src.region, src.slot, h.region, std::min(length, claim.capacity)));
     return Status::Ok();
   }
   if (claim.stash && length > 0) {
@@ -841,6 +841,7 @@ Status ShmEndpoint::serve_rts(StreamChannel& ch, const FrameHeader& h, PayloadRe
       else st = cma::read(pid_.load(), {{dst + off, h.region + off, k}});
       off += k;
     }
+    ch.worked(length);
     if (st.ok()) st = held.still("the sender's");
     if (copying) end_copy();
   }
@@ -879,8 +880,8 @@ const uint8_t* ShmEndpoint::send_source(uint64_t id, uint64_t addr, uint64_t n, 
   return nullptr;
 }
 
-void ShmEndpoint::copy_send(MessageMatcher::Claim&& claim, uint64_t op_id, uint64_t region, uint32_t slot,
-                            uint64_t addr, uint64_t n) {
+uint64_t ShmEndpoint::copy_send(MessageMatcher::Claim&& claim, uint64_t op_id, uint64_t region, uint32_t slot,
+                                uint64_t addr, uint64_t n) {
   auto c = std::make_shared<SendCopy>(leases_);
   c->claim = std::move(claim);
   c->op_id = op_id;
@@ -895,7 +896,7 @@ void ShmEndpoint::copy_send(MessageMatcher::Claim&& claim, uint64_t op_id, uint6
   }
   if (!st.ok()) {
     finish_send_copy(*c, st);
-    return;
+    return 0;
   }
   const uint64_t part_min = std::max<uint64_t>(split_min_ / 2, 1);
   const int parts = split_min_ == 0 || n < split_min_
@@ -929,6 +930,7 @@ void ShmEndpoint::copy_send(MessageMatcher::Claim&& claim, uint64_t op_id, uint6
       for (size_t i = 0; i < queued.size(); ++i) send_part_done(c, {ErrorCode::kCancelled, "endpoint closed"});
   }
   send_part_done(c, copy_part(pid_.load(), dst, addr, mapped, std::min(step, n)));
+  return std::min(step, n);
 }
 
 void ShmEndpoint::send_part_done(const std::shared_ptr<SendCopy>& c, const Status& part) {

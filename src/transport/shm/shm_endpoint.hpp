@@ -221,9 +221,10 @@ class ShmEndpoint final : public EndpointBase,
   Status serve_rts(StreamChannel& ch, const FrameHeader& h, PayloadReader& payload);
   // The copy of a SEND's n bytes into the recv it claimed: from our mapping of the sender's
   // memfd region when it is one, else from the sender's address with process_vm_readv; cut
-  // into parts over the copy pool from shm.send_split_min on. Returns once part 0 is copied;
-  // the last part completes the recv and acks the sender.
-  void copy_send(MessageMatcher::Claim&& claim, uint64_t op_id, uint64_t region, uint32_t slot, uint64_t addr,
+  // into parts over the copy pool from shm.send_split_min on. Returns once part 0 is copied
+  // (its byte count: the caller's share of the work); the last part completes the recv and
+  // acks the sender.
+  uint64_t copy_send(MessageMatcher::Claim&& claim, uint64_t op_id, uint64_t region, uint32_t slot, uint64_t addr,
                  uint64_t n);
   void send_part_done(const std::shared_ptr<SendCopy>& c, const Status& st);
   void finish_send_copy(SendCopy& c, const Status& st);  // acks the sender, completes the recv

@@ -668,6 +668,53 @@ TEST(WaiterReceive, TheFrameThatEndsTheWaitIsHandledOnTheDriver) {
   ch.join();
 }
 
+// Frames that each cost the fiber more work than their bytes (shm's SEND_RTS copies a
+// message: StreamChannel::worked): a driver whose wait ended after the first returns within a
+// turn of such work, and the reactor handles the backlog. (It used to serve every frame
+// already in its socket first: an shm receiver copied later messages into its
+// unexpected-message buffer, instead of posting the recvs it was about to, until that was
+// full and the peer's SENDs failed.)
+struct CostlyFrames : ThreadHandler {
+  std::atomic<bool> done{false};
+  Status on_frame(StreamChannel& ch, const FrameHeader& f, PayloadReader& p) override {
+    Status st = ThreadHandler::on_frame(ch, f, p);
+    ch.worked(600 << 10);  // two of them pass the fairness turn (1 MiB)
+    done.store(true, std::memory_order_release);
+    return st;
+  }
+};
+
+TEST(WaiterReceive, ADriverWhoseWaitEndedLeavesACostlyBacklogToTheReactor) {
+  auto [mine, theirs] = tcp_pair();
+  CostlyFrames h;
+  StreamChannel ch(std::move(mine), &h, 0);
+  ch.start();
+  ASSERT_TRUE(lend_soon(ch));  // lent before the frames come: the reactor sees none of them
+  constexpr int kFrames = 64;
+  std::vector<FrameHeader> wire;
+  for (int i = 0; i < kFrames; ++i) wire.push_back(make_frame(FrameType::kAck, 1, 0, 0, 0, kLaneEnd));
+  const ssize_t bytes = static_cast<ssize_t>(wire.size() * sizeof(FrameHeader));
+  ASSERT_EQ(::send(theirs.fd(), wire.data(), wire.size() * sizeof(FrameHeader), MSG_NOSIGNAL), bytes);
+  WaiterReceive w;
+  const bool drove = w.drive([&](StreamChannel** out, int max) {
+    if (max < 1) return 0;
+    out[0] = &ch;  // already lent above
+    return 1;
+  }, h.done, std::chrono::steady_clock::now() + std::chrono::seconds(10), "test");
+  EXPECT_TRUE(drove);
+  ASSERT_TRUE(h.done.load());
+  int on_driver = 0;
+  {
+    std::lock_guard<std::mutex> lk(h.mu);
+    for (auto id : h.threads) on_driver += id == std::this_thread::get_id();
+  }
+  EXPECT_LE(on_driver, 2) << "the driver went on handling frames after its wait had ended";
+  ASSERT_TRUE(wait_count(h.frames, kFrames)) << "the backlog was not handed back to the reactor";
+  EXPECT_NE(h.thread_of(kFrames - 1), std::this_thread::get_id());
+  ch.shutdown();
+  ch.join();
+}
+
 // With a spin (busy_wait_us) the driver polls without sleeping for that long after it starts
 // and after each input, then sleeps in ppoll as before: a frame within the spin, and one long
 // after it, are both handled on the driver; setting `done` ends a spinning drive at once.
