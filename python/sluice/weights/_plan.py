@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, NamedTuple, Sequence
+from typing import List, NamedTuple, Sequence, Tuple
 
 
 class Item(NamedTuple):
@@ -17,6 +17,7 @@ class Item(NamedTuple):
 @dataclass
 class Bucket:
     entries: List[tuple] = field(default_factory=list)  # (local, local_off, remote, remote_off, length)
+    parts: List[Tuple[str, int]] = field(default_factory=list)  # per entry: (tensor, offset in it)
     done: List[str] = field(default_factory=list)  # tensors whose last byte is in this bucket
     nbytes: int = 0
 
@@ -38,6 +39,7 @@ def plan(items: Sequence[Item], bucket_bytes: int) -> List[Bucket]:
                 cur = Bucket()
             n = min(it.nbytes - off, bucket_bytes - cur.nbytes)
             cur.entries.append((it.local, off, it.remote, it.remote_offset + off, n))
+            cur.parts.append((it.name, off))
             cur.nbytes += n
             off += n
         cur.done.append(it.name)

@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import collections
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 from .. import (ClosedError, Endpoint, Engine, InvalidArgumentError, PeerLostError, SluiceError,
                 SluiceTimeoutError, UnknownHandleError)
-from . import _meta
+from . import _meta, _relay
 from ._handles import unregister_all
-from ._plan import Item, plan
+from ._plan import Bucket, Item, plan
 from ._torch import describe, dtype_name, nbytes, torch
 from .errors import TensorMismatchError, TrainerLostError, WeightsChangedError, WeightsError
 
@@ -31,6 +32,8 @@ class UpdateResult:
     nbytes: int = 0
     buckets: int = 0
     seconds: float = 0.0
+    from_source: int = 0  # bytes pulled from the relay given as ``source`` (the rest: from the trainer)
+    source_fallback: str = ""  # why this update stopped pulling from ``source`` ("" if it did not)
 
     @property
     def gbps(self) -> float:
@@ -46,10 +49,20 @@ class WeightSubscriber:
     None picks the trainer's only publisher. ``bucket_bytes`` bounds one READ; ``depth``
     buckets are in flight at once (while the callback of an earlier one runs). ``timeout``
     (seconds) bounds a whole update, connecting included.
+
+    Relays (docs/weights.md, "Relays"): ``relay=True`` serves what this subscriber's targets
+    hold to other subscribers (its engine must listen; a thread holds the endpoints they open,
+    unless ``relay_accept=False``). ``source``: the ref of such a relay to pull from instead of
+    the trainer, bucket by bucket as the relay receives them; the trainer is still asked for
+    the metadata and checked afterwards. When the relay cannot be reached, fails, or holds
+    nothing new of what a bucket needs for ``relay_wait`` seconds, the update pulls the rest
+    from the trainer (``UpdateResult.source_fallback`` says why).
     """
 
     def __init__(self, engine: Engine, trainer_ref: str, name: Optional[str] = None, *,
-                 bucket_bytes: int = 64 << 20, depth: int = 2, timeout: float = 60.0):
+                 bucket_bytes: int = 64 << 20, depth: int = 2, timeout: float = 60.0,
+                 relay: bool = False, source: Optional[str] = None, relay_wait: float = 5.0,
+                 relay_accept: bool = True):
         if not isinstance(trainer_ref, str) or not trainer_ref:
             raise InvalidArgumentError(f"WeightSubscriber: trainer_ref must be a non-empty str, got {trainer_ref!r}")
         if name is not None and (not isinstance(name, str) or not name):
@@ -57,6 +70,17 @@ class WeightSubscriber:
         for what, v in (("bucket_bytes", bucket_bytes), ("depth", depth)):
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise InvalidArgumentError(f"WeightSubscriber: {what} must be an int > 0, got {v!r}")
+        if not isinstance(relay, bool) or not isinstance(relay_accept, bool):
+            raise InvalidArgumentError(f"WeightSubscriber: relay and relay_accept must be bools, got {relay!r}, "
+                                       f"{relay_accept!r}")
+        if source is not None and (not isinstance(source, str) or not source):
+            raise InvalidArgumentError(f"WeightSubscriber: source must be a non-empty str (a relay's ref) or None, "
+                                       f"got {source!r}")
+        if source is not None and source == trainer_ref:
+            raise InvalidArgumentError("WeightSubscriber: source is the trainer itself; leave it None to pull "
+                                       "from the trainer")
+        if isinstance(relay_wait, bool) or not isinstance(relay_wait, (int, float)) or not 0 < relay_wait < 1e9:
+            raise InvalidArgumentError(f"WeightSubscriber: relay_wait must be a number of seconds > 0, got {relay_wait!r}")
         self._check_timeout(timeout)
         self._engine = engine
         self._ref = trainer_ref
@@ -71,6 +95,23 @@ class WeightSubscriber:
         self._targets: Dict[str, Tuple[object, int]] = {}  # name -> (tensor, handle)
         self._have: Dict[str, Tuple[int, int, tuple]] = {}  # name -> (instance, version, _where(target))
         self._closed = False
+        # Pulling from a relay (source=): its endpoint and region table, like the trainer's.
+        self._source = source
+        self.relay_wait = float(relay_wait)
+        self._src_ep: Optional[Endpoint] = None
+        self._src_regions: Dict[str, Tuple[int, int]] = {}
+        # Serving as a relay (relay=True): the holdings region (_relay.py) and its accept thread.
+        self.relay = relay
+        self._relay_buf = None
+        self._relay_handle = None
+        self._relay_publisher: Optional[str] = None
+        self._relay_stop = threading.Event()
+        self._relay_thread: Optional[threading.Thread] = None
+        if relay and relay_accept:
+            from .publisher import _accept_loop
+            self._relay_thread = threading.Thread(target=_accept_loop, args=(engine, self._relay_stop),
+                                                  name="sluice-weights-relay-accept", daemon=True)
+            self._relay_thread.start()
 
     @staticmethod
     def _check_timeout(timeout) -> None:
@@ -121,11 +162,16 @@ class WeightSubscriber:
                                    f"lies outside its region {info.region!r} of {rlen} bytes")
             items.append(Item(name, info.nbytes, self._local(name, tensor), rid, info.offset))
         buckets = plan(items, self.bucket_bytes)
+        self._relay_begin(snap, result.updated, result.unchanged)
         try:
-            self._pull(buckets, targets, on_bucket, deadline)
-        except UnknownHandleError as e:  # the trainer unregistered a region we were reading
-            raise WeightsChangedError(f"trainer {self._ref!r} withdrew tensors during the update: {e}") from e
-        self._check_unchanged(snap, deadline)
+            try:
+                result.from_source, result.source_fallback = self._pull(buckets, targets, on_bucket, deadline, snap)
+            except UnknownHandleError as e:  # the trainer unregistered a region we were reading
+                raise WeightsChangedError(f"trainer {self._ref!r} withdrew tensors during the update: {e}") from e
+            self._check_unchanged(snap, deadline)
+        except BaseException:
+            self._relay_clear(snap, result.updated)  # what we hold now may be torn
+            raise
         for name in result.updated:
             self._have[name] = (snap.instance, infos[name][1], _where(targets[name]))
         result.nbytes = sum(b.nbytes for b in buckets)
@@ -153,14 +199,20 @@ class WeightSubscriber:
             time.sleep(poll)
 
     def close(self) -> None:
-        """Unregister the targets and the scratch buffer, close the endpoint. Idempotent."""
+        """Unregister the targets, the scratch buffer and the relay region, close the
+        endpoints. Idempotent."""
         if self._closed:
             return
         self._closed = True
+        self._relay_stop.set()
         self._drop_endpoint()
+        self._drop_source()
         handles = [h for _, h in self._targets.values() if h] + ([self._scratch[1]] if self._scratch else [])
+        if self._relay_handle is not None:
+            handles.append(self._relay_handle)
         self._targets.clear()
         self._scratch = None
+        self._relay_buf = self._relay_handle = None
         unregister_all(self._engine, handles)
 
     def __enter__(self) -> "WeightSubscriber":
@@ -170,7 +222,8 @@ class WeightSubscriber:
         self.close()
 
     def __repr__(self) -> str:
-        return f"<WeightSubscriber trainer={self._ref!r} name={self._name!r}>"
+        extra = (" relay" if self.relay else "") + (f" source={self._source!r}" if self._source else "")
+        return f"<WeightSubscriber trainer={self._ref!r} name={self._name!r}{extra}>"
 
     # ------------------------------------------------------------ checks
 
@@ -369,47 +422,266 @@ class WeightSubscriber:
         self._targets[name] = (tensor, h)
         return h
 
-    def _pull(self, buckets, targets, on_bucket: Optional[BucketCallback], deadline: float) -> None:
+    def _pull(self, buckets: List[Bucket], targets, on_bucket: Optional[BucketCallback], deadline: float,
+              snap: _meta.Snapshot) -> Tuple[int, str]:
+        """Moves the buckets, ``depth`` at a time, from the relay given as ``source`` while it
+        serves them, else from the trainer. Returns (bytes from the relay, why it stopped
+        using the relay or "")."""
         import numpy as np
 
-        inflight: collections.deque = collections.deque()
+        index = snap.index()
+        inflight: collections.deque = collections.deque()  # (bucket, future, from the relay)
         nxt = 0
+        from_source = 0
+        use_source = self._source is not None
+        fallback = ""
+
+        def give_up_source(why: str) -> None:
+            nonlocal use_source, fallback
+            if use_source:
+                log.warning("sluice.weights: relay %r: %s; pulling the rest from the trainer %r", self._source, why,
+                            self._ref)
+                use_source, fallback = False, why
+                self._drop_source()  # cancels what is in flight from it (re-pulled from the trainer)
+
+        def from_trainer(b: Bucket):
+            ep = self._connect(deadline)
+            try:
+                return ep.read(np.asarray(b.entries, dtype=np.uint64))
+            except (PeerLostError, ClosedError) as e:
+                self._drop_endpoint()
+                raise TrainerLostError(f"trainer {self._ref!r} lost during the update: {e}") from e
 
         def fill():
             nonlocal nxt
-            ep = self._connect(deadline) if any(b.entries for b in buckets[nxt:nxt + self.depth]) else None
             while nxt < len(buckets) and len(inflight) < self.depth:
                 b = buckets[nxt]
-                nxt += 1
-                fut = None
-                if b.entries:
+                fut, relayed = None, False
+                if b.entries and use_source:
                     try:
-                        fut = ep.read(np.asarray(b.entries, dtype=np.uint64))
-                    except (PeerLostError, ClosedError) as e:
-                        self._drop_endpoint()
-                        raise TrainerLostError(f"trainer {self._ref!r} lost during the update: {e}") from e
-                inflight.append((b, fut))
+                        # Waits for the relay only when nothing else is in flight; otherwise
+                        # the completions are handled first and this bucket asked again.
+                        entries = self._source_entries(b, snap, index, deadline, block=not inflight)
+                        if entries is None:
+                            return
+                        fut, relayed = self._src_ep.read(np.asarray(entries, dtype=np.uint64)), True
+                    except _SourceDown as e:
+                        give_up_source(str(e))
+                    except SluiceError as e:
+                        give_up_source(f"reading from it failed: {e}")
+                if b.entries and fut is None:
+                    fut = from_trainer(b)
+                nxt += 1
+                inflight.append((b, fut, relayed))
 
         try:
             fill()
             while inflight:
-                b, fut = inflight.popleft()
-                if fut is not None:
-                    self._wait(fut, deadline, f"pulling bucket {nxt - len(inflight)} of {len(buckets)}")
+                b, fut, relayed = inflight.popleft()
+                what = f"pulling bucket {nxt - len(inflight)} of {len(buckets)}"
+                if relayed:
+                    if self._source_landed(fut, b, snap, index, deadline, what, give_up_source):
+                        from_source += b.nbytes
+                    else:  # failed, or the relay began writing these tensors meanwhile
+                        self._wait(from_trainer(b), deadline, what)
+                elif fut is not None:
+                    self._wait(fut, deadline, what)
+                self._relay_held(snap, index, b.done)
                 fill()  # the next buckets move while the callback runs
                 if on_bucket is not None and b.done:
                     on_bucket([(n, targets[n]) for n in b.done])
         except BaseException:
             # Nothing may still write into the targets once we return: cancel and reap.
-            if any(f is not None and not f.done() for _, f in inflight):
+            if any(f is not None and not f.done() and not r for _, f, r in inflight):
                 self._drop_endpoint()
-            for _, f in inflight:
+            if any(f is not None and not f.done() and r for _, f, r in inflight):
+                self._drop_source()
+            for _, f, _ in inflight:
                 if f is not None:
                     try:
                         f.wait(5.0)
                     except SluiceError:
                         pass
             raise
+        return from_source, fallback
+
+    # ------------------------------------------------------------ pulling from a relay
+
+    def _source_connect(self, deadline: float) -> Endpoint:
+        ep = self._src_ep
+        if ep is not None and ep.connected:
+            return ep
+        self._drop_source()
+        left = min(deadline - time.monotonic(), self.relay_wait)
+        if left <= 0:
+            raise _SourceDown("no time left to connect")
+        try:
+            ep = self._engine.connect(self._source, timeout=left, reconnect=False)
+        except ClosedError:
+            raise
+        except SluiceError as e:
+            raise _SourceDown(f"unreachable: {e}") from e
+        self._src_ep = ep
+        self._src_regions = {r["name"]: (int(r["id"]), int(r["length"])) for r in ep.remote_regions() if r["name"]}
+        return ep
+
+    def _drop_source(self) -> None:
+        ep, self._src_ep = self._src_ep, None
+        self._src_regions = {}
+        if ep is not None:
+            try:
+                ep.close()
+            except SluiceError:
+                pass
+
+    def _source_holdings(self, snap: _meta.Snapshot, deadline: float) -> Optional[_relay.Holdings]:
+        """One read of the relay's holdings region; None while it has none for this publisher
+        (it has not begun an update yet). Raises _SourceDown if it cannot be read."""
+        ep = self._source_connect(deadline)
+        name = _relay.region_name(snap.publisher)
+        for attempt in range(2):
+            r = self._src_regions.get(name)
+            if r is None or attempt:
+                try:
+                    ep.refresh_remote_regions()
+                except SluiceError as e:
+                    raise _SourceDown(f"its region table could not be read: {e}") from e
+                self._src_regions = {x["name"]: (int(x["id"]), int(x["length"])) for x in ep.remote_regions()
+                                     if x["name"]}
+                r = self._src_regions.get(name)
+                if r is None:
+                    return None
+            rid, length = r
+            buf, h = self._scratch_for(length)
+            try:
+                fut = ep.read([(h, 0, rid, 0, length)])
+                done = fut.wait(max(0.0, min(deadline - time.monotonic(), self.relay_wait)))
+            except UnknownHandleError:
+                continue  # the relay replaced its region (more tensors): look it up again
+            except SluiceError as e:
+                raise _SourceDown(f"reading its holdings failed: {e}") from e
+            if not done:
+                raise _SourceDown(f"it did not answer within {self.relay_wait:g} s")
+            try:
+                return _relay.read(buf[:length].tobytes())
+            except _relay.BadRelay as e:
+                raise _SourceDown(str(e)) from None
+        return None
+
+    def _relay_entries(self, b: Bucket, held: Optional[_relay.Holdings], snap: _meta.Snapshot,
+                       index: Dict[str, int]) -> Optional[list]:
+        """The bucket's READ entries against the relay's regions, or None unless the relay
+        holds the published version of every tensor the bucket reads."""
+        if held is None:
+            return None
+        out = []
+        for (local, local_off, _, _, n), (name, off) in zip(b.entries, b.parts):
+            i = index[name]
+            region = held.holds(i, snap.instance, snap.versions[i])
+            if region is None:
+                return None
+            out.append((local, local_off, region, off, n))
+        return out
+
+    def _source_entries(self, b: Bucket, snap: _meta.Snapshot, index: Dict[str, int], deadline: float,
+                        block: bool) -> Optional[list]:
+        """The bucket's entries against the relay once it holds them. ``block``: poll until
+        it does (raising _SourceDown after relay_wait seconds in which it took nothing new);
+        else one look (None: not yet)."""
+        pause, last, still_since = 0.0002, None, time.monotonic()
+        while True:
+            held = self._source_holdings(snap, deadline)
+            entries = self._relay_entries(b, held, snap, index)
+            if entries is not None or not block:
+                return entries
+            now = time.monotonic()
+            progress = None if held is None else (held.instance, sum(e is not None for e in held.entries))
+            if progress != last:
+                last, still_since = progress, now
+            elif now - still_since > self.relay_wait:
+                raise _SourceDown(f"it took nothing new for {self.relay_wait:g} s (relay_wait) while this update "
+                                  f"waited for a bucket of {len(b.entries)} piece(s)")
+            if now + pause > deadline:
+                raise _SourceDown("the update's timeout came while waiting for it")
+            time.sleep(pause)
+            pause = min(pause * 2, 0.02)
+
+    def _source_landed(self, fut, b: Bucket, snap: _meta.Snapshot, index: Dict[str, int], deadline: float,
+                       what: str, give_up) -> bool:
+        """A bucket READ from the relay: True if it landed and the relay still holds the same
+        tensors afterwards (so no write of its next update raced the read)."""
+        try:
+            done = fut.wait(max(0.0, deadline - time.monotonic()))
+        except SluiceError as e:
+            give_up(f"{what} failed: {e}")
+            return False
+        if not done:
+            give_up(f"{what} did not finish within the update's timeout")
+            try:
+                fut.wait(5.0)
+            except SluiceError:
+                pass
+            return False
+        try:
+            held = self._source_holdings(snap, deadline)
+        except _SourceDown as e:
+            give_up(str(e))
+            return False
+        if self._relay_entries(b, held, snap, index) is None:
+            log.info("sluice.weights: relay %r began changing tensors while %s; those bytes come from the "
+                     "trainer", self._source, what)
+            return False
+        return True
+
+    # ------------------------------------------------------------ serving as a relay
+
+    def _relay_begin(self, snap: _meta.Snapshot, names: Sequence[str], unchanged: Sequence[str]) -> None:
+        """relay=True: before any target is written, the holdings say that ``names`` are not
+        held (and, for another trainer instance or table, that nothing is but ``unchanged``,
+        which our targets hold at their published versions already)."""
+        if not self.relay:
+            return
+        n = len(snap.tensors)
+        need = _relay.region_size(n)
+        fresh = self._relay_buf is None or len(self._relay_buf) < need
+        if fresh:
+            if self._relay_handle is not None:
+                self._engine.unregister(self._relay_handle)
+                self._relay_buf = self._relay_handle = None
+            buf, h = self._engine.allocate(max(4096, 2 * need), name=_relay.region_name(snap.publisher))
+            buf[:] = 0
+            self._relay_buf, self._relay_handle = buf, h
+        raw = self._relay_buf[:_relay.HEADER_SIZE].tobytes()
+        _, _, _, instance, count = _relay.HEADER.unpack_from(raw, 0)
+        if fresh or instance != snap.instance or count != n or self._relay_publisher != snap.publisher:
+            self._relay_buf[_relay.HEADER_SIZE:] = 0
+            _relay.write_header(self._relay_buf, snap.instance, n)
+            self._relay_publisher = snap.publisher
+        index = snap.index()
+        for name in names:
+            _relay.clear(self._relay_buf, index[name])
+        self._relay_held(snap, index, unchanged)
+
+    def _relay_held(self, snap: _meta.Snapshot, index: Dict[str, int], names: Sequence[str]) -> None:
+        """relay=True: these tensors' bytes have landed in our targets."""
+        if not self.relay or not names:
+            return
+        for name in names:
+            i = index[name]
+            _, h = self._targets.get(name, (None, 0))
+            if h:  # 0-byte tensors have no region: nothing to read, nothing to serve
+                _relay.set_held(self._relay_buf, i, snap.versions[i], int(h))
+
+    def _relay_clear(self, snap: _meta.Snapshot, names: Sequence[str]) -> None:
+        if not self.relay or self._relay_buf is None:
+            return
+        index = snap.index()
+        for name in names:
+            _relay.clear(self._relay_buf, index[name])
+
+
+class _SourceDown(Exception):
+    """The relay given as ``source`` cannot serve this update (the message says why)."""
 
 
 def _where(tensor) -> tuple:

@@ -10,6 +10,7 @@ import sluice  # noqa: E402
 from sluice.weights import (TensorMismatchError, TrainerLostError, WeightPublisher,  # noqa: E402
                             WeightSubscriber)
 from sluice.weights import _meta  # noqa: E402
+from sluice.weights._meta import Snapshot, TensorInfo  # noqa: E402
 from sluice.weights._plan import Item, plan  # noqa: E402
 
 
@@ -224,8 +225,9 @@ def test_callback_runs_while_next_buckets_are_in_flight(depth):
         ep = _FakeEndpoint(events)
         sub._connect = lambda deadline: ep
         buckets = plan([Item(f"t{i}", 10, 1, 2, 0) for i in range(5)], 10)
+        snap = Snapshot(2, 1, 1, "p", [TensorInfo(f"t{i}", "uint8", (10,), 10, "r", 0) for i in range(5)], [1] * 5)
         sub._pull(buckets, {f"t{i}": i for i in range(5)}, lambda pairs: events.append(f"cb{pairs[0][1]}"),
-                  deadline=float("inf"))
+                  deadline=float("inf"), snap=snap)
     for i in range(5):
         cb = events.index(f"cb{i}")
         assert events.index(f"done{i}") < cb

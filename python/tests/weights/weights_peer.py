@@ -111,3 +111,41 @@ def receiver(conn, ref, spec, version, bucket_bytes, die_after_buckets=None):
         bad = [n for n, d, s in spec if not torch.equal(as_bytes(targets[n]), expected(n, d, s, version))]
         conn.send((res.version, sorted(res.updated), bad, sorted(seen)))
         sub.close()
+
+
+def relay(conn, trainer_ref, spec, transports=None, source=None):
+    """A receiver that relays (WeightSubscriber(relay=True), optionally pulling from another
+    relay ``source``): sends its address, then obeys ("update", hold_at, die_at), where
+    ``hold_at`` = n: after its n-th bucket it reports "held" and waits for "resume";
+    ``die_at`` = n: it exits hard after its n-th bucket. Answers (res fields, bad names)."""
+    torch.set_num_threads(1)
+    engine = sluice.Engine(listen="127.0.0.1:0", transports=transports)
+    targets = empty_targets(spec)
+    sub = WeightSubscriber(engine, trainer_ref, bucket_bytes=64 << 10, timeout=60, relay=True, source=source,
+                           relay_wait=2.0)
+    conn.send(engine.listen_address)
+    while True:
+        cmd = conn.recv()
+        if cmd[0] == "update":
+            hold_at, die_at = cmd[1], cmd[2]
+            seen = [0]
+
+            def on_bucket(pairs):
+                seen[0] += 1
+                if die_at is not None and seen[0] >= die_at:
+                    os._exit(3)
+                if hold_at is not None and seen[0] == hold_at:
+                    conn.send("held")
+                    assert conn.recv() == "resume"
+
+            res = sub.update(targets, on_bucket=on_bucket, force=True)
+            vers = sub.published().versions
+            names = [t.name for t in sub.published().tensors]
+            want = dict(zip(names, vers))
+            bad = [n for n, d, s in spec if not torch.equal(as_bytes(targets[n]), expected(n, d, s, want[n]))]
+            conn.send(((res.version, res.nbytes, res.from_source, res.source_fallback), bad))
+        elif cmd[0] == "stop":
+            break
+    sub.close()
+    engine.close()
+    conn.send("stopped")

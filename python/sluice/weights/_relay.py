@@ -1,0 +1,128 @@
+"""Relays: a receiver that serves the tensors it holds to other receivers, so that a trainer
+sends its bytes once per relay tree instead of once per receiver (docs/weights.md, "Relays").
+
+A relaying :class:`~sluice.weights.WeightSubscriber` keeps a small engine-allocated region,
+``sluice.weights.relay/<publisher>``, that says which version of each of the trainer's
+tensors its targets hold and where (little endian)::
+
+    0   magic      8s  b"SLRELAY1"
+    8   format     u32 1
+    12  pad        u32
+    16  instance   u64 the trainer publisher's instance the entries refer to (0: none yet)
+    24  n          u64 number of entries (the trainer's tensors, in its table's order)
+    32  reserved   u64[4]
+    64  entries    n x (held u64, region u64): held = the trainer's tensor version + 1, 0 = not
+                   held; region = the relay's region id of the target holding it (whole, at 0)
+
+The relay clears an entry before its update writes into that target and sets it once the
+bucket that completes the tensor has landed, so a child reading an entry that says "held"
+reads settled bytes. A child re-reads the entries of what it pulled afterwards: an entry that
+moved meanwhile (the relay began writing again) means those bytes may be torn, and the child
+pulls them again from the trainer.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Tuple
+
+MAGIC = b"SLRELAY1"
+FORMAT = 1
+HEADER = struct.Struct("<8sIIQQ32x")
+HEADER_SIZE = HEADER.size  # 64
+ENTRY = struct.Struct("<QQ")
+
+
+def region_name(publisher: str) -> str:
+    return f"sluice.weights.relay/{publisher}"
+
+
+def region_size(n: int) -> int:
+    return HEADER_SIZE + ENTRY.size * n
+
+
+class BadRelay(Exception):
+    """The region does not hold relay entries this reader knows."""
+
+
+@dataclass(frozen=True)
+class Holdings:
+    """One read of a relay's region: per trainer tensor, (version, region id) or None."""
+
+    instance: int
+    entries: List[Optional[Tuple[int, int]]]
+
+    def holds(self, index: int, instance: int, version: int) -> Optional[int]:
+        """The relay's region id of tensor ``index`` if it holds ``version`` of the trainer
+        publisher ``instance``, else None."""
+        if self.instance != instance or index >= len(self.entries):
+            return None
+        e = self.entries[index]
+        return e[1] if e is not None and e[0] == version else None
+
+
+def write_header(buf, instance: int, n: int) -> None:
+    import numpy as np
+
+    buf[:HEADER_SIZE] = np.frombuffer(HEADER.pack(MAGIC, FORMAT, 0, instance, n), dtype=np.uint8)
+
+
+def clear(buf, index: int) -> None:
+    """Mark tensor ``index`` not held (before its target is written)."""
+    import numpy as np
+
+    off = HEADER_SIZE + ENTRY.size * index
+    buf[off:off + 8] = np.zeros(8, dtype=np.uint8)
+
+
+def set_held(buf, index: int, version: int, region: int) -> None:
+    """Tensor ``index`` now holds ``version`` in region ``region``: the region first, then the
+    held word (a reader that sees the word sees the region)."""
+    import numpy as np
+
+    off = HEADER_SIZE + ENTRY.size * index
+    buf[off + 8:off + 16] = np.frombuffer(struct.pack("<Q", region), dtype=np.uint8)
+    buf[off:off + 8] = np.frombuffer(struct.pack("<Q", version + 1), dtype=np.uint8)
+
+
+def read(raw: bytes) -> Holdings:
+    if len(raw) < HEADER_SIZE:
+        raise BadRelay(f"relay region too small ({len(raw)} bytes)")
+    magic, fmt, _pad, instance, n = HEADER.unpack_from(raw, 0)
+    if magic != MAGIC:
+        raise BadRelay("not a sluice.weights relay region (bad magic)")
+    if fmt != FORMAT:
+        raise BadRelay(f"relay format {fmt} (this sluice reads format {FORMAT})")
+    if region_size(n) > len(raw):
+        raise BadRelay(f"relay region lists {n} entries, more than its {len(raw)} bytes hold")
+    entries: List[Optional[Tuple[int, int]]] = []
+    for i in range(n):
+        held, region = ENTRY.unpack_from(raw, HEADER_SIZE + ENTRY.size * i)
+        entries.append((held - 1, region) if held else None)
+    return Holdings(instance, entries)
+
+
+def tree_parent(index: int, fanout: int = 2) -> Optional[int]:
+    """In a relay tree over receivers 0..N-1 (receiver 0 pulls from the trainer), the
+    receiver that ``index`` pulls from: a complete ``fanout``-ary tree in index order
+    (fanout 1 is a chain). None for the root."""
+    if isinstance(index, bool) or not isinstance(index, int) or index < 0:
+        raise ValueError(f"tree_parent: index must be an int >= 0, got {index!r}")
+    if isinstance(fanout, bool) or not isinstance(fanout, int) or fanout < 1:
+        raise ValueError(f"tree_parent: fanout must be an int >= 1, got {fanout!r}")
+    return None if index == 0 else (index - 1) // fanout
+
+
+def tree_depth(count: int, fanout: int = 2) -> int:
+    """Hops from the trainer to the deepest of ``count`` receivers in that tree."""
+    depth, i = 0, count - 1
+    while i > 0:
+        i = (i - 1) // fanout
+        depth += 1
+    return depth + 1 if count > 0 else 0
+
+
+def touched(entries: Sequence[tuple], tensor_of_region: dict) -> set:
+    """The tensor indices whose bytes a bucket's READ entries read (by remote region id)."""
+    return {tensor_of_region[e[2]] for e in entries}
