@@ -13,6 +13,8 @@ from typing import Any, Callable, Dict, Iterator, List
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+# netns.py (the topology) is shared with tools/sluice-weights-bench/relay_bench.py.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools" / "common"))
 
 import netns  # noqa: E402
 

@@ -22,7 +22,7 @@ fi
 
 # Whatever happens to pytest (a failure, Ctrl-C, SIGKILL), no namespace outlives the run: its
 # namespaces carry its pid, and once it is gone they count as stale.
-cleanup() { (cd "$HERE" && "$PY" -c 'import netns; r = netns.cleanup_stale(); r and print("netns: removed", r)') || true; }
+cleanup() { (cd "$HERE" && PYTHONPATH="$HERE/../../tools/common" "$PY" -c 'import netns; r = netns.cleanup_stale(); r and print("netns: removed", r)') || true; }
 trap cleanup EXIT
 
 cd "$HERE"  # the installed sluice is tested, never a source tree's
