@@ -118,11 +118,14 @@ say "pytest"
 if [ -z "${SLUICE_SKIP_EXAMPLES:-}" ]; then
   say "examples"
   failed=0
-  for ex in "$ROOT"/examples/python/*.py; do
-    if timeout 120 "$VPY" "$ex" >/tmp/sluice-example.$$.log 2>&1; then
-      echo "ok    $(basename "$ex")"
+  # Each example as it is, then the ones whose options take another path.
+  runs=("$ROOT"/examples/python/*.py "$ROOT/examples/python/weight_update.py --relay")
+  for run in "${runs[@]}"; do
+    read -r -a cmd <<<"$run"
+    if timeout 120 "$VPY" "${cmd[@]}" >/tmp/sluice-example.$$.log 2>&1; then
+      echo "ok    $(basename "${cmd[0]}") ${cmd[*]:1}"
     else
-      echo "FAIL  $(basename "$ex")"
+      echo "FAIL  $(basename "${cmd[0]}") ${cmd[*]:1}"
       cat /tmp/sluice-example.$$.log
       failed=1
     fi

@@ -1,10 +1,12 @@
 """Push fresh weights from a trainer to two inference processes with sluice.weights.
 
-    python examples/python/weight_update.py
+    python examples/python/weight_update.py [--relay]
 
 The trainer shares its model's tensors once (copies in shared host memory) and publishes a
 version after each "training step"; each inference process pulls into its own parameter
 tensors (on the GPU where there is one), bucket by bucket, with a load_weights-style callback per bucket, and only the tensors that changed.
+With ``--relay`` the first inference process relays: the second pulls from it, bucket by
+bucket, instead of from the trainer (docs/weights.md, "Relays").
 Bytes are checked; the script exits 0 when both inference processes hold every version.
 """
 from __future__ import annotations
@@ -63,7 +65,7 @@ def trainer(conn, steps):
     engine.close()
 
 
-def inference(conn, rank, trainer_ref, steps):
+def inference(conn, rank, trainer_ref, steps, relay=False, source=None):
     import torch
 
     import sluice
@@ -77,17 +79,22 @@ def inference(conn, rank, trainer_ref, steps):
     def load_weights(pairs):  # runs while the next bucket is in flight
         loaded.extend(n for n, _ in pairs)
 
-    with sluice.Engine() as engine, WeightSubscriber(engine, trainer_ref, bucket_bytes=256 << 10) as sub:
+    # A relay listens: the processes that pull from it connect to its engine.
+    with sluice.Engine(listen="127.0.0.1:0" if relay else None) as engine, \
+            WeightSubscriber(engine, trainer_ref, bucket_bytes=256 << 10, relay=relay, source=source) as sub:
+        conn.send(engine.listen_address)
         for step in range(steps + 1):
             version = sub.wait_for_version(step, timeout=30)
             loaded.clear()
             res = sub.update(params, on_bucket=load_weights)
             sums = {n: checksum(t) for n, t in params.items()}
-            conn.send((rank, version, len(res.updated), res.nbytes, sorted(loaded) == sorted(res.updated), sums))
+            conn.send((rank, version, len(res.updated), res.nbytes, res.from_source,
+                       sorted(loaded) == sorted(res.updated), sums))
             conn.recv()
 
 
 def main() -> int:
+    relay = "--relay" in sys.argv[1:]
     try:
         import torch  # noqa: F401
     except ImportError:
@@ -99,20 +106,24 @@ def main() -> int:
     tp = ctx.Process(target=trainer, args=(tchild, steps))
     tp.start()
     ref, want = tconn.recv()
-    conns, procs = [], []
+    conns, procs, refs = [], [], []
     for rank in range(2):
         c, child = ctx.Pipe()
-        p = ctx.Process(target=inference, args=(child, rank, ref, steps))
+        # --relay: inference 0 relays, inference 1 pulls from it
+        source = refs[0] if relay and rank == 1 else None
+        p = ctx.Process(target=inference, args=(child, rank, ref, steps, relay and rank == 0, source))
         p.start()
+        refs.append(c.recv())
         conns.append(c)
         procs.append(p)
     ok = True
     for step in range(steps + 1):
         for c in conns:
-            rank, version, n, nbytes, callbacks_ok, sums = c.recv()
+            rank, version, n, nbytes, from_relay, callbacks_ok, sums = c.recv()
             right = sums == want
             ok &= right and callbacks_ok
-            print(f"inference {rank}: version {version}, pulled {n} tensors ({nbytes} bytes)"
+            via = f", {from_relay} of them from inference 0" if from_relay else ""
+            print(f"inference {rank}: version {version}, pulled {n} tensors ({nbytes} bytes{via})"
                   f"{'' if right else ' WRONG BYTES'}")
         if step < steps:
             tconn.send("next")
