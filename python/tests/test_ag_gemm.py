@@ -201,3 +201,17 @@ def test_bad_arguments_are_refused():
         agg.AllGatherMatmul(FakeAllGather(shards, 0), max_rows=4, k=8, n=4, out_mode="fused")
     with pytest.raises(ValueError, match=r"chunks \(8\) > rows"):
         agg.AllGatherMatmul(FakeAllGather(shards, 0), max_rows=4, k=8, n=4, chunks=8)
+
+
+@pytest.mark.parametrize("script", ["examples/python/all_gather_gemm_overlap.py",
+                                    "tools/sluice-gpu-bench/ag_gemm_bench.py"])
+def test_gpu_scripts_skip_clearly_without_gpus(script):
+    """The example and the benchmark exit 0 with a message saying why when there is no GPU."""
+    import subprocess
+    import sys
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: the scripts run for real (scripts/gpu-matrix.sh aggemm)")
+    root = os.path.join(os.path.dirname(__file__), "..", "..")
+    r = subprocess.run([sys.executable, os.path.join(root, script)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "skipped" in r.stdout and "GPU" in r.stdout, r.stdout
