@@ -5,6 +5,8 @@ Y = AllGather(X_shard) @ W with X_shard [m, k] per rank and W [k, 4k], for the s
   nccl            dist.all_gather_into_tensor + torch.mm (the reference and the baseline)
   sluice+mm       the sluice AllGather, then torch.mm (no overlap)
   overlap/<mode>/c<chunks>   AllGatherMatmul, chunks in --chunks, out_mode in --out-modes
+  overlap/direct/c<chunks>/so<S>   the same with torch's experimental matmul SM carveout of S SMs
+                  (--sm-carveout S,...), so the AllGather kernel finds SMs beside the GEMM
 each timed eager and as a CUDA graph (median of --rounds rounds [min-max]); ratio = time / nccl's.
 
 Checks, before timing and after a graph replay with fresh data:
@@ -131,6 +133,28 @@ def peak_extra(fn):
     return torch.cuda.max_memory_allocated() - base
 
 
+def carveouts(args):
+    """The --sm-carveout values, none where this torch has no carveout."""
+    vals = [int(v) for v in args.sm_carveout.split(",") if v]
+    if vals and not hasattr(torch._C, "_set_sm_carveout_experimental"):
+        print(f"ag_gemm_bench: torch {torch.__version__} has no SM carveout; --sm-carveout ignored", flush=True)
+        return []
+    return vals
+
+
+def with_carveout(sms, pipe, x, w, y):
+    """One pipeline call with torch's (experimental) matmul SM carveout: the GEMMs leave `sms`
+    SMs free, so the AllGather kernel (which waits on its peers) can run beside them. A cuBLAS
+    GEMM may otherwise fill every SM (Hopper's persistent kernels) and the AllGather of the next
+    chunk would only start when it ends. Global state in torch: set and reset around the call
+    (a graph keeps what was set when it was captured)."""
+    torch._C._set_sm_carveout_experimental(sms)
+    try:
+        pipe(x, w, out=y)
+    finally:
+        torch._C._set_sm_carveout_experimental(None)
+
+
 def make_allgather(args, world, rank, max_bytes):
     """The AllGather under test: intra (NVLink LL) or, with --inter, the hierarchical one."""
     if args.inter:
@@ -171,6 +195,9 @@ def run_shape(ag, agg, world, rank, m, k, dtype, args):
             pipe = agg.AllGatherMatmul(ag, max_rows=m, k=k, n=n, dtype=dtype, chunks=c, out_mode=mode,
                                        local_first=not args.no_local_first)
             variants.append((f"overlap/{mode}/c{c}", (lambda p=pipe: p(x, w, out=y_c)), pipe))
+            for so in (carveouts(args) if mode == "direct" else []):
+                variants.append((f"overlap/{mode}/c{c}/so{so}", (lambda p=pipe, so=so: with_carveout(so, p, x, w, y_c)),
+                                 pipe))
     fails = 0
     checks = {}
 
@@ -320,6 +347,8 @@ def main():
     p.add_argument("--chunks", default="2,4,8")
     p.add_argument("--out-modes", default="direct,copy")
     p.add_argument("--no-local-first", action="store_true")
+    p.add_argument("--sm-carveout", default="", help="e.g. 16,32: also overlap/direct with torch's "
+                   "experimental matmul SM carveout (SMs left to the AllGather)")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--iters", type=int, default=20, help="calls per timing (fewer for large shapes)")
     p.add_argument("--budget-ms", type=float, default=40.0, help="about this long per timing")
