@@ -30,11 +30,13 @@ Where a chunk's result goes (`out_mode`):
   "direct": torch.bmm(gathered[r0:r1], W expanded to a batch, out=Y3[r0:r1, rows]). That
             output view has strides (m*n, n, 1): a valid strided-batched cuBLAS output (ldc = n,
             batch stride m*n), and W expanded has batch stride 0, which torch's bmm passes to
-            cuBLAS as is, so no copy is expected; the benchmark reports the allocator's peak
-            during a call, which a hidden copy would raise.
-  "copy":   torch.mm of the chunk's rows into a contiguous scratch, then copy_ into the strided
-            view: one GEMM per chunk of all its rows (the most efficient GEMM shape) plus a
-            device copy of rows_c * world * n elements. Kept as the fallback and for comparison.
+            cuBLAS as is (read in torch's source, not yet seen on a GPU), so no copy is
+            expected; the benchmark reports the allocator's peak during a call, which a hidden
+            copy would raise.
+  "copy":   per rank range, one torch.mm of its rows of the chunk (a [ranks * rows_c, k] view
+            of the slot) into a contiguous scratch, then copy_ into the strided view: a plain
+            GEMM with more rows, plus a device copy of the chunk's output. Kept as the fallback
+            and for comparison.
 
 CUDA graphs: the communication stream is forked from the current stream (it waits on an event
 recorded there) and joined back at the end, the capturable fork-join pattern; nothing is
