@@ -85,7 +85,12 @@ def test_plan_refuses_clearly(args, msg):
 
 # ---------------------------------------------------------------- the pipeline on CPU tensors
 
-torch = pytest.importorskip("torch")
+try:  # the plan tests above run without torch; these need it
+    import torch
+except ImportError:
+    torch = None
+needs_torch = pytest.mark.skipif(torch is None, reason="torch is not installed")
+DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
 class FakeAllGather:
@@ -131,13 +136,15 @@ def _weight(k, n, dtype, seed):
     return torch.randint(-2, 3, (k, n), generator=torch.Generator().manual_seed(seed + 1)).to(dtype)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@needs_torch
+@pytest.mark.parametrize("dtype_name", ["bf16", "fp16", "fp32"])
 @pytest.mark.parametrize("out_mode", ["direct", "copy"])
 @pytest.mark.parametrize("local_first", [True, False])
 @pytest.mark.parametrize("world,m,chunks,slots", [
     (1, 4, 2, 2), (2, 8, 4, 2), (3, 7, 3, 2), (4, 10, 4, 2), (5, 5, 5, 1), (8, 9, 4, 3), (2, 1, 1, 2),
 ])
-def test_pipeline_equals_cat_then_matmul(dtype, out_mode, local_first, world, m, chunks, slots):
+def test_pipeline_equals_cat_then_matmul(dtype_name, out_mode, local_first, world, m, chunks, slots):
+    dtype = getattr(torch, DTYPES[dtype_name])
     k, n = 16, 12
     shards = _shards(world, m, k, dtype, seed=world * 100 + m)
     w = _weight(k, n, dtype, seed=m)
@@ -155,6 +162,7 @@ def test_pipeline_equals_cat_then_matmul(dtype, out_mode, local_first, world, m,
         assert torch.equal(p(shards[rank], w), ref)  # again, allocating the output; slots reused
 
 
+@needs_torch
 def test_smaller_shard_than_max_rows_and_repeated_calls():
     """One object, calls with m from 3 to max_rows: the plan and the slot views follow m."""
     world, k, n, dtype = 3, 8, 4, torch.bfloat16
@@ -169,6 +177,7 @@ def test_smaller_shard_than_max_rows_and_repeated_calls():
         assert torch.equal(p(shards[1], w), agg.reference(shards, w)), m
 
 
+@needs_torch
 def test_a_broken_allgather_is_caught():
     """The comparison is sensitive: an AllGather that swaps ranks 0 and 1 makes it fail (with
     local_first off, so every row goes through the gathered data)."""
@@ -179,6 +188,7 @@ def test_a_broken_allgather_is_caught():
     assert not torch.equal(p(shards[2], w), agg.reference(shards, w))
 
 
+@needs_torch
 def test_bad_arguments_are_refused():
     shards = _shards(2, 4, 8, torch.bfloat16, seed=2)
     w = _weight(8, 4, torch.bfloat16, seed=2)
@@ -203,6 +213,7 @@ def test_bad_arguments_are_refused():
         agg.AllGatherMatmul(FakeAllGather(shards, 0), max_rows=4, k=8, n=4, chunks=8)
 
 
+@needs_torch
 @pytest.mark.parametrize("script", ["examples/python/all_gather_gemm_overlap.py",
                                     "tools/sluice-gpu-bench/ag_gemm_bench.py"])
 def test_gpu_scripts_skip_clearly_without_gpus(script):
