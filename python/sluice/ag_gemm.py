@@ -194,8 +194,15 @@ class AllGatherMatmul:
         if device is None:
             device = getattr(allgather, "device", None) or torch.device("cpu")
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:  # tensors say cuda:N
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.mc = chunk_rows(self.max_rows, self.chunks)
         plan(self.max_rows, self.chunks, self.world, self.rank, self.slots, self.local_first)  # validates
+        need = self.mc * self.k * torch.empty((), dtype=self.dtype).element_size()
+        have = getattr(allgather, "max_bytes", None)  # AllGather and HierAllGather say it
+        if have is not None and have < need:
+            raise ValueError(f"the AllGather takes at most {have} bytes per rank, a chunk has {need} "
+                             f"({self.mc} rows of {self.k}): build it for chunk_rows(max_rows, chunks) rows")
         self.slots = min(self.slots, self.chunks)  # more slots than chunks would never be used
         self._plans = {}
         mk = dict(dtype=self.dtype, device=self.device)

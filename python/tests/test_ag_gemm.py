@@ -211,6 +211,12 @@ def test_bad_arguments_are_refused():
         agg.AllGatherMatmul(FakeAllGather(shards, 0), max_rows=4, k=8, n=4, out_mode="fused")
     with pytest.raises(ValueError, match=r"chunks \(8\) > rows"):
         agg.AllGatherMatmul(FakeAllGather(shards, 0), max_rows=4, k=8, n=4, chunks=8)
+    small = FakeAllGather(shards, 0)
+    small.max_bytes = 2 * 8 * 2 - 1  # one byte short of a chunk of 2 rows of 8 bf16
+    with pytest.raises(ValueError, match="at most 31 bytes per rank, a chunk has 32"):
+        agg.AllGatherMatmul(small, max_rows=4, k=8, n=4, dtype=torch.bfloat16, chunks=2)
+    small.max_bytes = 32
+    agg.AllGatherMatmul(small, max_rows=4, k=8, n=4, dtype=torch.bfloat16, chunks=2)
 
 
 @needs_torch
