@@ -289,6 +289,8 @@ def worker(rank, world, args, init):
     if args.nccl_socket:  # NCCL over the network path too (before its communicator exists)
         os.environ["NCCL_P2P_DISABLE"] = "1"
         os.environ["NCCL_SHM_DISABLE"] = "1"
+        if args.transport == "tcp":
+            os.environ["NCCL_IB_DISABLE"] = "1"
     local = int(os.environ.get("LOCAL_RANK", rank))
     torch.cuda.set_device(local)
     dist.init_process_group("nccl", init_method=init, rank=rank, world_size=world,
