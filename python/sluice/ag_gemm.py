@@ -209,14 +209,27 @@ class AllGatherMatmul:
         self._gather = [torch.empty(self.world * self.mc * self.k, **mk) for _ in range(self.slots)]
         self._scratch = (torch.empty(self.world * self.mc * self.n, **mk) if out_mode == "copy" else None)
         self._cuda = self.device.type == "cuda"
-        if self._cuda:
-            self._comm = torch.cuda.Stream(device=self.device)
-            self._gathered = [torch.cuda.Event() for _ in range(self.slots)]
-            self._consumed = [torch.cuda.Event() for _ in range(self.slots)]
-        else:
-            self._comm = _NoStream()
-            self._gathered = [_NoStream() for _ in range(self.slots)]
-            self._consumed = [_NoStream() for _ in range(self.slots)]
+        self._comm = self._make_stream()
+        self._gathered = [self._make_event() for _ in range(self.slots)]
+        self._consumed = [self._make_event() for _ in range(self.slots)]
+
+    # Streams and events: CUDA's, or no-ops on CPU. Methods, so that a test can put recording
+    # fakes in and check the ordering a GPU would enforce (python/tests/test_ag_gemm.py).
+    def _make_stream(self):
+        import torch
+        return torch.cuda.Stream(device=self.device) if self._cuda else _NoStream()
+
+    def _make_event(self):
+        import torch
+        return torch.cuda.Event() if self._cuda else _NoStream()
+
+    def _current_stream(self):
+        import torch
+        return torch.cuda.current_stream(self.device) if self._cuda else _NoStream()
+
+    def _ag_stream(self, comm):
+        """The `stream` argument of the AllGather calls (None on CPU)."""
+        return comm if self._cuda else None
 
     def plan(self, m: int) -> List[ChunkPlan]:
         """This object's plan for a shard of m rows (cached per m)."""
@@ -255,22 +268,27 @@ class AllGatherMatmul:
         if out is None:
             out = torch.empty((self.world * m, self.n), dtype=self.dtype, device=self.device)
         y3 = out.view(self.world, m, self.n)
-        cur = torch.cuda.current_stream(self.device) if self._cuda else _NoStream()
+        cur = self._current_stream()
         comm = self._comm
         comm.wait_stream(cur)  # fork: x_shard, w and out are ready; earlier calls' GEMMs are done
         if self.local_first:  # needs nothing from the network: runs while chunk 0 is in flight
-            torch.mm(x_shard, w, out=y3[self.rank])
+            self._local_gemm(x_shard, w, y3)
         for ch in chunks:
             g = self._gather[ch.slot][: self.world * ch.rows * self.k]
             if ch.wait_slot_free:
                 comm.wait_event(self._consumed[ch.slot])
-            self.ag.all_gather(x_shard[ch.row_lo:ch.row_hi], out=g, stream=comm if self._cuda else None)
+            self.ag.all_gather(x_shard[ch.row_lo:ch.row_hi], out=g, stream=self._ag_stream(comm))
             self._gathered[ch.slot].record(comm)
             cur.wait_event(self._gathered[ch.slot])
             self._gemm(g.view(self.world, ch.rows, self.k), w, y3, ch)
             self._consumed[ch.slot].record(cur)
-        cur.wait_stream(comm)  # join: required to end a capture; a no-op for the data
+        cur.wait_stream(comm)  # join (the wait on the last chunk already joins; explicit for captures)
         return out
+
+    def _local_gemm(self, x_shard, w, y3) -> None:
+        """This rank's own rows, straight from its shard, on the current stream."""
+        import torch
+        torch.mm(x_shard, w, out=y3[self.rank])
 
     def _gemm(self, g3, w, y3, ch: ChunkPlan) -> None:
         """The chunk's GEMMs, on the current stream, into Y's rows of this chunk."""

@@ -232,3 +232,160 @@ def test_gpu_scripts_skip_clearly_without_gpus(script):
     r = subprocess.run([sys.executable, os.path.join(root, script)], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert "skipped" in r.stdout and "GPU" in r.stdout, r.stdout
+
+
+# ---------------------------------------------------------------- the stream ordering, simulated
+
+class Sim:
+    """What a GPU enforces between streams, as a graph: an op depends on the previous op of its
+    stream and, for a wait, on the op that recorded the event last at the time of the wait
+    (CUDA's semantics for cudaStreamWaitEvent). hb(a, b): a happens before b."""
+
+    def __init__(self):
+        self.ops = []  # (stream name, kind, tag)
+        self.anc = []  # every op's ancestors
+
+    def op(self, stream, kind, tag=None, deps=()):
+        d = set(deps)
+        if stream.last is not None:
+            d.add(stream.last)
+        anc = set(d)
+        for i in d:
+            anc |= self.anc[i]
+        self.ops.append((stream.name, kind, tag))
+        self.anc.append(anc)
+        stream.last = len(self.ops) - 1
+        return stream.last
+
+    def hb(self, a, b):
+        return a in self.anc[b]
+
+    def find(self, kind, pred=lambda tag: True):
+        return [i for i, (_, k, t) in enumerate(self.ops) if k == kind and pred(t)]
+
+
+class SimStream:
+    def __init__(self, sim, name):
+        self.sim, self.name, self.last = sim, name, None
+
+    def wait_event(self, ev):
+        self.sim.op(self, "wait", deps=[] if ev.marker is None else [ev.marker])
+
+    def wait_stream(self, other):
+        ev = SimEvent(self.sim)
+        ev.record(other)
+        self.wait_event(ev)
+
+
+class SimEvent:
+    def __init__(self, sim):
+        self.sim, self.marker = sim, None
+
+    def record(self, stream=None):
+        assert stream is not None  # the pipeline names the stream of every record
+        self.marker = self.sim.op(stream, "record")
+
+
+def _sim_pipeline(sim, cur, fake, **kw):
+    """An AllGatherMatmul whose streams and events are the simulation's, logging its GEMMs."""
+
+    class SimPipeline(agg.AllGatherMatmul):
+        call = 0
+
+        def _make_stream(self):
+            return SimStream(sim, "comm")
+
+        def _make_event(self):
+            return SimEvent(sim)
+
+        def _current_stream(self):
+            return cur
+
+        def _ag_stream(self, comm):
+            return comm
+
+        def _local_gemm(self, x, w, y3):
+            sim.op(cur, "local", self.call)
+            super()._local_gemm(x, w, y3)
+
+        def _gemm(self, g3, w, y3, ch):
+            slot = [s.data_ptr() for s in self._gather].index(g3.data_ptr())
+            sim.op(cur, "gemm", (self.call, ch.row_lo, slot))
+            super()._gemm(g3, w, y3, ch)
+
+    return SimPipeline(fake, **kw)
+
+
+class SimAllGather(FakeAllGather):
+    """The fake AllGather, logging each call as an op on the stream it is given."""
+
+    def __init__(self, shards, rank, sim, pipe_ref):
+        super().__init__(shards, rank)
+        self.sim, self.pipe_ref = sim, pipe_ref
+
+    def all_gather(self, tensor, out=None, stream=None):
+        assert isinstance(stream, SimStream) and stream.name == "comm"
+        p = self.pipe_ref[0]
+        slot = [s.data_ptr() for s in p._gather].index(out.data_ptr())
+        lo = (tensor.data_ptr() - self.shards[self.rank].data_ptr()) // (self.shards[self.rank].stride(0) *
+                                                                          tensor.element_size())
+        self.sim.op(stream, "ag", (p.call, lo, slot))
+        return super().all_gather(tensor, out=out, stream=None)
+
+
+@needs_torch
+@pytest.mark.parametrize("local_first", [True, False])
+@pytest.mark.parametrize("slots", [1, 2, 3])
+@pytest.mark.parametrize("chunks", [1, 2, 3, 5])
+def test_stream_ordering_a_gpu_would_enforce(chunks, slots, local_first):
+    """Over three back-to-back calls, with the caller writing x before and reading Y after each:
+    every AllGather starts after the caller's x is written (fork); every chunk GEMM after its
+    chunk's AllGather; no AllGather overwrites a slot before every earlier GEMM reading it is
+    done (within a call and across calls); the caller's read of Y comes after all of the call's
+    work (join). And the overlap is really possible: the local GEMM does not precede the first
+    AllGather, and with two slots or more a chunk's AllGather does not wait for the previous
+    chunk's GEMM."""
+    world, m, k, n, dtype = 3, 10, 8, 4, torch.float32
+    shards = _shards(world, m, k, dtype, seed=3)
+    w = _weight(k, n, dtype, seed=3)
+    sim = Sim()
+    cur = SimStream(sim, "compute")
+    ref = []
+    fake = SimAllGather(shards, 1, sim, ref)
+    p = _sim_pipeline(sim, cur, fake, max_rows=m, k=k, n=n, dtype=dtype, chunks=chunks, slots=slots,
+                      local_first=local_first)
+    ref.append(p)
+    calls = 3
+    for call in range(calls):
+        p.call = call
+        sim.op(cur, "caller_writes_x", call)
+        assert torch.equal(p(shards[1], w), agg.reference(shards, w))
+        sim.op(cur, "caller_reads_y", call)
+
+    bounds = agg.chunk_bounds(m, chunks)
+    for call in range(calls):
+        x_written = sim.find("caller_writes_x", lambda t: t == call)[0]
+        y_read = sim.find("caller_reads_y", lambda t: t == call)[0]
+        ags = [sim.find("ag", lambda t: t[:2] == (call, lo))[0] for lo, _ in bounds]
+        gemms = [sim.find("gemm", lambda t: t[:2] == (call, lo))[0] for lo, _ in bounds]
+        for a in ags:
+            assert sim.hb(x_written, a), "an AllGather may read x before the caller wrote it"
+        for a, g in zip(ags, gemms):
+            assert sim.hb(a, g), "a GEMM may read its slot before the AllGather filled it"
+        for op in ags + gemms + sim.find("local", lambda t: t == call):
+            assert sim.hb(op, y_read), "the caller may read Y before the call's work is done"
+        comm_before = [i for i, (st, _, _) in enumerate(sim.ops) if st == "comm" and i < y_read]
+        assert sim.hb(comm_before[-1], y_read), "the communication stream is not joined"
+        if local_first:
+            local = sim.find("local", lambda t: t == call)[0]
+            assert not sim.hb(local, ags[0]), "the local GEMM would delay the first AllGather"
+        if slots >= 2:
+            for c in range(1, chunks):
+                assert not sim.hb(gemms[c - 1], ags[c]), "chunk c's AllGather waits for chunk c-1's GEMM"
+    # Write-after-read on the slots, across calls too: host order is the order of reuse.
+    ags = sim.find("ag")
+    for a in ags:
+        slot = sim.ops[a][2][2]
+        for g in sim.find("gemm", lambda t: t[2] == slot):
+            if g < a:
+                assert sim.hb(g, a), f"slot {slot} may be overwritten while a GEMM reads it"
