@@ -225,7 +225,6 @@ def test_bad_arguments_are_refused():
 def test_gpu_scripts_skip_clearly_without_gpus(script):
     """The example and the benchmark exit 0 with a message saying why when there is no GPU."""
     import subprocess
-    import sys
     if torch.cuda.is_available():
         pytest.skip("a GPU is present: the scripts run for real (scripts/gpu-matrix.sh aggemm)")
     root = os.path.join(os.path.dirname(__file__), "..", "..")
