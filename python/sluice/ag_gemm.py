@@ -13,8 +13,9 @@ rank-major concatenation (the NVLink AllGather of cuda_allgather.py, the hierarc
 hier_allgather.py for several nodes); it must be sized for one chunk (`chunk_rows` rows of k).
 
 How a call runs. X_shard [m, k] is cut into `chunks` row-chunks (`plan()`; sizes differ by at
-most one row, the first m % chunks chunks being the longer ones; chunks > m is refused). Chunk c is gathered on a communication stream into slot c % slots of a ring of
-preallocated gather buffers ([world, rows_c, k], rank-major); an event marks it; the compute
+most one row, the first m % chunks chunks being the longer ones; chunks > m is refused).
+Chunk c is gathered on a communication stream into slot c % slots of a ring of preallocated
+gather buffers ([world, rows_c, k], rank-major); an event marks it; the compute
 stream (the caller's current stream) waits on that event and multiplies the chunk: the rows of
 rank r land in Y rows r*m + chunk_start .. (Y viewed as [world, m, n]). So chunk c+1 is on the
 wire while chunk c is multiplied. Before slot s is gathered into again, the communication stream
