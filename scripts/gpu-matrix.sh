@@ -2,7 +2,7 @@
 # The GPU matrix: every test and benchmark that needs one or more GPUs, in stages, each with a
 # time limit and a log of its own. Not part of CI (CI has no GPU). Run on a host with >= 2 GPUs:
 #
-#   scripts/gpu-matrix.sh [STAGE ...]          default: info cxx ag hier port nvlink wheel torch tbench ce
+#   scripts/gpu-matrix.sh [STAGE ...]          default: info cxx ag hier aggemm port nvlink wheel torch tbench ce
 #
 # Stages:
 #   info    GPUs, links (nvidia-smi topo), driver, Python and torch versions
@@ -16,6 +16,11 @@
 #           >= 4 GPUs, the example under torchrun, and the kill test (a rank dies mid-loop, the
 #           others must raise within the timeout; also 2 x 2 with >= 4 GPUs); HierAllGather.*
 #           of sluice_cuda_tests runs in cxx
+#   aggemm  the AllGather-GEMM overlap (python/sluice/ag_gemm.py) against NCCL all_gather_into_tensor
+#           + matmul (tools/sluice-gpu-bench/ag_gemm_bench.py): 2 ranks intra-node, issue 14's
+#           shapes, bf16 and fp16, chunks 2/4/8, with an SM-carveout variant; 2 ranks forced
+#           inter (HierAllGather, --quick), also with NCCL on sockets; 4 ranks when the host has
+#           them; the example under torchrun, intra and inter, graph and eager. Not yet run.
 #   port    sluice-port-bench (port channel vs the copy engine, ping-pong, request rate), the
 #           batched nvlink post path and nvlink.post_batch=false interleaved, 2 rounds each
 #   nvlink  sluice-gpu-bench (nvlink transport vs cudaMemcpyPeerAsync)
@@ -112,6 +117,28 @@ s_hier() {
   fi
   return $rc
 }
+s_aggemm() {
+  local rc=0 mode m
+  export SLUICE_LIBRARY=$BIN/libsluice.so
+  "$PY" tools/sluice-gpu-bench/ag_gemm_bench.py --world 2 --sm-carveout 16 \
+    --out "$LOGS/aggemm-intra-2.md" --json "$LOGS/aggemm-intra-2.json" || rc=1
+  "$PY" tools/sluice-gpu-bench/ag_gemm_bench.py --world 2 --inter --ranks-per-node 1 --quick \
+    --out "$LOGS/aggemm-inter-2x1.md" --json "$LOGS/aggemm-inter-2x1.json" || rc=1
+  "$PY" tools/sluice-gpu-bench/ag_gemm_bench.py --world 2 --inter --ranks-per-node 1 --quick --transport tcp \
+    --nccl-socket --out "$LOGS/aggemm-inter-2x1-socket.md" --json "$LOGS/aggemm-inter-2x1-socket.json" || rc=1
+  if [ "$NGPU" -ge 4 ]; then
+    "$PY" tools/sluice-gpu-bench/ag_gemm_bench.py --world 4 --quick --sm-carveout 16 \
+      --out "$LOGS/aggemm-intra-4.md" --json "$LOGS/aggemm-intra-4.json" || rc=1
+    "$PY" tools/sluice-gpu-bench/ag_gemm_bench.py --world 4 --inter --ranks-per-node 2 --quick \
+      --out "$LOGS/aggemm-inter-2x2.md" --json "$LOGS/aggemm-inter-2x2.json" || rc=1
+  fi
+  for mode in intra inter; do
+    for m in "" "--eager-mode"; do
+      "$PY" -m torch.distributed.run --nproc-per-node 2 examples/python/all_gather_gemm_overlap.py --mode $mode $m || rc=1
+    done
+  done
+  return $rc
+}
 # The batched proxy path and the single-post path of the same build, interleaved (A/B).
 s_port() {
   local r rc=0
@@ -145,8 +172,8 @@ s_tbench() {
 s_ce() { CE_TIMEOUT=${CE_TIMEOUT:-300} PYTHON=$PY tests/compat/run_checkpoint_engine.sh run "$WH"; }
 
 stages=("$@")
-[ ${#stages[@]} -gt 0 ] || stages=(info cxx ag hier port nvlink wheel torch tbench ce)
-case " ${stages[*]} " in *" cxx "*|*" sanit "*|*" ag "*|*" hier "*|*" port "*|*" nvlink "*) bin_setup || { echo "gpu-matrix.sh: building the GPU binaries failed" >&2; exit 1; } ;; esac
+[ ${#stages[@]} -gt 0 ] || stages=(info cxx ag hier aggemm port nvlink wheel torch tbench ce)
+case " ${stages[*]} " in *" cxx "*|*" sanit "*|*" ag "*|*" hier "*|*" aggemm "*|*" port "*|*" nvlink "*) bin_setup || { echo "gpu-matrix.sh: building the GPU binaries failed" >&2; exit 1; } ;; esac
 summary=()
 for s in "${stages[@]}"; do
   declare -F "s_$s" >/dev/null || { echo "gpu-matrix.sh: unknown stage $s" >&2; exit 2; }
