@@ -11,12 +11,13 @@ tensors its targets hold and where (little endian)::
     16  instance   u64 the trainer publisher's instance the entries refer to (0: none yet)
     24  n          u64 number of entries (the trainer's tensors, in its table's order)
     32  reserved   u64[4]
-    64  entries    n x (held u64, region u64): held = the trainer's tensor version + 1, 0 = not
-                   held; region = the relay's region id of the target holding it (whole, at 0)
+    64  entries    n x (held u64, region u64, landed u64): held = the trainer's tensor version
+                   + 1, 0 = not held; region = the relay's region id of the target (the tensor
+                   at offset 0); landed = how many of its leading bytes have landed
 
-The relay clears an entry before its update writes into that target and sets it once the
-bucket that completes the tensor has landed, so a child reading an entry that says "held"
-reads settled bytes. A child re-reads the entries of what it pulled afterwards: an entry that
+The relay clears an entry before its update writes into that target, and raises `landed` as
+each of its buckets lands (a tensor's bytes arrive in order, bucket after bucket), so a child
+reads settled bytes only, and a tensor larger than a bucket is relayed while it arrives. A child re-reads the entries of what it pulled afterwards: an entry that
 moved meanwhile (the relay began writing again) means those bytes may be torn, and the child
 pulls them again from the trainer.
 """
@@ -25,13 +26,13 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Tuple
 
 MAGIC = b"SLRELAY1"
 FORMAT = 1
 HEADER = struct.Struct("<8sIIQQ32x")
 HEADER_SIZE = HEADER.size  # 64
-ENTRY = struct.Struct("<QQ")
+ENTRY = struct.Struct("<QQQ")
 
 
 def region_name(publisher: str) -> str:
@@ -48,18 +49,23 @@ class BadRelay(Exception):
 
 @dataclass(frozen=True)
 class Holdings:
-    """One read of a relay's region: per trainer tensor, (version, region id) or None."""
+    """One read of a relay's region: per trainer tensor, (version, region id, bytes landed)
+    or None."""
 
     instance: int
-    entries: List[Optional[Tuple[int, int]]]
+    entries: List[Optional[Tuple[int, int, int]]]
 
-    def holds(self, index: int, instance: int, version: int) -> Optional[int]:
-        """The relay's region id of tensor ``index`` if it holds ``version`` of the trainer
-        publisher ``instance``, else None."""
+    def holds(self, index: int, instance: int, version: int, end: int) -> Optional[int]:
+        """The relay's region id of tensor ``index`` if its first ``end`` bytes of ``version``
+        (of the trainer publisher ``instance``) have landed, else None."""
         if self.instance != instance or index >= len(self.entries):
             return None
         e = self.entries[index]
-        return e[1] if e is not None and e[0] == version else None
+        return e[1] if e is not None and e[0] == version and e[2] >= end else None
+
+    def landed(self) -> int:
+        """Bytes landed over every entry: grows while the relay receives (progress)."""
+        return sum(e[2] for e in self.entries if e is not None)
 
 
 def write_header(buf, instance: int, n: int) -> None:
@@ -76,13 +82,14 @@ def clear(buf, index: int) -> None:
     buf[off:off + 8] = np.zeros(8, dtype=np.uint8)
 
 
-def set_held(buf, index: int, version: int, region: int) -> None:
-    """Tensor ``index`` now holds ``version`` in region ``region``: the region first, then the
-    held word (a reader that sees the word sees the region)."""
+def set_held(buf, index: int, version: int, region: int, landed: int) -> None:
+    """The first ``landed`` bytes of ``version`` of tensor ``index`` are in region ``region``:
+    the region and the count first, then the held word (a reader that sees the word sees
+    them; the count only grows while the word stays)."""
     import numpy as np
 
     off = HEADER_SIZE + ENTRY.size * index
-    buf[off + 8:off + 16] = np.frombuffer(struct.pack("<Q", region), dtype=np.uint8)
+    buf[off + 8:off + 24] = np.frombuffer(struct.pack("<QQ", region, landed), dtype=np.uint8)
     buf[off:off + 8] = np.frombuffer(struct.pack("<Q", version + 1), dtype=np.uint8)
 
 
@@ -96,10 +103,10 @@ def read(raw: bytes) -> Holdings:
         raise BadRelay(f"relay format {fmt} (this sluice reads format {FORMAT})")
     if region_size(n) > len(raw):
         raise BadRelay(f"relay region lists {n} entries, more than its {len(raw)} bytes hold")
-    entries: List[Optional[Tuple[int, int]]] = []
+    entries: List[Optional[Tuple[int, int, int]]] = []
     for i in range(n):
-        held, region = ENTRY.unpack_from(raw, HEADER_SIZE + ENTRY.size * i)
-        entries.append((held - 1, region) if held else None)
+        held, region, landed = ENTRY.unpack_from(raw, HEADER_SIZE + ENTRY.size * i)
+        entries.append((held - 1, region, landed) if held else None)
     return Holdings(instance, entries)
 
 
@@ -121,8 +128,3 @@ def tree_depth(count: int, fanout: int = 2) -> int:
         i = (i - 1) // fanout
         depth += 1
     return depth + 1 if count > 0 else 0
-
-
-def touched(entries: Sequence[tuple], tensor_of_region: dict) -> set:
-    """The tensor indices whose bytes a bucket's READ entries read (by remote region id)."""
-    return {tensor_of_region[e[2]] for e in entries}

@@ -500,7 +500,7 @@ class WeightSubscriber:
                         self._wait(from_trainer(b), deadline, what)
                 elif fut is not None:
                     self._wait(fut, deadline, what)
-                self._relay_held(snap, index, b.done)
+                self._relay_landed(snap, index, b)
                 fill()  # the next buckets move while the callback runs
                 if on_bucket is not None and b.done:
                     on_bucket([(n, targets[n]) for n in b.done])
@@ -591,7 +591,7 @@ class WeightSubscriber:
         out = []
         for (local, local_off, _, _, n), (name, off) in zip(b.entries, b.parts):
             i = index[name]
-            region = held.holds(i, snap.instance, snap.versions[i])
+            region = held.holds(i, snap.instance, snap.versions[i], off + n)
             if region is None:
                 return None
             out.append((local, local_off, region, off, n))
@@ -609,7 +609,7 @@ class WeightSubscriber:
             if entries is not None or not block:
                 return entries
             now = time.monotonic()
-            progress = None if held is None else (held.instance, sum(e is not None for e in held.entries))
+            progress = None if held is None else (held.instance, held.landed())
             if progress != last:
                 last, still_since = progress, now
             elif now - still_since > self.relay_wait:
@@ -674,17 +674,20 @@ class WeightSubscriber:
         index = snap.index()
         for name in names:
             _relay.clear(self._relay_buf, index[name])
-        self._relay_held(snap, index, unchanged)
-
-    def _relay_held(self, snap: _meta.Snapshot, index: Dict[str, int], names: Sequence[str]) -> None:
-        """relay=True: these tensors' bytes have landed in our targets."""
-        if not self.relay or not names:
-            return
-        for name in names:
+        for name in unchanged:  # held whole already
             i = index[name]
             _, h = self._targets.get(name, (None, 0))
             if h:  # 0-byte tensors have no region: nothing to read, nothing to serve
-                _relay.set_held(self._relay_buf, i, snap.versions[i], int(h))
+                _relay.set_held(self._relay_buf, i, snap.versions[i], int(h), snap.tensors[i].nbytes)
+
+    def _relay_landed(self, snap: _meta.Snapshot, index: Dict[str, int], b: Bucket) -> None:
+        """relay=True: bucket ``b`` landed in our targets: each tensor it wrote holds its bytes
+        up to the end of its part (the parts of a tensor land in order)."""
+        if not self.relay:
+            return
+        for (local, _, _, _, n), (name, off) in zip(b.entries, b.parts):
+            i = index[name]
+            _relay.set_held(self._relay_buf, i, snap.versions[i], int(local), off + n)
 
     def _relay_clear(self, snap: _meta.Snapshot, names: Sequence[str]) -> None:
         if not self.relay or self._relay_buf is None:

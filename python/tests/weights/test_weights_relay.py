@@ -22,9 +22,9 @@ TOTAL = sum(wp.as_bytes(torch.empty(s, dtype=d)).numel() for _, d, s in SPEC)
 class Relay:
     """A relay process (weights_peer.relay) commanded through a pipe."""
 
-    def __init__(self, trainer_ref, source=None, transports=None):
+    def __init__(self, trainer_ref, source=None, transports=None, spec=SPEC):
         self.conn, child = CTX.Pipe()
-        self.p = CTX.Process(target=wp.relay, args=(child, trainer_ref, SPEC, transports, source), daemon=True)
+        self.p = CTX.Process(target=wp.relay, args=(child, trainer_ref, spec, transports, source), daemon=True)
         self.p.start()
         assert self.conn.poll(60), "relay did not start"
         self.ref = self.conn.recv()
@@ -151,6 +151,30 @@ def test_a_stalled_relay_costs_relay_wait_then_the_trainer_serves(trainer):
         r.stop()
 
 
+def test_a_tensor_is_relayed_while_it_arrives():
+    """Tensors of 100 KiB in 64 KiB buckets: the relay stalls after its 2nd bucket, which ends
+    tensor a and holds the first 28 KiB of b. The child takes both of its first buckets from
+    the relay (the second reads those 28 KiB of b: what has landed of a tensor is served),
+    then the rest from the trainer after relay_wait."""
+    spec = [(n, torch.float32, (25600,)) for n in ("a", "b", "c")]
+    t = Trainer(spec)
+    r = Relay(t.ref, spec=spec)
+    try:
+        r.start_update(hold_at=1)  # its first callback: the bucket that completed a
+        r.wait_held()
+        with sluice.Engine() as e:
+            targets = wp.empty_targets(spec)
+            res = child(e, t, r.ref, relay_wait=0.5).update(targets)
+            check(targets, spec, t.versions.get)
+            assert res.from_source == 2 * (64 << 10), res
+            assert "relay_wait" in res.source_fallback
+        r.resume()
+        assert r.result()[1] == []
+    finally:
+        r.stop()
+        t.stop()
+
+
 def test_a_relay_that_dies_mid_update_leaves_the_child_whole(trainer):
     r = Relay(trainer.ref)
     try:
@@ -204,13 +228,17 @@ def test_holdings_region_round_trip():
 
     buf = np.zeros(_relay.region_size(4), dtype=np.uint8)
     _relay.write_header(buf, instance=77, n=4)
-    _relay.set_held(buf, 1, version=0, region=9)  # version 0 is a version, not "not held"
-    _relay.set_held(buf, 3, version=12, region=10)
+    _relay.set_held(buf, 1, version=0, region=9, landed=100)  # version 0 is a version, not "not held"
+    _relay.set_held(buf, 3, version=12, region=10, landed=4096)
     h = _relay.read(buf.tobytes())
-    assert h.instance == 77 and h.entries == [None, (0, 9), None, (12, 10)]
-    assert h.holds(1, 77, 0) == 9 and h.holds(3, 77, 12) == 10
-    assert h.holds(3, 77, 11) is None and h.holds(3, 78, 12) is None and h.holds(0, 77, 0) is None
-    assert h.holds(9, 77, 0) is None
+    assert h.instance == 77 and h.entries == [None, (0, 9, 100), None, (12, 10, 4096)]
+    assert h.landed() == 4196
+    assert h.holds(1, 77, 0, 100) == 9 and h.holds(3, 77, 12, 4096) == 10 and h.holds(3, 77, 12, 1) == 10
+    assert h.holds(1, 77, 0, 101) is None  # past what landed
+    assert h.holds(3, 77, 11, 1) is None and h.holds(3, 78, 12, 1) is None and h.holds(0, 77, 0, 0) is None
+    assert h.holds(9, 77, 0, 0) is None
+    _relay.set_held(buf, 1, version=0, region=9, landed=200)  # the next bucket of tensor 1 landed
+    assert _relay.read(buf.tobytes()).holds(1, 77, 0, 200) == 9
     _relay.clear(buf, 3)
     assert _relay.read(buf.tobytes()).entries[3] is None
     with pytest.raises(_relay.BadRelay, match="magic"):
