@@ -306,16 +306,12 @@ class WeightSubscriber:
     def _drop_endpoint(self) -> None:
         ep, self._ep = self._ep, None
         self._regions = {}
-        if ep is not None:
-            try:
-                ep.close()
-            except SluiceError:
-                pass
+        _close_quietly(ep)
 
     def _load_regions(self, refresh: bool = False) -> None:
         if refresh:
             self._ep.refresh_remote_regions()
-        self._regions = {r["name"]: (int(r["id"]), int(r["length"])) for r in self._ep.remote_regions() if r["name"]}
+        self._regions = _named_regions(self._ep)
 
     def _meta_region(self) -> Optional[Tuple[int, int]]:
         if self._name is not None:
@@ -536,17 +532,13 @@ class WeightSubscriber:
         except SluiceError as e:
             raise _SourceDown(f"unreachable: {e}") from e
         self._src_ep = ep
-        self._src_regions = {r["name"]: (int(r["id"]), int(r["length"])) for r in ep.remote_regions() if r["name"]}
+        self._src_regions = _named_regions(ep)
         return ep
 
     def _drop_source(self) -> None:
         ep, self._src_ep = self._src_ep, None
         self._src_regions = {}
-        if ep is not None:
-            try:
-                ep.close()
-            except SluiceError:
-                pass
+        _close_quietly(ep)
 
     def _source_holdings(self, snap: _meta.Snapshot, deadline: float) -> Optional[_relay.Holdings]:
         """One read of the relay's holdings region; None while it has none for this publisher
@@ -560,8 +552,7 @@ class WeightSubscriber:
                     ep.refresh_remote_regions()
                 except SluiceError as e:
                     raise _SourceDown(f"its region table could not be read: {e}") from e
-                self._src_regions = {x["name"]: (int(x["id"]), int(x["length"])) for x in ep.remote_regions()
-                                     if x["name"]}
+                self._src_regions = _named_regions(ep)
                 r = self._src_regions.get(name)
                 if r is None:
                     return None
@@ -699,6 +690,20 @@ class WeightSubscriber:
 
 class _SourceDown(Exception):
     """The relay given as ``source`` cannot serve this update (the message says why)."""
+
+
+def _named_regions(ep: Endpoint) -> Dict[str, Tuple[int, int]]:
+    """A peer's named regions: name -> (id, length)."""
+    return {r["name"]: (int(r["id"]), int(r["length"])) for r in ep.remote_regions() if r["name"]}
+
+
+def _close_quietly(ep: Optional[Endpoint]) -> None:
+    """Close an endpoint we are dropping; one already broken may refuse, which changes nothing."""
+    if ep is not None:
+        try:
+            ep.close()
+        except SluiceError:
+            pass
 
 
 def _where(tensor) -> tuple:
