@@ -25,8 +25,8 @@
 #           batched nvlink post path and nvlink.post_batch=false interleaved, 2 rounds each
 #   nvlink  sluice-gpu-bench (nvlink transport vs cudaMemcpyPeerAsync)
 #   wheel   builds the sluice wheel with CUDA and the torch backend against this host's torch,
-#           installs it into this Python, and leaves it in $WH for the ce stage (6.5 minutes
-#           on the 64-core 4xH200 host: plan device time for it; torch and ce need it)
+#           installs it into this Python, and leaves it in $WH for the ce stage (46 s with 16
+#           jobs on 1xH200; torch and ce need it)
 #   torch   python/tests/torch_backend/run_cuda.sh at 2 ranks and at every GPU of the host
 #   tbench  tools/sluice-torch-bench/bench.py --device cuda against NCCL, 2 ranks
 #   ce      checkpoint-engine 0.4.2, unmodified, on the Mooncake facade
@@ -37,7 +37,8 @@
 # here into build-gpu/ with cmake); LOGS = where the logs go (default gpu-logs/); WH = the
 # wheelhouse (default .device/wh; `tests/compat/run_checkpoint_engine.sh fetch` fills it where
 # PyPI is reachable; the GPU machine reaches nothing); STAGE_TIMEOUT = seconds per stage
-# (default 900). Measured on 4xH200 (2026-11-27): info+cxx+ag+port+nvlink 57 s, wheel 391 s,
+# (default 900). Measured on 4xH200 (2026-11-27): info+cxx+ag+port+nvlink 57 s, wheel 391 s
+# (one job at a time then: see JOBS below),
 # torch (2 and 4 ranks) 167 s, tbench 25 s, ce 197 s.
 # NVLink multicast stays off (NCCL_NVLS_ENABLE=0 and friends): never remove that.
 set -uo pipefail
@@ -50,6 +51,9 @@ WH=${WH:-$ROOT/.device/wh}
 PY=${PYTHON:-python3}
 mkdir -p "$LOGS"
 NGPU=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || echo 0)
+# Build jobs. Not `nproc`: it honours OMP_NUM_THREADS, which this script sets to 1, so the wheel
+# built one file at a time and took over 5 minutes on 2 x H200 (46 s in parallel on 1 x H200).
+JOBS=${JOBS:-$(getconf _NPROCESSORS_ONLN 2>/dev/null || nproc)}
 [ "$NGPU" -ge 1 ] || { echo "gpu-matrix.sh: no GPU here (nvidia-smi -L lists none)" >&2; exit 1; }
 
 bin_setup() {
@@ -58,7 +62,7 @@ bin_setup() {
   else
     BIN=$ROOT/build-gpu
     cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null &&
-      ninja -C build-gpu sluice sluice_cuda_tests sluice_port_channel_cuda_tests sluice-gpu-bench sluice-port-bench >/dev/null || return 1
+      ninja -C build-gpu -j "$JOBS" sluice sluice_cuda_tests sluice_port_channel_cuda_tests sluice-gpu-bench sluice-port-bench >/dev/null || return 1
     ln -sf tests/cuda/sluice_cuda_tests tests/port_channel/sluice_port_channel_cuda_tests \
       tools/sluice-gpu-bench/sluice-gpu-bench tools/sluice-port-bench/sluice-port-bench build-gpu/ 2>/dev/null
   fi
@@ -67,7 +71,7 @@ bin_setup() {
 
 s_info() {
   nvidia-smi -L; nvidia-smi topo -m; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
-  nproc; "$PY" --version; "$PY" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "gpus", torch.cuda.device_count())'
+  echo "nproc $(nproc), online CPUs $(getconf _NPROCESSORS_ONLN), build jobs $JOBS"; "$PY" --version; "$PY" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "gpus", torch.cuda.device_count())'
   command -v nvcc && nvcc --version | tail -1
 }
 s_cxx() {
@@ -151,7 +155,7 @@ s_port() {
 s_nvlink() { "$BIN/sluice-gpu-bench" --out "$LOGS/nvlink.md"; }
 s_wheel() {
   mkdir -p "$WH" && rm -f "$WH"/sluice-*.whl
-  CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) SKBUILD_CMAKE_DEFINE="SLUICE_TORCH_PYTHON=$(command -v "$PY")" \
+  CMAKE_BUILD_PARALLEL_LEVEL=$JOBS SKBUILD_CMAKE_DEFINE="SLUICE_TORCH_PYTHON=$(command -v "$PY")" \
     "$PY" -m pip wheel -q --no-build-isolation --no-deps -w "$WH" . &&
     "$PY" -m pip install -q --force-reinstall --no-deps "$WH"/sluice-*.whl &&
     (cd /tmp && "$PY" -c 'import sluice, sluice.torch as st; print("sluice", sluice.__version__, "torch backend", st.available())')
@@ -179,7 +183,7 @@ for s in "${stages[@]}"; do
   declare -F "s_$s" >/dev/null || { echo "gpu-matrix.sh: unknown stage $s" >&2; exit 2; }
   t0=$SECONDS
   echo "=================== $s ($NGPU GPUs) ==================="
-  timeout -k 10 "${STAGE_TIMEOUT:-900}" bash -c "$(declare -f "s_$s"); $(declare -p BIN ROOT LOGS WH PY NGPU 2>/dev/null); s_$s" \
+  timeout -k 10 "${STAGE_TIMEOUT:-900}" bash -c "$(declare -f "s_$s"); $(declare -p BIN ROOT LOGS WH PY NGPU JOBS 2>/dev/null); s_$s" \
     > >(tee "$LOGS/$s.log") 2>&1
   rc=$?
   summary+=("$s: $([ $rc = 0 ] && echo passed || echo "FAILED (exit $rc)") in $((SECONDS - t0)) s")
