@@ -16,7 +16,6 @@ Prints OK and exits 0 when it is; exits 0 after a message when there is no GPU. 
 SLUICE_LIBRARY to a libsluice.so built with CUDA.
 """
 import argparse
-import importlib.util
 import os
 import sys
 
@@ -24,19 +23,8 @@ os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
 os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
 
-_PKG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "python", "sluice")
-
-
-def load(name):
-    """A module of python/sluice by path (the package itself needs its compiled binding)."""
-    key = "sluice_" + name
-    if key in sys.modules:
-        return sys.modules[key]
-    spec = importlib.util.spec_from_file_location(key, os.path.join(_PKG, name + ".py"))
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[key] = mod  # dataclasses look their module up there
-    spec.loader.exec_module(mod)
-    return mod
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tools", "common"))
+from sluice_by_path import load  # noqa: E402  (python/sluice's modules without the compiled package)
 
 
 def make_allgather(mode, max_bytes, transport):

@@ -15,7 +15,6 @@ Set SLUICE_LIBRARY to a libsluice.so built with CUDA. Exits 0 after printing a m
 there is no GPU.
 """
 import argparse
-import importlib.util
 import os
 import sys
 
@@ -23,14 +22,8 @@ os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
 os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
 
-_PKG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "python", "sluice")
-
-
-def load(name):
-    spec = importlib.util.spec_from_file_location("sluice_" + name, os.path.join(_PKG, name + ".py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tools", "common"))
+from sluice_by_path import load  # noqa: E402  (python/sluice's modules without the compiled package)
 
 
 def main():

@@ -30,7 +30,6 @@ Runs under torchrun (one process per GPU) or spawns --world processes itself:
 Exit status: 0 when every check passed, 1 otherwise; 0 with a message when there are not enough GPUs.
 """
 import argparse
-import importlib.util
 import json
 import os
 import sys
@@ -42,24 +41,14 @@ os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-_PKG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "python", "sluice")
-
 FULL_M = [1024, 2048, 4096, 8192]
 FULL_K = [4096, 8192]
 QUICK = [(1024, 4096), (4096, 4096), (2048, 8192)]
 TOL = {torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -10}
 
 
-def load(name):
-    """A module of python/sluice by path (the package itself needs its compiled binding)."""
-    key = "sluice_" + name
-    if key in sys.modules:
-        return sys.modules[key]
-    spec = importlib.util.spec_from_file_location(key, os.path.join(_PKG, name + ".py"))
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[key] = mod  # dataclasses look their module up there
-    spec.loader.exec_module(mod)
-    return mod
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "common"))
+from sluice_by_path import load  # noqa: E402  (python/sluice's modules without the compiled package)
 
 
 def median(v):

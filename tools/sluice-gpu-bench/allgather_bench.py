@@ -12,16 +12,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-_MOD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "python", "sluice", "cuda_allgather.py")
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "common"))
+from sluice_by_path import load  # noqa: E402  (python/sluice's modules without the compiled package)
 
 
 def load_allgather():
-    # Load the module file alone: the sluice package itself needs its compiled binding.
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("sluice_cuda_allgather", _MOD)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.AllGather
+    return load("cuda_allgather").AllGather
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 
 

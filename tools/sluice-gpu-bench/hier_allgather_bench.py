@@ -27,16 +27,12 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
-_MOD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "python", "sluice", "hier_allgather.py")
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "common"))
+from sluice_by_path import load  # noqa: E402  (python/sluice's modules without the compiled package)
 
 
 def load_hier():
-    # Load the module file alone: the sluice package itself needs its compiled binding.
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("sluice_hier_allgather", _MOD)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load("hier_allgather")
 
 
 def human(n):
