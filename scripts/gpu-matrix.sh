@@ -158,7 +158,13 @@ s_wheel() {
   CMAKE_BUILD_PARALLEL_LEVEL=$JOBS SKBUILD_CMAKE_DEFINE="SLUICE_TORCH_PYTHON=$(command -v "$PY")" \
     "$PY" -m pip wheel -q --no-build-isolation --no-deps -w "$WH" . &&
     "$PY" -m pip install -q --force-reinstall --no-deps "$WH"/sluice-*.whl &&
-    (cd /tmp && "$PY" -c 'import sluice, sluice.torch as st; print("sluice", sluice.__version__, "torch backend", st.available())')
+    (cd /tmp && "$PY" -c 'import sluice, sluice.torch as st; print("sluice", sluice.__version__, "torch backend", st.available())') || return 1
+  # This host's compiler may link the C++ runtime statically: none of it may be exported
+  # (cmake/sluice_link.cmake; an exported copy crashed the torch backend on 1xH200).
+  local pkg f rc=0
+  pkg=$(cd /tmp && "$PY" -c 'import os, sluice; print(os.path.dirname(sluice.__file__))') || return 1
+  for f in "$pkg"/*.so; do "$ROOT/tests/cmake/check_exports.sh" "$f" hidden || rc=1; done
+  return $rc
 }
 s_torch() {
   local rc=0 w
