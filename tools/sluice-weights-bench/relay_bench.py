@@ -1,21 +1,25 @@
 """Fan-out of sluice.weights over rate-limited links: direct pulls against relay trees.
 
-    python tools/sluice-weights-bench/relay_bench.py [--receivers 3] [--size-mib 64]
-        [--tensors 200] [--link-mbit 1000] [--rounds 3] [--modes direct,chain,tree]
-        [--fanout 2] [--bucket-mib 4] [--check] [--json out.json]
+    python tools/sluice-weights-bench/relay_bench.py [--receivers 3] [--per-host 1]
+        [--size-mib 64] [--tensors 200] [--link-mbit 1000] [--rounds 3]
+        [--modes direct,chain,tree,hosts] [--fanout 2] [--bucket-mib 4] [--check] [--json out.json]
 
-Each process is a host: its own network namespace on a bridge (tools/common/netns.py), its
-link's egress limited to ``--link-mbit`` with a token bucket (``tc tbf``), as a NIC would.
+Each host is a network namespace on a bridge (tools/common/netns.py), its link's egress limited
+to ``--link-mbit`` with a token bucket (``tc tbf``), as a NIC would: the trainer alone on one,
+the receivers ``--per-host`` to a host (tcp between receivers of one host runs over its
+loopback, unlimited, as shm or NVLink would within a node).
 Receivers pull the trainer's whole model in every round (``update(force=True)``), all at
 once, in one of these modes, the modes interleaved round by round:
 
 - direct: every receiver reads the trainer, whose link carries the model once per receiver;
 - chain: receiver i reads receiver i-1 (``relay_parent(i, 1)``), bucket by bucket;
-- tree: receiver i reads ``relay_parent(i, fanout)``.
+- tree: receiver i reads ``relay_parent(i, fanout)``;
+- hosts: ``relay_layout(hosts, fanout)``: one receiver per host pulls across hosts (a tree of
+  those), the others from their own host.
 
 A round's time is its slowest receiver's. The table gives medians and spread, the bytes the
-trainer sent per round, and the link-limited time of each mode's critical path (the trainer's
-or a relay's link carrying its fan-out, one model per child) for comparison. Needs root and
+trainer sent per round, and the link-limited time of each mode's critical path (the busiest
+host link, carrying one model per receiver on another host that pulls from it) for comparison. Needs root and
 iproute2 (``tc``); elsewhere it says why and exits 2. ``--check``: every receiver's crc32 per
 tensor against the trainer's after the last round (exit 1 on a mismatch).
 """
@@ -35,7 +39,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "common"))  # netns.py
 sys.path.insert(0, str(HERE))  # bench.py: the synthetic model
 
-MODES = ("direct", "chain", "tree")
+MODES = ("direct", "chain", "tree", "hosts")
 
 
 # ------------------------------------------------------------ workers (one per namespace)
@@ -133,34 +137,33 @@ class Proc:
 
 # ------------------------------------------------------------ driver
 
-def sources(mode: str, refs: List[str], fanout: int) -> List[Optional[str]]:
-    """Each receiver's source in ``mode`` (None: the trainer)."""
-    from sluice.weights import relay_parent
+def parents(mode: str, hosts: List[int], fanout: int) -> List[Optional[int]]:
+    """Each receiver's parent in ``mode`` (None: the trainer); ``hosts[i]``: receiver i's host."""
+    from sluice.weights import relay_layout, relay_parent
 
     if mode == "direct":
-        return [None] * len(refs)
+        return [None] * len(hosts)
+    if mode == "hosts":
+        return relay_layout(hosts, fanout)
     k = 1 if mode == "chain" else fanout
-    return [None if relay_parent(i, k) is None else refs[relay_parent(i, k)] for i in range(len(refs))]
+    return [relay_parent(i, k) for i in range(len(hosts))]
 
 
-def link_bound(mode: str, receivers: int, fanout: int, model_bytes: int, bits_per_s: float) -> float:
-    """Seconds the busiest link needs in ``mode``: a node's link carries one model per child
-    it serves (direct: the trainer serves every receiver)."""
-    from sluice.weights import relay_parent
-
-    if mode == "direct":
-        return receivers * model_bytes * 8 / bits_per_s
-    k = 1 if mode == "chain" else fanout
-    children: Dict[Optional[int], int] = {}
-    for i in range(receivers):
-        p = relay_parent(i, k)
-        children[p] = children.get(p, 0) + 1
-    return max(children.values()) * model_bytes * 8 / bits_per_s
+def link_bound(parent: List[Optional[int]], hosts: List[int], model_bytes: int, bits_per_s: float) -> float:
+    """Seconds the busiest host link needs: it carries one model per receiver on another host
+    that pulls from the trainer (host -1) or from a receiver on it."""
+    load: Dict[int, int] = {}
+    for i, p in enumerate(parent):
+        src = -1 if p is None else hosts[p]
+        if src != hosts[i]:
+            load[src] = load.get(src, 0) + 1
+    return max(load.values(), default=0) * model_bytes * 8 / bits_per_s
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--receivers", type=int, default=3)
+    ap.add_argument("--per-host", type=int, default=1, help="receivers per host (namespace)")
     ap.add_argument("--size-mib", type=int, default=64)
     ap.add_argument("--tensors", type=int, default=200)
     ap.add_argument("--link-mbit", type=int, default=1000, help="each host's egress rate (tc tbf), Mbit/s")
@@ -180,7 +183,8 @@ def main(argv=None) -> int:
     modes = [m for m in a.modes.split(",") if m]
     if any(m not in MODES for m in modes) or not modes:
         ap.error(f"--modes: a comma list of {', '.join(MODES)}")
-    if min(a.receivers, a.size_mib, a.tensors, a.link_mbit, a.rounds, a.fanout, a.depth) <= 0 or a.bucket_mib <= 0:
+    if min(a.receivers, a.per_host, a.size_mib, a.tensors, a.link_mbit, a.rounds, a.fanout, a.depth) <= 0 or \
+            a.bucket_mib <= 0:
         ap.error("sizes, counts and rates must be > 0")
 
     import netns
@@ -196,7 +200,8 @@ def main(argv=None) -> int:
            "relay_wait": a.relay_wait}
     t_start = time.perf_counter()
     procs: List[Proc] = []
-    with netns.Topology(1 + a.receivers, tag="wr") as topo:
+    host_of = [i // a.per_host for i in range(a.receivers)]
+    with netns.Topology(2 + host_of[-1], tag="wr") as topo:
         for h in topo.hosts:  # every host's uplink, as a NIC's line rate
             subprocess.run(["ip", "netns", "exec", h.ns, "tc", "qdisc", "add", "dev", h.dev, "root", "tbf", "rate",
                             f"{a.link_mbit}mbit", "burst", "256kb", "latency", "100ms"], check=True)
@@ -205,7 +210,8 @@ def main(argv=None) -> int:
             procs.append(trainer)
             hello = trainer.recv(300)
             want, model = hello["crc"], None
-            recv = [Proc(h, "receiver", dict(cfg, addr=h.addr, trainer=hello["ref"])) for h in topo.hosts[1:]]
+            recv = [Proc(topo.hosts[1 + h], "receiver", dict(cfg, addr=topo.hosts[1 + h].addr, trainer=hello["ref"]))
+                    for h in host_of]
             procs += recv
             refs = [r.recv(300)["ref"] for r in recv]
             print(f"relay_bench: {a.receivers} receivers ready after {time.perf_counter() - t_start:.1f} s",
@@ -213,7 +219,8 @@ def main(argv=None) -> int:
             samples: Dict[str, List[Dict[str, Any]]] = {m: [] for m in modes}
             for rnd in range(a.rounds):
                 for m in modes:
-                    src = sources(m, refs, a.fanout)
+                    par = parents(m, host_of, a.fanout)
+                    src = [None if p is None else refs[p] for p in par]
                     # A new version each round, as a trainer's step makes: relays hold the last
                     # one until they have the new bytes, and children wait for those.
                     trainer.send({"cmd": "publish"})
@@ -225,11 +232,16 @@ def main(argv=None) -> int:
                     wall = time.perf_counter() - t0
                     model = got[0]["nbytes"]
                     sent = sum(g["nbytes"] - g["from_source"] for g in got)
+                    # bytes over host links: all from the trainer (alone on its host), and from a
+                    # relay on another host
+                    cross = sent + sum(g["from_source"] for g, p, h in zip(got, par, host_of)
+                                       if p is not None and host_of[p] != h)
                     fallbacks = [g["fallback"] for g in got if g["fallback"]]
                     samples[m].append({"round_s": wall, "slowest_s": max(g["secs"] for g in got),
-                                       "trainer_bytes": sent, "fallbacks": fallbacks})
+                                       "trainer_bytes": sent, "cross_host_bytes": cross, "fallbacks": fallbacks})
                     print(f"round {rnd + 1}/{a.rounds} {m:<7} {wall:8.3f} s  trainer sent "
-                          f"{sent / (1 << 20):7.1f} MiB" + (f"  fallbacks: {fallbacks}" if fallbacks else ""),
+                          f"{sent / (1 << 20):7.1f} MiB, across hosts {cross / (1 << 20):7.1f} MiB" +
+                          (f"  fallbacks: {fallbacks}" if fallbacks else ""),
                           file=sys.stderr, flush=True)
             bad = []
             if a.check:
@@ -242,21 +254,23 @@ def main(argv=None) -> int:
             for p in procs:
                 p.close()
     rate = a.link_mbit * 1e6
-    print(f"relay_bench: {a.tensors} tensors, {model / (1 << 20):.1f} MiB, {a.receivers} receivers, links "
+    print(f"relay_bench: {a.tensors} tensors, {model / (1 << 20):.1f} MiB, {a.receivers} receivers "
+          f"({a.per_host} per host), links "
           f"{a.link_mbit} Mbit/s each (tc tbf), buckets {a.bucket_mib:g} MiB x{a.depth}, tree fanout {a.fanout}, "
           f"medians of {a.rounds} interleaved rounds")
-    print(f"| mode | round s (min-max) | link-bound s | trainer sent MiB | vs direct |")
-    print("|---|---:|---:|---:|---:|")
+    print(f"| mode | round s (min-max) | link-bound s | trainer sent MiB | across hosts MiB | vs direct |")
+    print("|---|---:|---:|---:|---:|---:|")
     med = {m: statistics.median(s["round_s"] for s in samples[m]) for m in modes}
     for m in modes:
         r = [s["round_s"] for s in samples[m]]
         sent = statistics.median(s["trainer_bytes"] for s in samples[m]) / (1 << 20)
+        cross = statistics.median(s["cross_host_bytes"] for s in samples[m]) / (1 << 20)
         vs = f"{med[m] / med['direct']:.2f}" if "direct" in med else "-"
         print(f"| {m} | {med[m]:.3f} ({min(r):.3f}-{max(r):.3f}) | "
-              f"{link_bound(m, a.receivers, a.fanout, model, rate):.3f} | {sent:.1f} | {vs} |")
+              f"{link_bound(parents(m, host_of, a.fanout), host_of, model, rate):.3f} | {sent:.1f} | {cross:.1f} | {vs} |")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"receivers": a.receivers, "bytes": model, "link_mbit": a.link_mbit, "fanout": a.fanout,
+            json.dump({"receivers": a.receivers, "per_host": a.per_host, "bytes": model, "link_mbit": a.link_mbit, "fanout": a.fanout,
                        "bucket_bytes": cfg["bucket"], "samples": samples}, f, indent=1)
     if a.check:
         if bad:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import Dict, Hashable, List, Optional, Sequence, Tuple
 
 MAGIC = b"SLRELAY1"
 FORMAT = 1
@@ -128,3 +128,37 @@ def tree_depth(count: int, fanout: int = 2) -> int:
         i = (i - 1) // fanout
         depth += 1
     return depth + 1 if count > 0 else 0
+
+
+def host_layout(hosts: Sequence[Hashable], fanout: int = 2, trainer_host: Optional[Hashable] = None
+                ) -> List[Optional[int]]:
+    """A relay tree laid out by host: per receiver (``hosts[i]`` is receiver i's host, any
+    label: a host name, ``SLUICE_HOST_ID``, a rack), the receiver it pulls from, None for the
+    trainer.
+
+    Bytes cross between hosts once per host: the first receiver of each host (its leader)
+    pulls from the trainer or from another host's leader, in a ``fanout``-ary tree of leaders
+    in order of first appearance; the others pull from receivers of their own host, in a
+    ``fanout``-ary tree under their leader (shm or NVLink there, not the host's uplink).
+    Receivers on ``trainer_host`` pull from the trainer itself or from each other, in a tree
+    under the trainer, and lead no other host. A leader serves at most ``fanout`` receivers
+    over its uplink and ``fanout`` of its own host."""
+    if isinstance(fanout, bool) or not isinstance(fanout, int) or fanout < 1:
+        raise ValueError(f"host_layout: fanout must be an int >= 1, got {fanout!r}")
+    groups: Dict[Hashable, List[int]] = {}
+    for i, h in enumerate(hosts):
+        groups.setdefault(h, []).append(i)
+    parent: List[Optional[int]] = [None] * len(hosts)
+    for i, p in enumerate(groups.get(trainer_host, []) if trainer_host is not None else []):
+        up = tree_parent(i + 1, fanout)  # position 0 of this tree is the trainer
+        parent[p] = None if up == 0 else groups[trainer_host][up - 1]
+    leaders = [g[0] for h, g in groups.items() if trainer_host is None or h != trainer_host]
+    for j, leader in enumerate(leaders):
+        up = tree_parent(j, fanout)
+        parent[leader] = None if up is None else leaders[up]
+    for h, g in groups.items():
+        if trainer_host is not None and h == trainer_host:
+            continue
+        for pos in range(1, len(g)):
+            parent[g[pos]] = g[tree_parent(pos, fanout)]
+    return parent

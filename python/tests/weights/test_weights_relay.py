@@ -258,6 +258,56 @@ def test_tree_parents():
             _relay.tree_parent(*bad)
 
 
+@pytest.mark.parametrize("fanout", [1, 2, 3])
+def test_host_layout_crosses_each_host_boundary_once(fanout):
+    import random
+    rng = random.Random(fanout)
+    for trial in range(200):
+        n = rng.randint(0, 12)
+        hosts = [rng.choice("abcde") for _ in range(n)]
+        trainer_host = rng.choice([None, "a", "t"])
+        parents = _relay.host_layout(hosts, fanout, trainer_host)
+        assert len(parents) == n
+        # every receiver reaches the trainer without a cycle, through at most one leader per host
+        for i in range(n):
+            seen, j = set(), i
+            while parents[j] is not None:
+                assert j not in seen
+                seen.add(j)
+                j = parents[j]
+        # bytes enter each host once: one receiver per host (none on the trainer's) pulls from
+        # another host or the trainer, everyone else from their own host
+        entering = {}
+        for i, p in enumerate(parents):
+            src = trainer_host if p is None else hosts[p]
+            if src != hosts[i]:
+                entering[hosts[i]] = entering.get(hosts[i], 0) + 1
+        assert entering == {h: 1 for h in set(hosts) if h != trainer_host}
+        # nobody serves more than fanout children over its uplink, nor more than fanout of its own host
+        for k in range(n):
+            kids = [i for i, p in enumerate(parents) if p == k]
+            assert sum(hosts[i] != hosts[k] for i in kids) <= fanout
+            assert sum(hosts[i] == hosts[k] for i in kids) <= fanout
+        # the trainer: at most fanout receivers of its own host, and the first leader
+        direct = [i for i, p in enumerate(parents) if p is None]
+        assert sum(hosts[i] == trainer_host for i in direct) <= fanout
+        assert sum(hosts[i] != trainer_host for i in direct) <= 1
+
+
+def test_host_layout_examples():
+    assert _relay.host_layout(list("aaabbb")) == [None, 0, 0, 0, 3, 3]
+    # leaders 0, 1, 4 chain across hosts; members pull from their own host
+    assert _relay.host_layout(list("ababc"), fanout=1) == [None, 0, 0, 1, 1]
+    # receivers on the trainer's host: a tree under the trainer; host a's leader reads the trainer
+    assert _relay.host_layout(list("ttaat"), trainer_host="t") == [None, None, None, 2, 0]
+    assert _relay.host_layout([]) == []
+    for bad in (0, -1, True, 1.5):
+        with pytest.raises(ValueError):
+            _relay.host_layout(list("ab"), bad)
+    from sluice.weights import relay_layout
+    assert relay_layout is _relay.host_layout
+
+
 def test_plan_parts_name_each_entry():
     items = [Item("a", 100, 1, 7, 0), Item("z", 0, 0, 0, 0), Item("b", 250, 2, 7, 100)]
     buckets = plan(items, 128)
