@@ -18,9 +18,10 @@ once, in one of these modes, the modes interleaved round by round:
   those), the others from their own host.
 
 A round's time is its slowest receiver's. The table gives medians and spread, the bytes the
-trainer sent per round, and the link-limited time of each mode's critical path (the busiest
-host link, carrying one model per receiver on another host that pulls from it) for comparison. Needs root and
-iproute2 (``tc``); elsewhere it says why and exits 2. ``--check``: every receiver's crc32 per
+trainer sent and the bytes that crossed host links per round, and the link-limited time of
+each mode's critical path (the busiest host link, carrying one model per receiver on another
+host that pulls from it) for comparison. Needs root and iproute2 (``tc``); elsewhere it says
+why and exits 2. ``--check``: every receiver's crc32 per
 tensor against the trainer's after the last round (exit 1 on a mismatch).
 """
 from __future__ import annotations
