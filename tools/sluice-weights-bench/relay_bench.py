@@ -150,14 +150,23 @@ def parents(mode: str, hosts: List[int], fanout: int) -> List[Optional[int]]:
     return [relay_parent(i, k) for i in range(len(hosts))]
 
 
-def link_bound(parent: List[Optional[int]], hosts: List[int], model_bytes: int, bits_per_s: float) -> float:
-    """Seconds the busiest host link needs: it carries one model per receiver on another host
-    that pulls from the trainer (host -1) or from a receiver on it."""
-    load: Dict[int, int] = {}
+def crossing(parent: List[Optional[int]], hosts: List[int]) -> Dict[int, int]:
+    """Receivers whose source is on another host: receiver -> the source's host (-1: the
+    trainer, alone on its host)."""
+    out = {}
     for i, p in enumerate(parent):
         src = -1 if p is None else hosts[p]
         if src != hosts[i]:
-            load[src] = load.get(src, 0) + 1
+            out[i] = src
+    return out
+
+
+def link_bound(parent: List[Optional[int]], hosts: List[int], model_bytes: int, bits_per_s: float) -> float:
+    """Seconds the busiest host link needs: it carries one model per receiver on another host
+    that pulls from the trainer or from a receiver on it."""
+    load: Dict[int, int] = {}
+    for src in crossing(parent, hosts).values():
+        load[src] = load.get(src, 0) + 1
     return max(load.values(), default=0) * model_bytes * 8 / bits_per_s
 
 
@@ -235,8 +244,8 @@ def main(argv=None) -> int:
                     sent = sum(g["nbytes"] - g["from_source"] for g in got)
                     # bytes over host links: all from the trainer (alone on its host), and from a
                     # relay on another host
-                    cross = sent + sum(g["from_source"] for g, p, h in zip(got, par, host_of)
-                                       if p is not None and host_of[p] != h)
+                    far = crossing(par, host_of)
+                    cross = sent + sum(got[i]["from_source"] for i, src in far.items() if src != -1)
                     fallbacks = [g["fallback"] for g in got if g["fallback"]]
                     samples[m].append({"round_s": wall, "slowest_s": max(g["secs"] for g in got),
                                        "trainer_bytes": sent, "cross_host_bytes": cross, "fallbacks": fallbacks})
