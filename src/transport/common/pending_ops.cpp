@@ -27,7 +27,7 @@ uint64_t PendingOps::add(std::shared_ptr<TransferOp> op) {
   s.gen = (s.gen + 1) & 0x3fffffffu;  // tokens stay below the rdma transport's wr_id tag bits
   if (s.gen == 0) s.gen = 1;
   s.op = std::move(op);
-  s.last = Clock::now();
+  s.last = s.added = Clock::now();
   count_.fetch_add(1, std::memory_order_relaxed);
   return token_of(index, s.gen);
 }
@@ -58,7 +58,8 @@ bool PendingOps::add_send(std::shared_ptr<MessageOp> op) {
   }
   if (count_.load(std::memory_order_relaxed) == 0) touch();
   const uint64_t seq = op->seq;
-  sends_[seq] = SendSlot{std::move(op), Clock::now()};
+  const auto now = Clock::now();
+  sends_[seq] = SendSlot{std::move(op), now, now};
   count_.fetch_add(1, std::memory_order_relaxed);
   return true;
 }
@@ -228,6 +229,19 @@ std::vector<std::pair<uint64_t, std::shared_ptr<TransferOp>>> PendingOps::open_o
       out.emplace_back(token_of(i, s.gen), s.op);
   }
   return out;
+}
+
+PendingOps::Clock::time_point PendingOps::owed_since(int lane) const {
+  auto since = Clock::time_point::max();
+  if (lane < 0 || lane >= 64) return since;
+  const uint64_t bit = uint64_t{1} << lane;
+  std::lock_guard<std::mutex> lk(mu_);
+  for (const Slot& s : slots_)
+    if (s.op && (s.op->posted_lanes.load(std::memory_order_acquire) & bit) && !(s.op->done_lanes & bit))
+      since = std::min(since, s.added);
+  if (lane == 0)
+    for (const auto& [seq, send] : sends_) since = std::min(since, send.added);
+  return since;
 }
 
 size_t PendingOps::sends() const {

@@ -43,6 +43,10 @@ class PendingOps {
   // finished (in slot order); and how many sends await their ack.
   std::vector<std::pair<uint64_t, std::shared_ptr<TransferOp>>> open_on(int lane);
   size_t sends() const;
+  // Since when lane `lane` has owed answers: the earliest submission among the ops open on it
+  // (and, for lane 0, the sends awaiting their ack); time_point::max() if it owes nothing. A
+  // channel idle before that was not silent towards anyone (the tcp watchdog, stall_rule.hpp).
+  Clock::time_point owed_since(int lane) const;
 
   size_t size() const { return count_.load(std::memory_order_relaxed); }
   // Endpoint-level stamp: the peer did something (kept for transports' own bookkeeping; it no
@@ -74,11 +78,13 @@ class PendingOps {
   struct Slot {
     std::shared_ptr<TransferOp> op;
     uint32_t gen = 0;
-    Clock::time_point last{};  // the op's own last progress (or its submission)
+    Clock::time_point last{};   // the op's own last progress (or its submission)
+    Clock::time_point added{};  // its submission
   };
   struct SendSlot {
     std::shared_ptr<MessageOp> op;
     Clock::time_point last{};
+    Clock::time_point added{};
   };
   static uint64_t token_of(uint32_t index, uint32_t gen) { return uint64_t(gen) << 32 | index; }
   Slot* slot_locked(uint64_t token);

@@ -31,6 +31,7 @@
 #include "transport/common/stream_channel.hpp"
 #include "transport/common/redialer.hpp"
 #include "transport/transport.hpp"
+#include "transport/tcp/stall_rule.hpp"
 
 namespace sluice::detail {
 namespace {
@@ -529,34 +530,32 @@ class TcpEndpoint final : public EndpointBase,
   // ---- Channel failover (docs/cluster.md, "Channel failover") ----
 
   // Watchdog (dialing side): a channel that owes answers to our requests and moved no byte
-  // for failover_ is replaced. When an op on it could not be retried (a send, a
-  // write_with_imm, a signal, or tcp.retry_rma off), a short silence is not enough (a slow
-  // peer is not a broken link): its socket must also be retransmitting (TCP_INFO), or the
-  // silence last half of op_timeout (what is lost may be the peer's data, after our request
-  // was acknowledged: then only the peer's socket retransmits). A channel is
-  // replaced at most once per op_timeout, so a peer that stops reading cannot keep its ops
-  // alive by making us replace channels; its stall then fails the endpoint as before.
+  // for failover_ is replaced (the rule, and why an unretryable op needs more: stall_rule.hpp).
+  // A channel is replaced at most once per op_timeout, so a peer that stops reading cannot
+  // keep its ops alive by making us replace channels; its stall then fails the endpoint as before.
   void find_stalls(Clock::time_point now) {
     for (int c = 0; c < nchan_; ++c) {
       if (replacing_[c].load()) continue;
       int fd = -1;
-      Clock::time_point last;
+      ChannelClocks clocks;
       {
         std::lock_guard<std::mutex> lk(attach_mu_);
         if (!channels_[c]) continue;
         if (replaced_at_[c] != Clock::time_point{} && now - replaced_at_[c] < op_timeout_) continue;
-        last = std::max(channels_[c]->last_io(),
-                        Clock::time_point(Clock::duration(answered_[c].load(std::memory_order_relaxed))));
+        clocks.last_io = channels_[c]->last_io();
+        clocks.answered = Clock::time_point(Clock::duration(answered_[c].load(std::memory_order_relaxed)));
         fd = channels_[c]->fd();
       }
-      if (now - last < failover_) continue;
+      if (now - std::max(clocks.last_io, clocks.answered) < failover_) continue;  // the cheap test first
+      clocks.owed_since = pending_.owed_since(c);
+      if (clocks.owed_since == Clock::time_point::max()) continue;  // owes nothing
       auto open = pending_.open_on(c);
       const bool sends = c == 0 && pending_.sends() > 0;
-      if (open.empty() && !sends) continue;
       bool all_retry = !sends;
       for (const auto& [token, op] : open) all_retry = all_retry && retryable(*op);
-      if (!all_retry && now - last < op_timeout_ / 2 && !retransmitting(fd)) continue;
-      start_replacement(c, now, std::chrono::duration_cast<std::chrono::milliseconds>(now - last));
+      if (!should_replace(now, clocks, all_retry, failover_, op_timeout_, [fd] { return retransmitting(fd); }))
+        continue;
+      start_replacement(c, now, std::chrono::duration_cast<std::chrono::milliseconds>(silence(now, clocks)));
     }
   }
 

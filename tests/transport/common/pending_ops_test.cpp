@@ -125,5 +125,50 @@ TEST(PendingOps, ExpireFailsOnlyOpsWithoutProgressOfTheirOwn) {
   EXPECT_TRUE(busy->future->status().ok());
 }
 
+// The tcp watchdog's start of silence: the earliest submission among what a lane owes (sends
+// count on lane 0), not its last progress; nothing owed is time_point::max().
+TEST(PendingOps, OwedSinceIsTheOldestOpenSubmissionOnTheLane) {
+  using Clock = PendingOps::Clock;
+  PendingOps p;
+  EXPECT_EQ(p.owed_since(0), Clock::time_point::max());
+  EXPECT_EQ(p.owed_since(-1), Clock::time_point::max());
+  EXPECT_EQ(p.owed_since(64), Clock::time_point::max());
+  const auto t0 = Clock::now();
+  auto first = make_op(2);
+  first->posted_lanes = 0b11;
+  uint64_t tf = p.add(first);
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  const auto t1 = Clock::now();
+  auto second = make_op(1);
+  second->posted_lanes = 0b10;
+  uint64_t ts = p.add(second);
+  auto unposted = make_op(1);  // added, not yet on any lane
+  p.add(unposted);
+  EXPECT_GE(p.owed_since(0), t0);
+  EXPECT_LT(p.owed_since(0), t1);
+  EXPECT_EQ(p.owed_since(1), p.owed_since(0));
+  EXPECT_EQ(p.owed_since(2), Clock::time_point::max());
+  p.progress(tf);  // progress does not move when the work became owed
+  EXPECT_LT(p.owed_since(1), t1);
+  ASSERT_TRUE(p.lane_done(tf, Status::Ok(), 1));  // lane 1 of the first op done
+  EXPECT_GE(p.owed_since(1), t1) << "a finished lane still counted";
+  EXPECT_LT(p.owed_since(0), t1);
+  ASSERT_TRUE(p.lane_done(tf, Status::Ok(), 0));
+  EXPECT_EQ(p.owed_since(0), Clock::time_point::max());
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  const auto t2 = Clock::now();
+  auto send = std::make_shared<MessageOp>();
+  send->seq = 9;
+  send->future = std::make_shared<FutureState>(OpKind::kSend);
+  ASSERT_TRUE(p.add_send(send));
+  EXPECT_GE(p.owed_since(0), t2) << "a send is owed on lane 0";
+  EXPECT_GE(p.owed_since(1), t1);
+  EXPECT_LT(p.owed_since(1), t2) << "sends are owed on lane 0 only";
+  ASSERT_TRUE(p.take_send(9));
+  EXPECT_EQ(p.owed_since(0), Clock::time_point::max());
+  ASSERT_TRUE(p.lane_done(ts, Status::Ok(), 1));
+  EXPECT_EQ(p.owed_since(1), Clock::time_point::max());
+}
+
 }  // namespace
 }  // namespace sluice::detail
