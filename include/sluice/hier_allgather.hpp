@@ -64,6 +64,11 @@ class SLUICE_API HierAllGather {
  public:
   // node_of_rank[r]: any label of rank r's node (Topology::from_node_ids rules: equal-sized
   // nodes, at most 8 ranks each). All ranks one node each = the forced inter-node path.
+  // One rank per GPU per process: a second live rank on `device` in this process is refused
+  // (kInvalidArgument). Its kernels would wait for the other's, and CUDA does not promise that
+  // kernels of two streams run at the same time (streams share the device's hardware queues):
+  // two ranks on one GPU deadlocked until the timeout about once in 80 calls on 2 x H200, and
+  // every time with CUDA_DEVICE_MAX_CONNECTIONS=1. NCCL refuses the same ("Duplicate GPU").
   HierAllGather(uint64_t max_bytes_per_rank, int world_size, int rank, int device, const std::vector<int>& node_of_rank,
                 HierAllGatherOptions options = {});
   ~HierAllGather();

@@ -18,7 +18,7 @@ const Param<uint64_t> kIdleSpinUs{"hier.proxy_idle_spin_us", "SLUICE_HIER_PROXY_
 
 }  // namespace
 
-HierRail::HierRail(const HierWiring& w, uint8_t* rail, HierRailOptions options) : w_(w), opt_(std::move(options)) {
+HierRail::HierRail(const HierWiring& w, uint8_t* rail, HierRailOptions options) : w_(w), rail_(rail), opt_(std::move(options)) {
   if (opt_.transport != "" && opt_.transport != "tcp" && opt_.transport != "rdma")
     throw Error(ErrorCode::kInvalidArgument,
                 "HierAllGather: transport '" + opt_.transport + "' (tcp, rdma or empty for automatic)");
@@ -100,6 +100,19 @@ void HierRail::connect(const std::vector<HierHandle>& hs) {
     accepted_.push_back(std::move(*in));
   }
   proxy_->start();
+}
+
+std::string HierRail::counters() const {
+  std::string out = "rail:";
+  for (const auto& peer : w_.peers) {
+    auto sem = [&](uint64_t off) { return __atomic_load_n(reinterpret_cast<const uint64_t*>(rail_ + off), __ATOMIC_ACQUIRE); };
+    out += " node " + std::to_string(peer.node) + " data " + std::to_string(sem(peer.local_data_sem)) + " credit " +
+           std::to_string(sem(peer.local_credit_sem)) + ";";
+  }
+  if (!proxy_) return out + " proxy: not started";
+  const ProxyStats st = proxy_->stats();
+  return out + " proxy: " + std::to_string(st.requests) + " requests, " + std::to_string(st.puts) + " puts, " +
+         std::to_string(st.signals) + " signals, " + std::to_string(st.dropped) + " dropped";
 }
 
 Status HierRail::status() const {

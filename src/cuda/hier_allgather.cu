@@ -17,6 +17,8 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <mutex>
+#include <set>
 
 #include "collective/hier_allgather_wiring.hpp"
 #include "collective/hier_rail.hpp"
@@ -185,6 +187,39 @@ struct DeviceGuard {
   ~DeviceGuard() { cudaSetDevice(prev); }
 };
 
+// One live rank per device in this process (see the constructor's comment in the header).
+class DeviceClaim {
+ public:
+  DeviceClaim() = default;
+  explicit DeviceClaim(int device) : device_(device) {
+    std::lock_guard<std::mutex> lk(mu());
+    if (!claimed().insert(device).second)
+      throw Error(ErrorCode::kInvalidArgument,
+                  "HierAllGather: cuda:" + std::to_string(device) +
+                      " already has a rank in this process; give each rank its own GPU (or process): one rank's "
+                      "kernels wait for another's, and CUDA does not run kernels of two streams concurrently for "
+                      "certain, so two ranks on one GPU can deadlock until the timeout");
+  }
+  ~DeviceClaim() {
+    if (device_ < 0) return;
+    std::lock_guard<std::mutex> lk(mu());
+    claimed().erase(device_);
+  }
+  DeviceClaim(const DeviceClaim&) = delete;
+  DeviceClaim& operator=(const DeviceClaim&) = delete;
+
+ private:
+  static std::mutex& mu() {
+    static std::mutex m;
+    return m;
+  }
+  static std::set<int>& claimed() {
+    static std::set<int> s;
+    return s;
+  }
+  int device_ = -1;
+};
+
 }  // namespace
 
 struct HierAllGather::Impl {
@@ -203,6 +238,7 @@ struct HierAllGather::Impl {
   Dev dv{};
   std::unique_ptr<AllGather> ag;
   bool connected = false;
+  std::unique_ptr<DeviceClaim> claim;  // released after the destructor synchronized and freed
 };
 
 HierAllGather::HierAllGather(uint64_t max_bytes, int world, int rank, int device, const std::vector<int>& node_of_rank,
@@ -219,6 +255,7 @@ HierAllGather::HierAllGather(uint64_t max_bytes, int world, int rank, int device
   if (options.transport != "" && options.transport != "tcp" && options.transport != "rdma")
     throw Error(ErrorCode::kInvalidArgument, "HierAllGather: transport '" + options.transport +
                                                  "' (tcp, rdma or empty for automatic)");
+  m.claim = std::make_unique<DeviceClaim>(device);
   m.world = world;
   m.rank = rank;
   m.device = device;
@@ -368,6 +405,9 @@ Status HierAllGather::status() const {
         ec = bad.code;
       }
     }
+    // A wait that timed out: what this rank's semaphores and proxy saw (the peer's report
+    // says what it sent), enough to tell a signal never pushed from one lost on the way.
+    if (code == int(ErrorCode::kTimeout) && why.empty() && m.net) why = " [" + m.net->counters() + "]";
     const int rail_rank = node >= 0 && node < m.w.nodes ? m.topo.rank_of(node, m.w.local_rank) : -1;
     return {ec, "HierAllGather rank " + std::to_string(m.rank) + ": " + step_name(step) +
                                               " (node " + std::to_string(node) + ", rank " + std::to_string(rail_rank) +

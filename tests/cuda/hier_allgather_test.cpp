@@ -4,9 +4,11 @@
 // mid-run (the other must report an error within the timeout, not hang). Skips without a GPU.
 #include <gtest/gtest.h>
 
+#include <barrier>
 #include <chrono>
 #include <cstring>
 #include <memory>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <vector>
@@ -80,56 +82,86 @@ void make_group(Group& g, int world, const std::vector<int>& nodes, uint64_t max
 
 // `calls` calls of `bytes` per rank on every rank (one thread and one stream each), eager or
 // as replays of one captured graph; every output checked against the rank-major expectation.
+//
+// Every rank sets up (streams, device and pinned buffers, graph instantiation: calls that may
+// wait for the whole device) before a barrier, moves bytes only with async copies of pinned
+// memory while the calls run, and tears down after a second barrier: no rank's CUDA call waits
+// for a kernel that is itself waiting for that rank. (Each rank has its own GPU: two on one GPU
+// in one process are refused, see HierAllGather's constructor.)
 void run_and_check(Group& g, uint64_t bytes, int calls, bool graph) {
   const int world = static_cast<int>(g.ranks.size());
   std::vector<std::string> errs(world);
+  std::barrier set_up(world), finished(world);
   std::vector<std::thread> ts;
   for (int r = 0; r < world; ++r)
     ts.emplace_back([&, r] {
-      auto fail = [&](const std::string& what) { errs[r] = what; };
+      auto fail = [&](const std::string& what) {
+        if (errs[r].empty()) errs[r] = what;
+      };
       cudaSetDevice(g.device[r]);
       cudaStream_t s = nullptr;
-      uint8_t *in = nullptr, *out = nullptr;
-      if (cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) != cudaSuccess || cudaMalloc(reinterpret_cast<void**>(&in), bytes) != cudaSuccess ||
-          cudaMalloc(reinterpret_cast<void**>(&out), bytes * world) != cudaSuccess)
-        return fail("cuda setup");
+      uint8_t *in = nullptr, *out = nullptr, *host = nullptr, *got = nullptr, *sentinel = nullptr;
       cudaGraphExec_t exec = nullptr;
-      std::vector<uint8_t> host(bytes), got(bytes * world);
+      if (cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) != cudaSuccess ||
+          cudaMalloc(reinterpret_cast<void**>(&in), bytes) != cudaSuccess ||
+          cudaMalloc(reinterpret_cast<void**>(&out), bytes * world) != cudaSuccess ||
+          cudaHostAlloc(reinterpret_cast<void**>(&host), bytes, cudaHostAllocDefault) != cudaSuccess ||
+          cudaHostAlloc(reinterpret_cast<void**>(&got), bytes * world, cudaHostAllocDefault) != cudaSuccess ||
+          cudaHostAlloc(reinterpret_cast<void**>(&sentinel), bytes * world, cudaHostAllocDefault) != cudaSuccess)
+        fail("cuda setup");
+      else
+        std::memset(sentinel, 0xee, bytes * world);
+      if (graph && errs[r].empty()) {
+        cudaGraph_t gr = nullptr;
+        try {
+          if (cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal) != cudaSuccess) throw std::runtime_error("capture");
+          g.ranks[r]->all_gather_bytes(in, out, bytes, s);
+          if (cudaStreamEndCapture(s, &gr) != cudaSuccess) throw std::runtime_error("end capture");
+          if (cudaGraphInstantiate(&exec, gr, 0) != cudaSuccess) throw std::runtime_error("instantiate");
+          if (cudaGraphUpload(exec, s) != cudaSuccess || cudaStreamSynchronize(s) != cudaSuccess)
+            throw std::runtime_error("upload");
+        } catch (const std::exception& e) {
+          fail(std::string("graph: ") + e.what());
+        }
+        if (gr) cudaGraphDestroy(gr);
+      }
+      set_up.arrive_and_wait();
       for (int c = 0; c < calls && errs[r].empty(); ++c) {
         for (uint64_t i = 0; i < bytes; ++i) host[i] = pattern(r, c, i);
-        cudaMemcpyAsync(in, host.data(), bytes, cudaMemcpyHostToDevice, s);
-        cudaMemsetAsync(out, 0xee, bytes * world, s);
+        cudaMemcpyAsync(in, host, bytes, cudaMemcpyHostToDevice, s);
+        cudaMemcpyAsync(out, sentinel, bytes * world, cudaMemcpyHostToDevice, s);  // not cudaMemsetAsync: above
         try {
-          if (!graph) {
-            g.ranks[r]->all_gather_bytes(in, out, bytes, s);
-          } else {
-            if (!exec) {
-              cudaGraph_t gr = nullptr;
-              if (cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal) != cudaSuccess) return fail("capture");
-              g.ranks[r]->all_gather_bytes(in, out, bytes, s);
-              if (cudaStreamEndCapture(s, &gr) != cudaSuccess) return fail("end capture");
-              if (cudaGraphInstantiate(&exec, gr, 0) != cudaSuccess) return fail("instantiate");
-              cudaGraphDestroy(gr);
-            }
-            if (cudaGraphLaunch(exec, s) != cudaSuccess) return fail("graph launch");
-          }
+          if (!graph) g.ranks[r]->all_gather_bytes(in, out, bytes, s);
+          else if (cudaGraphLaunch(exec, s) != cudaSuccess) throw std::runtime_error("graph launch");
         } catch (const std::exception& e) {
-          return fail(std::string("call ") + std::to_string(c) + ": " + e.what());
+          fail(std::string("call ") + std::to_string(c) + ": " + e.what());
+          break;
         }
-        if (cudaMemcpyAsync(got.data(), out, bytes * world, cudaMemcpyDeviceToHost, s) != cudaSuccess ||
-            cudaStreamSynchronize(s) != cudaSuccess)
-          return fail("sync");
+        if (cudaMemcpyAsync(got, out, bytes * world, cudaMemcpyDeviceToHost, s) != cudaSuccess ||
+            cudaStreamSynchronize(s) != cudaSuccess) {
+          fail("sync");
+          break;
+        }
         Status st = g.ranks[r]->status();
-        if (!st.ok()) return fail(st.to_string());
-        for (int q = 0; q < world; ++q)
+        if (!st.ok()) {
+          fail("call " + std::to_string(c) + ": " + st.to_string());
+          break;
+        }
+        for (int q = 0; q < world && errs[r].empty(); ++q)
           for (uint64_t i = 0; i < bytes; ++i)
-            if (got[q * bytes + i] != pattern(q, c, i))
-              return fail("call " + std::to_string(c) + ": slot " + std::to_string(q) + " byte " + std::to_string(i) +
-                          " is " + std::to_string(got[q * bytes + i]) + ", expected " + std::to_string(pattern(q, c, i)));
+            if (got[q * bytes + i] != pattern(q, c, i)) {
+              fail("call " + std::to_string(c) + ": slot " + std::to_string(q) + " byte " + std::to_string(i) + " is " +
+                   std::to_string(got[q * bytes + i]) + ", expected " + std::to_string(pattern(q, c, i)));
+              break;
+            }
       }
+      finished.arrive_and_wait();
       if (exec) cudaGraphExecDestroy(exec);
       cudaFree(in);
       cudaFree(out);
+      cudaFreeHost(host);
+      cudaFreeHost(got);
+      cudaFreeHost(sentinel);
       cudaStreamDestroy(s);
     });
   for (auto& t : ts) t.join();
@@ -137,7 +169,7 @@ void run_and_check(Group& g, uint64_t bytes, int calls, bool graph) {
 }
 
 TEST(HierAllGather, ForcedInterTwoRanksEagerAndGraph) {
-  HIER_NEED_GPUS(1);  // two ranks may share a GPU: the network side is host memory and tcp
+  HIER_NEED_GPUS(2);
   Group g;
   make_group(g, 2, {0, 1}, 1 << 20, std::chrono::seconds(20));
   ASSERT_EQ(g.ranks[0]->nodes(), 2);
@@ -148,14 +180,28 @@ TEST(HierAllGather, ForcedInterTwoRanksEagerAndGraph) {
 }
 
 TEST(HierAllGather, ForcedInterFourRanks) {
-  HIER_NEED_GPUS(2);
+  HIER_NEED_GPUS(4);
   Group g;
   make_group(g, 4, {0, 1, 2, 3}, 256 << 10, std::chrono::seconds(20));
   for (uint64_t b : {8ull, 4097ull, 256ull << 10}) run_and_check(g, b, 4, false);
-  // Graph replays only with a GPU per rank. With two ranks per GPU in this one process (one CUDA
-  // context per GPU), replays stalled until the timeout in 5 of 6 runs on 2 x H200 (2026-11-28;
-  // eager calls and the two-rank graph test pass there): not understood yet, docs/gpu.md.
-  if (cuda::device_count() >= 4) run_and_check(g, 2048, 8, true);
+  run_and_check(g, 2048, 8, true);
+  run_and_check(g, 4097, 3, false);
+}
+
+// A second rank on a GPU that already has one in this process is refused, naming the GPU; once
+// the first is gone the GPU can be used again.
+TEST(HierAllGather, TwoRanksOnOneGpuInOneProcessAreRefused) {
+  HIER_NEED_GPUS(1);
+  auto first = std::make_unique<cuda::HierAllGather>(4096, 2, 0, 0, std::vector<int>{0, 1});
+  try {
+    cuda::HierAllGather second(4096, 2, 1, 0, {0, 1});
+    ADD_FAILURE() << "a second rank on cuda:0 was accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument) << e.what();
+    EXPECT_NE(std::string(e.what()).find("cuda:0 already has a rank in this process"), std::string::npos) << e.what();
+  }
+  first.reset();
+  EXPECT_NO_THROW(cuda::HierAllGather again(4096, 2, 1, 0, {0, 1}));
 }
 
 TEST(HierAllGather, TwoNodesOfTwo) {
@@ -172,7 +218,7 @@ TEST(HierAllGather, TwoNodesOfTwo) {
 }
 
 TEST(HierAllGather, OversizeCallIsRefused) {
-  HIER_NEED_GPUS(1);
+  HIER_NEED_GPUS(2);
   Group g;
   make_group(g, 2, {0, 1}, 4096, std::chrono::seconds(5));
   try {
@@ -186,7 +232,7 @@ TEST(HierAllGather, OversizeCallIsRefused) {
 // Rank 1 goes away (its engine closes) after a good call; rank 0's next call must end within
 // the timeout with an error that status() / the following call report.
 TEST(HierAllGather, APeerThatGoesAwayFailsTheCallNotHangs) {
-  HIER_NEED_GPUS(1);
+  HIER_NEED_GPUS(2);
   Group g;
   make_group(g, 2, {0, 1}, 4096, std::chrono::seconds(3));
   run_and_check(g, 4096, 2, false);
