@@ -17,7 +17,7 @@ on CUDA tensors). NVLink multicast stays off (NCCL_NVLS_ENABLE=0 is set here).
 --baseline names another baseline: `sluice-host` is a second sluice group whose CUDA tensors go
 through host memory (SLUICE_TORCH_CUDA_PATH=host), against the device path of the first, e.g.
 with both ranks on one GPU, where NCCL refuses to run.
-all_gather on CUDA tensors of up to SLUICE_TORCH_LL_ALLGATHER_BYTES per rank (opt-in: default 0; set 1048576) takes
+all_gather on CUDA tensors of up to SLUICE_TORCH_LL_ALLGATHER_BYTES per rank (default 1 MiB; 0 turns it off) takes
 the low-latency NVLink kernel where the group allows it (docs/torch.md); the header says whether
 it is on, and the last line how many of the timed calls took it. For issue 12's small-message
 bar on two GPUs:

@@ -8,7 +8,7 @@ Bootstrap goes through the c10d Store torch hands the backend (env:// under torc
 tcp://, or a given Store). ``SLUICE_TORCH_TRANSPORT=shm|tcp`` forces the transport of every
 endpoint; every ``SLUICE_*`` engine variable applies (docs/configuration.md). CPU and CUDA
 tensors; CUDA tensors go through host copies, except large send/recv between the GPUs of a host
-and, opt-in, all_gathers of up to SLUICE_TORCH_LL_ALLGATHER_BYTES per rank there, which move over NVLink
+and all_gathers of up to SLUICE_TORCH_LL_ALLGATHER_BYTES (default 1 MiB) per rank there, which move over NVLink
 ("cpu:sluice,cuda:nccl" keeps NCCL for them). See docs/torch.md.
 
 Without the compiled extension (a sluice built where torch was not importable) this module

@@ -460,12 +460,12 @@ def main() -> int:
     dist.barrier(group=gloo)
 
     # The low-latency all_gather (one NVLink kernel on the caller's stream): on the group above
-    # at run_cuda.sh's threshold (SLUICE_TORCH_LL_ALLGATHER_BYTES=1 MiB; the default is 0, off), on one made with a 4 KiB threshold, and off on
+    # at the default threshold (SLUICE_TORCH_LL_ALLGATHER_BYTES, 1 MiB), on one made with a 4 KiB threshold, and off on
     # the host-staging group and on one made with the threshold 0.
     nccl = dist.new_group(backend="nccl") if own_gpu else None
     expect_ll = own_gpu and want == "nvlink"
-    # The main group was made with the environment's threshold (run_cuda.sh: 1 MiB; unset: off).
-    main_on = expect_ll and int(os.environ.get("SLUICE_TORCH_LL_ALLGATHER_BYTES", "0") or "0") >= 1 << 20
+    # The main group was made with the environment's threshold (unset: the default, 1 MiB).
+    main_on = expect_ll and int(os.environ.get("SLUICE_TORCH_LL_ALLGATHER_BYTES", str(1 << 20)) or "0") >= 1 << 20
     before = ll_calls(sl)
     checks += ll_allgather_checks(sl, gloo, nccl, rank, world, dev, main_on, 1 << 20)
     info = st.backend_ll_allgather(sl)

@@ -21,10 +21,9 @@ export OMP_NUM_THREADS=1
 "$PY" -c 'import sluice.torch as st, sys; sys.exit(0 if st.available() else 1)' ||
   { echo "run_cuda.sh: sluice.torch is not built (docs/torch.md)" >&2; exit 1; }
 echo "== cuda_worker.py: $N ranks"
-# The low-latency all_gather is opt-in (off by default until these checks have passed on GPUs):
-# cuda_worker.py's main group takes it at the size it is meant for.
-SLUICE_TORCH_LL_ALLGATHER_BYTES=${SLUICE_TORCH_LL_ALLGATHER_BYTES:-1048576} \
-  "$PY" -m torch.distributed.run --standalone --nproc_per_node="$N" "$HERE/cuda_worker.py"
+# The low-latency all_gather is on by default (1 MiB per rank): cuda_worker.py's main group
+# takes it at that size unless SLUICE_TORCH_LL_ALLGATHER_BYTES says otherwise.
+"$PY" -m torch.distributed.run --standalone --nproc_per_node="$N" "$HERE/cuda_worker.py"
 for t in shm tcp; do
   echo "== worker.py (CPU tensors): $N ranks, $t forced"
   SLUICE_TORCH_TRANSPORT=$t SLUICE_TORCH_TEST_BIG=1 "$PY" -m torch.distributed.run --standalone \
