@@ -170,6 +170,13 @@ SluiceBackend::SluiceBackend(const c10::intrusive_ptr<c10d::Store>& store, int r
   // How CUDA tensors move: "auto" (default) sends and receives large ones directly between
   // GPUs of a host (a device endpoint over nvlink per peer, see below); "host" always stages
   // them through host memory (host_staging.hpp).
+  // Collectives of CUDA tensors over the device path (allgather_device): off until they have
+  // run on GPUs (written without one, 2026-11-28). Set it alike on every rank.
+  const uint64_t device_collectives = env_bytes("SLUICE_TORCH_DEVICE_COLLECTIVES", 0);
+  if (device_collectives > 1)
+    throw Error(ErrorCode::kInvalidArgument, "sluice: SLUICE_TORCH_DEVICE_COLLECTIVES must be 0 or 1, got " +
+                                                 std::to_string(device_collectives));
+  device_collectives_ = device_collectives == 1;
   const char* path_env = std::getenv("SLUICE_TORCH_CUDA_PATH");
   const std::string cuda_path = path_env && *path_env ? path_env : "auto";
   if (cuda_path != "auto" && cuda_path != "host")
@@ -420,6 +427,58 @@ c10::intrusive_ptr<c10d::Work> SluiceBackend::recv_device(const at::Tensor& t, i
   return work;
 }
 
+c10::intrusive_ptr<c10d::Work> SluiceBackend::allgather_device(const at::Tensor& output, const at::Tensor& input) {
+  // What decides is shared by every rank (the collective's contract: CUDA tensors, one size),
+  // plus the pair's device endpoint, which both ranks of a pair see alike. A rank that stages
+  // instead still meets a peer that does not: the mailbox moves CUDA to host memory and back
+  // over the device endpoint.
+  if (!device_collectives_ || !cuda_regs_ || !input.is_cuda() || !output.is_cuda() ||
+      input.layout() != at::kStrided || output.layout() != at::kStrided || !output.is_contiguous() ||
+      output.device() != input.device() || output.scalar_type() != input.scalar_type() ||
+      output.numel() != input.numel() * getSize())
+    return {};
+  const uint64_t part = input.nbytes();
+  if (part < mailbox_->rndv_bytes()) return {};
+  for (int j = 0; j < getSize(); ++j)
+    if (j != getRank() && !mailbox_->has_device(j)) return {};
+  at::Tensor src = input.contiguous();
+  std::string why;
+  auto in_lease = cuda_regs_->acquire(src.data_ptr(), part, &why);
+  if (!in_lease) {
+    SLUICE_LOG(kInfo, "sluice torch: a CUDA all_gather goes through host memory: " << why);
+    return {};
+  }
+  auto out_lease = cuda_regs_->acquire(output.data_ptr(), output.nbytes(), &why);
+  if (!out_lease) {
+    cuda_regs_->release(in_lease->key);
+    SLUICE_LOG(kInfo, "sluice torch: a CUDA all_gather goes through host memory: " << why);
+    return {};
+  }
+  // Our own part, on the caller's stream; then that stream is waited for: what the caller
+  // queued before (the input written, earlier reads of the output) is done, and so is the copy.
+  auto* out8 = static_cast<uint8_t*>(output.data_ptr());
+  output.view(-1).narrow(0, input.numel() * getRank(), input.numel()).copy_(src.view(-1));
+  sync_current_stream(output);
+  CudaRegistrations* regs = cuda_regs_.get();
+  std::vector<Xfer> xs;
+  for (int j = 0; j < getSize(); ++j) {
+    if (j == getRank()) continue;
+    xs.push_back({true, j, src.data_ptr(), part, true, in_lease->handle, in_lease->offset});
+    xs.push_back({false, j, out8 + j * part, part, true, out_lease->handle, out_lease->offset + j * part});
+  }
+  void* in_key = in_lease->key;
+  void* out_key = out_lease->key;
+  // The leases end with the body, done or failed (a failed exchange closed what could still
+  // touch the memory: exchange()).
+  auto leases = std::shared_ptr<void>(nullptr, [regs, in_key, out_key](void*) {
+    regs->release(in_key);
+    regs->release(out_key);
+  });
+  auto work = enqueue(c10d::OpType::_ALLGATHER_BASE, {output}, [this, xs, src, leases](uint64_t tag) { exchange(tag, xs); });
+  device_calls_.fetch_add(1, std::memory_order_relaxed);
+  return work;
+}
+
 void SluiceBackend::setTimeout(std::chrono::milliseconds timeout) {
   timeout_ = timeout;
   if (mailbox_) mailbox_->set_timeout(timeout);
@@ -553,10 +612,17 @@ void SluiceBackend::exchange(uint64_t tag, const std::vector<Xfer>& xfers) {
   size_t posted = 0;
   try {
     for (auto& x : xfers) {
-      if (x.is_send)
+      if (x.device) {
+        const Mailbox::Buffer b{x.ptr, x.n, x.handle, x.offset, true};
+        if (x.is_send)
+          mailbox_->send(x.peer, tag, b, done);
+        else
+          mailbox_->recv(x.peer, tag, b, done);
+      } else if (x.is_send) {
         mailbox_->send(x.peer, tag, x.ptr, x.n, done);
-      else
+      } else {
         mailbox_->recv(x.peer, tag, x.ptr, x.n, done);
+      }
       ++posted;
     }
   } catch (...) {

@@ -5,6 +5,7 @@
 // are direct algorithms over those messages, run in call order on one worker thread.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <deque>
@@ -47,6 +48,8 @@ class SluiceBackend final : public c10d::Backend {
   // The low-latency all_gather of CUDA tensors (ll_allgather.hpp): the calls that took it, and
   // its state ("on ...", "off: why").
   uint64_t ll_allgather_calls() const;
+  // all_gather_into_tensor calls on CUDA tensors that took the device path (allgather_device).
+  uint64_t device_collective_calls() const { return device_calls_.load(std::memory_order_relaxed); }
   std::string ll_allgather_state() const;
 
   c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dst, int tag) override;
@@ -85,6 +88,11 @@ class SluiceBackend final : public c10d::Backend {
     int peer;
     void* ptr;
     uint64_t n;
+    // CUDA memory the caller registered (the device path; n >= the mailbox's rndv_bytes and a
+    // device endpoint to `peer`): its registration and ptr's offset in it.
+    bool device = false;
+    MemoryHandle handle{};
+    uint64_t offset = 0;
   };
   void exchange(uint64_t tag, const std::vector<Xfer>& xfers);
   // A byte buffer of at least `bytes` for the collectives' received parts, kept across calls
@@ -110,6 +118,10 @@ class SluiceBackend final : public c10d::Backend {
   // when the call does not take that path (the caller then stages through host memory).
   c10::intrusive_ptr<c10d::Work> allgather_ll(c10d::OpType type, const at::Tensor& in, const std::vector<at::Tensor>& outs,
                                               bool into_one);
+  // all_gather_into_tensor of CUDA tensors by the device path (SLUICE_TORCH_DEVICE_COLLECTIVES=1):
+  // every part goes GPU to GPU over the device endpoints, by rendezvous; null when the call
+  // cannot take it (the caller then stages through host memory).
+  c10::intrusive_ptr<c10d::Work> allgather_device(const at::Tensor& output, const at::Tensor& input);
 
   std::chrono::milliseconds timeout_;
   std::unique_ptr<Engine> engine_;
@@ -117,6 +129,8 @@ class SluiceBackend final : public c10d::Backend {
   std::string transport_;
   std::string cuda_path_ = "host";
   std::unique_ptr<CudaRegistrations> cuda_regs_;  // the device path's registrations
+  bool device_collectives_ = false;               // SLUICE_TORCH_DEVICE_COLLECTIVES
+  std::atomic<uint64_t> device_calls_{0};
   std::unique_ptr<LowLatencyAllGather> ll_;       // null for a world of one
   uint64_t seq_ = 0;  // collectives issued (same order on every rank)
   at::Tensor scratch_;  // see scratch()

@@ -405,6 +405,7 @@ c10::intrusive_ptr<c10d::Work> SluiceBackend::allgather(std::vector<std::vector<
 c10::intrusive_ptr<c10d::Work> SluiceBackend::_allgather_base(at::Tensor& output, at::Tensor& input,
                                                                const c10d::AllgatherOptions& opts) {
   if (auto w = allgather_ll(c10d::OpType::_ALLGATHER_BASE, input, {output}, /*into_one=*/true)) return w;
+  if (auto w = allgather_device(output, input)) return w;
   if (output.is_cuda() || input.is_cuda()) {
     HostStaging s;
     auto host_out = s.output(output);

@@ -79,6 +79,15 @@ def backend_ll_allgather(group: Optional["dist.ProcessGroup"] = None) -> "dict[s
     return {"calls": backend.ll_allgather_calls, "state": backend.ll_allgather_state}
 
 
+def backend_device_collectives(group: Optional["dist.ProcessGroup"] = None) -> int:
+    """How many all_gather_into_tensor calls on CUDA tensors of ``group`` went GPU to GPU over the
+    device endpoints (``SLUICE_TORCH_DEVICE_COLLECTIVES=1``, off by default until it has run on
+    GPUs; docs/torch.md)."""
+    pg = group if group is not None else dist.group.WORLD
+    backend = pg._get_backend(torch.device("cpu"))  # type: ignore[union-attr]
+    return int(backend.device_collective_calls)
+
+
 def _register() -> None:
     if getattr(dist.Backend, "SLUICE", None) is not None:
         return  # imported twice (e.g. reloaded): already registered
@@ -91,4 +100,11 @@ import torch  # noqa: E402  (after torch.distributed, which imports it)
 
 _register()
 
-__all__ = ["BACKEND_NAME", "available", "backend_cuda_path", "backend_ll_allgather", "backend_transport"]
+__all__ = [
+    "BACKEND_NAME",
+    "available",
+    "backend_cuda_path",
+    "backend_device_collectives",
+    "backend_ll_allgather",
+    "backend_transport",
+]

@@ -427,6 +427,55 @@ def ll_state_checks(group, rank: int, world: int, dev: torch.device, want_off: s
     return 1
 
 
+def device_collective_checks(rank: int, world: int, dev: torch.device, expect: bool) -> int:
+    """all_gather_into_tensor GPU to GPU (SLUICE_TORCH_DEVICE_COLLECTIVES=1; the low-latency
+    path off so that every size takes it): bit-equal to the parts every rank knows, at the
+    rendezvous size, an odd size and 64 MiB per rank, three dtypes, an input at an offset inside
+    a larger allocation and a non-contiguous one; the bytes around the output unchanged; the
+    calls counted when the group has device endpoints to every peer (expect), none otherwise."""
+    os.environ["SLUICE_TORCH_DEVICE_COLLECTIVES"] = "1"
+    os.environ["SLUICE_TORCH_LL_ALLGATHER_BYTES"] = "0"
+    grp = dist.new_group(backend="cpu:sluice,cuda:sluice")
+    del os.environ["SLUICE_TORCH_DEVICE_COLLECTIVES"]
+    del os.environ["SLUICE_TORCH_LL_ALLGATHER_BYTES"]
+    checks = 0
+    calls = 0
+    for dtype in (torch.float32, torch.bfloat16, torch.int8):
+        esz = torch.tensor([], dtype=dtype).element_size()
+        for nbytes in (256 << 10, (4 << 20) + 4 * esz, 64 << 20):
+            n = nbytes // esz
+            big = torch.full((n + 3 * 64,), 7, dtype=dtype, device=dev)
+            x = big[64:64 + n]  # at an offset in its allocation
+            x.copy_(data(rank, n, dtype, salt=5).to(dev))
+            out_all = torch.full((world * n + 2 * 64,), 9, dtype=dtype, device=dev)
+            out = out_all[64:64 + world * n]
+            dist.all_gather_into_tensor(out, x, group=grp)
+            torch.cuda.synchronize(dev)
+            want = torch.cat([data(r, n, dtype, salt=5) for r in range(world)])
+            same(out, want, f"device all_gather_into_tensor {dtype} {nbytes} B")
+            same(out_all[:64], torch.full((64,), 9, dtype=dtype), "bytes before the output")
+            same(out_all[64 + world * n:], torch.full((64,), 9, dtype=dtype), "bytes after the output")
+            checks += 3
+            calls += 1
+    # A non-contiguous input (every other element of a larger tensor) is sent from a copy.
+    n = 1 << 20
+    wide = data(rank, 2 * n, torch.float32, salt=6).to(dev)
+    out = torch.empty(world * n, dtype=torch.float32, device=dev)
+    dist.all_gather_into_tensor(out, wide[::2], group=grp)
+    torch.cuda.synchronize(dev)
+    same(out, torch.cat([data(r, 2 * n, torch.float32, salt=6)[::2] for r in range(world)]), "non-contiguous input")
+    checks += 1
+    calls += 1
+    took = st.backend_device_collectives(grp)
+    if expect:
+        assert took == calls, f"{took} of {calls} all_gathers took the device path"
+    else:
+        assert took == 0, f"{took} all_gathers took the device path without device endpoints"
+    checks += 1
+    dist.destroy_process_group(grp)
+    return checks
+
+
 def main() -> int:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local = int(os.environ.get("LOCAL_RANK", rank))
@@ -485,6 +534,9 @@ def main() -> int:
     zero = dist.new_group(backend="cpu:sluice,cuda:sluice")
     del os.environ["SLUICE_TORCH_LL_ALLGATHER_BYTES"]
     checks += ll_state_checks(zero, rank, world, dev, "SLUICE_TORCH_LL_ALLGATHER_BYTES=0")
+    dist.barrier(group=gloo)
+    # Collectives GPU to GPU (opt-in until this has passed on GPUs; docs/torch.md).
+    checks += device_collective_checks(rank, world, dev, want == "nvlink")
     dist.barrier(group=gloo)
     dist.destroy_process_group()
     print(f"sluice-torch-cuda OK rank={rank} checks={checks}", flush=True)

@@ -153,6 +153,11 @@ def main() -> int:
     os.environ["SLUICE_TORCH_LL_ALLGATHER_BYTES"] = "1M"
     expect_error("a group with a bad low-latency all_gather threshold", lambda: dist.new_group(backend="sluice"),
                  "SLUICE_TORCH_LL_ALLGATHER_BYTES must be a byte count, got '1M'")
+    del os.environ["SLUICE_TORCH_LL_ALLGATHER_BYTES"]
+    os.environ["SLUICE_TORCH_DEVICE_COLLECTIVES"] = "2"
+    expect_error("a group with a bad device-collectives switch", lambda: dist.new_group(backend="sluice"),
+                 "SLUICE_TORCH_DEVICE_COLLECTIVES must be 0 or 1, got 2")
+    del os.environ["SLUICE_TORCH_DEVICE_COLLECTIVES"]
 
     dist.destroy_process_group()
     print(f"rndv OK rank={rank}", flush=True)

@@ -195,6 +195,7 @@ def main() -> int:
     # off, saying why.
     ll = st.backend_ll_allgather()
     assert ll["calls"] == 0, ll
+    assert st.backend_device_collectives() == 0, "a CPU collective took the CUDA device path"
     if not torch.cuda.is_available() or world == 1:
         assert ll["state"].startswith("off: "), ll
     transport = st.backend_transport()
