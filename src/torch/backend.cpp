@@ -427,56 +427,79 @@ c10::intrusive_ptr<c10d::Work> SluiceBackend::recv_device(const at::Tensor& t, i
   return work;
 }
 
-c10::intrusive_ptr<c10d::Work> SluiceBackend::allgather_device(const at::Tensor& output, const at::Tensor& input) {
-  // What decides is shared by every rank (the collective's contract: CUDA tensors, one size),
-  // plus the pair's device endpoint, which both ranks of a pair see alike. A rank that stages
-  // instead still meets a peer that does not: the mailbox moves CUDA to host memory and back
-  // over the device endpoint.
-  if (!device_collectives_ || !cuda_regs_ || !input.is_cuda() || !output.is_cuda() ||
-      input.layout() != at::kStrided || output.layout() != at::kStrided || !output.is_contiguous() ||
-      output.device() != input.device() || output.scalar_type() != input.scalar_type() ||
-      output.numel() != input.numel() * getSize())
+c10::intrusive_ptr<c10d::Work> SluiceBackend::exchange_device(c10d::OpType type, const at::Tensor& result,
+                                                               const at::Tensor& in, const at::Tensor& out,
+                                                               const std::vector<DevMsg>& sends,
+                                                               const std::vector<DevMsg>& recvs,
+                                                               const std::function<void()>& local) {
+  // What decides is shared by both ranks of every message (its size; the pair's device
+  // endpoint, which both see alike), so a rank that stages instead still meets one that does
+  // not: the mailbox moves CUDA memory to host memory and back over the device endpoint.
+  if (!device_collectives_ || !cuda_regs_ || !in.is_cuda() || !out.is_cuda() || !in.is_contiguous() ||
+      !out.is_contiguous() || in.device() != out.device())
     return {};
-  const uint64_t part = input.nbytes();
-  if (part < mailbox_->rndv_bytes()) return {};
-  for (int j = 0; j < getSize(); ++j)
-    if (j != getRank() && !mailbox_->has_device(j)) return {};
-  at::Tensor src = input.contiguous();
+  for (const auto* msgs : {&sends, &recvs})
+    for (const DevMsg& m : *msgs)
+      if (m.bytes != 0 && (m.bytes < mailbox_->rndv_bytes() || !mailbox_->has_device(m.peer))) return {};
   std::string why;
-  auto in_lease = cuda_regs_->acquire(src.data_ptr(), part, &why);
+  auto in_lease = cuda_regs_->acquire(in.data_ptr(), in.nbytes(), &why);
   if (!in_lease) {
-    SLUICE_LOG(kInfo, "sluice torch: a CUDA all_gather goes through host memory: " << why);
+    SLUICE_LOG(kInfo, "sluice torch: a CUDA collective goes through host memory: " << why);
     return {};
   }
-  auto out_lease = cuda_regs_->acquire(output.data_ptr(), output.nbytes(), &why);
+  const bool same = in.data_ptr() == out.data_ptr() && in.nbytes() == out.nbytes();
+  auto out_lease = same ? in_lease : cuda_regs_->acquire(out.data_ptr(), out.nbytes(), &why);
   if (!out_lease) {
     cuda_regs_->release(in_lease->key);
-    SLUICE_LOG(kInfo, "sluice torch: a CUDA all_gather goes through host memory: " << why);
+    SLUICE_LOG(kInfo, "sluice torch: a CUDA collective goes through host memory: " << why);
     return {};
   }
-  // Our own part, on the caller's stream; then that stream is waited for: what the caller
-  // queued before (the input written, earlier reads of the output) is done, and so is the copy.
-  auto* out8 = static_cast<uint8_t*>(output.data_ptr());
-  output.view(-1).narrow(0, input.numel() * getRank(), input.numel()).copy_(src.view(-1));
-  sync_current_stream(output);
-  CudaRegistrations* regs = cuda_regs_.get();
+  // This rank's own part moves on the caller's stream; then that stream is waited for: what
+  // the caller queued before (the input written, earlier reads of the output) is done, and so
+  // is that copy. The device send/recv wait the same way.
+  if (local) local();
+  sync_current_stream(out);
+  auto* i8 = static_cast<uint8_t*>(in.data_ptr());
+  auto* o8 = static_cast<uint8_t*>(out.data_ptr());
   std::vector<Xfer> xs;
-  for (int j = 0; j < getSize(); ++j) {
-    if (j == getRank()) continue;
-    xs.push_back({true, j, src.data_ptr(), part, true, in_lease->handle, in_lease->offset});
-    xs.push_back({false, j, out8 + j * part, part, true, out_lease->handle, out_lease->offset + j * part});
-  }
+  // An empty message still goes, as the host path's does (the peer may be on it).
+  for (const DevMsg& m : sends)
+    xs.push_back(m.bytes ? Xfer{true, m.peer, i8 + m.offset, m.bytes, true, in_lease->handle, in_lease->offset + m.offset}
+                         : Xfer{true, m.peer, nullptr, 0});
+  for (const DevMsg& m : recvs)
+    xs.push_back(m.bytes ? Xfer{false, m.peer, o8 + m.offset, m.bytes, true, out_lease->handle, out_lease->offset + m.offset}
+                         : Xfer{false, m.peer, nullptr, 0});
+  CudaRegistrations* regs = cuda_regs_.get();
   void* in_key = in_lease->key;
-  void* out_key = out_lease->key;
+  void* out_key = same ? nullptr : out_lease->key;
   // The leases end with the body, done or failed (a failed exchange closed what could still
   // touch the memory: exchange()).
   auto leases = std::shared_ptr<void>(nullptr, [regs, in_key, out_key](void*) {
     regs->release(in_key);
-    regs->release(out_key);
+    if (out_key) regs->release(out_key);
   });
-  auto work = enqueue(c10d::OpType::_ALLGATHER_BASE, {output}, [this, xs, src, leases](uint64_t tag) { exchange(tag, xs); });
+  at::Tensor keep_in = in, keep_out = out;
+  auto work = enqueue(type, {result}, [this, xs, keep_in, keep_out, leases](uint64_t tag) { exchange(tag, xs); });
   device_calls_.fetch_add(1, std::memory_order_relaxed);
   return work;
+}
+
+c10::intrusive_ptr<c10d::Work> SluiceBackend::allgather_device(const at::Tensor& output, const at::Tensor& input) {
+  if (!device_collectives_ || !input.is_cuda() || !output.is_cuda() || input.layout() != at::kStrided ||
+      output.layout() != at::kStrided || !output.is_contiguous() || output.scalar_type() != input.scalar_type() ||
+      output.numel() != input.numel() * getSize())
+    return {};
+  const uint64_t part = input.nbytes();
+  at::Tensor src = input.contiguous();
+  std::vector<DevMsg> sends, recvs;
+  for (int j = 0; j < getSize(); ++j) {
+    if (j == getRank()) continue;
+    sends.push_back({j, 0, part});
+    recvs.push_back({j, uint64_t(j) * part, part});
+  }
+  return exchange_device(c10d::OpType::_ALLGATHER_BASE, output, src, output, sends, recvs, [&] {
+    output.view(-1).narrow(0, input.numel() * getRank(), input.numel()).copy_(src.view(-1));
+  });
 }
 
 void SluiceBackend::setTimeout(std::chrono::milliseconds timeout) {

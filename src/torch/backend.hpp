@@ -48,7 +48,7 @@ class SluiceBackend final : public c10d::Backend {
   // The low-latency all_gather of CUDA tensors (ll_allgather.hpp): the calls that took it, and
   // its state ("on ...", "off: why").
   uint64_t ll_allgather_calls() const;
-  // all_gather_into_tensor calls on CUDA tensors that took the device path (allgather_device).
+  // Collective calls on CUDA tensors that took the device path (exchange_device).
   uint64_t device_collective_calls() const { return device_calls_.load(std::memory_order_relaxed); }
   std::string ll_allgather_state() const;
 
@@ -122,6 +122,19 @@ class SluiceBackend final : public c10d::Backend {
   // every part goes GPU to GPU over the device endpoints, by rendezvous; null when the call
   // cannot take it (the caller then stages through host memory).
   c10::intrusive_ptr<c10d::Work> allgather_device(const at::Tensor& output, const at::Tensor& input);
+  // The device path's collective step (SLUICE_TORCH_DEVICE_COLLECTIVES=1): `sends` from `in`,
+  // `recvs` into `out` (contiguous CUDA tensors of one device, possibly the same one; offsets in
+  // bytes), every message empty or of at least the rendezvous size to a peer with a device
+  // endpoint. `local` (may be empty) moves this rank's own part on the caller's stream first.
+  // The Work's result is `result`. Null when the call cannot take the path (the caller stages).
+  struct DevMsg {
+    int peer;
+    uint64_t offset;
+    uint64_t bytes;
+  };
+  c10::intrusive_ptr<c10d::Work> exchange_device(c10d::OpType type, const at::Tensor& result, const at::Tensor& in,
+                                                 const at::Tensor& out, const std::vector<DevMsg>& sends,
+                                                 const std::vector<DevMsg>& recvs, const std::function<void()>& local);
 
   std::chrono::milliseconds timeout_;
   std::unique_ptr<Engine> engine_;

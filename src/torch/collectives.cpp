@@ -88,6 +88,31 @@ struct OutBuf {
 void* ptr(const at::Tensor& t) { return t.numel() ? t.data_ptr() : nullptr; }
 uint64_t nbytes(const at::Tensor& t) { return t.nbytes(); }
 
+// all_to_all_single's rows per rank along dim 0 (`splits`, or dim 0 split evenly), checked.
+std::vector<int64_t> split_rows(const at::Tensor& t, const std::vector<int64_t>& splits, int n, const char* which) {
+  std::vector<int64_t> s = splits;
+  const int64_t dim0 = t.dim() ? t.size(0) : 1;
+  if (s.empty()) {
+    TORCH_CHECK(dim0 % n == 0, "sluice: all_to_all_single: ", which, " dim 0 (", dim0,
+                ") is not divisible by the world size without split sizes");
+    s.assign(n, dim0 / n);
+  }
+  TORCH_CHECK(static_cast<int>(s.size()) == n, "sluice: all_to_all_single: ", which, " split sizes need ", n, " entries");
+  int64_t sum = 0;
+  for (auto v : s) {
+    TORCH_CHECK(v >= 0, "sluice: all_to_all_single: negative split size");
+    sum += v;
+  }
+  TORCH_CHECK(sum == dim0, "sluice: all_to_all_single: ", which, " split sizes add up to ", sum, ", dim 0 is ", dim0);
+  return s;
+}
+
+// Bytes of one row along dim 0 (a 0-dim tensor is one row).
+uint64_t row_bytes(const at::Tensor& t) {
+  if (t.dim() == 0) return t.element_size();
+  return t.size(0) ? t.nbytes() / t.size(0) : 0;
+}
+
 // dst = parts[0] op parts[1] op ... (rank order, so every rank gets the same bits), where
 // parts[self] is dst itself and the others are buffers this call may overwrite: the sum
 // builds in dst when it starts there, otherwise in parts[0], with no new tensor.
@@ -200,6 +225,20 @@ c10::intrusive_ptr<c10d::Work> SluiceBackend::barrier(const c10d::BarrierOptions
 
 c10::intrusive_ptr<c10d::Work> SluiceBackend::broadcast(std::vector<at::Tensor>& tensors,
                                                          const c10d::BroadcastOptions& opts) {
+  if (device_collectives_ && tensors.size() == 1 && tensors[0].is_cuda() && tensors[0].layout() == at::kStrided &&
+      tensors[0].is_contiguous() && opts.rootRank >= 0 && opts.rootRank < size()) {
+    // The device path: the root's tensor read by every other rank straight into its own.
+    const int root = static_cast<int>(opts.rootRank);
+    const at::Tensor& t = tensors[0];
+    std::vector<DevMsg> sends, recvs;
+    if (rank() == root) {
+      for (int j = 0; j < size(); ++j)
+        if (j != root) sends.push_back({j, 0, t.nbytes()});
+    } else {
+      recvs.push_back({root, 0, t.nbytes()});
+    }
+    if (auto w = exchange_device(c10d::OpType::BROADCAST, t, t, t, sends, recvs, {})) return w;
+  }
   if (any_cuda(tensors)) {
     HostStaging s;
     auto host = s.inouts(tensors);
@@ -593,6 +632,34 @@ c10::intrusive_ptr<c10d::Work> SluiceBackend::alltoall_base(at::Tensor& output, 
                                                              std::vector<int64_t>& output_splits,
                                                              std::vector<int64_t>& input_splits,
                                                              const c10d::AllToAllOptions& opts) {
+  if (device_collectives_ && output.is_cuda() && input.is_cuda() && output.layout() == at::kStrided &&
+      input.layout() == at::kStrided &&
+      output.is_contiguous() && output.scalar_type() == input.scalar_type()) {
+    // The device path: every slice GPU to GPU (or, where one is too small for it, none of
+    // them: the call stages below).
+    auto os = split_rows(output, output_splits, size(), "output");
+    auto is = split_rows(input, input_splits, size(), "input");
+    at::Tensor src = input.contiguous();
+    const uint64_t ib = row_bytes(src), ob = row_bytes(output);
+    std::vector<uint64_t> ioff(size() + 1, 0), ooff(size() + 1, 0);
+    for (int j = 0; j < size(); ++j) ioff[j + 1] = ioff[j] + is[j] * ib, ooff[j + 1] = ooff[j] + os[j] * ob;
+    const int r = rank();
+    TORCH_CHECK(ooff[r + 1] - ooff[r] == ioff[r + 1] - ioff[r], "sluice: all_to_all_single: this rank's own split sizes differ");
+    std::vector<DevMsg> sends, recvs;
+    for (int j = 0; j < size(); ++j) {
+      if (j == r) continue;
+      sends.push_back({j, ioff[j], ioff[j + 1] - ioff[j]});
+      recvs.push_back({j, ooff[j], ooff[j + 1] - ooff[j]});
+    }
+    const uint64_t own = ooff[r + 1] - ooff[r];
+    auto w = exchange_device(c10d::OpType::ALLTOALL_BASE, output, src, output, sends, recvs, [&] {
+      if (own) {
+        auto o8 = output.view(-1).view(at::kByte), i8 = src.view(-1).view(at::kByte);
+        o8.narrow(0, ooff[r], own).copy_(i8.narrow(0, ioff[r], own));
+      }
+    });
+    if (w) return w;
+  }
   if (output.is_cuda() || input.is_cuda()) {
     HostStaging s;
     auto host_out = s.output(output);
@@ -603,34 +670,11 @@ c10::intrusive_ptr<c10d::Work> SluiceBackend::alltoall_base(at::Tensor& output, 
   check_dense_cpu(output, "all_to_all_single");
   check_dense_cpu(input, "all_to_all_single");
   TORCH_CHECK(output.scalar_type() == input.scalar_type(), "sluice: all_to_all_single: dtypes differ");
-  const int n = size();
-  auto rows = [n](const at::Tensor& t, const std::vector<int64_t>& splits, const char* which) {
-    std::vector<int64_t> s = splits;
-    const int64_t dim0 = t.dim() ? t.size(0) : 1;
-    if (s.empty()) {
-      TORCH_CHECK(dim0 % n == 0, "sluice: all_to_all_single: ", which, " dim 0 (", dim0,
-                  ") is not divisible by the world size without split sizes");
-      s.assign(n, dim0 / n);
-    }
-    TORCH_CHECK(static_cast<int>(s.size()) == n, "sluice: all_to_all_single: ", which, " split sizes need ", n,
-                " entries");
-    int64_t sum = 0;
-    for (auto v : s) {
-      TORCH_CHECK(v >= 0, "sluice: all_to_all_single: negative split size");
-      sum += v;
-    }
-    TORCH_CHECK(sum == dim0, "sluice: all_to_all_single: ", which, " split sizes add up to ", sum, ", dim 0 is ", dim0);
-    return s;
-  };
-  auto os = rows(output, output_splits, "output");
-  auto is = rows(input, input_splits, "input");
+  auto os = split_rows(output, output_splits, size(), "output");
+  auto is = split_rows(input, input_splits, size(), "input");
   return enqueue(c10d::OpType::ALLTOALL_BASE, {output}, [this, output, input, os, is](uint64_t tag) {
     OutBuf out(output);
     at::Tensor src = input.contiguous();
-    auto row_bytes = [](const at::Tensor& t) -> uint64_t {
-      if (t.dim() == 0) return t.element_size();
-      return t.size(0) ? t.nbytes() / t.size(0) : 0;
-    };
     const uint64_t ib = row_bytes(src), ob = row_bytes(out.buf);
     auto* sp = static_cast<uint8_t*>(ptr(src));
     auto* op = static_cast<uint8_t*>(ptr(out.buf));

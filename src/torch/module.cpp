@@ -22,8 +22,8 @@ PYBIND11_MODULE(_sluice_torch, m) {
       .def_property_readonly("ll_allgather_state", &SluiceBackend::ll_allgather_state,
                              "The low-latency all_gather's state: 'on ...' or 'off: <why>'.")
       .def_property_readonly("device_collective_calls", &SluiceBackend::device_collective_calls,
-                             "all_gather_into_tensor calls on CUDA tensors that went GPU to GPU "
-                             "(SLUICE_TORCH_DEVICE_COLLECTIVES=1).");
+                             "Collective calls on CUDA tensors (all_gather_into_tensor, all_to_all_single, broadcast) "
+                             "that went GPU to GPU (SLUICE_TORCH_DEVICE_COLLECTIVES=1).");
   m.def(
       "create_backend",
       [](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size, std::chrono::milliseconds timeout) {

@@ -428,11 +428,14 @@ def ll_state_checks(group, rank: int, world: int, dev: torch.device, want_off: s
 
 
 def device_collective_checks(rank: int, world: int, dev: torch.device, expect: bool) -> int:
-    """all_gather_into_tensor GPU to GPU (SLUICE_TORCH_DEVICE_COLLECTIVES=1; the low-latency
-    path off so that every size takes it): bit-equal to the parts every rank knows, at the
-    rendezvous size, an odd size and 64 MiB per rank, three dtypes, an input at an offset inside
-    a larger allocation and a non-contiguous one; the bytes around the output unchanged; the
-    calls counted when the group has device endpoints to every peer (expect), none otherwise."""
+    """Collectives GPU to GPU (SLUICE_TORCH_DEVICE_COLLECTIVES=1; the low-latency all_gather off
+    so that every size takes the device path), bit-equal to what every rank can compute:
+    all_gather_into_tensor at the rendezvous size, an odd size and 64 MiB per rank, three dtypes,
+    an input at an offset inside a larger allocation and a non-contiguous one, the bytes around
+    the output unchanged; all_to_all_single with even and uneven splits, and with a slice too
+    small for the path (it stages); broadcast from the first and the last rank. The calls that
+    took the path are counted when the group has device endpoints to every peer (expect), none
+    otherwise."""
     os.environ["SLUICE_TORCH_DEVICE_COLLECTIVES"] = "1"
     os.environ["SLUICE_TORCH_LL_ALLGATHER_BYTES"] = "0"
     grp = dist.new_group(backend="cpu:sluice,cuda:sluice")
@@ -466,6 +469,36 @@ def device_collective_checks(rank: int, world: int, dev: torch.device, expect: b
     same(out, torch.cat([data(r, 2 * n, torch.float32, salt=6)[::2] for r in range(world)]), "non-contiguous input")
     checks += 1
     calls += 1
+    # all_to_all_single: even splits of 64 MiB, then uneven ones (every slice at least the
+    # rendezvous size), then one with a small slice, which stages (not counted) and is right too.
+    rows = 1 << 16  # float32 rows of 64 elements = 256 B each
+    for splits, counted in ((None, True), ([(r + 1) * 1024 + 1024 for r in range(world)], True),
+                            ([8] + [2048] * (world - 1), False)):
+        in_splits = splits if splits is not None else [rows // world] * world
+        # What rank r sends to j is j's receive from r: out_splits[r] on j = in_splits of r at j.
+        send_rows = [s_ + rank for s_ in in_splits] if splits is not None and counted else in_splits
+        recv_rows = [(in_splits[rank] + r) if splits is not None and counted else in_splits[rank] for r in range(world)]
+        x = data(rank, sum(send_rows) * 64, torch.float32, salt=7).to(dev).view(-1, 64)
+        out = torch.empty(sum(recv_rows), 64, dtype=torch.float32, device=dev)
+        dist.all_to_all_single(out, x, output_split_sizes=recv_rows, input_split_sizes=send_rows, group=grp)
+        torch.cuda.synchronize(dev)
+        parts = []
+        for r in range(world):
+            r_send = [s_ + r for s_ in in_splits] if splits is not None and counted else in_splits
+            xr = data(r, sum(r_send) * 64, torch.float32, salt=7).view(-1, 64)
+            off = sum(r_send[:rank])
+            parts.append(xr[off:off + r_send[rank]])
+        same(out, torch.cat(parts), f"device all_to_all_single splits={splits}")
+        checks += 1
+        calls += 1 if counted else 0
+    # broadcast of 16 MiB from the first and from the last rank.
+    for root in (0, world - 1):
+        t = data(rank, 4 << 20, torch.float32, salt=8 + root).to(dev)
+        dist.broadcast(t, src=root, group=grp)
+        torch.cuda.synchronize(dev)
+        same(t, data(root, 4 << 20, torch.float32, salt=8 + root), f"device broadcast from rank {root}")
+        checks += 1
+        calls += 1
     took = st.backend_device_collectives(grp)
     if expect:
         assert took == calls, f"{took} of {calls} all_gathers took the device path"
