@@ -438,9 +438,13 @@ c10::intrusive_ptr<c10d::Work> SluiceBackend::exchange_device(c10d::OpType type,
   if (!device_collectives_ || !cuda_regs_ || !in.is_cuda() || !out.is_cuda() || !in.is_contiguous() ||
       !out.is_contiguous() || in.device() != out.device())
     return {};
+  bool moves = false;  // nothing to move (empty tensors): the host path does that without a registration
   for (const auto* msgs : {&sends, &recvs})
-    for (const DevMsg& m : *msgs)
+    for (const DevMsg& m : *msgs) {
       if (m.bytes != 0 && (m.bytes < mailbox_->rndv_bytes() || !mailbox_->has_device(m.peer))) return {};
+      moves = moves || m.bytes != 0;
+    }
+  if (!moves) return {};
   std::string why;
   auto in_lease = cuda_regs_->acquire(in.data_ptr(), in.nbytes(), &why);
   if (!in_lease) {
