@@ -190,7 +190,6 @@ struct DeviceGuard {
 // One live rank per device in this process (see the constructor's comment in the header).
 class DeviceClaim {
  public:
-  DeviceClaim() = default;
   explicit DeviceClaim(int device) : device_(device) {
     std::lock_guard<std::mutex> lk(mu());
     if (!claimed().insert(device).second)
@@ -201,7 +200,6 @@ class DeviceClaim {
                       "certain, so two ranks on one GPU can deadlock until the timeout");
   }
   ~DeviceClaim() {
-    if (device_ < 0) return;
     std::lock_guard<std::mutex> lk(mu());
     claimed().erase(device_);
   }
@@ -217,7 +215,7 @@ class DeviceClaim {
     static std::set<int> s;
     return s;
   }
-  int device_ = -1;
+  int device_;
 };
 
 }  // namespace

@@ -167,16 +167,16 @@ SluiceBackend::SluiceBackend(const c10::intrusive_ptr<c10d::Store>& store, int r
     throw Error(ErrorCode::kInvalidArgument, "sluice: SLUICE_TORCH_INLINE_BYTES must be at most " +
                                                  std::to_string(Mailbox::kMaxInlineBytes) + ", got " +
                                                  std::to_string(inline_bytes));
-  // How CUDA tensors move: "auto" (default) sends and receives large ones directly between
-  // GPUs of a host (a device endpoint over nvlink per peer, see below); "host" always stages
-  // them through host memory (host_staging.hpp).
-  // Collectives of CUDA tensors over the device path (allgather_device): off until they have
+  // Collectives of CUDA tensors over the device path (exchange_device): off until they have
   // run on GPUs (written without one, 2026-11-28). Set it alike on every rank.
   const uint64_t device_collectives = env_bytes("SLUICE_TORCH_DEVICE_COLLECTIVES", 0);
   if (device_collectives > 1)
     throw Error(ErrorCode::kInvalidArgument, "sluice: SLUICE_TORCH_DEVICE_COLLECTIVES must be 0 or 1, got " +
                                                  std::to_string(device_collectives));
   device_collectives_ = device_collectives == 1;
+  // How CUDA tensors move: "auto" (default) sends and receives large ones directly between
+  // GPUs of a host (a device endpoint over nvlink per peer, see below); "host" always stages
+  // them through host memory (host_staging.hpp).
   const char* path_env = std::getenv("SLUICE_TORCH_CUDA_PATH");
   const std::string cuda_path = path_env && *path_env ? path_env : "auto";
   if (cuda_path != "auto" && cuda_path != "host")
@@ -427,8 +427,8 @@ c10::intrusive_ptr<c10d::Work> SluiceBackend::recv_device(const at::Tensor& t, i
   return work;
 }
 
-c10::intrusive_ptr<c10d::Work> SluiceBackend::exchange_device(c10d::OpType type, const at::Tensor& result,
-                                                               const at::Tensor& in, const at::Tensor& out,
+c10::intrusive_ptr<c10d::Work> SluiceBackend::exchange_device(c10d::OpType type, const at::Tensor& in,
+                                                               const at::Tensor& out,
                                                                const std::vector<DevMsg>& sends,
                                                                const std::vector<DevMsg>& recvs,
                                                                const std::function<void()>& local) {
@@ -482,8 +482,8 @@ c10::intrusive_ptr<c10d::Work> SluiceBackend::exchange_device(c10d::OpType type,
     regs->release(in_key);
     if (out_key) regs->release(out_key);
   });
-  at::Tensor keep_in = in, keep_out = out;
-  auto work = enqueue(type, {result}, [this, xs, keep_in, keep_out, leases](uint64_t tag) { exchange(tag, xs); });
+  at::Tensor keep_in = in;  // `out` is kept as the Work's result
+  auto work = enqueue(type, {out}, [this, xs, keep_in, leases](uint64_t tag) { exchange(tag, xs); });
   device_calls_.fetch_add(1, std::memory_order_relaxed);
   return work;
 }
@@ -501,7 +501,7 @@ c10::intrusive_ptr<c10d::Work> SluiceBackend::allgather_device(const at::Tensor&
     sends.push_back({j, 0, part});
     recvs.push_back({j, uint64_t(j) * part, part});
   }
-  return exchange_device(c10d::OpType::_ALLGATHER_BASE, output, src, output, sends, recvs, [&] {
+  return exchange_device(c10d::OpType::_ALLGATHER_BASE, src, output, sends, recvs, [&] {
     output.view(-1).narrow(0, input.numel() * getRank(), input.numel()).copy_(src.view(-1));
   });
 }

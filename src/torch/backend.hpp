@@ -126,14 +126,14 @@ class SluiceBackend final : public c10d::Backend {
   // `recvs` into `out` (contiguous CUDA tensors of one device, possibly the same one; offsets in
   // bytes), every message empty or of at least the rendezvous size to a peer with a device
   // endpoint. `local` (may be empty) moves this rank's own part on the caller's stream first.
-  // The Work's result is `result`. Null when the call cannot take the path (the caller stages).
+  // The Work's result is `out`. Null when the call cannot take the path (the caller stages).
   struct DevMsg {
     int peer;
     uint64_t offset;
     uint64_t bytes;
   };
-  c10::intrusive_ptr<c10d::Work> exchange_device(c10d::OpType type, const at::Tensor& result, const at::Tensor& in,
-                                                 const at::Tensor& out, const std::vector<DevMsg>& sends,
+  c10::intrusive_ptr<c10d::Work> exchange_device(c10d::OpType type, const at::Tensor& in, const at::Tensor& out,
+                                                 const std::vector<DevMsg>& sends,
                                                  const std::vector<DevMsg>& recvs, const std::function<void()>& local);
 
   std::chrono::milliseconds timeout_;

@@ -237,7 +237,7 @@ c10::intrusive_ptr<c10d::Work> SluiceBackend::broadcast(std::vector<at::Tensor>&
     } else {
       recvs.push_back({root, 0, t.nbytes()});
     }
-    if (auto w = exchange_device(c10d::OpType::BROADCAST, t, t, t, sends, recvs, {})) return w;
+    if (auto w = exchange_device(c10d::OpType::BROADCAST, t, t, sends, recvs, {})) return w;
   }
   if (any_cuda(tensors)) {
     HostStaging s;
@@ -652,7 +652,7 @@ c10::intrusive_ptr<c10d::Work> SluiceBackend::alltoall_base(at::Tensor& output, 
       recvs.push_back({j, ooff[j], ooff[j + 1] - ooff[j]});
     }
     const uint64_t own = ooff[r + 1] - ooff[r];
-    auto w = exchange_device(c10d::OpType::ALLTOALL_BASE, output, src, output, sends, recvs, [&] {
+    auto w = exchange_device(c10d::OpType::ALLTOALL_BASE, src, output, sends, recvs, [&] {
       if (own) {
         auto o8 = output.view(-1).view(at::kByte), i8 = src.view(-1).view(at::kByte);
         o8.narrow(0, ooff[r], own).copy_(i8.narrow(0, ioff[r], own));

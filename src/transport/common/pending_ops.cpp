@@ -225,7 +225,7 @@ std::vector<std::pair<uint64_t, std::shared_ptr<TransferOp>>> PendingOps::open_o
   std::lock_guard<std::mutex> lk(mu_);
   for (uint32_t i = 0; i < slots_.size(); ++i) {
     const Slot& s = slots_[i];
-    if (s.op && (s.op->posted_lanes.load(std::memory_order_acquire) & bit) && !(s.op->done_lanes & bit))
+    if (open_on_lane(s, bit))
       out.emplace_back(token_of(i, s.gen), s.op);
   }
   return out;
@@ -237,8 +237,7 @@ PendingOps::Clock::time_point PendingOps::owed_since(int lane) const {
   const uint64_t bit = uint64_t{1} << lane;
   std::lock_guard<std::mutex> lk(mu_);
   for (const Slot& s : slots_)
-    if (s.op && (s.op->posted_lanes.load(std::memory_order_acquire) & bit) && !(s.op->done_lanes & bit))
-      since = std::min(since, s.added);
+    if (open_on_lane(s, bit)) since = std::min(since, s.added);
   if (lane == 0)
     for (const auto& [seq, send] : sends_) since = std::min(since, send.added);
   return since;

@@ -87,6 +87,10 @@ class PendingOps {
     Clock::time_point added{};
   };
   static uint64_t token_of(uint32_t index, uint32_t gen) { return uint64_t(gen) << 32 | index; }
+  // The slot's op has lane `bit` posted and not done (caller holds mu_): open_on, owed_since.
+  static bool open_on_lane(const Slot& s, uint64_t bit) {
+    return s.op && (s.op->posted_lanes.load(std::memory_order_acquire) & bit) && !(s.op->done_lanes & bit);
+  }
   Slot* slot_locked(uint64_t token);
   // Completes `op` (its future, or a post through post_handler_) with `st`.
   void finish(const std::shared_ptr<TransferOp>& op, const Status& st);
