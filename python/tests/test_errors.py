@@ -148,6 +148,14 @@ def test_truncated_eager_send_fails_only_the_recv():
             hs = p.a.register(np.arange(100, dtype=np.uint8))
             dst = np.zeros(10, np.uint8)
             hr = p.b.register(dst)
+            # The receiver grants its eager credit over the control channel once connected; a
+            # send before the grant arrived is a rendezvous one (whose sender is told). One
+            # send first, whose completion comes over that channel after the grant, makes the
+            # next one eager whatever the timing.
+            warm = p.b.register(np.zeros(1, np.uint8))
+            wr = p.peer.recv(warm)
+            p.ep.send(p.a.register(np.ones(1, np.uint8))).result(10)
+            wr.result(10)
             r = p.peer.recv(hr)
             s = p.ep.send(hs)
             with pytest.raises(sluice.TruncatedError):
