@@ -167,6 +167,13 @@ SluiceBackend::SluiceBackend(const c10::intrusive_ptr<c10d::Store>& store, int r
     throw Error(ErrorCode::kInvalidArgument, "sluice: SLUICE_TORCH_INLINE_BYTES must be at most " +
                                                  std::to_string(Mailbox::kMaxInlineBytes) + ", got " +
                                                  std::to_string(inline_bytes));
+  // Recvs of rndv_bytes or more tell their sender in advance that they are posted (mailbox.hpp,
+  // ready-to-receive), so that the payload goes without an RTS / CTS round trip. Only the
+  // receiver's setting matters: every rank takes the RTRs it is given.
+  const uint64_t recv_ready = env_bytes("SLUICE_TORCH_RECV_READY", 1);
+  if (recv_ready > 1)
+    throw Error(ErrorCode::kInvalidArgument, "sluice: SLUICE_TORCH_RECV_READY must be 0 or 1, got " +
+                                                 std::to_string(recv_ready));
   // Collectives of CUDA tensors over the device path (exchange_device): off until they have
   // run on GPUs (written without one, 2026-11-28). Set it alike on every rank.
   const uint64_t device_collectives = env_bytes("SLUICE_TORCH_DEVICE_COLLECTIVES", 0);
@@ -334,7 +341,8 @@ SluiceBackend::SluiceBackend(const c10::intrusive_ptr<c10d::Store>& store, int r
                  " (another host, or GPUs that cannot share memory)";
   }
   mailbox_ = std::make_unique<Mailbox>(*engine_, std::move(peers), std::move(data), rank, timeout, rndv_bytes,
-                                       max_unexpected_bytes, std::move(dev), inline_bytes);
+                                       max_unexpected_bytes, std::move(dev), inline_bytes,
+                                       recv_ready != 0);
   if (size > 1) {
     try {
       ll_ = std::make_unique<LowLatencyAllGather>(store, rank, size, ll_bytes, ll_off,

@@ -50,6 +50,8 @@ class SluiceBackend final : public c10d::Backend {
   uint64_t ll_allgather_calls() const;
   // Collective calls on CUDA tensors that took the device path (exchange_device).
   uint64_t device_collective_calls() const { return device_calls_.load(std::memory_order_relaxed); }
+  // Ready-to-receive counts of this rank's mailbox (mailbox.hpp): offered, used, voided.
+  Mailbox::RtrStats recv_ready_stats() const { return mailbox_->rtr_stats(); }
   std::string ll_allgather_state() const;
 
   c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dst, int tag) override;

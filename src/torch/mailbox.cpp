@@ -33,14 +33,15 @@ std::string describe_tag(uint64_t tag) {
 
 Mailbox::Mailbox(Engine& engine, std::vector<Endpoint> peers, std::vector<Endpoint> data, int rank,
                  std::chrono::milliseconds timeout, uint64_t rndv_bytes, uint64_t max_unexpected_bytes,
-                 std::vector<Endpoint> dev, uint64_t inline_bytes)
+                 std::vector<Endpoint> dev, uint64_t inline_bytes, bool recv_ready)
     : engine_(engine),
       rank_(rank),
       timeout_(timeout),
       rndv_bytes_(rndv_bytes),
       max_unexpected_bytes_(max_unexpected_bytes),
+      peers_(peers.size()),
       inline_bytes_(std::min(inline_bytes, kMaxInlineBytes)),
-      peers_(peers.size()) {
+      recv_ready_(recv_ready) {
   for (size_t i = 0; i < peers.size(); ++i) {
     peers_[i].ep = std::move(peers[i]);
     if (i < data.size()) peers_[i].data = std::move(data[i]);
@@ -154,6 +155,7 @@ void Mailbox::close() {
     cv_.notify_all();
   }
   if (thread_.joinable()) thread_.join();
+  destroying_ = true;
   // The thread is gone: this thread runs the progress tasks from now on. Closing the
   // endpoints fails their pending operations, whose callbacks queue the tasks that report
   // them (so every Work completes); run those before releasing any buffer.
@@ -166,6 +168,21 @@ void Mailbox::close() {
   Status st{ErrorCode::kCancelled, "rank " + std::to_string(rank_) + ": the process group was destroyed"};
   for (auto& r : posted_) r->done(st, r->src, 0);
   posted_.clear();
+  // RTR recvs whose engine recv has not reported: wait for the engine to let go of the
+  // destination (unregistering blocks until then), then report.
+  for (auto& p : peers_) {
+    std::vector<std::shared_ptr<RtrRecv>> left;
+    for (auto& [id, x] : p.rtr_recvs)
+      if (!x->data_done) left.push_back(x);
+    for (auto& x : left) {
+      if (x->owned) unreg(x->handle);
+      x->handle = {};
+      x->data_done = true;
+      rtr_result(*x, st, 0);
+      rtr_settle(*x);
+    }
+    p.rtr_recvs.clear();
+  }
   // Rendezvous sends still waiting for their CTS (those whose payload was sending were
   // cancelled with the data endpoint and reported by drain()).
   for (auto& [id, s] : rndv_sends_) {
@@ -235,6 +252,11 @@ void Mailbox::fail_peer(int peer, const Status& why) {
       ++it;
     }
   }
+  // RTRs it gave us: nothing goes to it any more. Ours whose payload landed: no header is
+  // awaited now (the others end when closing the data endpoint below ends their engine recv).
+  p.rtr_pending.clear();
+  for (auto it = p.rtr_recvs.begin(); it != p.rtr_recvs.end();)
+    it = it->second->finished && it->second->data_done ? p.rtr_recvs.erase(it) : std::next(it);
   // Rendezvous sends to it that wait for a CTS will never get one.
   for (auto it = rndv_sends_.begin(); it != rndv_sends_.end();) {
     auto s = it->second;
@@ -373,6 +395,11 @@ void Mailbox::on_cts(int peer, uint64_t id, bool dev) {
     return;
   }
   Endpoint& ep = dev ? p.dev : p.data;
+  // Whatever goes on the data endpoint now must not overtake an RTR that came before.
+  if (!dev) {
+    void_rtrs(peer, p.rtr_pending.size());
+    if (!p.failed.ok()) return;
+  }
   auto it = rndv_sends_.find(id);
   if (it == rndv_sends_.end() || it->second->dst != peer || it->second->sending) {
     // The send timed out (or failed) before its CTS came. The receiver posted a recv on the
@@ -394,6 +421,11 @@ void Mailbox::on_cts(int peer, uint64_t id, bool dev) {
     fail_peer(peer, st);
     return;
   }
+  send_payload(peer, id, ep);
+}
+
+void Mailbox::send_payload(int peer, uint64_t id, Endpoint& ep) {
+  auto s = rndv_sends_.at(id);
   s->sending = true;
   Future f;
   try {
@@ -461,6 +493,17 @@ void Mailbox::on_header(int peer, const Status& st, uint64_t bytes) {
     if (h.aux) take_descriptor(peer, h.region, h.aux);
     if (!p.failed.ok()) return;
   }
+  if (kind == kRtr) {
+    on_rtr(peer, h);
+    if (p.failed.ok()) post_header_recv(peer);
+    return;
+  }
+  if (kind == kRtrData) {
+    ++p.headers_in;
+    on_rtr_data(peer, h);
+    if (p.failed.ok()) post_header_recv(peer);
+    return;
+  }
   if (kind == kCts || kind == kNack) {
     if (kind == kCts)
       on_cts(peer, id_of(h), dev_of(h));
@@ -473,6 +516,7 @@ void Mailbox::on_header(int peer, const Status& st, uint64_t bytes) {
     fail_peer(peer, {ErrorCode::kProtocol, "a message header of unknown kind " + std::to_string(kind)});
     return;
   }
+  ++p.headers_in;
   // Match the first posted recv (posting order) that accepts this source and tag.
   std::shared_ptr<PostedRecv> match;
   for (auto it = posted_.begin(); it != posted_.end(); ++it) {
@@ -492,6 +536,8 @@ void Mailbox::on_header(int peer, const Status& st, uint64_t bytes) {
     if (match && match->n == h.length) {
       if (kind == kRtsRead)
         start_read(peer, id, h.length, h.region, h.offset, match);
+      else if (match->rtr && p.rtr_recvs.count(match->rtr))
+        park_rts(*p.rtr_recvs[match->rtr], id);
       else
         start_rndv_recv(peer, id, h.length, match);
     } else if (match) {
@@ -759,6 +805,7 @@ void Mailbox::recv(int src, uint64_t tag, const Buffer& b, Done done) {
       r->done(peers_[r->src].failed, r->src, 0);
       return;
     }
+    offer_rtr(r);  // before it joins posted_: the check looks for earlier recvs there
     posted_.push_back(r);
   });
 }
@@ -782,6 +829,15 @@ void Mailbox::send(int dst, uint64_t tag, const Buffer& b, Done done) {
       done(p.failed, dst, 0);
       return;
     }
+    if (uint64_t rtr = claim_rtr(dst, tag, n, !b.device && n != 0 && n >= rndv_bytes_ && p.data.valid())) {
+      send_rtr_data(dst, tag, b, rtr, std::move(done));
+      return;
+    }
+    if (!p.failed.ok()) {  // voiding an RTR failed the pair
+      done(p.failed, dst, 0);
+      return;
+    }
+    count_out(dst, tag);  // every path below sends this message's header now
     if (!b.device && (n == 0 || n < rndv_bytes_ || !p.data.valid())) {
       send_eager(dst, tag, b.ptr, n, std::move(done));
       return;
@@ -799,6 +855,7 @@ void Mailbox::send(int dst, uint64_t tag, const Buffer& b, Done done) {
     }
     const uint64_t id = next_id_++;
     rndv_sends_[id] = s;
+    if (!b.device) p.history.back().rts = id;  // counted above
     if (b.device) {
       s->read = true;
       send_rts_read(dst, s, id);
@@ -1008,19 +1065,35 @@ void Mailbox::on_fin(int peer, uint64_t id, uint64_t code) {
 
 void Mailbox::expire() {
   auto now = Clock::now();
+  std::vector<std::pair<int, Status>> shifted;
   for (auto it = posted_.begin(); it != posted_.end();) {
     if ((*it)->deadline <= now) {
       auto r = *it;
       it = posted_.erase(it);
       std::string from = r->src == kAnySource ? "any peer rank" : "peer rank " + std::to_string(r->src);
       std::string what = describe_tag(r->tag);
-      r->done({ErrorCode::kTimeout, "rank " + std::to_string(rank_) + ": no message from " + from + " (" + what +
-                                        ") within the group timeout of " + std::to_string(timeout_.count()) + " ms"},
-              r->src, 0);
+      Status st{ErrorCode::kTimeout, "rank " + std::to_string(rank_) + ": no message from " + from + " (" + what +
+                                         ") within the group timeout of " + std::to_string(timeout_.count()) + " ms"};
+      // With RTRs out to that rank, the pair fails (mailbox.hpp, ready-to-receive).
+      if (r->src != kAnySource && !peers_[r->src].rtr_recvs.empty()) shifted.emplace_back(r->src, st);
+      r->done(st, r->src, 0);
     } else {
       ++it;
     }
   }
+  // An RTR payload announced (RTR_DATA, or the crossed RTS) but not landed within the timeout.
+  for (size_t i = 0; i < peers_.size(); ++i)
+    for (auto& [id, s] : peers_[i].rtr_recvs)
+      if ((s->header_seen || s->rts) && !s->data_done && s->deadline <= now) {
+        shifted.emplace_back(static_cast<int>(i), Status{ErrorCode::kTimeout, "rank " + std::to_string(rank_) +
+                                                                                  ": the payload from peer rank " +
+                                                                                  std::to_string(i) +
+                                                                                  " did not arrive within the group "
+                                                                                  "timeout of " +
+                                                                                  std::to_string(timeout_.count()) + " ms"});
+        break;
+      }
+  for (auto& [peer, why] : shifted) fail_peer(peer, why);
   std::vector<std::pair<int, Status>> unread;
   for (auto it = rndv_sends_.begin(); it != rndv_sends_.end();) {
     auto s = it->second;
@@ -1056,6 +1129,252 @@ void Mailbox::expire() {
   // The peer may still read a payload we gave up on, from memory the caller may reuse now:
   // the pair is failed (its endpoints close) instead.
   for (auto& [peer, why] : unread) fail_peer(peer, why);
+}
+
+// Ready-to-receive (mailbox.hpp). Receiver side.
+
+bool Mailbox::offer_rtr(const std::shared_ptr<PostedRecv>& r) {
+  if (!recv_ready_ || r->src == kAnySource || r->device || r->n == 0 || r->n < rndv_bytes_) return false;
+  Peer& p = peers_[r->src];
+  if (!p.data.valid() || !p.failed.ok() || p.rtr_recvs.size() >= kMaxPendingRtr) return false;
+  // An earlier recv that could take this rank's next message with this tag would take the
+  // message the RTR is numbered for.
+  for (const auto& q : posted_)
+    if (q->tag == r->tag && (q->src == r->src || q->src == kAnySource)) return false;
+  auto s = std::make_shared<RtrRecv>();
+  s->src = r->src;
+  s->id = next_id_++;
+  s->r = r;
+  s->owned = r->handle.id == 0;
+  Future f;
+  try {
+    s->handle = s->owned ? reg(r->ptr, r->n) : r->handle;
+    f = p.data.recv(s->handle, s->owned ? 0 : r->offset, r->n);
+  } catch (const Error&) {
+    if (s->owned) unreg(s->handle);
+    return false;  // the usual rendezvous then reports what is wrong
+  }
+  s->user = std::move(r->done);
+  r->rtr = s->id;
+  std::weak_ptr<RtrRecv> w = s;
+  r->done = [this, w](const Status& st, int, uint64_t bytes) {
+    if (auto x = w.lock()) rtr_result(*x, st, bytes);
+  };
+  p.rtr_recvs[s->id] = s;
+  f.on_complete([this, s, f](const Status& st) {
+    post([this, s, f, st] { on_rtr_landed(s, st, f.bytes()); });
+  });
+  rtr_offered_.fetch_add(1, std::memory_order_relaxed);
+  const int src = r->src;
+  send_ctrl(src, {r->tag, r->n, make_kind(kRtr, s->id), p.headers_in, 0, 0}, [this, src](const Status& st) {
+    if (!st.ok()) fail_peer(src, st);
+  });
+  return true;
+}
+
+void Mailbox::rtr_result(RtrRecv& s, const Status& st, uint64_t bytes) {
+  if (s.have_result) return;
+  s.have_result = true;
+  s.result = st;
+  s.result_bytes = bytes;
+  rtr_settle(s);
+}
+
+void Mailbox::rtr_settle(RtrRecv& s) {
+  Peer& p = peers_[s.src];
+  auto it = p.rtr_recvs.find(s.id);
+  const std::shared_ptr<RtrRecv> keep = it != p.rtr_recvs.end() ? it->second : nullptr;  // `s` outlives the erase
+  if (!s.finished && s.data_done && s.have_result) {
+    s.finished = true;
+    Done user = std::move(s.user);
+    user(s.result, s.src, s.result.ok() ? s.result_bytes : 0);
+  }
+  // After a payload its header still comes (and is checked against the record), unless the
+  // pair failed.
+  if (s.finished && s.data_done && (s.header_seen || !s.payload || !p.failed.ok())) p.rtr_recvs.erase(s.id);
+}
+
+void Mailbox::on_rtr_landed(const std::shared_ptr<RtrRecv>& s, const Status& st, uint64_t bytes) {
+  if (s->data_done) return;  // close() already waited for the engine to let go
+  s->data_done = true;
+  if (s->owned) unreg(s->handle);
+  s->handle = {};
+  Peer& p = peers_[s->src];
+  auto take = [&] { posted_.remove(s->r); };  // no header may match it any more
+  if (!st.ok()) {
+    if (!s->have_result) {
+      take();
+      rtr_result(*s, destroying_ ? Status{ErrorCode::kCancelled, "rank " + std::to_string(rank_) +
+                                                                     ": the process group was destroyed"}
+                     : !p.failed.ok() ? p.failed
+                                      : Status{st.code, who(s->src) + ": " + st.message},
+                 0);
+    } else {
+      rtr_settle(*s);
+    }
+    if (!destroying_) fail_peer(s->src, st);
+    return;
+  }
+  if (bytes == 0) {  // voided: the recv goes on as if there had been no RTR
+    if (s->rts && !s->have_result)
+      start_rndv_recv(s->src, s->rts, s->r->n, s->r);  // the crossed RTS gets its CTS now
+    else
+      rtr_settle(*s);
+    return;
+  }
+  if (bytes == s->r->n && !s->have_result) {
+    s->payload = true;
+    // Complete once its header came too (RTR_DATA, or the crossed RTS): until then the recv
+    // stays where that header will look for it.
+    if (s->header_seen || s->rts) rtr_result(*s, Status::Ok(), bytes);
+    return;
+  }
+  Status bad{ErrorCode::kProtocol, "a " + std::to_string(bytes) + "-byte payload for our ready-to-receive of " +
+                                       std::to_string(s->r->n) + " bytes" +
+                                       (s->have_result ? " after its recv had its message" : "")};
+  take();
+  rtr_result(*s, {bad.code, who(s->src) + ": " + bad.message}, 0);
+  rtr_settle(*s);
+  fail_peer(s->src, bad);
+}
+
+void Mailbox::on_rtr_data(int peer, const Header& h) {
+  Peer& p = peers_[peer];
+  auto it = p.rtr_recvs.find(id_of(h));
+  if (it == p.rtr_recvs.end() || it->second->header_seen || it->second->rts ||
+      (it->second->have_result && !it->second->payload) ||
+      it->second->r->tag != h.tag || it->second->r->n != h.length) {
+    fail_peer(peer, {ErrorCode::kProtocol, "a payload announced for ready-to-receive " + std::to_string(id_of(h)) +
+                                               " (tag " + std::to_string(h.tag) + ", " + std::to_string(h.length) +
+                                               " bytes), which names no recv of ours waiting for it"});
+    return;
+  }
+  auto s = it->second;
+  s->header_seen = true;
+  s->deadline = Clock::now() + timeout_;
+  posted_.remove(s->r);  // its message came: later headers go to later recvs
+  if (s->payload) rtr_result(*s, Status::Ok(), s->r->n);
+  rtr_settle(*s);
+}
+
+void Mailbox::park_rts(RtrRecv& s, uint64_t id) {
+  s.rts = id;
+  s.deadline = Clock::now() + timeout_;
+  if (s.payload)
+    rtr_result(s, Status::Ok(), s.r->n);
+  else if (s.data_done && !s.have_result)  // voided before the RTS came
+    start_rndv_recv(s.src, id, s.r->n, s.r);
+}
+
+// Sender side.
+
+void Mailbox::count_out(int dst, uint64_t tag) {
+  Peer& p = peers_[dst];
+  ++p.headers_out;
+  p.history.push_back({tag});
+  if (p.history.size() > kRtrHistory) p.history.pop_front();
+}
+
+void Mailbox::on_rtr(int peer, const Header& h) {
+  Peer& p = peers_[peer];
+  const uint64_t seen = h.region;  // our message headers it had when it posted the recv
+  if (!p.data.valid()) {
+    fail_peer(peer, {ErrorCode::kProtocol, "a ready-to-receive, but we have no data endpoint to that rank"});
+    return;
+  }
+  if (seen > p.headers_out) {
+    fail_peer(peer, {ErrorCode::kProtocol, "a ready-to-receive counting " + std::to_string(seen) +
+                                               " of our messages; we sent " + std::to_string(p.headers_out)});
+    return;
+  }
+  p.rtr_pending.push_back({id_of(h), h.tag, h.length});
+  // Its recv takes our first message with its tag from message `seen` on. Already sent (the
+  // RTR crossed it): a host RTS of that length still waiting for its CTS rides on the RTR;
+  // anything else voids it. Not sent yet: the RTR waits for it (claim_rtr).
+  const uint64_t unseen = p.headers_out - seen;
+  bool stale = unseen > p.history.size() || p.rtr_pending.size() > kMaxPendingRtr;
+  for (size_t i = 0; !stale && i + 1 < p.rtr_pending.size(); ++i) stale = p.rtr_pending[i].tag == h.tag;
+  const Peer::Sent* sent = nullptr;
+  for (size_t i = p.history.size() - std::min<uint64_t>(unseen, p.history.size()); !stale && i < p.history.size(); ++i)
+    if (p.history[i].tag == h.tag) {
+      sent = &p.history[i];
+      break;
+    }
+  if (stale || !sent) {
+    if (stale) void_rtrs(peer, p.rtr_pending.size());
+    return;
+  }
+  auto it = sent->rts ? rndv_sends_.find(sent->rts) : rndv_sends_.end();
+  if (it == rndv_sends_.end() || it->second->dst != peer || it->second->sending || it->second->read ||
+      it->second->device || it->second->n != h.length) {
+    void_rtrs(peer, p.rtr_pending.size());
+    return;
+  }
+  void_rtrs(peer, p.rtr_pending.size() - 1);  // those before it go first (the data endpoint's order)
+  if (!p.failed.ok()) return;
+  p.rtr_pending.pop_front();
+  rtr_used_.fetch_add(1, std::memory_order_relaxed);
+  send_payload(peer, it->first, p.data);
+}
+
+uint64_t Mailbox::claim_rtr(int dst, uint64_t tag, uint64_t n, bool usable) {
+  Peer& p = peers_[dst];
+  for (size_t i = 0; i < p.rtr_pending.size(); ++i) {
+    if (p.rtr_pending[i].tag != tag) continue;
+    if (!usable || p.rtr_pending[i].n != n) {
+      void_rtrs(dst, i + 1);
+      return 0;
+    }
+    const uint64_t id = p.rtr_pending[i].id;
+    void_rtrs(dst, i);
+    if (!p.failed.ok()) return 0;
+    p.rtr_pending.pop_front();
+    return id;
+  }
+  return 0;
+}
+
+void Mailbox::void_rtrs(int peer, size_t count) {
+  Peer& p = peers_[peer];
+  for (; count > 0 && !p.rtr_pending.empty() && p.failed.ok(); --count) {
+    p.rtr_pending.pop_front();
+    rtr_voided_.fetch_add(1, std::memory_order_relaxed);
+    try {
+      p.data.send(send_hdrs_handle_, 0, 0);  // 0 bytes: the recv stays posted for its own message
+    } catch (const Error& e) {
+      fail_peer(peer, e.status());
+    }
+  }
+}
+
+void Mailbox::send_rtr_data(int dst, uint64_t tag, const Buffer& b, uint64_t id, Done done) {
+  Peer& p = peers_[dst];
+  auto st = std::make_shared<SendState>();
+  st->n = b.n;
+  st->done = std::move(done);
+  const bool owned = b.handle.id == 0;
+  auto finish = [this, st, dst, owned](const Status& s) {
+    if (!s.ok() && st->status.ok())
+      st->status = !peers_[dst].failed.ok() ? peers_[dst].failed : Status{s.code, who(dst) + ": " + s.message};
+    if (--st->remaining > 0) return;
+    if (owned) unreg(st->payload);
+    st->done(st->status, dst, st->status.ok() ? st->n : 0);
+    if (!st->status.ok()) fail_peer(dst, st->status);
+  };
+  st->remaining = 2;
+  try {
+    st->payload = owned ? reg(b.ptr, b.n) : b.handle;
+    Future f = p.data.send(st->payload, owned ? 0 : b.offset, b.n);
+    f.on_complete([this, finish](const Status& s) { post([finish, s] { finish(s); }); });
+  } catch (const Error& e) {
+    // The RTR's recv stays posted with nothing coming for it: the pair cannot go on.
+    st->remaining = 1;
+    finish(e.status());
+    return;
+  }
+  rtr_used_.fetch_add(1, std::memory_order_relaxed);
+  count_out(dst, tag);
+  send_ctrl(dst, {tag, b.n, make_kind(kRtrData, id)}, finish);
 }
 
 }  // namespace sluice::torch_backend

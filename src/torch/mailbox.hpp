@@ -43,6 +43,26 @@
 //   A length mismatch answers the RTS with a NACK (both sides fail with kTruncated); a CTS
 //   for a send that already timed out gets a 1-byte payload, so the data endpoint's order
 //   holds and the receiver fails with an error naming the peer.
+// - ready-to-receive (RTR, `recv_ready`): a recv of rndv_bytes or more of host memory from one
+//   rank, posted while nothing from that rank could match it yet, posts its engine recv on the
+//   data endpoint at once and tells the sender so, in advance (an RTR header: tag, length, id,
+//   and `region` = how many message headers we had from that rank then). The sender's first
+//   message with that tag numbered from there on, if it is host memory of exactly that length,
+//   goes straight onto the data endpoint with an RTR_DATA header naming the RTR: no RTS / CTS
+//   round trip, which a send/recv ping-pong otherwise pays every message. If that message
+//   already left as an RTS (the RTR crossed it; the sender keeps the tags of its last
+//   kRtrHistory messages per peer), the RTR carries its payload all the same, and the
+//   receiver, whose recv the RTS matched, waits for that payload instead of sending a CTS.
+//   Any other message of that tag (eager, another length, CUDA memory), or a later
+//   data-endpoint send that must not overtake the RTR (the data endpoint's order), voids it:
+//   a 0-byte payload, which writes nothing, after which the recv goes on as before (a CTS
+//   for a crossed RTS). An RTR recv reports only once
+//   its engine recv ended (the payload, the void, or the endpoint's failure), so the engine
+//   never writes into a buffer the caller got back. Its message is matched by the RTR's id,
+//   not by searching the posted recvs. The payload and its header travel on two endpoints,
+//   in either order. A recv that times out from a rank we hold RTRs with fails the pair: its
+//   engine recv can end only by closing the data endpoint (as for a CTS'd recv), and the
+//   messages the RTRs were numbered against would shift onto the wrong recvs.
 //
 // Unexpected eager messages are stashed in buffers of our own, sized by the length in the
 // peer's header. A header must not decide an unbounded allocation: a peer that sends faster
@@ -57,6 +77,7 @@
 // Torch-free: buffers are raw host pointers, completions are callbacks.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -94,7 +115,7 @@ class Mailbox {
   Mailbox(Engine& engine, std::vector<Endpoint> peers, std::vector<Endpoint> data, int rank,
           std::chrono::milliseconds timeout, uint64_t rndv_bytes,
           uint64_t max_unexpected_bytes = kDefaultMaxUnexpectedBytes, std::vector<Endpoint> dev = {},
-          uint64_t inline_bytes = kDefaultInlineBytes);
+          uint64_t inline_bytes = kDefaultInlineBytes, bool recv_ready = true);
   ~Mailbox();
   Mailbox(const Mailbox&) = delete;
   Mailbox& operator=(const Mailbox&) = delete;
@@ -123,18 +144,35 @@ class Mailbox {
     return peer >= 0 && peer < static_cast<int>(peers_.size()) && peers_[peer].dev.valid();
   }
   uint64_t rndv_bytes() const { return rndv_bytes_; }
+  // Ready-to-receive counts (above), for tests and benchmarks: RTRs this rank offered as a
+  // receiver; RTRs it used as a sender (a payload with no RTS / CTS) and voided.
+  struct RtrStats {
+    uint64_t offered = 0, used = 0, voided = 0;
+  };
+  RtrStats rtr_stats() const {
+    return {rtr_offered_.load(std::memory_order_relaxed), rtr_used_.load(std::memory_order_relaxed),
+            rtr_voided_.load(std::memory_order_relaxed)};
+  }
   // Fails everything pending with kCancelled and stops the thread. Idempotent.
   void close();
   void set_timeout(std::chrono::milliseconds t);
 
  private:
   using Clock = std::chrono::steady_clock;
-  enum Kind : uint64_t { kEager = 0, kRts = 1, kCts = 2, kNack = 3, kRtsRead = 4, kFin = 5, kEagerInline = 6 };
+  enum Kind : uint64_t {
+    kEager = 0, kRts = 1, kCts = 2, kNack = 3, kRtsRead = 4, kFin = 5, kEagerInline = 6, kRtr = 7, kRtrData = 8
+  };
+  // RTRs a sender holds per peer (more are voided at once), and message tags it remembers
+  // per peer to tell whether an RTR came after the message it was meant for.
+  static constexpr size_t kMaxPendingRtr = 1024;
+  static constexpr size_t kRtrHistory = 1024;
   struct Header {
     uint64_t tag;     // NACK: the length of the recv that refused the message; FIN: 0 or the read's error code
     uint64_t length;
-    uint64_t kind_id;  // kind in the top byte; RTS / CTS / NACK / RTS_READ / FIN: the sender's message id
-    uint64_t region;   // RTS_READ: the sender's region holding the payload
+    uint64_t kind_id;  // kind in the top byte; RTS / CTS / NACK / RTS_READ / FIN: the sender's message id;
+                       // RTR / RTR_DATA: the receiver's RTR id
+    uint64_t region;   // RTS_READ: the sender's region holding the payload; RTR: message headers
+                       // the receiver had from the sender when it posted the recv
     uint64_t offset;   // RTS_READ: the payload's offset in it
     uint64_t aux;      // RTS_READ: bytes of the region's descriptor that follow (0: sent before)
   };
@@ -159,6 +197,33 @@ class Mailbox {
     MemoryHandle handle{};  // registered by the caller (Buffer::handle), else none
     uint64_t offset = 0;
     bool device = false;
+    uint64_t rtr = 0;  // the RTR offered for it (its engine recv is posted), else 0
+  };
+  // A recv with an RTR out: its engine recv on the data endpoint, and how it ends. The user's
+  // callback runs once both the engine recv ended (`data_done`) and the recv's outcome is
+  // known (`have_result`: the payload landed, or another path or a failure ended the recv).
+  struct RtrRecv {
+    int src;
+    uint64_t id;
+    std::shared_ptr<PostedRecv> r;
+    Done user;
+    MemoryHandle handle;
+    bool owned = true;         // `handle` was registered by the mailbox
+    bool data_done = false;
+    bool payload = false;      // the RTR's payload landed (an RTR_DATA header, or the RTS it
+                               // stands for, comes too)
+    bool header_seen = false;  // its RTR_DATA header came
+    uint64_t rts = 0;          // the sender's RTS that matched the recv (the RTR crossed it):
+                               // the payload (the sender used the RTR for it) or a void comes
+    bool have_result = false;
+    bool finished = false;     // `user` ran
+    Status result;
+    uint64_t result_bytes = 0;
+    Clock::time_point deadline;
+  };
+  // An RTR a sender holds until its message comes (or voids it).
+  struct PendingRtr {
+    uint64_t id, tag, n;
   };
   // A message whose header arrived before any recv matched it.
   struct Unexpected {
@@ -212,6 +277,19 @@ class Mailbox {
     // inline_bytes of an EAGER_INLINE payload.
     std::unique_ptr<uint64_t[]> in;
     Status failed;  // non-ok once the endpoint failed: later ops to this peer fail at once
+    // Ready-to-receive, receiver side: message headers had from this peer, and our RTR recvs
+    // by id (until their engine recv ended and, after a payload, its header came).
+    uint64_t headers_in = 0;
+    std::map<uint64_t, std::shared_ptr<RtrRecv>> rtr_recvs;
+    // Sender side: message headers sent to it, the tags of the last kRtrHistory of them, and
+    // its RTRs not yet used or voided, in arrival order.
+    uint64_t headers_out = 0;
+    struct Sent {
+      uint64_t tag;
+      uint64_t rts = 0;  // a host RTS: its message id (an RTR may then carry its payload)
+    };
+    std::deque<Sent> history;
+    std::deque<PendingRtr> rtr_pending;
   };
 
   void run();
@@ -234,6 +312,8 @@ class Mailbox {
   // Header-only message on the control endpoint; `finish` runs on the progress thread.
   void send_ctrl(int peer, Header h, std::function<void(const Status&)> finish);
   void on_cts(int peer, uint64_t id, bool dev);
+  // The payload of rendezvous send `id` goes on `ep` (after its CTS, or on an RTR).
+  void send_payload(int peer, uint64_t id, Endpoint& ep);
   void on_fin(int peer, uint64_t id, uint64_t code);
   // A recv matched an RTS_READ: read the payload from the sender's region (once its
   // descriptor is imported), then answer FIN.
@@ -251,6 +331,22 @@ class Mailbox {
   Status landed(Landing& l, const Status& st, const std::string& what);
   Status eager_into_device(int peer, uint64_t n) const;
   void send_eager(int dst, uint64_t tag, const void* ptr, uint64_t n, Done done);
+  // Ready-to-receive (above). Receiver: offers one for `r` if it may (true: done).
+  bool offer_rtr(const std::shared_ptr<PostedRecv>& r);
+  void on_rtr_landed(const std::shared_ptr<RtrRecv>& s, const Status& st, uint64_t bytes);
+  void on_rtr_data(int peer, const Header& h);
+  void rtr_result(RtrRecv& s, const Status& st, uint64_t bytes);
+  void rtr_settle(RtrRecv& s);  // runs the user's callback and forgets the RTR when both ends came
+  // Sender: an RTR came; a message header of `tag` goes to `dst` (counted, remembered).
+  void on_rtr(int peer, const Header& h);
+  void count_out(int dst, uint64_t tag);
+  // A recv with an RTR out matched an RTS of the same length: the payload or a void follows.
+  void park_rts(RtrRecv& s, uint64_t id);
+  // The id of the RTR `dst` gave for `tag` if a message of `n` bytes may use it (`usable`),
+  // else 0; voids that RTR if it is not used, and every RTR that came before it.
+  uint64_t claim_rtr(int dst, uint64_t tag, uint64_t n, bool usable);
+  void void_rtrs(int peer, size_t count);  // the first `count` pending RTRs
+  void send_rtr_data(int dst, uint64_t tag, const Buffer& b, uint64_t id, Done done);
   Status truncated(int peer, uint64_t tag, uint64_t length, uint64_t n) const;
   void expire();
   MemoryHandle reg(const void* ptr, uint64_t n);
@@ -274,6 +370,9 @@ class Mailbox {
   std::vector<Header> send_hdrs_;
   MemoryHandle send_hdrs_handle_;
   const uint64_t inline_bytes_;
+  const bool recv_ready_;
+  bool destroying_ = false;  // close() runs the progress work now
+  std::atomic<uint64_t> rtr_offered_{0}, rtr_used_{0}, rtr_voided_{0};
   size_t inline_slot_ = 0;  // bytes per slot: a Header and inline_bytes_, rounded to 8
   std::unique_ptr<uint64_t[]> inline_out_;  // slots for outgoing EAGER_INLINE messages
   MemoryHandle inline_out_handle_;

@@ -23,7 +23,18 @@ PYBIND11_MODULE(_sluice_torch, m) {
                              "The low-latency all_gather's state: 'on ...' or 'off: <why>'.")
       .def_property_readonly("device_collective_calls", &SluiceBackend::device_collective_calls,
                              "Collective calls on CUDA tensors (all_gather_into_tensor, all_to_all_single, broadcast) "
-                             "that went GPU to GPU (SLUICE_TORCH_DEVICE_COLLECTIVES=1).");
+                             "that went GPU to GPU (SLUICE_TORCH_DEVICE_COLLECTIVES=1).")
+      .def_property_readonly(
+          "recv_ready",
+          [](const SluiceBackend& b) {
+            auto s = b.recv_ready_stats();
+            py::dict d;
+            d["offered"] = s.offered;
+            d["used"] = s.used;
+            d["voided"] = s.voided;
+            return d;
+          },
+          "Ready-to-receive counts: RTRs this rank offered as a receiver, used and voided as a sender.");
   m.def(
       "create_backend",
       [](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size, std::chrono::milliseconds timeout) {

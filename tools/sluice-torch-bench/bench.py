@@ -68,11 +68,13 @@ def timed(fn: Callable[[], None], group: dist.ProcessGroup, reps: int = 1, cuda:
         torch.cuda.synchronize()
     return (time.perf_counter() - t0) / reps
 
+OPS = ("sendrecv", "all_reduce", "all_gather")
+
 
 def main() -> None:
     faulthandler.enable()  # a crash in the backend prints where Python was
     ap = argparse.ArgumentParser()
-    ap.add_argument("--ops", default="sendrecv,all_reduce,all_gather")
+    ap.add_argument("--ops", default=",".join(OPS), help=f"comma-separated, of: {', '.join(OPS)}")
     ap.add_argument("--min-bytes", type=int, default=8)
     ap.add_argument("--max-bytes", type=int, default=256 << 20)
     ap.add_argument("--iters", type=int, default=20)
@@ -83,6 +85,9 @@ def main() -> None:
     ap.add_argument("--baseline", choices=("gloo", "nccl", "sluice-host"), default=None,
                     help="default: gloo for --device cpu, nccl for --device cuda")
     args = ap.parse_args()
+    unknown = [op for op in args.ops.split(",") if op not in OPS]
+    if unknown:
+        ap.error(f"--ops: unknown {', '.join(unknown)} (known: {', '.join(OPS)})")
 
     dev = torch.device("cpu")
     if args.device == "cuda":
@@ -131,8 +136,6 @@ def main() -> None:
                     dist.all_reduce(x, group=g)
                 elif op == "all_gather":
                     dist.all_gather_into_tensor(out, x, group=g)
-                else:
-                    raise SystemExit(f"unknown op {op}")
 
             times: Dict[str, List[float]] = {"sluice": [], base: []}
             live = dict(groups)

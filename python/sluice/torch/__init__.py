@@ -88,6 +88,16 @@ def backend_device_collectives(group: Optional["dist.ProcessGroup"] = None) -> i
     return int(backend.device_collective_calls)
 
 
+def backend_recv_ready(group: Optional["dist.ProcessGroup"] = None) -> "dict[str, int]":
+    """Ready-to-receive counts of this rank in ``group`` (docs/torch.md, "How messages travel"):
+    ``offered``, recvs of at least SLUICE_TORCH_RNDV_BYTES that told their sender in advance that
+    they were posted; ``used``, this rank's sends whose payload went at once into such a recv (no
+    RTS / CTS round trip); ``voided``, those it could not use (another message came first)."""
+    pg = group if group is not None else dist.group.WORLD
+    backend = pg._get_backend(torch.device("cpu"))  # type: ignore[union-attr]
+    return dict(backend.recv_ready)
+
+
 def _register() -> None:
     if getattr(dist.Backend, "SLUICE", None) is not None:
         return  # imported twice (e.g. reloaded): already registered
@@ -106,5 +116,6 @@ __all__ = [
     "backend_cuda_path",
     "backend_device_collectives",
     "backend_ll_allgather",
+    "backend_recv_ready",
     "backend_transport",
 ]

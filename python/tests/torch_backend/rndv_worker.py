@@ -15,7 +15,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-import sluice.torch  # noqa: F401
+import sluice.torch
 
 N = 300_000  # float32 elements: 1.2 MB, above the threshold the test sets
 
@@ -41,6 +41,93 @@ def expect_error(what: str, fn, *needles: str) -> str:
         print(f"rank {dist.get_rank()}: {what} raised as expected: {msg.splitlines()[0][:200]}", flush=True)
         return msg
     raise AssertionError(f"rank {dist.get_rank()}: {what} returned without error")
+
+
+def rtr_cases(rank: int, store) -> None:
+    """Rank 0 receives, rank 1 sends; each case lines the two up through the Store so that the
+    RTR has surely reached the sender (or surely not) before it sends."""
+    def stats() -> dict:
+        return sluice.torch.backend_recv_ready()
+
+    def line_up(key: str) -> None:
+        if rank == 0:
+            store.set(key, "1")
+        else:
+            store.wait([key], timedelta(seconds=60))
+            time.sleep(0.3)  # the RTR travels meanwhile
+
+    # a. A recv posted well before its send: the payload goes on the RTR, no RTS / CTS.
+    before = stats()
+    if rank == 0:
+        t = torch.empty(N)
+        w = dist.irecv(t, src=1, tag=20)
+        line_up("rtr/a")
+        w.wait()
+        check(t, 1, 20, "recv with an RTR")
+        assert stats()["offered"] == before["offered"] + 1, (before, stats())
+    else:
+        line_up("rtr/a")
+        dist.send(payload(1, 20), dst=0, tag=20)
+        assert stats()["used"] == before["used"] + 1, (before, stats())
+
+    # b. Another length: the RTR is voided, the message goes by RTS and both sides fail as
+    #    for any mismatch; the pair then still works.
+    before = stats()
+    if rank == 0:
+        out = torch.empty(2 * N)
+        w = dist.irecv(out, src=1, tag=21)
+        line_up("rtr/b")
+        expect_error("recv whose RTR a shorter message voided", w.wait, "peer rank 1", str(N * 4))
+    else:
+        line_up("rtr/b")
+        expect_error("send shorter than the RTR", lambda: dist.send(payload(1, 21), dst=0, tag=21), "peer rank 0")
+        assert stats()["voided"] == before["voided"] + 1 and stats()["used"] == before["used"], (before, stats())
+
+    # c. A small (eager) message for a recv with an RTR: voided; the recv fails as a mismatch,
+    #    nothing lands in it afterwards, and the pair still works.
+    if rank == 0:
+        out = torch.full((N,), -1.0)
+        w = dist.irecv(out, src=1, tag=22)
+        line_up("rtr/c")
+        expect_error("recv whose RTR an eager message voided", w.wait, "peer rank 1")
+        time.sleep(0.1)
+        assert torch.equal(out, torch.full((N,), -1.0)), "bytes landed in a failed recv"
+    else:
+        line_up("rtr/c")
+        dist.send(payload(1, 22, 10), dst=0, tag=22)
+
+    # d. Two RTRs used out of order: tag 24 is sent first, so tag 23's RTR (it came first) is
+    #    voided (the data endpoint's order) and that message goes by RTS.
+    before = stats()
+    if rank == 0:
+        t23, t24 = torch.empty(N), torch.empty(N)
+        w23, w24 = dist.irecv(t23, src=1, tag=23), dist.irecv(t24, src=1, tag=24)
+        line_up("rtr/d")
+        w24.wait()
+        w23.wait()
+        check(t23, 1, 23, "recv whose RTR was voided")
+        check(t24, 1, 24, "recv with the later RTR")
+    else:
+        line_up("rtr/d")
+        dist.send(payload(1, 24), dst=0, tag=24)
+        dist.send(payload(1, 23), dst=0, tag=23)
+        after = stats()
+        assert (after["used"], after["voided"]) == (before["used"] + 1, before["voided"] + 1), (before, after)
+
+    # e. A ping-pong: recvs posted while the other side's message may already be on its way
+    #    (the RTR crosses its RTS, whose payload then rides on the RTR). Every byte checked.
+    x = torch.empty(N)
+    for i in range(30):
+        if rank == 0:
+            dist.send(payload(0, 100 + i), dst=1, tag=25)
+            dist.recv(x, src=1, tag=25)
+            check(x, 1, 100 + i, f"ping-pong round {i}")
+        else:
+            dist.recv(x, src=0, tag=25)
+            check(x, 0, 100 + i, f"ping-pong round {i}")
+            dist.send(payload(1, 100 + i), dst=0, tag=25)
+    print(f"rank {rank}: ready-to-receive {stats()}", flush=True)
+    assert stats()["used"] > 0, stats()
 
 
 def main() -> int:
@@ -136,6 +223,10 @@ def main() -> int:
         dist.recv(t, src=2, tag=11)
         check(t, 2, 11, "after an abandoned send")
 
+    # 6b. Ready-to-receive (RTR, mailbox.hpp). Ranks 0 and 1 only; rank 2 meets them at 7.
+    if rank in (0, 1):
+        rtr_cases(rank, store)
+
     # 7. Collectives over the rendezvous path still agree with a plain computation. Ranks
     #    arrive here up to a group timeout apart (case 6): line them up through the Store.
     store.set(f"rndv/7/{rank}", "1")
@@ -143,6 +234,19 @@ def main() -> int:
     x = payload(rank, 12)
     dist.all_reduce(x)
     assert torch.equal(x, sum(payload(r, 12) for r in range(world))), "all_reduce"
+
+    # 7b. A recv with an RTR out that no message matches within the group timeout: it fails
+    #     naming the peer, and so does the pair (its engine recv ends only by closing the data
+    #     endpoint), so a later op with that rank fails at once instead of waiting again.
+    if rank == 0:
+        t0 = time.monotonic()
+        expect_error("recv with an RTR that times out", lambda: dist.recv(torch.empty(N), src=2, tag=30),
+                     "peer rank 2", "group timeout")
+        expect_error("send after it", lambda: dist.send(payload(0, 31), dst=2, tag=31), "peer rank 2")
+        assert time.monotonic() - t0 < 2 * timeout_s + 2, time.monotonic() - t0
+        store.set("rndv/30/done", "1")
+    elif rank == 2:
+        store.wait(["rndv/30/done"], timedelta(seconds=60))
 
     # 8. A threshold that is not a byte count is refused when a group is made (before it
     #    connects anything, so every rank fails alike and nobody waits).

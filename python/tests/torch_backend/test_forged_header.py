@@ -38,6 +38,7 @@ class ForgedPeer:
         self.engine = sluice.Engine()
         store.set("sluice/rank/1", self.engine.local_info())
         self.ctrl = None
+        self.data = None
         self.error: BaseException | None = None
 
     def take_endpoints(self) -> None:
@@ -49,12 +50,13 @@ class ForgedPeer:
                 role = np.zeros(1, np.uint8)  # its first message says which endpoint it is
                 ep.recv(self.engine.register(role)).result(30)
                 eps[int(role[0])] = ep
-            self.ctrl = eps[0]
+            self.ctrl, self.data = eps[0], eps[1]
         except BaseException as e:  # noqa: BLE001
             self.error = e
 
-    def send_header(self, tag: int, length: int, kind: int = 0, extra: bytes = b"") -> None:
-        hdr = np.frombuffer(HEADER.pack(tag, length, kind << 56, 0, 0, 0) + extra, np.uint8).copy()
+    def send_header(self, tag: int, length: int, kind: int = 0, extra: bytes = b"", ident: int = 0,
+                    region: int = 0) -> None:
+        hdr = np.frombuffer(HEADER.pack(tag, length, kind << 56 | ident, region, 0, 0) + extra, np.uint8).copy()
         try:
             self.ctrl.send(self.engine.register(hdr)).result(10)
         except sluice.SluiceError:
@@ -133,6 +135,80 @@ def test_an_inline_header_without_its_bytes_fails_the_peer(monkeypatch: pytest.M
         assert torch.equal(out, torch.full((25,), 7.0)), "the recv buffer was written"
         with pytest.raises(Exception):
             backend.send([torch.ones(4)], 1, 7).wait()
+    finally:
+        del backend
+        peer.engine.close()
+
+
+RTR, RTR_DATA = 7, 8
+RNDV = 256 << 10  # the default SLUICE_TORCH_RNDV_BYTES
+
+
+def take_rtr(peer: ForgedPeer) -> tuple[int, int, int, int]:
+    """The next header rank 0 sent the forged peer, which must be a ready-to-receive:
+    (tag, length, id, our messages it had seen)."""
+    buf = np.zeros(HEADER.size, np.uint8)
+    peer.ctrl.recv(peer.engine.register(buf)).result(10)
+    tag, length, kind_id, region, _, _ = HEADER.unpack(buf.tobytes())
+    assert kind_id >> 56 == RTR, kind_id >> 56
+    return tag, length, kind_id & ((1 << 55) - 1), region
+
+
+@pytest.mark.timeout(60)
+def test_ready_to_receive_on_the_wire(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A recv of at least the rendezvous threshold tells its sender at once that it is posted
+    # (RTR, mailbox.hpp): the sender puts the payload on the data endpoint and names the RTR in
+    # an RTR_DATA header, with no RTS / CTS. Then a payload of the wrong size for an RTR: a
+    # protocol error naming the peer, never a short recv reported as complete.
+    backend, peer = forged_pair(monkeypatch)
+    try:
+        out = torch.zeros(RNDV // 4)
+        pending = backend.recv([out], 1, 9)
+        tag, length, ident, seen = take_rtr(peer)
+        assert (tag, length, seen) == (9, RNDV, 0), (tag, length, seen)
+        src = np.arange(RNDV // 4, dtype=np.float32)
+        peer.data.send(peer.engine.register(src)).result(10)
+        peer.send_header(9, RNDV, kind=RTR_DATA, ident=ident)
+        pending.wait()
+        assert torch.equal(out, torch.from_numpy(src)), "the RTR payload did not land"
+
+        pending = backend.recv([torch.zeros(RNDV // 4)], 1, 9)
+        tag, length, ident, seen = take_rtr(peer)
+        assert seen == 1, seen  # the first message's RTR_DATA header counts as its header
+        try:
+            peer.data.send(peer.engine.register(np.zeros(3, np.uint8))).result(10)
+        except sluice.SluiceError:
+            pass  # rank 0 may fail the pair (closing the endpoint) before the send completed
+        with pytest.raises(Exception) as e:
+            pending.wait()
+        msg = str(e.value)
+        assert "peer rank 1" in msg and f"3-byte payload for our ready-to-receive of {RNDV} bytes" in msg, msg
+        with pytest.raises(Exception):
+            backend.send([torch.ones(4)], 1, 7).wait()
+    finally:
+        del backend
+        peer.engine.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("case", ["unknown RTR", "RTR counting unsent messages"])
+def test_a_forged_ready_to_receive_fails_the_peer(monkeypatch: pytest.MonkeyPatch, case: str) -> None:
+    # An RTR_DATA header naming no RTR of ours, and an RTR that counts more of our messages
+    # than we sent: protocol errors naming the peer; the pending recv fails at once.
+    backend, peer = forged_pair(monkeypatch)
+    try:
+        pending = backend.recv([torch.empty(4)], 1, 6)
+        if case == "unknown RTR":
+            peer.send_header(5, RNDV, kind=RTR_DATA, ident=77)
+            needle = "ready-to-receive 77 (tag 5, 262144 bytes), which names no recv of ours"
+        else:
+            peer.send_header(5, RNDV, kind=RTR, ident=3, region=5)
+            needle = "a ready-to-receive counting 5 of our messages; we sent 0"
+        with pytest.raises(Exception) as e:
+            pending.wait()
+        msg = str(e.value)
+        assert "peer rank 1" in msg and needle in msg, msg
+        assert "group timeout" not in msg, msg
     finally:
         del backend
         peer.engine.close()
