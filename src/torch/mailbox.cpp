@@ -495,13 +495,13 @@ void Mailbox::on_header(int peer, const Status& st, uint64_t bytes) {
   }
   if (kind == kRtr) {
     on_rtr(peer, h);
-    if (p.failed.ok()) post_header_recv(peer);
+    post_header_recv(peer);
     return;
   }
   if (kind == kRtrData) {
     ++p.headers_in;
     on_rtr_data(peer, h);
-    if (p.failed.ok()) post_header_recv(peer);
+    post_header_recv(peer);
     return;
   }
   if (kind == kCts || kind == kNack) {
@@ -1081,16 +1081,16 @@ void Mailbox::expire() {
       ++it;
     }
   }
+  auto unarrived = [this](int src) {
+    return Status{ErrorCode::kTimeout, "rank " + std::to_string(rank_) + ": the payload from peer rank " +
+                                           std::to_string(src) + " did not arrive within the group timeout of " +
+                                           std::to_string(timeout_.count()) + " ms"};
+  };
   // An RTR payload announced (RTR_DATA, or the crossed RTS) but not landed within the timeout.
   for (size_t i = 0; i < peers_.size(); ++i)
     for (auto& [id, s] : peers_[i].rtr_recvs)
       if ((s->header_seen || s->rts) && !s->data_done && s->deadline <= now) {
-        shifted.emplace_back(static_cast<int>(i), Status{ErrorCode::kTimeout, "rank " + std::to_string(rank_) +
-                                                                                  ": the payload from peer rank " +
-                                                                                  std::to_string(i) +
-                                                                                  " did not arrive within the group "
-                                                                                  "timeout of " +
-                                                                                  std::to_string(timeout_.count()) + " ms"});
+        shifted.emplace_back(static_cast<int>(i), unarrived(static_cast<int>(i)));
         break;
       }
   for (auto& [peer, why] : shifted) fail_peer(peer, why);
@@ -1117,9 +1117,7 @@ void Mailbox::expire() {
   std::vector<std::pair<int, Status>> hung;
   for (auto& l : landing_) {
     if (l->why.ok() && l->deadline <= now) {
-      l->why = {ErrorCode::kTimeout, "rank " + std::to_string(rank_) + ": the payload from peer rank " +
-                                         std::to_string(l->src) + " did not arrive within the group timeout of " +
-                                         std::to_string(timeout_.count()) + " ms"};
+      l->why = unarrived(l->src);
       hung.emplace_back(l->src, l->why);
     }
   }
