@@ -23,7 +23,7 @@ PYBIND11_MODULE(_sluice_torch, m) {
                              "The low-latency all_gather's state: 'on ...' or 'off: <why>'.")
       .def_property_readonly("device_collective_calls", &SluiceBackend::device_collective_calls,
                              "Collective calls on CUDA tensors (all_gather_into_tensor, all_to_all_single, broadcast) "
-                             "that went GPU to GPU (SLUICE_TORCH_DEVICE_COLLECTIVES=1).")
+                             "that went GPU to GPU (SLUICE_TORCH_DEVICE_COLLECTIVES, on by default).")
       .def_property_readonly(
           "recv_ready",
           [](const SluiceBackend& b) {

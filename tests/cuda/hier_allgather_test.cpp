@@ -211,6 +211,8 @@ TEST(HierAllGather, TwoNodesOfTwo) {
   ASSERT_EQ(g.ranks[0]->ranks_per_node(), 2);
   for (uint64_t b : {16ull, 1001ull, 300000ull, 1ull << 20}) run_and_check(g, b, 4, false);
   run_and_check(g, 8192, 8, true);
+  // The first group goes before the second is built: each GPU takes one rank per process.
+  g.ranks.clear();
   // Interleaved nodes: ranks 0 and 2 on one node.
   Group h;
   make_group(h, 4, {5, 9, 5, 9}, 4096, std::chrono::seconds(20));

@@ -82,7 +82,8 @@ def backend_ll_allgather(group: Optional["dist.ProcessGroup"] = None) -> "dict[s
 def backend_device_collectives(group: Optional["dist.ProcessGroup"] = None) -> int:
     """How many collective calls on CUDA tensors of ``group`` (all_gather_into_tensor,
     all_to_all_single, broadcast) went GPU to GPU over the device endpoints
-    (``SLUICE_TORCH_DEVICE_COLLECTIVES=1``, off by default until it has run on GPUs; docs/torch.md)."""
+    (``SLUICE_TORCH_DEVICE_COLLECTIVES``, on by default; ``0`` stages them through host memory;
+    docs/torch.md)."""
     pg = group if group is not None else dist.group.WORLD
     backend = pg._get_backend(torch.device("cpu"))  # type: ignore[union-attr]
     return int(backend.device_collective_calls)

@@ -428,7 +428,7 @@ def ll_state_checks(group, rank: int, world: int, dev: torch.device, want_off: s
 
 
 def device_collective_checks(rank: int, world: int, dev: torch.device, expect: bool) -> int:
-    """Collectives GPU to GPU (SLUICE_TORCH_DEVICE_COLLECTIVES=1; the low-latency all_gather off
+    """Collectives GPU to GPU (SLUICE_TORCH_DEVICE_COLLECTIVES, on by default; the low-latency all_gather off
     so that every size takes the device path), bit-equal to what every rank can compute:
     all_gather_into_tensor at the rendezvous size, an odd size and 64 MiB per rank, three dtypes,
     an input at an offset inside a larger allocation and a non-contiguous one, the bytes around
@@ -436,10 +436,12 @@ def device_collective_checks(rank: int, world: int, dev: torch.device, expect: b
     small for the path (it stages); broadcast from the first and the last rank. The calls that
     took the path are counted when the group has device endpoints to every peer (expect), none
     otherwise."""
-    os.environ["SLUICE_TORCH_DEVICE_COLLECTIVES"] = "1"
+    # The path is on by default: the group is made without SLUICE_TORCH_DEVICE_COLLECTIVES.
+    saved = os.environ.pop("SLUICE_TORCH_DEVICE_COLLECTIVES", None)
     os.environ["SLUICE_TORCH_LL_ALLGATHER_BYTES"] = "0"
     grp = dist.new_group(backend="cpu:sluice,cuda:sluice")
-    del os.environ["SLUICE_TORCH_DEVICE_COLLECTIVES"]
+    if saved is not None:
+        os.environ["SLUICE_TORCH_DEVICE_COLLECTIVES"] = saved
     del os.environ["SLUICE_TORCH_LL_ALLGATHER_BYTES"]
     checks = 0
     calls = 0
