@@ -367,15 +367,10 @@ std::string SluiceBackend::ll_allgather_state() const {
   return ll_ ? ll_->state() : "off: a group of one rank";
 }
 
-namespace {
-// The caller's current stream on t's device: the device path's copies run on the engine's
-// own streams, so what the caller queued before the op must be done first (the stream, not
-// the device, as gloo's blocking copies do).
 void sync_current_stream(const at::Tensor& t) {
   const c10::impl::DeviceGuardImplInterface* g = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
   g->synchronizeStream(g->getStream(t.device()));
 }
-}  // namespace
 
 c10::intrusive_ptr<c10d::Work> SluiceBackend::send_device(const at::Tensor& t, int dst, int tag) {
   if (!cuda_regs_ || !t.is_cuda() || t.layout() != at::kStrided || dst < 0 || dst >= getSize() || dst == getRank() ||
@@ -445,15 +440,9 @@ c10::intrusive_ptr<c10d::Work> SluiceBackend::exchange_device(c10d::OpType type,
   // endpoint, which both see alike), so a rank that stages instead still meets one that does
   // not: the mailbox moves CUDA memory to host memory and back over the device endpoint.
   if (!device_collectives_ || !cuda_regs_ || !in.is_cuda() || !out.is_cuda() || !in.is_contiguous() ||
-      !out.is_contiguous() || in.device() != out.device())
+      !out.is_contiguous() || in.device() != out.device() || !device_messages(sends) || !device_messages(recvs) ||
+      !(moves_bytes(sends) || moves_bytes(recvs)))
     return {};
-  bool moves = false;  // nothing to move (empty tensors): the host path does that without a registration
-  for (const auto* msgs : {&sends, &recvs})
-    for (const DevMsg& m : *msgs) {
-      if (m.bytes != 0 && (m.bytes < mailbox_->rndv_bytes() || !mailbox_->has_device(m.peer))) return {};
-      moves = moves || m.bytes != 0;
-    }
-  if (!moves) return {};
   std::string why;
   auto in_lease = cuda_regs_->acquire(in.data_ptr(), in.nbytes(), &why);
   if (!in_lease) {
@@ -495,6 +484,18 @@ c10::intrusive_ptr<c10d::Work> SluiceBackend::exchange_device(c10d::OpType type,
   auto work = enqueue(type, {out}, [this, xs, keep_in, leases](uint64_t tag) { exchange(tag, xs); });
   device_calls_.fetch_add(1, std::memory_order_relaxed);
   return work;
+}
+
+bool SluiceBackend::device_messages(const std::vector<DevMsg>& msgs) const {
+  for (const DevMsg& m : msgs)
+    if (m.bytes != 0 && (m.bytes < mailbox_->rndv_bytes() || !mailbox_->has_device(m.peer))) return false;
+  return true;
+}
+
+bool SluiceBackend::moves_bytes(const std::vector<DevMsg>& msgs) {
+  for (const DevMsg& m : msgs)
+    if (m.bytes != 0) return true;
+  return false;
 }
 
 c10::intrusive_ptr<c10d::Work> SluiceBackend::allgather_device(const at::Tensor& output, const at::Tensor& input) {

@@ -137,6 +137,19 @@ class SluiceBackend final : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> exchange_device(c10d::OpType type, const at::Tensor& in, const at::Tensor& out,
                                                  const std::vector<DevMsg>& sends,
                                                  const std::vector<DevMsg>& recvs, const std::function<void()>& local);
+  // Whether every non-empty message can go GPU to GPU (at least the rendezvous size, to a peer
+  // with a device endpoint): what both ranks of each message see alike.
+  bool device_messages(const std::vector<DevMsg>& msgs) const;
+  static bool moves_bytes(const std::vector<DevMsg>& msgs);
+  // all_reduce (one tensor, in place) and reduce_scatter_tensor of CUDA tensors by the device
+  // path (device_reductions.cpp): the host algorithms' messages, GPU to GPU, and their
+  // rank-ordered reduction on the GPU. Null when the call cannot take it (the caller stages).
+  c10::intrusive_ptr<c10d::Work> allreduce_device(const at::Tensor& t, c10d::ReduceOp::RedOpType op);
+  c10::intrusive_ptr<c10d::Work> reduce_scatter_device(const at::Tensor& output, const at::Tensor& input,
+                                                       c10d::ReduceOp::RedOpType op);
+  // Device-path registrations of `t` (and its offset in them), or nullopt after logging why
+  // the call goes through host memory instead.
+  std::optional<CudaRegistrations::Lease> device_lease(const at::Tensor& t);
 
   std::chrono::milliseconds timeout_;
   std::unique_ptr<Engine> engine_;
@@ -156,5 +169,10 @@ class SluiceBackend final : public c10d::Backend {
   bool stop_ = false;
   std::thread worker_;
 };
+
+// Waits for the caller's current stream on t's device: the device path's copies run on the
+// engine's own streams, so what the caller queued before the op must be done first (the
+// stream, not the device, as gloo's blocking copies do).
+void sync_current_stream(const at::Tensor& t);
 
 }  // namespace sluice::torch_backend

@@ -9,6 +9,7 @@
 
 #include "backend.hpp"
 #include "host_staging.hpp"
+#include "reduce_ops.hpp"
 #include "sluice/cuda.hpp"
 #include "work.hpp"
 
@@ -16,7 +17,6 @@ namespace sluice::torch_backend {
 
 namespace {
 
-using Red = c10d::ReduceOp::RedOpType;
 using Xfer = SluiceBackend::Xfer;
 
 std::vector<at::Tensor> flat(const std::vector<std::vector<at::Tensor>>& vv) {
@@ -29,49 +29,6 @@ void check_dense_cpu(const at::Tensor& t, const char* what) {
   TORCH_CHECK(t.layout() == at::kStrided, "sluice: ", what, ": only dense (strided) tensors are supported");
   TORCH_CHECK(t.device().is_cpu(), "sluice: ", what, ": ", t.device(),
               " tensors are not supported by the sluice backend (CPU and CUDA tensors are)");
-}
-
-void check_op(const at::Tensor& t, const c10d::ReduceOp& op, const char* what) {
-  const Red r = op.op_;
-  TORCH_CHECK(r == Red::SUM || r == Red::AVG || r == Red::PRODUCT || r == Red::MIN || r == Red::MAX || r == Red::BAND ||
-                  r == Red::BOR || r == Red::BXOR,
-              "sluice: ", what, ": reduce op ", int(r), " is not supported");
-  if (r == Red::AVG)
-    TORCH_CHECK(at::isFloatingType(t.scalar_type()) || at::isComplexType(t.scalar_type()), "sluice: ", what,
-                ": ReduceOp.AVG needs a floating-point tensor, got ", t.scalar_type());
-  if (r == Red::BAND || r == Red::BOR || r == Red::BXOR)
-    TORCH_CHECK(at::isIntegralType(t.scalar_type(), /*includeBool=*/true), "sluice: ", what,
-                ": bitwise reduce ops need an integer or bool tensor, got ", t.scalar_type());
-}
-
-void combine(at::Tensor& acc, const at::Tensor& x, Red op) {
-  const bool b = acc.scalar_type() == at::kBool;
-  switch (op) {
-    case Red::SUM:
-    case Red::AVG:
-      b ? acc.logical_or_(x) : acc.add_(x);
-      break;
-    case Red::PRODUCT:
-      b ? acc.logical_and_(x) : acc.mul_(x);
-      break;
-    case Red::MIN:
-      at::minimum_out(acc, acc, x);
-      break;
-    case Red::MAX:
-      at::maximum_out(acc, acc, x);
-      break;
-    case Red::BAND:
-      acc.bitwise_and_(x);
-      break;
-    case Red::BOR:
-      acc.bitwise_or_(x);
-      break;
-    case Red::BXOR:
-      acc.bitwise_xor_(x);
-      break;
-    default:
-      TORCH_CHECK(false, "sluice: unsupported reduce op");
-  }
 }
 
 // A contiguous buffer for writing into `t`: `t` itself when it is contiguous, otherwise a
@@ -113,16 +70,6 @@ uint64_t row_bytes(const at::Tensor& t) {
   return t.size(0) ? t.nbytes() / t.size(0) : 0;
 }
 
-// dst = parts[0] op parts[1] op ... (rank order, so every rank gets the same bits), where
-// parts[self] is dst itself and the others are buffers this call may overwrite: the sum
-// builds in dst when it starts there, otherwise in parts[0], with no new tensor.
-void reduce_in_order(at::Tensor dst, std::vector<at::Tensor>& parts, Red op, int world, int self) {
-  at::Tensor acc = self == 0 ? dst : parts[0];
-  for (size_t j = 1; j < parts.size(); ++j) combine(acc, parts[j], op);
-  if (op == Red::AVG) acc.div_(world);
-  if (self != 0) dst.copy_(acc);
-}
-
 // `count` contiguous tensors shaped like `like`, in the backend's scratch buffer (each
 // starts 64-byte aligned).
 std::vector<at::Tensor> scratch_parts(SluiceBackend& b, const at::Tensor& like, int count) {
@@ -133,8 +80,6 @@ std::vector<at::Tensor> scratch_parts(SluiceBackend& b, const at::Tensor& like, 
     out.push_back(buf.narrow(0, int64_t(stride * k), int64_t(bytes)).view(like.scalar_type()).view(like.sizes()));
   return out;
 }
-
-constexpr uint64_t kDirectAllreduceBytes = 64 << 10;
 
 // All-reduce of a flat contiguous tensor in place. Small: every rank gets every contribution
 // and reduces locally. Large: reduce-scatter (rank j owns chunk j) then all-gather.
@@ -161,10 +106,9 @@ void allreduce_flat(SluiceBackend& b, at::Tensor flat, Red op, uint64_t tag) {
     reduce_in_order(flat, parts, op, n, r);
     return;
   }
-  const int64_t per = (numel + n - 1) / n;
   auto chunk = [&](int j) {
-    int64_t lo = std::min(numel, per * j), hi = std::min(numel, per * (j + 1));
-    return flat.narrow(0, lo, hi - lo);
+    const Chunk c = allreduce_chunk(numel, n, j);
+    return flat.narrow(0, c.first, c.count);
   };
   at::Tensor mine = chunk(r);
   std::vector<at::Tensor> parts(n), tmp = scratch_parts(b, mine, n - 1);
@@ -267,6 +211,10 @@ c10::intrusive_ptr<c10d::Work> SluiceBackend::broadcast(std::vector<at::Tensor>&
 c10::intrusive_ptr<c10d::Work> SluiceBackend::allreduce(std::vector<at::Tensor>& tensors,
                                                          const c10d::AllreduceOptions& opts) {
   if (any_cuda(tensors)) {
+    if (tensors.size() == 1 && tensors[0].is_cuda()) {
+      check_op(tensors[0], opts.reduceOp, "all_reduce");
+      if (auto w = allreduce_device(tensors[0], opts.reduceOp.op_)) return w;
+    }
     HostStaging s;
     auto host = s.inouts(tensors);
     return s.wrap(allreduce(host, opts), c10d::OpType::ALLREDUCE, tensors, timeout_, rank());
@@ -610,6 +558,10 @@ c10::intrusive_ptr<c10d::Work> SluiceBackend::reduce_scatter(std::vector<at::Ten
 c10::intrusive_ptr<c10d::Work> SluiceBackend::_reduce_scatter_base(at::Tensor& output, at::Tensor& input,
                                                                     const c10d::ReduceScatterOptions& opts) {
   if (output.is_cuda() || input.is_cuda()) {
+    if (output.is_cuda() && input.is_cuda()) {
+      check_op(output, opts.reduceOp, "reduce_scatter_tensor");
+      if (auto w = reduce_scatter_device(output, input, opts.reduceOp.op_)) return w;
+    }
     HostStaging s;
     auto host_out = s.output(output);
     auto host_in = s.input(input);

@@ -2,7 +2,7 @@
 interleaved (sluice, baseline, sluice, ...), and print medians with their spread. The baseline
 is `gloo` on CPU tensors and `nccl` on CUDA tensors.
 
-    torchrun --nproc_per_node=2 tools/sluice-torch-bench/bench.py [--ops sendrecv,all_reduce,all_gather]
+    torchrun --nproc_per_node=2 tools/sluice-torch-bench/bench.py [--ops sendrecv,all_reduce,all_gather,reduce_scatter]
         [--min-bytes 8] [--max-bytes 268435456] [--iters 20] [--markdown] [--device cpu|cuda]
 
 send/recv is a ping-pong between ranks 0 and 1 (one-way time = half the round trip); the
@@ -68,7 +68,7 @@ def timed(fn: Callable[[], None], group: dist.ProcessGroup, reps: int = 1, cuda:
         torch.cuda.synchronize()
     return (time.perf_counter() - t0) / reps
 
-OPS = ("sendrecv", "all_reduce", "all_gather")
+OPS = ("sendrecv", "all_reduce", "all_gather", "reduce_scatter")
 
 
 def main() -> None:
@@ -136,6 +136,8 @@ def main() -> None:
                     dist.all_reduce(x, group=g)
                 elif op == "all_gather":
                     dist.all_gather_into_tensor(out, x, group=g)
+                elif op == "reduce_scatter":  # bytes = each rank's result
+                    dist.reduce_scatter_tensor(x, out, group=g)
 
             times: Dict[str, List[float]] = {"sluice": [], base: []}
             live = dict(groups)
@@ -168,6 +170,7 @@ def main() -> None:
     if rank == 0 and args.device == "cuda":
         ll = st.backend_ll_allgather()
         print(f"# low-latency all_gather: {ll['calls']} calls took it; {ll['state']}")
+        print(f"# collectives GPU to GPU (SLUICE_TORCH_DEVICE_COLLECTIVES): {st.backend_device_collectives()} calls")
     dist.destroy_process_group()
 
 

@@ -433,7 +433,9 @@ def device_collective_checks(rank: int, world: int, dev: torch.device, expect: b
     all_gather_into_tensor at the rendezvous size, an odd size and 64 MiB per rank, three dtypes,
     an input at an offset inside a larger allocation and a non-contiguous one, the bytes around
     the output unchanged; all_to_all_single with even and uneven splits, and with a slice too
-    small for the path (it stages); broadcast from the first and the last rank. The calls that
+    small for the path (it stages); broadcast from the first and the last rank; all_reduce with
+    every reduce op the dtype allows (a short last chunk, 64 MiB, and a size that stages) and
+    reduce_scatter_tensor (a separate output, one aliasing the input, one that stages). The calls that
     took the path are counted when the group has device endpoints to every peer (expect), none
     otherwise."""
     # The path is on by default: the group is made without SLUICE_TORCH_DEVICE_COLLECTIVES.
@@ -501,11 +503,63 @@ def device_collective_checks(rank: int, world: int, dev: torch.device, expect: b
         same(t, data(root, 4 << 20, torch.float32, salt=8 + root), f"device broadcast from rank {root}")
         checks += 1
         calls += 1
+    # all_reduce (reduce-scatter, then all-gather; the reduction on the GPU) and
+    # reduce_scatter_tensor: bit-equal to the rank-ordered reduction every rank can compute
+    # (small integers, so exact in every dtype here).
+    def ordered(parts, op):
+        acc = parts[0].clone()
+        for p in parts[1:]:
+            if op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
+                acc.add_(p)
+            elif op == dist.ReduceOp.PRODUCT:
+                acc.mul_(p)
+            elif op == dist.ReduceOp.MIN:
+                acc = torch.minimum(acc, p)
+            else:
+                acc = torch.maximum(acc, p)
+        return acc.div_(world) if op == dist.ReduceOp.AVG else acc
+
+    for dtype in (torch.float32, torch.bfloat16, torch.int64):
+        esz = torch.tensor([], dtype=dtype).element_size()
+        per = (256 << 10) // esz + 100  # every chunk of the algorithm at least the rendezvous size
+        ops = [dist.ReduceOp.SUM, dist.ReduceOp.PRODUCT, dist.ReduceOp.MIN, dist.ReduceOp.MAX]
+        ops += [dist.ReduceOp.AVG] if dtype.is_floating_point else []
+        # (elements, counted): a short last chunk; 64 MiB; a last chunk below the rendezvous
+        # size, so the call stages (not counted) and must be right too.
+        for numel, counted in ((per * world - 50, True), ((64 << 20) // esz, True), (per * (world - 1) + 10, False)):
+            for op in ops if numel < (1 << 20) else [dist.ReduceOp.SUM]:
+                xs = [data(r, numel, dtype, salt=12) for r in range(world)]
+                t = xs[rank].to(dev)
+                dist.all_reduce(t, op=op, group=grp)
+                torch.cuda.synchronize(dev)
+                same(t, ordered(xs, op), f"device all_reduce {op} {dtype} n={numel}")
+                checks += 1
+                calls += 1 if counted else 0
+        # reduce_scatter_tensor: a separate output, then the output aliasing its own chunk of
+        # the input (as FSDP does), then an output too small for the path (stages).
+        for m, alias, counted in ((per + 7, False, True), (per + 7, True, True), (100, False, False)):
+            op = dist.ReduceOp.SUM if dtype == torch.int64 else dist.ReduceOp.AVG
+            bigs = [data(r, m * world, dtype, salt=13) for r in range(world)]
+            inp = bigs[rank].to(dev)
+            if alias:
+                out = inp[rank * m:(rank + 1) * m]
+            else:
+                out_all = torch.full((m + 128,), 9, dtype=dtype, device=dev)
+                out = out_all[64:64 + m]
+            dist.reduce_scatter_tensor(out, inp, op=op, group=grp)
+            torch.cuda.synchronize(dev)
+            want = ordered([b[rank * m:(rank + 1) * m] for b in bigs], op)
+            same(out, want, f"device reduce_scatter_tensor {dtype} m={m} alias={alias}")
+            if not alias:
+                same(out_all[:64], torch.full((64,), 9, dtype=dtype), "bytes before the reduce_scatter output")
+                same(out_all[64 + m:], torch.full((64,), 9, dtype=dtype), "bytes after the reduce_scatter output")
+            checks += 1
+            calls += 1 if counted else 0
     took = st.backend_device_collectives(grp)
     if expect:
-        assert took == calls, f"{took} of {calls} all_gathers took the device path"
+        assert took == calls, f"{took} of {calls} collectives took the device path"
     else:
-        assert took == 0, f"{took} all_gathers took the device path without device endpoints"
+        assert took == 0, f"{took} collectives took the device path without device endpoints"
     checks += 1
     dist.destroy_process_group(grp)
     return checks
