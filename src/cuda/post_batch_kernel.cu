@@ -34,12 +34,17 @@ __device__ void copy_one(const BatchCopy& c) {
 __global__ void __launch_bounds__(kThreads) batch_kernel(BatchArgs a, unsigned* arrivals) {
   for (uint32_t i = blockIdx.x; i < a.copies; i += gridDim.x) copy_one(a.copy[i]);
   if (a.signals == 0) return;
-  // Each thread's stores are ordered before its block's arrival, for every observer (the
-  // peer's GPU reading its own memory, the host): the pattern of CUDA's threadFenceReduction.
-  __threadfence_system();
+  // Every thread's stores are ordered before its block's arrival, for every observer (the
+  // peer's GPU reading its own memory, the host): the barrier orders them before thread 0, and
+  // thread 0's system-scope fence, being cumulative, orders them before the arrival. (A fence
+  // by every thread costs far more: system-scope fences serialize across the GPU, about 17 us
+  // per 512 threads measured on H200 in the hierarchical AllGather's copy kernels.)
   __syncthreads();
   __shared__ bool last;
-  if (threadIdx.x == 0) last = atomicAdd(arrivals, 1u) == gridDim.x - 1;
+  if (threadIdx.x == 0) {
+    __threadfence_system();
+    last = atomicAdd(arrivals, 1u) == gridDim.x - 1;
+  }
   __syncthreads();
   if (!last || threadIdx.x != 0) return;
   // The last block to arrive has seen every block's arrival: after this fence, any observer
