@@ -48,6 +48,8 @@ class SluiceBackend final : public c10d::Backend {
   // The low-latency all_gather of CUDA tensors (ll_allgather.hpp): the calls that took it, and
   // its state ("on ...", "off: why").
   uint64_t ll_allgather_calls() const;
+  // all_reduce calls on CUDA tensors that ran through the low-latency AllGather.
+  uint64_t ll_allreduce_calls() const { return ll_allreduce_calls_.load(std::memory_order_relaxed); }
   // Collective calls on CUDA tensors that took the device path (exchange_device).
   uint64_t device_collective_calls() const { return device_calls_.load(std::memory_order_relaxed); }
   // Ready-to-receive counts of this rank's mailbox (mailbox.hpp): offered, used, voided.
@@ -120,6 +122,21 @@ class SluiceBackend final : public c10d::Backend {
   // when the call does not take that path (the caller then stages through host memory).
   c10::intrusive_ptr<c10d::Work> allgather_ll(c10d::OpType type, const at::Tensor& in, const std::vector<at::Tensor>& outs,
                                               bool into_one);
+  // all_reduce of one CUDA tensor of up to the low-latency threshold, on the caller's stream:
+  // the low-latency AllGather of every rank's tensor, then the rank-ordered reduction there
+  // (device_reductions.cpp). Null when the call does not take that path.
+  c10::intrusive_ptr<c10d::Work> allreduce_ll(const at::Tensor& t, c10d::ReduceOp::RedOpType op);
+  // The low-latency calls' pieces: the caller's current stream on `device` and whether it is
+  // being captured; ensure() with its errors as the op's (false: every rank falls back at this
+  // call); the Work, an event on the stream (`launched`: the next launch orders after it).
+  struct LlStream {
+    c10::Stream stream;
+    bool capturing;
+  };
+  LlStream ll_stream(c10::Device device) const;
+  bool ll_ready(c10::Device device, c10d::OpType type);
+  c10::intrusive_ptr<c10d::Work> ll_finish(c10d::OpType type, const std::vector<at::Tensor>& outs, const LlStream& ls,
+                                           bool launched = true);
   // all_gather_into_tensor of CUDA tensors by the device path (SLUICE_TORCH_DEVICE_COLLECTIVES=1):
   // every part goes GPU to GPU over the device endpoints, by rendezvous; null when the call
   // cannot take it (the caller then stages through host memory).
@@ -159,6 +176,7 @@ class SluiceBackend final : public c10d::Backend {
   std::unique_ptr<CudaRegistrations> cuda_regs_;  // the device path's registrations
   bool device_collectives_ = false;               // SLUICE_TORCH_DEVICE_COLLECTIVES
   std::atomic<uint64_t> device_calls_{0};
+  std::atomic<uint64_t> ll_allreduce_calls_{0};
   std::unique_ptr<LowLatencyAllGather> ll_;       // null for a world of one
   uint64_t seq_ = 0;  // collectives issued (same order on every rank)
   at::Tensor scratch_;  // see scratch()

@@ -213,6 +213,7 @@ c10::intrusive_ptr<c10d::Work> SluiceBackend::allreduce(std::vector<at::Tensor>&
   if (any_cuda(tensors)) {
     if (tensors.size() == 1 && tensors[0].is_cuda()) {
       check_op(tensors[0], opts.reduceOp, "all_reduce");
+      if (auto w = allreduce_ll(tensors[0], opts.reduceOp.op_)) return w;
       if (auto w = allreduce_device(tensors[0], opts.reduceOp.op_)) return w;
     }
     HostStaging s;
@@ -312,43 +313,50 @@ c10::intrusive_ptr<c10d::Work> SluiceBackend::allgather_ll(c10d::OpType type, co
     for (const auto& o : outs)
       if (o.numel() != n) return {};  // the host path names the mismatch
   c10::DeviceGuard guard(in.device());
-  // The caller's current stream on the tensors' device. Its cudaStream_t comes from c10's
-  // device-independent interface, so no CUDA torch header is needed: Stream::native_handle()
-  // asks the DeviceGuardImplInterface registered for CUDA (CUDAGuardImpl, in the CUDA torch's
-  // libc10_cuda) for getStreamNativeHandle(), which is CUDAStream(s).stream(), the same handle
-  // torch.cuda.current_stream().cuda_stream gives (nullptr for the legacy default stream, which
-  // CUDA also names 0). The stream carries its device; the guard above makes it current too.
-  const c10::impl::DeviceGuardImplInterface* g = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
-  const c10::Stream stream = g->getStream(in.device());
-  const bool capturing = cuda::stream_capturing(stream.native_handle());
+  const LlStream ls = ll_stream(in.device());
   // Nothing to move: done on every rank without a word (and without setting anything up).
-  if (n == 0) {
-    auto done = std::make_shared<c10::Event>(c10::DeviceType::CUDA);
-    done->record(stream);
-    return c10::make_intrusive<StreamWork>(type, outs, stream, std::move(done), capturing, rank());
-  }
-  bool ready = false;
-  try {
-    ready = ll_->ensure(in.device(), timeout_);
-  } catch (const c10::Error&) {
-    throw;
-  } catch (const std::exception& e) {
-    std::rethrow_exception(backend_error(std::string("sluice: ") + c10d::opTypeToString(type) + " failed: " + e.what()));
-  }
-  if (!ready) return {};  // every rank fell back at this same call
+  if (n == 0) return ll_finish(type, outs, ls, /*launched=*/false);
+  if (!ll_ready(in.device(), type)) return {};  // every rank fell back at this same call
   ll_->count();
   at::Tensor src = in.is_contiguous() ? in : in.contiguous();  // copies on the current stream
   at::Tensor dst = into_one && outs[0].is_contiguous() ? outs[0] : at::empty({n * size()}, in.options());
-  ll_->launch(src.data_ptr(), dst.data_ptr(), in.nbytes(), stream, capturing);
+  ll_->launch(src.data_ptr(), dst.data_ptr(), in.nbytes(), ls.stream, ls.capturing);
   if (into_one) {
     if (!dst.is_same(outs[0])) outs[0].copy_(dst.view(outs[0].sizes()));
   } else {
     for (int j = 0; j < size(); ++j) outs[j].copy_(dst.narrow(0, n * j, n).view(outs[j].sizes()));
   }
+  return ll_finish(type, outs, ls);
+}
+
+SluiceBackend::LlStream SluiceBackend::ll_stream(c10::Device device) const {
+  // The caller's current stream on the tensors' device. Its cudaStream_t comes from c10's
+  // device-independent interface, so no CUDA torch header is needed: Stream::native_handle()
+  // asks the DeviceGuardImplInterface registered for CUDA (CUDAGuardImpl, in the CUDA torch's
+  // libc10_cuda) for getStreamNativeHandle(), which is CUDAStream(s).stream(), the same handle
+  // torch.cuda.current_stream().cuda_stream gives (nullptr for the legacy default stream, which
+  // CUDA also names 0). The stream carries its device; the caller's guard makes it current too.
+  const c10::impl::DeviceGuardImplInterface* g = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
+  const c10::Stream stream = g->getStream(device);
+  return {stream, cuda::stream_capturing(stream.native_handle())};
+}
+
+bool SluiceBackend::ll_ready(c10::Device device, c10d::OpType type) {
+  try {
+    return ll_->ensure(device, timeout_);
+  } catch (const c10::Error&) {
+    throw;
+  } catch (const std::exception& e) {
+    std::rethrow_exception(backend_error(std::string("sluice: ") + c10d::opTypeToString(type) + " failed: " + e.what()));
+  }
+}
+
+c10::intrusive_ptr<c10d::Work> SluiceBackend::ll_finish(c10d::OpType type, const std::vector<at::Tensor>& outs,
+                                                        const LlStream& ls, bool launched) {
   auto done = std::make_shared<c10::Event>(c10::DeviceType::CUDA);
-  done->record(stream);
-  ll_->note_done(done, stream, capturing);
-  return c10::make_intrusive<StreamWork>(type, outs, stream, std::move(done), capturing, rank());
+  done->record(ls.stream);
+  if (launched) ll_->note_done(done, ls.stream, ls.capturing);
+  return c10::make_intrusive<StreamWork>(type, outs, ls.stream, std::move(done), ls.capturing, rank());
 }
 
 c10::intrusive_ptr<c10d::Work> SluiceBackend::allgather(std::vector<std::vector<at::Tensor>>& outputs,

@@ -1,3 +1,4 @@
+// all_reduce of small CUDA tensors through the low-latency AllGather on the caller's stream, and
 // all_reduce and reduce_scatter_tensor of CUDA tensors by the device path: every message goes
 // GPU to GPU over the device endpoints by rendezvous (as exchange_device's do), and the
 // reduction runs on the GPU, with ATen ops on a pool stream of the worker thread.
@@ -5,11 +6,13 @@
 // The messages are exactly the host algorithms' (collectives.cpp: the same chunks, peers, tags
 // and order), so a rank that stages a call still meets peers that do not; and the reduction is
 // the same rank-ordered one (reduce_ops.hpp), so both paths give every rank the same bits.
+#include <c10/core/DeviceGuard.h>
 #include <c10/core/StreamGuard.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 
 #include "backend.hpp"
 #include "core/log.hpp"
+#include "ll_allgather.hpp"
 #include "reduce_ops.hpp"
 
 namespace sluice::torch_backend {
@@ -61,6 +64,29 @@ std::optional<CudaRegistrations::Lease> SluiceBackend::device_lease(const at::Te
   auto lease = cuda_regs_->acquire(t.data_ptr(), t.nbytes(), &why);
   if (!lease) SLUICE_LOG(kInfo, "sluice torch: a CUDA collective goes through host memory: " << why);
   return lease;
+}
+
+c10::intrusive_ptr<c10d::Work> SluiceBackend::allreduce_ll(const at::Tensor& t, Red op) {
+  // What decides is shared by every rank: the group's agreement (ll_allgather.hpp), CUDA
+  // tensors and the byte count (the collective's contract).
+  if (!ll_ || !ll_->on() || !t.is_cuda() || t.layout() != at::kStrided || t.nbytes() > ll_->max_bytes()) return {};
+  c10::DeviceGuard guard(t.device());
+  const LlStream ls = ll_stream(t.device());
+  if (t.numel() == 0) return ll_finish(c10d::OpType::ALLREDUCE, {t}, ls, /*launched=*/false);
+  if (!ll_ready(t.device(), c10d::OpType::ALLREDUCE)) return {};  // every rank falls back at this call
+  ll_allreduce_calls_.fetch_add(1, std::memory_order_relaxed);
+  // Every rank's tensor into `all` (world x numel, rank-major), then each rank reduces all of
+  // them in rank order, as the host's direct algorithm does: the same bits on every rank. All
+  // on the caller's stream, so it is ordered like NCCL's and can be captured in a graph.
+  const int64_t n = t.numel();
+  at::Tensor flat = (t.is_contiguous() ? t : t.contiguous()).view(-1);  // a copy on the stream if strided
+  at::Tensor all = at::empty({n * size()}, t.options());
+  ll_->launch(flat.data_ptr(), all.data_ptr(), t.nbytes(), ls.stream, ls.capturing);
+  std::vector<at::Tensor> parts(size());
+  for (int j = 0; j < size(); ++j) parts[j] = j == rank() ? flat : all.narrow(0, n * j, n);
+  reduce_in_order(flat, parts, op, size(), rank());
+  if (flat.data_ptr() != t.data_ptr() || !t.is_contiguous()) t.copy_(flat.view(t.sizes()));
+  return ll_finish(c10d::OpType::ALLREDUCE, {t}, ls);
 }
 
 c10::intrusive_ptr<c10d::Work> SluiceBackend::allreduce_device(const at::Tensor& t, Red op) {

@@ -19,6 +19,8 @@ PYBIND11_MODULE(_sluice_torch, m) {
                              "How large CUDA tensors move: 'nvlink' (directly between GPUs) or 'host'.")
       .def_property_readonly("ll_allgather_calls", &SluiceBackend::ll_allgather_calls,
                              "all_gather calls on CUDA tensors that ran as the low-latency NVLink kernel.")
+      .def_property_readonly("ll_allreduce_calls", &SluiceBackend::ll_allreduce_calls,
+                             "all_reduce calls on CUDA tensors that ran through the low-latency AllGather.")
       .def_property_readonly("ll_allgather_state", &SluiceBackend::ll_allgather_state,
                              "The low-latency all_gather's state: 'on ...' or 'off: <why>'.")
       .def_property_readonly("device_collective_calls", &SluiceBackend::device_collective_calls,

@@ -72,11 +72,14 @@ def backend_cuda_path(group: Optional["dist.ProcessGroup"] = None) -> str:
 
 def backend_ll_allgather(group: Optional["dist.ProcessGroup"] = None) -> "dict[str, Any]":
     """The low-latency all_gather of CUDA tensors of ``group`` (docs/torch.md): ``{"calls": n,
-    "state": s}``, where ``calls`` counts the all_gather / all_gather_into_tensor calls that ran
-    as one NVLink kernel on the caller's stream, and ``state`` is "on ..." or "off: <why>"."""
+    "allreduce_calls": m, "state": s}``, where ``calls`` counts the all_gather /
+    all_gather_into_tensor calls that ran as one NVLink kernel on the caller's stream,
+    ``allreduce_calls`` the all_reduce calls that ran through that kernel (and a reduction on the
+    same stream), and ``state`` is "on ..." or "off: <why>"."""
     pg = group if group is not None else dist.group.WORLD
     backend = pg._get_backend(torch.device("cpu"))  # type: ignore[union-attr]
-    return {"calls": backend.ll_allgather_calls, "state": backend.ll_allgather_state}
+    return {"calls": backend.ll_allgather_calls, "allreduce_calls": backend.ll_allreduce_calls,
+            "state": backend.ll_allgather_state}
 
 
 def backend_device_collectives(group: Optional["dist.ProcessGroup"] = None) -> int:

@@ -422,9 +422,83 @@ def ll_state_checks(group, rank: int, world: int, dev: torch.device, want_off: s
     out = torch.empty(n * world, device=dev)
     dist.all_gather_into_tensor(out, x, group=group)
     same(out, torch.cat([data(r, n, torch.float32, salt=60) for r in range(world)]), f"off ({want_off})")
+    y = data(rank, n, torch.float32, salt=61).to(dev)
+    dist.all_reduce(y, group=group)
+    same(y, ordered_reduce([data(r, n, torch.float32, salt=61) for r in range(world)], dist.ReduceOp.SUM, world),
+         f"all_reduce off ({want_off})")
     info = st.backend_ll_allgather(group)
-    assert info["calls"] == 0 and info["state"].startswith("off") and want_off in info["state"], info
-    return 1
+    assert info["calls"] == 0 and info["allreduce_calls"] == 0, info
+    assert info["state"].startswith("off") and want_off in info["state"], info
+    return 2
+
+
+def ordered_reduce(parts, op, world):
+    """The backend's reduction: rank order, in the dtype (reduce_ops.hpp)."""
+    acc = parts[0].clone()
+    for p in parts[1:]:
+        if op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
+            acc.add_(p)
+        elif op == dist.ReduceOp.PRODUCT:
+            acc.mul_(p)
+        elif op == dist.ReduceOp.MIN:
+            acc = torch.minimum(acc, p)
+        else:
+            acc = torch.maximum(acc, p)
+    return acc.div_(world) if op == dist.ReduceOp.AVG else acc
+
+
+def ll_allreduce_checks(sl, rank: int, world: int, dev: torch.device, expect: bool) -> int:
+    """all_reduce of CUDA tensors up to the low-latency threshold: every rank's tensor through
+    the low-latency AllGather, then the rank-ordered reduction, on the caller's stream. Bit-equal
+    to that reduction computed here: every op the dtype allows, 1, 7, 1001 elements and the
+    threshold; a non-contiguous tensor (the elements between untouched); a CUDA graph replayed
+    with new inputs. Counted (allreduce_calls) when the group takes the path, none otherwise."""
+    checks = calls = 0
+    before = st.backend_ll_allgather(sl)["allreduce_calls"]
+    for dtype in (torch.float32, torch.bfloat16, torch.int32):
+        esz = torch.tensor([], dtype=dtype).element_size()
+        ops = [dist.ReduceOp.SUM, dist.ReduceOp.PRODUCT, dist.ReduceOp.MIN, dist.ReduceOp.MAX]
+        ops += [dist.ReduceOp.AVG] if dtype.is_floating_point else []
+        for n in (1, 7, 1001, (1 << 20) // esz):
+            for op in ops if n <= 1001 else [dist.ReduceOp.SUM]:
+                xs = [data(r, n, dtype, salt=21) for r in range(world)]
+                t = xs[rank].to(dev)
+                dist.all_reduce(t, op=op, group=sl)
+                same(t, ordered_reduce(xs, op, world), f"ll all_reduce {op} {dtype} n={n}")
+                checks += 1
+                calls += 1
+    n = 4096
+    wide = data(rank, 2 * n, torch.float32, salt=22).to(dev)
+    v = wide[::2]
+    dist.all_reduce(v, group=sl)
+    same(v, ordered_reduce([data(r, 2 * n, torch.float32, salt=22)[::2] for r in range(world)], dist.ReduceOp.SUM,
+                           world), "ll all_reduce non-contiguous")
+    same(wide[1::2], data(rank, 2 * n, torch.float32, salt=22)[1::2], "ll all_reduce: the elements between")
+    checks += 2
+    calls += 1
+    if expect:
+        x = torch.zeros(1000, device=dev)
+        dist.all_reduce(x, group=sl)  # warm-up on this stream
+        torch.cuda.synchronize()
+        calls += 1
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            dist.all_reduce(x, group=sl)
+        calls += 1
+        for rep in range(2):
+            x.copy_(data(rank, 1000, torch.float32, salt=23 + rep).to(dev))
+            graph.replay()
+            torch.cuda.synchronize()
+            want = ordered_reduce([data(r, 1000, torch.float32, salt=23 + rep) for r in range(world)],
+                                  dist.ReduceOp.SUM, world)
+            same(x, want, f"ll all_reduce graph replay {rep}")
+            checks += 1
+    took = st.backend_ll_allgather(sl)["allreduce_calls"] - before
+    if expect:
+        assert took == calls, f"{took} of {calls} all_reduce calls took the low-latency path"
+    else:
+        assert took == 0, f"{took} all_reduce calls took the low-latency path where it is off"
+    return checks + 1
 
 
 def device_collective_checks(rank: int, world: int, dev: torch.device, expect: bool) -> int:
@@ -506,19 +580,6 @@ def device_collective_checks(rank: int, world: int, dev: torch.device, expect: b
     # all_reduce (reduce-scatter, then all-gather; the reduction on the GPU) and
     # reduce_scatter_tensor: bit-equal to the rank-ordered reduction every rank can compute
     # (small integers, so exact in every dtype here).
-    def ordered(parts, op):
-        acc = parts[0].clone()
-        for p in parts[1:]:
-            if op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
-                acc.add_(p)
-            elif op == dist.ReduceOp.PRODUCT:
-                acc.mul_(p)
-            elif op == dist.ReduceOp.MIN:
-                acc = torch.minimum(acc, p)
-            else:
-                acc = torch.maximum(acc, p)
-        return acc.div_(world) if op == dist.ReduceOp.AVG else acc
-
     for dtype in (torch.float32, torch.bfloat16, torch.int64):
         esz = torch.tensor([], dtype=dtype).element_size()
         per = (256 << 10) // esz + 100  # every chunk of the algorithm at least the rendezvous size
@@ -532,7 +593,7 @@ def device_collective_checks(rank: int, world: int, dev: torch.device, expect: b
                 t = xs[rank].to(dev)
                 dist.all_reduce(t, op=op, group=grp)
                 torch.cuda.synchronize(dev)
-                same(t, ordered(xs, op), f"device all_reduce {op} {dtype} n={numel}")
+                same(t, ordered_reduce(xs, op, world), f"device all_reduce {op} {dtype} n={numel}")
                 checks += 1
                 calls += 1 if counted else 0
         # reduce_scatter_tensor: a separate output, then the output aliasing its own chunk of
@@ -548,7 +609,7 @@ def device_collective_checks(rank: int, world: int, dev: torch.device, expect: b
                 out = out_all[64:64 + m]
             dist.reduce_scatter_tensor(out, inp, op=op, group=grp)
             torch.cuda.synchronize(dev)
-            want = ordered([b[rank * m:(rank + 1) * m] for b in bigs], op)
+            want = ordered_reduce([b[rank * m:(rank + 1) * m] for b in bigs], op, world)
             same(out, want, f"device reduce_scatter_tensor {dtype} m={m} alias={alias}")
             if not alias:
                 same(out_all[:64], torch.full((64,), 9, dtype=dtype), "bytes before the reduce_scatter output")
@@ -606,6 +667,7 @@ def main() -> int:
     main_on = expect_ll and int(os.environ.get("SLUICE_TORCH_LL_ALLGATHER_BYTES", str(1 << 20)) or "0") >= 1 << 20
     before = ll_calls(sl)
     checks += ll_allgather_checks(sl, gloo, nccl, rank, world, dev, main_on, 1 << 20)
+    checks += ll_allreduce_checks(sl, rank, world, dev, main_on)
     info = st.backend_ll_allgather(sl)
     if main_on:
         assert before > 0, f"cuda_on_sluice's small all_gathers did not take the low-latency path: {info}"
