@@ -164,9 +164,13 @@ class SluiceBackend final : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> allreduce_device(const at::Tensor& t, c10d::ReduceOp::RedOpType op);
   c10::intrusive_ptr<c10d::Work> reduce_scatter_device(const at::Tensor& output, const at::Tensor& input,
                                                        c10d::ReduceOp::RedOpType op);
-  // Device-path registrations of `t` (and its offset in them), or nullopt after logging why
-  // the call goes through host memory instead.
-  std::optional<CudaRegistrations::Lease> device_lease(const at::Tensor& t);
+  // Device-path registrations of `a` and `b`, both held until `hold` goes; nullopt (nothing
+  // held) after logging why the call goes through host memory instead.
+  struct HeldLeases {
+    CudaRegistrations::Lease a, b;
+    std::shared_ptr<void> hold;
+  };
+  std::optional<HeldLeases> device_leases(const at::Tensor& a, const at::Tensor& b);
 
   std::chrono::milliseconds timeout_;
   std::unique_ptr<Engine> engine_;

@@ -59,11 +59,22 @@ Xfer dev_xfer(bool is_send, int peer, const at::Tensor& base, const CudaRegistra
 
 }  // namespace
 
-std::optional<CudaRegistrations::Lease> SluiceBackend::device_lease(const at::Tensor& t) {
+std::optional<SluiceBackend::HeldLeases> SluiceBackend::device_leases(const at::Tensor& a, const at::Tensor& b) {
   std::string why;
-  auto lease = cuda_regs_->acquire(t.data_ptr(), t.nbytes(), &why);
-  if (!lease) SLUICE_LOG(kInfo, "sluice torch: a CUDA collective goes through host memory: " << why);
-  return lease;
+  auto la = cuda_regs_->acquire(a.data_ptr(), a.nbytes(), &why);
+  std::optional<CudaRegistrations::Lease> lb;
+  if (la) lb = cuda_regs_->acquire(b.data_ptr(), b.nbytes(), &why);
+  if (!lb) {
+    if (la) cuda_regs_->release(la->key);
+    SLUICE_LOG(kInfo, "sluice torch: a CUDA collective goes through host memory: " << why);
+    return std::nullopt;
+  }
+  CudaRegistrations* regs = cuda_regs_.get();
+  auto hold = std::shared_ptr<void>(nullptr, [regs, ka = la->key, kb = lb->key](void*) {
+    regs->release(ka);
+    regs->release(kb);
+  });
+  return HeldLeases{*la, *lb, std::move(hold)};
 }
 
 c10::intrusive_ptr<c10d::Work> SluiceBackend::allreduce_ll(const at::Tensor& t, Red op) {
@@ -109,18 +120,11 @@ c10::intrusive_ptr<c10d::Work> SluiceBackend::allreduce_device(const at::Tensor&
   if (!device_messages(msgs) || !moves_bytes(msgs)) return {};
 
   Parts parts(t, mine.count * es, n - 1);  // the peers' contributions to this rank's chunk
-  auto t_lease = device_lease(t);
-  if (!t_lease) return {};
-  auto p_lease = device_lease(parts.buf);
-  if (!p_lease) {
-    cuda_regs_->release(t_lease->key);
-    return {};
-  }
-  CudaRegistrations* regs = cuda_regs_.get();
-  auto leases = std::shared_ptr<void>(nullptr, [regs, a = t_lease->key, b = p_lease->key](void*) {
-    regs->release(a);
-    regs->release(b);
-  });
+  auto held = device_leases(t, parts.buf);
+  if (!held) return {};
+  const CudaRegistrations::Lease* t_lease = &held->a;
+  const CudaRegistrations::Lease* p_lease = &held->b;
+  auto leases = held->hold;
   // Step 1 (reduce-scatter): chunk j to rank j; every peer's chunk `r` into parts. Step 2
   // (all-gather): the reduced chunk to every peer; theirs into t. Empty chunks do not go, as
   // in allreduce_flat.
@@ -166,18 +170,11 @@ c10::intrusive_ptr<c10d::Work> SluiceBackend::reduce_scatter_device(const at::Te
 
   at::Tensor src = input.contiguous();  // on the caller's stream, before the wait below
   Parts parts(output, bytes, n - 1);    // the peers' contributions to this rank's result
-  auto s_lease = device_lease(src);
-  if (!s_lease) return {};
-  auto p_lease = device_lease(parts.buf);
-  if (!p_lease) {
-    cuda_regs_->release(s_lease->key);
-    return {};
-  }
-  CudaRegistrations* regs = cuda_regs_.get();
-  auto leases = std::shared_ptr<void>(nullptr, [regs, a = s_lease->key, b = p_lease->key](void*) {
-    regs->release(a);
-    regs->release(b);
-  });
+  auto held = device_leases(src, parts.buf);
+  if (!held) return {};
+  const CudaRegistrations::Lease* s_lease = &held->a;
+  const CudaRegistrations::Lease* p_lease = &held->b;
+  auto leases = held->hold;
   // As reduce_scatter_parts: input chunk j to rank j, every peer's chunk `r` into parts.
   std::vector<Xfer> xs;
   for (int j = 0, k = 0; j < n; ++j) {
