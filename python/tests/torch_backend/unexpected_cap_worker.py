@@ -113,6 +113,12 @@ def main() -> int:
                      f"{PARAM} must be a byte count, got '{bad}'")
     os.environ[PARAM] = str(limit)
 
+    # Rank 0 hosts the Store: it stays until rank 1 is done with it (under load rank 1 could
+    # still be waiting for "cap/3/refused" when rank 0 had finished, and lost the Store).
+    if rank == 1:
+        store.set("cap/done", "1")
+    else:
+        store.wait(["cap/done"], WAIT)
     dist.destroy_process_group()
     print(f"cap OK rank={rank}", flush=True)
     return 0
