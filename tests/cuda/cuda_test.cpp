@@ -431,6 +431,9 @@ int child_main(int dev) {
   e.allocate(4 << 20, Location::host(), "hostalloc");  // memfd: nvlink maps it for host pieces
   static std::vector<uint8_t> plain(1 << 16);           // not a memfd: writes are pulled by us
   e.register_memory(plain.data(), plain.size(), Location::host(), "plain");
+  // Plain host memory large enough for the staged read's lanes (data_path.cpp): 72 MiB.
+  static std::vector<uint8_t> big = pattern(72 << 20, 41);
+  e.register_memory(big.data(), big.size(), Location::host(), "bigplain");
   std::string info = e.local_info();
   std::printf("%s\n", info.c_str());
   std::fflush(stdout);
@@ -624,6 +627,49 @@ TEST(Nvlink, CrossProcessOffsetsImmAndStreams) {
   { auto st_ = ep.write({{src.handle, 5, *plain, 0, 4096}}).wait(); ASSERT_TRUE(st_.ok()) << st_.to_string(); }
   { auto st_ = ep.read({{hb, 0, *plain, 0, 4096}}).wait(); ASSERT_TRUE(st_.ok()) << st_.to_string(); }
   EXPECT_EQ(std::memcmp(hback.data(), want.data(), want.size()), 0) << "cuda -> the peer's plain host memory";
+  ep.close();
+}
+
+// Reads of the peer's plain (not memfd) host memory into local GPU memory are staged through
+// page-locked chunks in up to four lanes (data_path.cpp, staged_read): one lane (3 MiB + odd),
+// two (40 MiB - odd) and four (72 MiB - odd), at odd offsets on both sides, several in one op;
+// every byte checked.
+TEST(Nvlink, PeerPlainHostIntoGpuIsStaged) {
+  NEED_GPUS(1);
+  ChildPeer peer;
+  ASSERT_NO_FATAL_FAILURE(connect_child(&peer));
+  auto& [child, e, ep] = peer;
+  auto big = ep.remote_region("bigplain");
+  ASSERT_TRUE(big);
+  const auto want = pattern(72 << 20, 41);  // what the child put there
+  auto dst = e.allocate(80 << 20, Location::cuda(0));
+  std::vector<uint8_t> got;
+  for (uint64_t n : {(3ull << 20) + 5, (40ull << 20) - 4093, (72ull << 20) - 777}) {
+    CK(cudaMemset(dst.ptr, 0, 80 << 20));
+    CK(cudaDeviceSynchronize());
+    const uint64_t roff = (72ull << 20) - n, loff = 13;
+    { auto st_ = ep.read({{dst.handle, loff, *big, roff, n}}).wait(); ASSERT_TRUE(st_.ok()) << st_.to_string(); }
+    got.assign(n, 0);
+    CK(cudaMemcpy(got.data(), static_cast<uint8_t*>(dst.ptr) + loff, n, cudaMemcpyDeviceToHost));
+    EXPECT_EQ(std::memcmp(got.data(), want.data() + roff, n), 0) << n << " bytes";
+    uint8_t edge[2] = {1, 1};
+    CK(cudaMemcpy(&edge[0], static_cast<uint8_t*>(dst.ptr) + loff - 1, 1, cudaMemcpyDeviceToHost));
+    CK(cudaMemcpy(&edge[1], static_cast<uint8_t*>(dst.ptr) + loff + n, 1, cudaMemcpyDeviceToHost));
+    EXPECT_EQ(edge[0] | edge[1], 0) << "a byte outside the read was written (" << n << ")";
+  }
+  // Two pieces in one op, into two places.
+  CK(cudaMemset(dst.ptr, 0, 80 << 20));
+  CK(cudaDeviceSynchronize());
+  {
+    auto st_ = ep.read({{dst.handle, 0, *big, 100, 33 << 20}, {dst.handle, 40 << 20, *big, 7, 20 << 20}}).wait();
+    ASSERT_TRUE(st_.ok()) << st_.to_string();
+  }
+  got.assign(33 << 20, 0);
+  CK(cudaMemcpy(got.data(), dst.ptr, got.size(), cudaMemcpyDeviceToHost));
+  EXPECT_EQ(std::memcmp(got.data(), want.data() + 100, got.size()), 0);
+  got.assign(20 << 20, 0);
+  CK(cudaMemcpy(got.data(), static_cast<uint8_t*>(dst.ptr) + (40 << 20), got.size(), cudaMemcpyDeviceToHost));
+  EXPECT_EQ(std::memcmp(got.data(), want.data() + 7, got.size()), 0);
   ep.close();
 }
 

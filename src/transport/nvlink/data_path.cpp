@@ -3,8 +3,11 @@
 // host bytes with memcpy / CMA / PULL_WRITE; the streams and the event pool (see endpoint.hpp).
 #include <algorithm>
 #include <cstring>
+#include <functional>
+#include <thread>
 
 #include "cuda/copy_kernels.hpp"
+#include "cuda/staging.hpp"
 #include "transport/common/cma.hpp"
 #include "transport/nvlink/endpoint.hpp"
 
@@ -17,6 +20,91 @@ const RegionEntry* pin_of(const TransferOp& op, const uint8_t* p) {
     if (p >= e->base && p < e->base + e->length) return e;
   }
   return nullptr;
+}
+
+// Reads of a peer's host memory that is not mapped here (not a memfd: e.g. a torch pinned
+// tensor) into local GPU memory: process_vm_readv into page-locked chunks, each uploaded while
+// the next is read, in up to kStageLanes lanes (threads), each over a contiguous share of the
+// op's pieces. One synchronous pageable copy per piece (a zero-filled scratch, then the
+// driver's bounce buffers) ran at 1.3 GB/s on H200 (2026-11-28). Returns once every upload is
+// done, also on failure: nothing writes the destinations after this returns.
+constexpr uint64_t kStageChunk = 4ull << 20;
+constexpr uint64_t kStageLaneMin = 16ull << 20;  // bytes a lane gets at least
+constexpr uint64_t kStageLanes = 4;
+
+Status staged_lane(pid_t pid, const std::vector<StagedRead>& work, int device, cudaStream_t s,
+                   const std::function<Status()>& still) {
+  std::shared_ptr<uint8_t> buf[2];
+  cudaEvent_t done[2] = {nullptr, nullptr};
+  Status st;
+  try {
+    cu::check(cudaSetDevice(device), "cudaSetDevice");
+    for (int k = 0; k < 2; ++k) {
+      buf[k] = staging::pinned(kStageChunk);
+      cu::check(cudaEventCreateWithFlags(&done[k], cudaEventDisableTiming), "cudaEventCreate");
+    }
+    int k = 0;
+    for (const StagedRead& r : work) {
+      for (uint64_t off = 0; off < r.length && st.ok(); off += kStageChunk, k ^= 1) {
+        const uint64_t m = std::min(kStageChunk, r.length - off);
+        cu::check(cudaEventSynchronize(done[k]), "cudaEventSynchronize");  // the upload that last used buf[k]
+        st = cma::read(pid, {{buf[k].get(), r.remote + off, m}});
+        if (st.ok()) st = still();  // bytes of a region withdrawn meanwhile are not delivered
+        if (!st.ok()) break;
+        cu::check(cudaMemcpyAsync(r.local + off, buf[k].get(), m, cudaMemcpyHostToDevice, s), "cudaMemcpyAsync (staged)");
+        cu::check(cudaEventRecord(done[k], s), "cudaEventRecord");
+      }
+      if (!st.ok()) break;
+    }
+  } catch (const Error& e) {
+    if (st.ok()) st = e.status();
+  }
+  try {
+    cu::check(cudaStreamSynchronize(s), "cudaStreamSynchronize (staged read)");  // before the chunks go back to the pool
+  } catch (const Error& e) {
+    if (st.ok()) st = e.status();
+  }
+  for (cudaEvent_t ev : done)
+    if (ev) cudaEventDestroy(ev);
+  return st;
+}
+
+// Cuts `reads` into one contiguous share of about total / lanes bytes per lane (a piece may
+// be split between two lanes) and runs the lanes; `stream_of(k)` is lane k's stream.
+Status staged_read(pid_t pid, const std::vector<StagedRead>& reads, int device,
+                   const std::function<cudaStream_t(int)>& stream_of, const std::function<Status()>& still) {
+  uint64_t total = 0;
+  for (const StagedRead& r : reads) total += r.length;
+  const uint64_t lanes = std::clamp<uint64_t>(total / kStageLaneMin, 1, kStageLanes);
+  const uint64_t share = (total + lanes - 1) / lanes;
+  std::vector<std::vector<StagedRead>> work(lanes);
+  size_t lane = 0;
+  uint64_t room = share;
+  for (StagedRead r : reads) {
+    while (r.length > 0) {
+      const uint64_t n = lane + 1 == lanes ? r.length : std::min(r.length, room);
+      work[lane].push_back({r.local, r.remote, n});
+      r.local += n;
+      r.remote += n;
+      r.length -= n;
+      room -= std::min(room, n);
+      if (room == 0 && lane + 1 < lanes) {
+        ++lane;
+        room = share;
+      }
+    }
+  }
+  std::vector<cudaStream_t> streams;
+  for (uint64_t k = 0; k < lanes; ++k) streams.push_back(stream_of(static_cast<int>(k)));
+  std::vector<Status> st(lanes);
+  std::vector<std::thread> helpers;
+  for (uint64_t k = 1; k < lanes; ++k)
+    helpers.emplace_back([&, k] { st[k] = staged_lane(pid, work[k], device, streams[k], still); });
+  st[0] = staged_lane(pid, work[0], device, streams[0], still);
+  for (auto& t : helpers) t.join();
+  for (const Status& s : st)
+    if (!s.ok()) return s;
+  return Status::Ok();
 }
 
 }  // namespace
@@ -242,6 +330,7 @@ struct CopyPlan {
   pid_t pid = 0;
   std::vector<bool> used;       // the streams (of nstreams) that got copies: one event each
   std::vector<cma::Span> spans;  // CMA reads, done together
+  std::vector<StagedRead> staged_reads;  // CMA reads into local GPU memory, done together
   std::vector<same_host::PullPiece> pulls;
   std::vector<std::shared_ptr<std::vector<uint8_t>>> staged;
   std::vector<std::shared_ptr<void>> keep;  // pinned mappings async copies use (Inflight::keep)
@@ -280,6 +369,13 @@ Status NvlinkEndpoint::enqueue(const TransferOp& op, cudaStream_t user, Inflight
     }
     if (!c.spans.empty()) {  // reads only: writes into such memory are pulled by its owner
       Status st = cma::read(c.pid, c.spans);
+      if (!st.ok()) return st;
+    }
+    if (!c.staged_reads.empty()) {
+      // On the caller's stream if the op has one (its order kept), else on lanes of our own.
+      Status st = staged_read(
+          c.pid, c.staged_reads, c.device, [&](int k) { return c.user ? c.user : stream(c.device, static_cast<size_t>(k)); },
+          [f] { return f->leases->still(); });
       if (!st.ok()) return st;
     }
     for (int k = 0; k < c.nstreams; ++k) {
@@ -350,14 +446,9 @@ Status NvlinkEndpoint::copy_unmapped_host(CopyPlan& c, const Seg& g, const Remot
     c.spans.push_back({g.local, at, g.length});
     return Status::Ok();
   }
-  // Local GPU, remote host: stage through host memory.
-  cudaStream_t s = stream_at(c, 0);
-  std::vector<uint8_t> tmp(g.length);
-  Status st = cma::read(c.pid, {{tmp.data(), at, g.length}});
-  if (!st.ok()) return st;
-  if (st = f.leases->still(); !st.ok()) return st;
-  cu::check(cudaMemcpyAsync(g.local, tmp.data(), g.length, cudaMemcpyDefault, s), "cudaMemcpyAsync");
-  cu::check(cudaStreamSynchronize(s), "cudaStreamSynchronize");
+  // Local GPU, remote host: staged through page-locked chunks, all of the op's such pieces
+  // together once every copy is enqueued (staged_read).
+  c.staged_reads.push_back({g.local, at, g.length});
   return Status::Ok();
 }
 

@@ -102,6 +102,13 @@ struct PullState {
   std::vector<std::shared_ptr<std::vector<uint8_t>>> staged;  // host copies of cuda sources
 };
 
+// A read of the peer's unmapped host memory (at its address `remote`) into local GPU memory.
+struct StagedRead {
+  uint8_t* local;
+  uint64_t remote;
+  uint64_t length;
+};
+
 // A copy after merging the op's pieces.
 struct Seg {
   uint8_t* local;
