@@ -147,6 +147,37 @@ def test_region_registered_after_connect_is_found(engine, peer):
     assert peer.sha([(late + 4096, 4096)]) == [sha(src)]
 
 
+def test_transfers_to_this_engine_itself(engine):
+    # checkpoint-engine's P2P reads a rank's own shard through the rank's own rpc address. The
+    # facade copies locally (both ranges are its registered memory), by the same rules: an own
+    # range no region covers fails and moves nothing.
+    me = f"127.0.0.1:{engine.get_rpc_port()}"
+    n = 1 << 16
+    src = registered(engine, n, pattern(n, 11))
+    dst = registered(engine, n)
+    assert engine.transfer_sync_read(me, dst.ctypes.data, src.ctypes.data, n) == 0
+    assert np.array_equal(src, dst)
+    dst[:] = 0
+    assert engine.transfer_sync_write(me, src.ctypes.data + 5, dst.ctypes.data + 100, 1000) == 0
+    assert np.array_equal(dst[100:1100], src[5:1005]) and not dst[:100].any() and not dst[1100:].any()
+    blk = 4096
+    dst[:] = 0
+    order = list(range(n // blk))[::-1]
+    assert engine.batch_transfer_sync_read(me, [dst.ctypes.data + i * blk for i in range(n // blk)],
+                                           [src.ctypes.data + j * blk for j in order], [blk] * (n // blk)) == 0
+    assert all(np.array_equal(dst[i * blk:(i + 1) * blk], src[j * blk:(j + 1) * blk]) for i, j in enumerate(order))
+    dst[:] = 0
+    bid = engine.batch_transfer_async_read(me, [dst.ctypes.data], [src.ctypes.data], [n])
+    assert bid != 0 and engine.get_batch_transfer_status([bid]) == 0
+    assert np.array_equal(src, dst)
+    # An own range that no registered region covers: -1, nothing written.
+    dst[:] = 0
+    unreg = np.full(n, 7, dtype=np.uint8)
+    assert engine.transfer_sync_read(me, dst.ctypes.data, unreg.ctypes.data, 64) == -1
+    assert engine.transfer_sync_read(me, dst.ctypes.data, src.ctypes.data + n - 8, 64) == -1
+    assert not dst.any()
+
+
 @pytest.mark.parametrize("target", ["127.0.0.1:1", "nonsense", ""])
 def test_unknown_or_malformed_target_fails(engine, target):
     src = registered(engine, 64)
