@@ -26,8 +26,9 @@ const RegionEntry* pin_of(const TransferOp& op, const uint8_t* p) {
 // tensor) into local GPU memory: process_vm_readv into page-locked chunks, each uploaded while
 // the next is read, in up to kStageLanes lanes (threads), each over a contiguous share of the
 // op's pieces. One synchronous pageable copy per piece (a zero-filled scratch, then the
-// driver's bounce buffers) ran at 1.3 GB/s on H200 (2026-11-28). Returns once every upload is
-// done, also on failure: nothing writes the destinations after this returns.
+// driver's bounce buffers) ran at 3.1 GB/s on 1xH100 (docs/weights.md); this at 22 GB/s on
+// 1xH200 (docs/mooncake-compat.md). Returns once every upload is done, also on failure:
+// nothing writes the destinations after this returns.
 constexpr uint64_t kStageChunk = 4ull << 20;
 constexpr uint64_t kStageLaneMin = 16ull << 20;  // bytes a lane gets at least
 constexpr uint64_t kStageLanes = 4;
