@@ -105,6 +105,7 @@ class WeightSubscriber:
         self._relay_buf = None
         self._relay_handle = None
         self._relay_publisher: Optional[str] = None
+        self._relay_index: Dict[str, int] = {}  # tensor name -> its index in the holdings (last update's table)
         self._relay_stop = threading.Event()
         self._relay_thread: Optional[threading.Thread] = None
         if relay and relay_accept:
@@ -192,6 +193,21 @@ class WeightSubscriber:
         if ref != self._source:
             self._drop_source()
             self._source = ref
+
+    def forget(self, names: Optional[Iterable[str]] = None) -> None:
+        """Say that targets were changed outside :meth:`update` (zeroed, transformed in
+        place): the next update pulls them again, as ``force=True`` would, and a relay
+        (``relay=True``) stops serving them at once, until an update has written them again.
+        ``names``: only these (default: every tensor this subscriber pulled)."""
+        self._need_open()
+        chosen = list(self._have) if names is None else list(names)
+        for name in chosen:
+            self._have.pop(name, None)
+        if self.relay and self._relay_buf is not None:
+            for name in chosen:
+                i = self._relay_index.get(name)
+                if i is not None:
+                    _relay.clear(self._relay_buf, i)
 
     def published(self, timeout: Optional[float] = None) -> _meta.Snapshot:
         """The trainer's current metadata: ``.version``, ``.tensors`` (name, dtype, shape,
@@ -663,6 +679,7 @@ class WeightSubscriber:
             _relay.write_header(self._relay_buf, snap.instance, n)
             self._relay_publisher = snap.publisher
         index = snap.index()
+        self._relay_index = index
         for name in names:
             _relay.clear(self._relay_buf, index[name])
         for name in unchanged:  # held whole already

@@ -213,6 +213,31 @@ def test_a_source_that_relays_nothing(trainer):
         sub.close()
 
 
+def test_forget_stops_a_relay_serving_targets_changed_behind_its_back(trainer):
+    """A relay whose targets were overwritten outside update() (zeroed here) and told so with
+    forget() serves none of them: a child falls back to the trainer (after relay_wait) and gets
+    the right bytes, not the zeros. The relay's next update pulls everything again."""
+    with sluice.Engine() as re, sluice.Engine() as ce:
+        held = wp.empty_targets(SPEC)
+        relay = WeightSubscriber(re, trainer.ref, relay=True, bucket_bytes=64 << 10, timeout=60)
+        assert sorted(relay.update(held).updated) == NAMES
+        for t in held.values():
+            t.zero_()
+        relay.forget()
+        targets = wp.empty_targets(SPEC)
+        sub = child(ce, trainer, re.listen_address, relay_wait=0.5)
+        res = sub.update(targets)
+        check(targets, SPEC, trainer.versions.get)
+        assert res.from_source == 0 and res.source_fallback, res
+        assert sorted(relay.update(held).updated) == NAMES  # no force=True needed
+        check(held, SPEC, trainer.versions.get)
+        # forget(names): only those are pulled again
+        relay.forget(["embed"])
+        assert relay.update(held).updated == ["embed"]
+        sub.close()
+        relay.close()
+
+
 def test_arguments():
     with sluice.Engine() as e:
         for kw in ({"relay": 1}, {"source": ""}, {"source": 5}, {"relay_wait": 0}, {"relay_wait": True},
