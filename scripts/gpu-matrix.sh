@@ -31,6 +31,10 @@
 #   tbench  tools/sluice-torch-bench/bench.py --device cuda against NCCL, 2 ranks
 #   ce      checkpoint-engine 0.4.2, unmodified, on the Mooncake facade
 #           (tests/compat/run_checkpoint_engine.sh run $WH; $WH must hold its wheels: `fetch`)
+#   cebench issue 15's comparison on every GPU of the host (>= 1): checkpoint-engine broadcast,
+#           checkpoint-engine P2P on the facade and sluice.weights, 20 GiB in 1,000 tensors, with
+#           the pinned H2D ceiling (run_checkpoint_engine.sh bench; CEBENCH_ARGS adds arguments,
+#           e.g. --json FILE); not in the default stages (minutes of host memory copies)
 #
 # Environment: BIN = a folder with prebuilt libsluice.so, sluice_cuda_tests,
 # sluice_port_channel_cuda_tests, sluice-gpu-bench, sluice-port-bench (default: build them
@@ -180,6 +184,10 @@ s_tbench() {
 # Each of checkpoint-engine's four tests took 40-50 s on 4xH200; a failing one can hang until
 # its timeout (its checker process waits), so the timeout here is short.
 s_ce() { CE_TIMEOUT=${CE_TIMEOUT:-300} PYTHON=$PY tests/compat/run_checkpoint_engine.sh run "$WH"; }
+
+s_cebench() {
+  PYTHON=$PY tests/compat/run_checkpoint_engine.sh bench "$WH" --size-gib 20 --tensors 1000 --rounds 3 ${CEBENCH_ARGS:-}
+}
 
 stages=("$@")
 [ ${#stages[@]} -gt 0 ] || stages=(info cxx ag hier aggemm port nvlink wheel torch tbench ce)

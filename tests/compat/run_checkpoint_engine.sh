@@ -8,6 +8,10 @@
 #
 #   tests/compat/run_checkpoint_engine.sh fetch DIR   # on a host with PyPI: wheels + sdist into DIR
 #   tests/compat/run_checkpoint_engine.sh run [DIR]   # on the GPU host; DIR = that wheelhouse (offline)
+#   tests/compat/run_checkpoint_engine.sh bench [DIR] [ARGS...]
+#       the same venv, then issue 15's comparison under torchrun on every GPU (>= 1):
+#       tools/sluice-weights-bench/vs_checkpoint_engine.py ARGS (checkpoint-engine broadcast,
+#       checkpoint-engine P2P on the facade, sluice.weights, the pinned H2D ceiling)
 #
 # `run` makes a venv (.venv-ce, --system-site-packages so that the host's torch and CUDA serve),
 # installs sluice (from DIR, else built here with CUDA: needs nvcc), checkpoint-engine and its
@@ -43,13 +47,15 @@ fetch() {
   ls -1 "$dir"
 }
 
-run() {
-  local wh=${1:-}
-  local venv=${CE_VENV:-$ROOT/.venv-ce}
+# setup WH MIN_GPUS: the venv with sluice, checkpoint-engine and its dependencies, no Mooncake;
+# sets vpy, venv, ngpu.
+setup() {
+  local wh=$1 min_gpus=$2
+  venv=${CE_VENV:-$ROOT/.venv-ce}
   [ -z "$wh" ] || [ -d "$wh" ] || die "wheelhouse $wh is not a directory"
   say "venv $venv (with the system's site-packages, for torch)"
   [ -x "$venv/bin/python" ] || "$PY" -m venv --system-site-packages "$venv"
-  local vpy=$venv/bin/python
+  vpy=$venv/bin/python
   # A PYTHON that is itself a venv's (the GPU image's torch lives in one) lends the new venv
   # only the base interpreter's site-packages: name its own in a .pth file too.
   "$PY" -c 'import site, sys; sys.exit(0 if sys.prefix != sys.base_prefix else 1)' &&
@@ -59,9 +65,8 @@ run() {
     if [ -n "$wh" ]; then "$vpy" -m pip install -q --disable-pip-version-check --no-index --find-links "$wh" "$@"
     else "$vpy" -m pip install -q --disable-pip-version-check "$@"; fi
   }
-  local ngpu
   ngpu=$("$vpy" -c 'import torch; print(torch.cuda.device_count())') || die "torch is not importable here"
-  [ "$ngpu" -ge 2 ] || die "checkpoint-engine's test_update needs >= 2 GPUs, torch sees $ngpu"
+  [ "$ngpu" -ge "$min_gpus" ] || die "this needs >= $min_gpus GPUs, torch sees $ngpu"
 
   say "sluice"
   if [ -n "$wh" ] && ls "$wh"/sluice-*.whl >/dev/null 2>&1; then
@@ -89,6 +94,14 @@ PYEOF
 
   SLUICE_MOONCAKE_COMPAT=1 "$vpy" -c 'from mooncake.engine import TransferEngine; import sluice.compat.mooncake as m; assert TransferEngine is m.TransferEngine' ||
     die "SLUICE_MOONCAKE_COMPAT=1 does not make mooncake.engine the Sluice facade in $venv (is the import hook's .pth installed?)"
+}
+
+# One distinct device name per GPU (so that every GPU is its own P2P receiver) unless set.
+p2p_devices() { echo "${PS_P2P_STORE_RDMA_DEVICES:-$(seq -s, -f 'sl%g' 0 $((ngpu - 1)))}"; }
+
+run() {
+  local wh=${1:-} vpy venv ngpu
+  setup "$wh" 2  # checkpoint-engine's test_update needs two GPUs
 
   say "test_update.py from the checkpoint-engine $CE_VERSION sdist"
   local work sdist
@@ -108,10 +121,8 @@ PYEOF
   printf '#!/bin/sh\nexec "%s" -m torch.distributed.run "$@"\n' "$vpy" >"$venv/bin/torchrun"
   chmod +x "$venv/bin/torchrun"
 
-  local devices=${PS_P2P_STORE_RDMA_DEVICES:-}
-  if [ -z "$devices" ]; then
-    devices=$(seq -s, -f 'sl%g' 0 $((ngpu - 1)))
-  fi
+  local devices
+  devices=$(p2p_devices)
   say "pytest -m gpu tests/test_update.py: SLUICE_MOONCAKE_COMPAT=1 PS_P2P_STORE_RDMA_DEVICES=$devices"
   # Uninstalled checkpoint_engine must not shadow the installed one: run from the sdist root
   # (test_update runs torchrun there) with the package dir moved aside.
@@ -122,8 +133,21 @@ PYEOF
   say "checkpoint-engine $CE_VERSION test_update passed on the Sluice facade ($ngpu GPUs)"
 }
 
+bench() {
+  local wh=${1:-} vpy venv ngpu
+  [ $# -eq 0 ] || shift
+  setup "$wh" 1
+  local devices
+  devices=$(p2p_devices)
+  say "vs_checkpoint_engine.py on $ngpu GPUs: $*"
+  # From /tmp, so that the checkout's python/ never shadows the installed sluice.
+  (cd /tmp && PS_P2P_STORE_RDMA_DEVICES="$devices" "$vpy" -m torch.distributed.run --standalone \
+    --nproc-per-node "$ngpu" "$ROOT/tools/sluice-weights-bench/vs_checkpoint_engine.py" "$@")
+}
+
 case "${1:-}" in
   fetch) [ $# -eq 2 ] || die "usage: $0 fetch DIR"; fetch "$2" ;;
   run) run "${2:-}" ;;
-  *) die "usage: $0 fetch DIR | run [DIR]" ;;
+  bench) shift; bench "$@" ;;
+  *) die "usage: $0 fetch DIR | run [DIR] | bench [DIR] [ARGS...]" ;;
 esac
