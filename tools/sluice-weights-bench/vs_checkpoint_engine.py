@@ -22,10 +22,10 @@ tensors there. Every path fills every inference process's parameters with the wh
 - ``sluice``: each rank publishes its shard with ``WeightPublisher.share``; each inference
   process pulls every shard (one ``WeightSubscriber`` per trainer rank, in parallel) straight
   into its parameters (``update(force=True)``).
-- ``sluice-relay`` (2 ranks or more): the shards striped over the GPUs, as checkpoint-engine
-  shares its H2D work over NCCL: inference process r pulls shard r from trainer rank r and
-  serves it as a relay (``relay=True``); it pulls every other shard j from inference process
-  j (``source=``), bucket by bucket as j receives it, GPU to GPU. Each GPU then ingests
+- ``sluice-relay`` (2 ranks or more): ``sluice.weights.StripedSubscriber``, the shards striped
+  over the GPUs, as checkpoint-engine shares its H2D work over NCCL: inference process r pulls
+  shard r from trainer rank r and serves it as a relay; it pulls every other shard j from
+  inference process j, bucket by bucket as j receives it, GPU to GPU. Each GPU then ingests
   1/world of the model from host memory.
 
 Each round runs every path once, in a rotated order; before each path the parameters are
@@ -80,7 +80,7 @@ def inference(conn, rank: int, world: int, device: str, spec, refs: List[str], d
     import torch
 
     import sluice
-    from sluice.weights import WeightSubscriber
+    from sluice.weights import StripedSubscriber, WeightSubscriber
 
     try:
         torch.set_num_threads(1)
@@ -98,9 +98,7 @@ def inference(conn, rank: int, world: int, device: str, spec, refs: List[str], d
         engine = sluice.Engine()  # listening: the sluice-relay path serves the other GPUs
         subs, shards = [], []
         for r, tref in enumerate(refs):
-            # Our own shard's subscriber is the relay of the striped path (sluice-relay).
-            sub = WeightSubscriber(engine, tref, NAME, bucket_bytes=bucket_bytes, depth=depth, timeout=timeout,
-                                   relay=world > 1 and r == rank)
+            sub = WeightSubscriber(engine, tref, NAME, bucket_bytes=bucket_bytes, depth=depth, timeout=timeout)
             sub.published()  # connect and read the metadata before any timing
             subs.append(sub)
             shards.append({n: params[n] for i, (n, _, _) in enumerate(spec) if i % world == r})
@@ -108,14 +106,12 @@ def inference(conn, rank: int, world: int, device: str, spec, refs: List[str], d
             torch.cuda.synchronize()
         conn.send(("ready", engine.listen_address))
         _, relays = conn.recv()  # every inference process's address, by rank
-        # sluice-relay: shard r from inference process r (our own from the trainer, through
-        # the relay subscriber above); subscribers of their own, so that neither path's
-        # endpoints are dropped and made again when the paths alternate.
-        rsubs = [sub if r == rank else
-                 WeightSubscriber(engine, refs[r], NAME, bucket_bytes=bucket_bytes, depth=depth, timeout=timeout,
-                                  source=relays[r])
-                 for r, sub in enumerate(subs)]
-        for sub in rsubs:
+        # sluice-relay: shard r from inference process r, ours from our trainer rank (which we
+        # relay); subscribers of its own, so that neither path's endpoints are dropped and
+        # made again when the paths alternate.
+        striped = StripedSubscriber(engine, refs, relays, rank, NAME, bucket_bytes=bucket_bytes, depth=depth,
+                                    timeout=timeout) if world > 1 else None
+        for sub in striped.subscribers if striped else []:
             sub.published()
     except BaseException as e:  # noqa: BLE001 - reported to the rank, which stops the run
         conn.send(("error", f"inference process {rank} did not start: {e!r}"))
@@ -128,7 +124,7 @@ def inference(conn, rank: int, world: int, device: str, spec, refs: List[str], d
             if cmd == "stop":
                 break
             if cmd == "zero":
-                for sub in subs + rsubs:  # a relay must not serve what we are about to overwrite
+                for sub in subs + ([striped] if striped else []):  # a relay must not serve what we overwrite
                     sub.forget()
                 for t in params.values():
                     t.zero_()
@@ -151,14 +147,18 @@ def inference(conn, rank: int, world: int, device: str, spec, refs: List[str], d
                 update_weights_from_ipc(zmq_ctx, dict(arg)[device_uuid], device_id=torch.cuda.current_device(),
                                         run=load, post_hook=torch.cuda.synchronize)
                 conn.send(("ok", None))
-            elif cmd in ("sluice", "sluice-relay"):
-                pulls = rsubs if cmd == "sluice-relay" else subs
+            elif cmd == "sluice-relay":
+                moved = striped.update(params, force=True).nbytes
+                if corrupt:
+                    as_bytes(params[spec[-1][0]])[-1] += 1
+                conn.send(("ok", moved))
+            elif cmd == "sluice":
                 errors: List[BaseException] = []
                 moved = [0] * len(subs)
 
                 def pull(i: int) -> None:
                     try:
-                        moved[i] = pulls[i].update(shards[i], force=True).nbytes
+                        moved[i] = subs[i].update(shards[i], force=True).nbytes
                     except BaseException as e:  # noqa: BLE001
                         errors.append(e)
 
@@ -176,7 +176,7 @@ def inference(conn, rank: int, world: int, device: str, spec, refs: List[str], d
                 raise ValueError(f"unknown command {cmd!r}")
         except BaseException as e:  # noqa: BLE001
             conn.send(("error", f"inference process {rank}, {cmd}: {e!r}"))
-    for sub in set(subs + rsubs):
+    for sub in subs + ([striped] if striped else []):
         sub.close()
     engine.close()
 

@@ -16,7 +16,8 @@ Inference::
 Receivers READ the trainer's tensors one-sided, in buckets, and only the tensors whose
 version changed since their last update. A receiver may relay (``relay=True``) and others pull
 from it (``source=``), so the trainer sends each byte once per tree of receivers
-(``relay_parent`` lays one out, ``relay_layout`` one by host). See docs/weights.md.
+(``relay_parent`` lays one out, ``relay_layout`` one by host); the processes of one host can
+share the host-to-device work (``StripedSubscriber``). See docs/weights.md.
 """
 
 from ._meta import Snapshot, TensorInfo
@@ -24,9 +25,10 @@ from ._relay import host_layout as relay_layout
 from ._relay import tree_parent as relay_parent
 from .errors import TensorMismatchError, TrainerLostError, WeightsChangedError, WeightsError
 from .publisher import WeightPublisher
+from .striped import StripedSubscriber
 from .subscriber import UpdateResult, WeightSubscriber
 
 __all__ = [
-    "WeightPublisher", "WeightSubscriber", "UpdateResult", "Snapshot", "TensorInfo", "relay_parent", "relay_layout",
+    "WeightPublisher", "WeightSubscriber", "StripedSubscriber", "UpdateResult", "Snapshot", "TensorInfo", "relay_parent", "relay_layout",
     "WeightsError", "TrainerLostError", "TensorMismatchError", "WeightsChangedError",
 ]
