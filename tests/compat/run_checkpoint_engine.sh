@@ -25,7 +25,8 @@
 # device scan, and the facade treats the device names as hints (shm between the ranks here).
 #
 # STATUS: written without a GPU (CPU CI); the lead's 2xH200 run is its first. Env knobs:
-#   PYTHON (python3), CE_VENV ($ROOT/.venv-ce), CE_VERSION (0.4.2), CE_TIMEOUT (1800 s per test).
+#   PYTHON (python3), CE_VENV ($ROOT/.venv-ce), CE_VERSION (0.4.2), CE_TIMEOUT (1800 s per test),
+#   TARGET_PY (fetch: the GPU host's Python version, e.g. 3.12, when it differs from ours).
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
@@ -41,9 +42,18 @@ fetch() {
   say "checkpoint-engine $CE_VERSION (wheel and sdist) and its dependencies into $dir (torch excluded)"
   "$PY" -m pip download -q -d "$dir" --no-deps "checkpoint-engine==$CE_VERSION"
   "$PY" -m pip download -q -d "$dir" --no-deps --no-binary :all: "checkpoint-engine==$CE_VERSION"
-  "$PY" -m pip download -q -d "$dir" "${DEPS[@]}"
-  say "sluice wheel (CUDA support needs nvcc on this host)"
-  CMAKE_ARGS="${CMAKE_ARGS:-} -DSLUICE_WITH_CUDA=ON" "$PY" -m pip wheel -q -w "$dir" --no-deps "$ROOT"
+  # The GPU host's Python may differ from ours (3.12 on the lent H200 machines): TARGET_PY=3.12
+  # fetches binary wheels for it instead.
+  local target=()
+  [ -z "${TARGET_PY:-}" ] || target=(--python-version "$TARGET_PY" --only-binary :all: --platform manylinux2014_x86_64
+                                     --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64)
+  "$PY" -m pip download -q -d "$dir" "${target[@]}" "${DEPS[@]}"
+  if [ -n "${TARGET_PY:-}" ]; then
+    say "no sluice wheel: ours would be for this Python, not $TARGET_PY (build it on the GPU host: gpu-matrix.sh wheel)"
+  else
+    say "sluice wheel (CUDA support needs nvcc on this host)"
+    CMAKE_ARGS="${CMAKE_ARGS:-} -DSLUICE_WITH_CUDA=ON" "$PY" -m pip wheel -q -w "$dir" --no-deps "$ROOT"
+  fi
   ls -1 "$dir"
 }
 
