@@ -15,6 +15,7 @@
 
 #include "core/log.hpp"
 #include "sluice/error.hpp"
+#include "core/thread_name.hpp"
 
 namespace sluice::bootstrap {
 
@@ -64,7 +65,10 @@ void Listener::start(const std::string& host, uint16_t port, Handler handler, in
   ::epoll_ctl(epfd_, EPOLL_CTL_ADD, sock_.fd(), &ev);
   ev.data.fd = wake_[0];
   ::epoll_ctl(epfd_, EPOLL_CTL_ADD, wake_[0], &ev);
-  thread_ = std::thread([this] { loop(); });
+  thread_ = std::thread([this] {
+    ::sluice::detail::name_this_thread("sluice-listen");
+    loop();
+  });
 }
 
 void Listener::stop() {
@@ -188,6 +192,7 @@ void Listener::dispatch() {
     Worker& w = workers_.back();
     try {
       w.thread = std::thread([this, &w, s = std::move(conn)]() mutable {
+        ::sluice::detail::name_this_thread("sluice-accept");
         try {
           handler_(std::move(s));
         } catch (const std::exception& e) {

@@ -16,6 +16,7 @@
 #include "core/params.hpp"
 #include "directory/directory_url.hpp"
 #include "sluice/version.hpp"
+#include "core/thread_name.hpp"
 
 namespace sluice::detail {
 namespace {
@@ -106,9 +107,15 @@ EngineImpl::~EngineImpl() { close(); }
 void EngineImpl::start() {
   listener_.start(config_.listen_host, config_.listen_port, [this](net::Socket s) { handle_connection(std::move(s)); },
                   config_.max_handshakes, config_.connect_timeout);
-  watchdog_ = std::thread([this] { watchdog(); });
+  watchdog_ = std::thread([this] {
+    ::sluice::detail::name_this_thread("sluice-watchdog");
+    watchdog();
+  });
   publish();
-  if (directory()->watch_period().count() > 0) name_watch_ = std::thread([this] { watch_names(); });
+  if (directory()->watch_period().count() > 0) name_watch_ = std::thread([this] {
+      ::sluice::detail::name_this_thread("sluice-names");
+      watch_names();
+    });
   SLUICE_LOG(kInfo, "engine " << engine_id_ << " listening on " << listen_address());
 }
 

@@ -7,6 +7,7 @@
 #include "directory/directory_url.hpp"
 #include "directory/listener_directory.hpp"
 #include "sluice/error.hpp"
+#include "core/thread_name.hpp"
 
 namespace sluice::detail {
 namespace {
@@ -99,7 +100,10 @@ void StoreDirectory::publish(const EngineInfo& self) {
     register_first(key, value, self.engine_id);
     std::lock_guard<std::mutex> lk(mu_);
     registered_ = true;
-    heartbeat_ = std::thread([this] { heartbeat_loop(); });
+    heartbeat_ = std::thread([this] {
+      ::sluice::detail::name_this_thread("sluice-dir-beat");
+      heartbeat_loop();
+    });
     return;
   }
   // A region was registered or unregistered: peers that refresh now should see it, so the

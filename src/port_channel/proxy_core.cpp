@@ -8,6 +8,7 @@
 #include "core/log.hpp"
 #include "core/params.hpp"
 #include "core/registry.hpp"
+#include "core/thread_name.hpp"
 
 namespace sluice::detail {
 namespace {
@@ -227,7 +228,10 @@ void ProxyCore::start() {
   if (started_) return;
   started_ = true;
   running_ = true;
-  for (int i = 0; i < opt_.workers; ++i) threads_.emplace_back([this, i] { worker(i); });
+  for (int i = 0; i < opt_.workers; ++i) threads_.emplace_back([this, i] {
+    ::sluice::detail::name_this_thread("sluice-proxy" + std::to_string(i));
+    worker(i);
+  });
 }
 
 void ProxyCore::stop() {

@@ -19,6 +19,7 @@
 #include "store_directory.hpp"
 #include "transport/transport.hpp"
 #include "work.hpp"
+#include "core/thread_name.hpp"
 
 namespace sluice::torch_backend {
 
@@ -355,7 +356,10 @@ SluiceBackend::SluiceBackend(const c10::intrusive_ptr<c10d::Store>& store, int r
       throw;
     }
   }
-  worker_ = std::thread([this] { worker(); });
+  worker_ = std::thread([this] {
+    ::sluice::detail::name_this_thread("sluice-torch");
+    worker();
+  });
 }
 
 SluiceBackend::~SluiceBackend() { shutdown(); }

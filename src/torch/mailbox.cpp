@@ -5,6 +5,7 @@
 
 #include "core/log.hpp"
 #include "sluice/error.hpp"
+#include "core/thread_name.hpp"
 
 namespace sluice::torch_backend {
 
@@ -64,7 +65,10 @@ Mailbox::Mailbox(Engine& engine, std::vector<Endpoint> peers, std::vector<Endpoi
       peers_[i].in = std::make_unique<uint64_t[]>(kInbox / 8);
       peers_[i].hdr_handle = reg(peers_[i].in.get(), kInbox);
     }
-  thread_ = std::thread([this] { run(); });
+  thread_ = std::thread([this] {
+    ::sluice::detail::name_this_thread("sluice-mailbox");
+    run();
+  });
   post([this] {
     for (size_t i = 0; i < peers_.size(); ++i)
       if (peers_[i].ep.valid()) post_header_recv(static_cast<int>(i));

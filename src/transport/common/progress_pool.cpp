@@ -16,6 +16,7 @@
 #include "core/log.hpp"
 #include "sluice/error.hpp"
 #include "transport/transport.hpp"
+#include "core/thread_name.hpp"
 
 // Fibers switch stacks behind the sanitizers' backs unless told (ucontext is not intercepted).
 #if defined(__SANITIZE_THREAD__)
@@ -289,6 +290,7 @@ Reactor::Reactor() {
   ::epoll_ctl(epfd_, EPOLL_CTL_ADD, wakefd_, &ev);
   std::lock_guard<std::mutex> lk(mu_);  // the thread reads thread_id_ only after taking mu_
   thread_ = std::thread([this] {
+    ::sluice::detail::name_this_thread("sluice-progress");
     { std::lock_guard<std::mutex> l(mu_); }
     tls_reactor = true;
     tls_transport_thread = true;

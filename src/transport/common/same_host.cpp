@@ -17,6 +17,7 @@
 #include "transport/common/lease_table.hpp"
 #include "core/log.hpp"
 #include "sluice/error.hpp"
+#include "core/thread_name.hpp"
 
 namespace sluice::detail::same_host {
 namespace {
@@ -239,7 +240,10 @@ void Service::start(const std::string& prefix, Handler handler) {
   if (::bind(listen_.fd(), reinterpret_cast<sockaddr*>(&a), len) != 0 || ::listen(listen_.fd(), 64) != 0)
     throw Error(ErrorCode::kSystem, "same-host socket " + name_ + ": " + net::errno_text(errno));
   if (::pipe2(wake_, O_CLOEXEC) != 0) throw Error(ErrorCode::kSystem, "pipe: " + net::errno_text(errno));
-  thread_ = std::thread([this] { loop(); });
+  thread_ = std::thread([this] {
+    ::sluice::detail::name_this_thread("sluice-samehost");
+    loop();
+  });
 }
 
 void Service::stop() {

@@ -10,6 +10,7 @@
 #include "cuda/staging.hpp"
 #include "transport/common/cma.hpp"
 #include "transport/nvlink/endpoint.hpp"
+#include "core/thread_name.hpp"
 
 namespace sluice::detail::nvlink {
 namespace {
@@ -100,7 +101,10 @@ Status staged_read(pid_t pid, const std::vector<StagedRead>& reads, int device,
   std::vector<Status> st(lanes);
   std::vector<std::thread> helpers;
   for (uint64_t k = 1; k < lanes; ++k)
-    helpers.emplace_back([&, k] { st[k] = staged_lane(pid, work[k], device, streams[k], still); });
+    helpers.emplace_back([&, k] {
+      ::sluice::detail::name_this_thread("sluice-stage");
+      st[k] = staged_lane(pid, work[k], device, streams[k], still);
+    });
   st[0] = staged_lane(pid, work[0], device, streams[0], still);
   for (auto& t : helpers) t.join();
   for (const Status& s : st)

@@ -12,6 +12,7 @@
 #include "core/log.hpp"
 #include "core/params.hpp"
 #include "transport/nvlink/endpoint.hpp"
+#include "core/thread_name.hpp"
 
 namespace sluice::detail::nvlink {
 namespace {
@@ -101,7 +102,10 @@ NvlinkEndpoint::NvlinkEndpoint(const EndpointSetup& s, NvlinkHost& host, std::st
   mark_every_ = std::min<size_t>(16, post_depth(s.config));
   pending_.set_post_handler([this](const std::shared_ptr<TransferOp>& op, const Status& st) { post_finished(op, st); });
   for (const auto& r : s.peer.regions) known_.push_back(r.info.id);
-  poller_ = std::thread([this] { poll(); });
+  poller_ = std::thread([this] {
+    ::sluice::detail::name_this_thread("sluice-nvlink");
+    poll();
+  });
 }
 
 void NvlinkEndpoint::connect(const ChannelOpener& open) {

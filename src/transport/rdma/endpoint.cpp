@@ -11,6 +11,7 @@
 #include "core/log.hpp"
 #include "core/params.hpp"
 #include "transport/rdma/endpoint.hpp"
+#include "core/thread_name.hpp"
 
 namespace sluice::detail::rdma {
 
@@ -471,7 +472,10 @@ bool RdmaEndpoint::adopt(int index, net::Socket sock) {
 }
 
 void RdmaEndpoint::start_thread() {
-  thread_ = std::thread([this] { run(); });
+  thread_ = std::thread([this] {
+    ::sluice::detail::name_this_thread("sluice-rdma");
+    run();
+  });
   ready_.store(true);
 }
 

@@ -1,4 +1,5 @@
 #include "transport/shm/copy_pool.hpp"
+#include "core/thread_name.hpp"
 
 namespace sluice::detail::shm {
 
@@ -48,7 +49,10 @@ void CopyPool::drop(std::shared_ptr<void> last) {
 void CopyPool::start_locked() {
   if (!threads_.empty()) return;
   for (int i = 0; i < nthreads_; ++i) sleepers_.push_back(std::make_unique<Sleeper>());
-  for (int i = 0; i < nthreads_; ++i) threads_.emplace_back([this, s = sleepers_[i].get()] { work(*s); });
+  for (int i = 0; i < nthreads_; ++i) threads_.emplace_back([this, s = sleepers_[i].get()] {
+      ::sluice::detail::name_this_thread("sluice-shmcopy");
+      work(*s);
+    });
 }
 
 void CopyPool::work(Sleeper& me) {
