@@ -16,13 +16,14 @@ from test_weights_update import NAMES, SPEC, Trainer, check  # noqa: E402
 TOTAL = sum(wp.as_bytes(torch.empty(s, dtype=d)).numel() for _, d, s in SPEC)
 
 
-def together(members, targets, **kw):
-    """Every member's update at once; their results in member order (exceptions re-raised)."""
+def together(members, targets, per_member=None, **kw):
+    """Every member's update at once; their results in member order (exceptions re-raised).
+    ``per_member(k)``: keywords for member k's update on top of ``kw``."""
     out, errs = [None] * len(members), []
 
     def run(k):
         try:
-            out[k] = members[k].update(targets[k], **kw)
+            out[k] = members[k].update(targets[k], **kw, **(per_member(k) if per_member else {}))
         except BaseException as e:  # noqa: BLE001
             errs.append(e)
 
@@ -36,6 +37,13 @@ def together(members, targets, **kw):
     return out
 
 
+def two_members(engines, trainer_refs):
+    """A StripedSubscriber per engine, the engines' addresses as the members."""
+    addrs = [e.listen_address for e in engines]
+    return [StripedSubscriber(e, trainer_refs, addrs, k, bucket_bytes=64 << 10, relay_wait=20.0)
+            for k, e in enumerate(engines)]
+
+
 @pytest.fixture(scope="module")
 def trainer():
     t = Trainer()
@@ -45,9 +53,7 @@ def trainer():
 
 def test_two_members_share_one_trainer(trainer):
     with sluice.Engine() as a, sluice.Engine() as b:
-        addrs = [a.listen_address, b.listen_address]
-        members = [StripedSubscriber(e, trainer.ref, addrs, k, bucket_bytes=64 << 10, relay_wait=20.0)
-                   for k, e in enumerate((a, b))]
+        members = two_members((a, b), trainer.ref)
         targets = [wp.empty_targets(SPEC), wp.empty_targets(SPEC)]
         res = together(members, targets, force=True)
         for k in range(2):
@@ -60,24 +66,13 @@ def test_two_members_share_one_trainer(trainer):
 
 def test_members_incremental_and_callbacks(trainer):
     with sluice.Engine() as a, sluice.Engine() as b:
-        addrs = [a.listen_address, b.listen_address]
-        members = [StripedSubscriber(e, trainer.ref, addrs, k, bucket_bytes=64 << 10, relay_wait=20.0)
-                   for k, e in enumerate((a, b))]
+        members = two_members((a, b), trainer.ref)
         targets = [wp.empty_targets(SPEC), wp.empty_targets(SPEC)]
         together(members, targets)
         v = max(trainer.versions.values()) + 1
         trainer.publish(v, ["l3.w", "embed", "l7.q"])
         seen = [[], []]
-        res = [None, None]
-
-        def run(k):
-            res[k] = members[k].update(targets[k], on_bucket=lambda p: seen[k].extend(n for n, _ in p))
-
-        ts = [threading.Thread(target=run, args=(k,)) for k in range(2)]
-        for t in ts:
-            t.start()
-        for t in ts:
-            t.join(120)
+        res = together(members, targets, per_member=lambda k: {"on_bucket": lambda p: seen[k].extend(n for n, _ in p)})
         for k in range(2):
             check(targets[k], SPEC, trainer.versions.get)
             assert sorted(res[k].updated) == ["embed", "l3.w", "l7.q"], res[k]
@@ -91,9 +86,7 @@ def test_one_trainer_per_member():
     ta, tb = Trainer(spec=SPEC[:half]), Trainer(spec=SPEC[half:])
     try:
         with sluice.Engine() as a, sluice.Engine() as b:
-            addrs = [a.listen_address, b.listen_address]
-            members = [StripedSubscriber(e, [ta.ref, tb.ref], addrs, k, bucket_bytes=64 << 10, relay_wait=20.0)
-                       for k, e in enumerate((a, b))]
+            members = two_members((a, b), [ta.ref, tb.ref])
             targets = [wp.empty_targets(SPEC), wp.empty_targets(SPEC)]
             res = together(members, targets)
             for k in range(2):
