@@ -52,6 +52,9 @@ void SluiceWork::complete(std::exception_ptr error, int source) {
   else
     future_->markCompleted(c10::IValue(outputs_));
   finish(error);
+  // A thread driving the queue in wait() sleeps on the queue, not on the Work: tell it. (A
+  // Work completed by a task needs this only when another thread ran the task; cheap anyway.)
+  if (queue_) queue_->wake();
 }
 
 bool SluiceWork::wait(std::chrono::milliseconds timeout) {
@@ -60,8 +63,18 @@ bool SluiceWork::wait(std::chrono::milliseconds timeout) {
   // that takes nothing fails), and that failure names the peer rank. Waiting exactly the
   // group timeout here would race it and report a bare "did not complete" instead.
   auto limit = timeout == kNoTimeout ? timeout_ * 2 + std::chrono::seconds(10) : timeout;
+  if (queue_) {
+    // Run the mailbox's tasks here until this op completed (or the limit): the engine's
+    // completion wakes this thread rather than the mailbox thread, which would wake it.
+    queue_->drive_until(
+        [this] {
+          std::lock_guard<std::mutex> g(mutex_);
+          return completed_;
+        },
+        std::chrono::steady_clock::now() + limit);
+  }
   std::unique_lock<std::mutex> lk(mutex_);
-  if (!cv_.wait_for(lk, limit, [&] { return completed_; })) {
+  if (!cv_.wait_for(lk, queue_ ? std::chrono::milliseconds(0) : limit, [&] { return completed_; })) {
     lk.unlock();
     std::rethrow_exception(backend_error("sluice: rank " + std::to_string(rank_) + ": " +
                                          c10d::opTypeToString(opType_) + (peer_.empty() ? "" : " with " + peer_) +
@@ -390,6 +403,7 @@ c10::intrusive_ptr<c10d::Work> SluiceBackend::send_device(const at::Tensor& t, i
   sync_current_stream(buf);
   auto work = c10::make_intrusive<SluiceWork>(c10d::OpType::SEND, std::vector<at::Tensor>{t}, timeout_, getRank());
   work->set_peer("peer rank " + std::to_string(dst));
+  work->drive_with(mailbox_->progress());
   CudaRegistrations* regs = cuda_regs_.get();
   void* key = lease->key;
   try {
@@ -420,6 +434,7 @@ c10::intrusive_ptr<c10d::Work> SluiceBackend::recv_device(const at::Tensor& t, i
   sync_current_stream(t);
   auto work = c10::make_intrusive<SluiceWork>(c10d::OpType::RECV, std::vector<at::Tensor>{t}, timeout_, getRank());
   work->set_peer("peer rank " + std::to_string(src));
+  work->drive_with(mailbox_->progress());
   CudaRegistrations* regs = cuda_regs_.get();
   void* key = lease->key;
   try {
@@ -636,7 +651,6 @@ c10::intrusive_ptr<c10d::Work> SluiceBackend::enqueue(c10d::OpType type, std::ve
 void SluiceBackend::exchange(uint64_t tag, const std::vector<Xfer>& xfers) {
   struct Sync {
     std::mutex mu;
-    std::condition_variable cv;
     size_t left = 0;
     Status first;
     std::set<int> waiting;
@@ -647,8 +661,7 @@ void SluiceBackend::exchange(uint64_t tag, const std::vector<Xfer>& xfers) {
   auto done = [sync](const Status& st, int peer, uint64_t) {
     std::lock_guard<std::mutex> lk(sync->mu);
     if (!st.ok() && sync->first.ok()) sync->first = st;
-    --sync->left;
-    sync->cv.notify_all();
+    --sync->left;  // the queue wakes the driving thread (below) after the task that ran this
   };
   size_t posted = 0;
   try {
@@ -671,10 +684,17 @@ void SluiceBackend::exchange(uint64_t tag, const std::vector<Xfer>& xfers) {
     sync->left -= xfers.size() - posted;
     if (sync->first.ok()) sync->first = {ErrorCode::kInvalidArgument, "could not post every transfer"};
   }
-  std::unique_lock<std::mutex> lk(sync->mu);
   // Recvs expire after the group timeout in the mailbox and sends through the engine's op
   // timeout, so this wait ends; the margin only guards against a bug leaving a buffer in use.
-  if (!sync->cv.wait_for(lk, timeout_ * 2 + std::chrono::seconds(10), [&] { return sync->left == 0; })) {
+  // This thread runs the mailbox's tasks meanwhile (the step's completions wake it directly).
+  const bool done_in_time = mailbox_->progress()->drive_until(
+      [&] {
+        std::lock_guard<std::mutex> g(sync->mu);
+        return sync->left == 0;
+      },
+      std::chrono::steady_clock::now() + timeout_ * 2 + std::chrono::seconds(10));
+  std::unique_lock<std::mutex> lk(sync->mu);
+  if (!done_in_time) {
     lk.unlock();
     mailbox_->close();  // cancels everything, so no buffer of ours is written after we return
     throw Error(ErrorCode::kTimeout, "rank " + std::to_string(getRank()) + ": a collective step did not finish");
@@ -696,6 +716,7 @@ c10::intrusive_ptr<c10d::Work> SluiceBackend::send(std::vector<at::Tensor>& tens
   at::Tensor buf = tensors[0].contiguous();
   auto work = c10::make_intrusive<SluiceWork>(c10d::OpType::SEND, tensors, timeout_, getRank());
   work->set_peer("peer rank " + std::to_string(dst));
+  work->drive_with(mailbox_->progress());
   mailbox_->send(dst, user_tag(tag), buf.data_ptr(), buf.nbytes(), [work, buf](const Status& st, int peer, uint64_t) {
     work->complete(st.ok() ? nullptr : backend_error("sluice: send failed: " + st.message));
   });
@@ -719,6 +740,7 @@ c10::intrusive_ptr<c10d::Work> SluiceBackend::recv(std::vector<at::Tensor>& tens
   auto work = c10::make_intrusive<SluiceWork>(
       src == Mailbox::kAnySource ? c10d::OpType::RECVANYSOURCE : c10d::OpType::RECV, tensors, timeout_, getRank());
   work->set_peer(src == Mailbox::kAnySource ? "any peer rank" : "peer rank " + std::to_string(src));
+  work->drive_with(mailbox_->progress());
   mailbox_->recv(src, user_tag(tag), buf.data_ptr(), buf.nbytes(), [work, out, buf](const Status& st, int peer, uint64_t) mutable {
     if (!st.ok()) {
       work->complete(backend_error("sluice: recv failed: " + st.message), peer);

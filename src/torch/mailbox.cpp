@@ -5,7 +5,6 @@
 
 #include "core/log.hpp"
 #include "sluice/error.hpp"
-#include "core/thread_name.hpp"
 
 namespace sluice::torch_backend {
 
@@ -65,10 +64,7 @@ Mailbox::Mailbox(Engine& engine, std::vector<Endpoint> peers, std::vector<Endpoi
       peers_[i].in = std::make_unique<uint64_t[]>(kInbox / 8);
       peers_[i].hdr_handle = reg(peers_[i].in.get(), kInbox);
     }
-  thread_ = std::thread([this] {
-    ::sluice::detail::name_this_thread("sluice-mailbox");
-    run();
-  });
+  q_ = std::make_shared<ProgressQueue>([this] { expire(); }, std::chrono::milliseconds(100), "sluice-mailbox");
   post([this] {
     for (size_t i = 0; i < peers_.size(); ++i)
       if (peers_[i].ep.valid()) post_header_recv(static_cast<int>(i));
@@ -78,7 +74,7 @@ Mailbox::Mailbox(Engine& engine, std::vector<Endpoint> peers, std::vector<Endpoi
 Mailbox::~Mailbox() { close(); }
 
 void Mailbox::set_timeout(std::chrono::milliseconds t) {
-  post([this, t] { timeout_ = t; });
+  q_->submit([this, t] { timeout_ = t; });
 }
 
 std::string Mailbox::who(int peer) const {
@@ -98,69 +94,13 @@ void Mailbox::unreg(MemoryHandle h) {
   }
 }
 
-void Mailbox::post(std::function<void()> task) {
-  {
-    std::lock_guard<std::mutex> lk(mu_);
-    if (drained_) return;  // `task` is destroyed below, outside the lock
-    tasks_.push_back(std::move(task));
-    cv_.notify_one();
-  }
-}
-
-void Mailbox::run() {
-  std::unique_lock<std::mutex> lk(mu_);
-  auto next_expiry = Clock::now() + std::chrono::milliseconds(100);
-  while (true) {
-    cv_.wait_until(lk, next_expiry, [&] { return closing_ || !tasks_.empty(); });
-    if (closing_) break;
-    std::deque<std::function<void()>> batch;
-    batch.swap(tasks_);
-    lk.unlock();
-    for (auto& t : batch) run_task(t);
-    // The tasks hold tensors (their callbacks capture them); dropping the last reference to
-    // a tensor made in Python takes the GIL. Never under mu_: a Python thread that holds the
-    // GIL while it destroys the backend waits for mu_ in close().
-    batch.clear();
-    if (Clock::now() >= next_expiry) {
-      expire();
-      next_expiry = Clock::now() + std::chrono::milliseconds(100);
-    }
-    lk.lock();
-  }
-}
-
-void Mailbox::run_task(std::function<void()>& task) {
-  try {
-    task();
-  } catch (const std::exception& e) {
-    // Every task reports its own failures through its callback; an escape here is a bug,
-    // but it must not take the process down (std::terminate on the progress thread).
-    SLUICE_LOG(kError, "sluice torch mailbox: a progress task threw: " << e.what());
-  }
-}
-
-void Mailbox::drain() {
-  while (true) {
-    std::deque<std::function<void()>> batch;
-    {
-      std::lock_guard<std::mutex> lk(mu_);
-      batch.swap(tasks_);
-    }
-    if (batch.empty()) return;
-    for (auto& t : batch) run_task(t);
-  }
-}
+void Mailbox::post(std::function<void()> task, bool wake) { q_->post(std::move(task), wake); }
 
 void Mailbox::close() {
-  {
-    std::lock_guard<std::mutex> lk(mu_);
-    if (closing_) return;
-    closing_ = true;
-    cv_.notify_all();
-  }
-  if (thread_.joinable()) thread_.join();
+  if (closed_.exchange(true)) return;
+  q_->close();
   destroying_ = true;
-  // The thread is gone: this thread runs the progress tasks from now on. Closing the
+  // No task runs anywhere now (a driving caller only waits): this thread runs them from here on. Closing the
   // endpoints fails their pending operations, whose callbacks queue the tasks that report
   // them (so every Work completes); run those before releasing any buffer.
   for (auto& p : peers_) {
@@ -168,7 +108,7 @@ void Mailbox::close() {
     if (p.data.valid()) p.data.close();
     if (p.dev.valid()) p.dev.close();
   }
-  drain();
+  q_->drain();
   Status st{ErrorCode::kCancelled, "rank " + std::to_string(rank_) + ": the process group was destroyed"};
   for (auto& r : posted_) r->done(st, r->src, 0);
   posted_.clear();
@@ -205,12 +145,8 @@ void Mailbox::close() {
     release(*u);
   }
   unexpected_.clear();
-  drain();
-  {
-    std::lock_guard<std::mutex> lk(mu_);
-    drained_ = true;
-    tasks_.clear();
-  }
+  q_->drain();
+  q_->seal();
   for (auto& p : peers_) unreg(p.hdr_handle), p.hdr_handle = {};
   unreg(send_hdrs_handle_);
   send_hdrs_handle_ = {};
@@ -312,7 +248,8 @@ Status Mailbox::truncated(int peer, uint64_t tag, uint64_t length, uint64_t n) c
                                      " bytes (tensor sizes must match)"};
 }
 
-void Mailbox::send_ctrl(int peer, Header h, std::function<void(const Status&)> finish) {
+void Mailbox::send_ctrl(int peer, Header h, std::function<void(const Status&)> finish,
+                        std::shared_ptr<std::atomic<int>> left) {
   Peer& p = peers_[peer];
   MemoryHandle hh;
   uint64_t hoff = 0;
@@ -336,15 +273,20 @@ void Mailbox::send_ctrl(int peer, Header h, std::function<void(const Status&)> f
   try {
     f = p.ep.send(hh, hoff, sizeof(Header));
   } catch (const Error& e) {
+    // This completion never comes: the op's other one, if still to come, is its last.
+    if (left) left->fetch_sub(1);
     release();
     finish({e.code(), who(peer) + ": " + e.what()});
     return;
   }
-  f.on_complete([this, release, finish](const Status& st) {
-    post([release, finish, st] {
-      release();
-      finish(st);
-    });
+  f.on_complete([this, release, finish, left](const Status& st) {
+    const bool last = left ? left->fetch_sub(1) == 1 : false;
+    post(
+        [release, finish, st] {
+          release();
+          finish(st);
+        },
+        !st.ok() || last);
   });
 }
 
@@ -777,7 +719,7 @@ void Mailbox::recv(int src, uint64_t tag, const Buffer& b, Done done) {
                                                  "rndv_bytes from a rank with a device endpoint");
   auto r = std::make_shared<PostedRecv>(
       PostedRecv{src, tag, b.ptr, b.n, std::move(done), Clock::now(), b.handle, b.offset, b.device});
-  post([this, r] {
+  q_->submit([this, r] {
     r->deadline = Clock::now() + timeout_;
     for (auto it = unexpected_.begin(); it != unexpected_.end(); ++it) {
       auto u = *it;
@@ -826,7 +768,7 @@ void Mailbox::send(int dst, uint64_t tag, const Buffer& b, Done done) {
     throw Error(ErrorCode::kInvalidArgument, "rank " + std::to_string(rank_) +
                                                  ": a send from CUDA memory needs a registered buffer of at least "
                                                  "rndv_bytes to a rank with a device endpoint");
-  post([this, dst, tag, b, done = std::move(done)]() mutable {
+  q_->submit([this, dst, tag, b, done = std::move(done)]() mutable {
     const uint64_t n = b.n;
     Peer& p = peers_[dst];
     if (!p.failed.ok()) {
@@ -902,19 +844,26 @@ void Mailbox::send_eager(int dst, uint64_t tag, const void* ptr, uint64_t n, Don
     };
     int submitted = 0;
     s->remaining = n ? 2 : 1;
+    // Only the op's last engine completion (or a failure) wakes a runner.
+    auto left = std::make_shared<std::atomic<int>>(s->remaining);
+    auto on_done = [this, finish, left](const Status& st) {
+      const bool last = left->fetch_sub(1) == 1;
+      post([finish, st] { finish(st); }, !st.ok() || last);
+    };
     try {
       Future fh = p.ep.send(hh, hoff, sizeof(Header));
       ++submitted;
-      fh.on_complete([this, finish](const Status& st) { post([finish, st] { finish(st); }); });
+      fh.on_complete(on_done);
       if (n) {
         s->payload = reg(ptr, n);
         Future fp = p.ep.send(s->payload, 0, n);
         ++submitted;
-        fp.on_complete([this, finish](const Status& st) { post([finish, st] { finish(st); }); });
+        fp.on_complete(on_done);
       }
     } catch (const Error& e) {
       // The callbacks of what was submitted run later on this thread (they are queued), so
       // one more finish() here accounts for everything that was not.
+      left->fetch_sub(s->remaining - submitted);
       s->remaining = submitted + 1;
       finish(e.status());
     }
@@ -1364,10 +1313,15 @@ void Mailbox::send_rtr_data(int dst, uint64_t tag, const Buffer& b, uint64_t id,
     if (!st->status.ok()) fail_peer(dst, st->status);
   };
   st->remaining = 2;
+  // The payload's and the header's engine completions: only the last (or a failure) wakes.
+  auto left = std::make_shared<std::atomic<int>>(2);
   try {
     st->payload = owned ? reg(b.ptr, b.n) : b.handle;
     Future f = p.data.send(st->payload, owned ? 0 : b.offset, b.n);
-    f.on_complete([this, finish](const Status& s) { post([finish, s] { finish(s); }); });
+    f.on_complete([this, finish, left](const Status& s) {
+      const bool last = left->fetch_sub(1) == 1;
+      post([finish, s] { finish(s); }, !s.ok() || last);
+    });
   } catch (const Error& e) {
     // The RTR's recv stays posted with nothing coming for it: the pair cannot go on.
     st->remaining = 1;
@@ -1376,7 +1330,7 @@ void Mailbox::send_rtr_data(int dst, uint64_t tag, const Buffer& b, uint64_t id,
   }
   rtr_used_.fetch_add(1, std::memory_order_relaxed);
   count_out(dst, tag);
-  send_ctrl(dst, {tag, b.n, make_kind(kRtrData, id)}, finish);
+  send_ctrl(dst, {tag, b.n, make_kind(kRtrData, id)}, finish, left);
 }
 
 }  // namespace sluice::torch_backend

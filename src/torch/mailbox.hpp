@@ -3,7 +3,8 @@
 // other side; torch wants matching by (source, tag) and receives from any source. So each
 // message starts with a 48-byte header (tag, length, kind, and three fields the device path
 // uses) on the peer's control endpoint,
-// and one progress thread per backend keeps a header recv posted on every control endpoint.
+// and the mailbox's progress tasks (progress_queue.hpp) keep a header recv posted on every
+// control endpoint.
 //
 // Two protocols, chosen by the message's size:
 // - eager (below rndv_bytes): the payload follows its header on the control endpoint and is
@@ -67,7 +68,7 @@
 // Unexpected eager messages are stashed in buffers of our own, sized by the length in the
 // peer's header. A header must not decide an unbounded allocation: a peer that sends faster
 // than we post recvs (or a corrupt length) would grow the process until the kernel kills it,
-// or throw bad_alloc on the progress thread. So the bytes stashed at once, from all peers
+// or throw bad_alloc in a progress task. So the bytes stashed at once, from all peers
 // together, are bounded by `max_unexpected_bytes` (SLUICE_TORCH_MAX_UNEXPECTED_BYTES):
 // counted when a stash is allocated, released when its message is delivered or dropped. A
 // header that would pass the bound (or whose buffer cannot be allocated) fails that peer at
@@ -92,6 +93,7 @@
 #include <thread>
 #include <vector>
 
+#include "progress_queue.hpp"
 #include "sluice/engine.hpp"
 
 namespace sluice::torch_backend {
@@ -131,8 +133,10 @@ class Mailbox {
     uint64_t offset = 0;
     bool device = false;
   };
-  // [ptr, ptr+n) must stay valid until `done` ran. `done` runs on the progress thread and
-  // must not block.
+  // [ptr, ptr+n) must stay valid until `done` ran. `done` runs wherever the mailbox's tasks
+  // run (progress_queue.hpp): the mailbox thread, a thread driving the queue, or the caller
+  // inside this very call; it must not block, nor call close(), nor be called with a lock
+  // held that `done` takes.
   void send(int dst, uint64_t tag, const void* ptr, uint64_t n, Done done);
   void send(int dst, uint64_t tag, const Buffer& b, Done done);
   // The message must be exactly `n` bytes (a different length fails the recv with
@@ -153,8 +157,11 @@ class Mailbox {
     return {rtr_offered_.load(std::memory_order_relaxed), rtr_used_.load(std::memory_order_relaxed),
             rtr_voided_.load(std::memory_order_relaxed)};
   }
-  // Fails everything pending with kCancelled and stops the thread. Idempotent.
+  // Fails everything pending with kCancelled and stops the progress work. Idempotent.
   void close();
+  // The queue its tasks run on: a thread waiting for a send or recv of this mailbox drives it
+  // (ProgressQueue::drive_until) so that the completion needs no hop through another thread.
+  std::shared_ptr<ProgressQueue> progress() const { return q_; }
   void set_timeout(std::chrono::milliseconds t);
 
  private:
@@ -292,10 +299,9 @@ class Mailbox {
     std::deque<PendingRtr> rtr_pending;
   };
 
-  void run();
-  void run_task(std::function<void()>& task);
-  void drain();  // runs queued tasks on the calling thread (after the thread stopped)
-  void post(std::function<void()> task);
+  // Queues a task from an engine completion (progress_queue.hpp); the public calls submit().
+  // `wake` false: bookkeeping that nobody waits for (ProgressQueue::post).
+  void post(std::function<void()> task, bool wake = true);
   void post_header_recv(int peer);
   void on_header(int peer, const Status& st, uint64_t bytes);
   void on_inline(int peer, const Header& h, std::shared_ptr<PostedRecv> match);
@@ -309,8 +315,12 @@ class Mailbox {
   void release(Unexpected& u);  // frees its stash and uncounts it (idempotent)
   // The peer broke the bound: drop its stashed messages and close its control endpoint.
   void refuse_peer(int peer, const Status& why);
-  // Header-only message on the control endpoint; `finish` runs on the progress thread.
-  void send_ctrl(int peer, Header h, std::function<void(const Status&)> finish);
+  // Header-only message on the control endpoint; `finish` runs as a progress task. Without
+  // `left`, `finish` matters only on failure, so a success wakes nobody; with it, `left`
+  // counts the engine completions the op still awaits (this one included) and the last
+  // one, or a failure, wakes a runner.
+  void send_ctrl(int peer, Header h, std::function<void(const Status&)> finish,
+                 std::shared_ptr<std::atomic<int>> left = {});
   void on_cts(int peer, uint64_t id, bool dev);
   // The payload of rendezvous send `id` goes on `ep` (after its CTS, or on an RTR).
   void send_payload(int peer, uint64_t id, Endpoint& ep);
@@ -358,9 +368,9 @@ class Mailbox {
   std::chrono::milliseconds timeout_;
   const uint64_t rndv_bytes_;
   const uint64_t max_unexpected_bytes_;
-  uint64_t unexpected_bytes_ = 0;  // stashed eager payloads held now (progress thread)
+  uint64_t unexpected_bytes_ = 0;  // stashed eager payloads held now (progress tasks)
   std::vector<Peer> peers_;
-  // Progress-thread state.
+  // Touched by progress tasks only (one runs at a time).
   std::list<std::shared_ptr<PostedRecv>> posted_;
   std::list<std::shared_ptr<Unexpected>> unexpected_;
   std::map<uint64_t, std::shared_ptr<RndvSend>> rndv_sends_;  // by message id
@@ -379,12 +389,10 @@ class Mailbox {
   std::vector<uint32_t> free_inline_;
   std::vector<uint32_t> free_hdrs_;
 
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<std::function<void()>> tasks_;
-  bool closing_ = false;
-  bool drained_ = false;  // close() finished: callbacks arriving now are dropped
-  std::thread thread_;
+  std::atomic<bool> closed_{false};
+  // Runs the tasks (every touch of the state above), one at a time, on the threads that wait
+  // for them (progress_queue.hpp). Shared with the Works and collective steps that drive it.
+  std::shared_ptr<ProgressQueue> q_;
 };
 
 }  // namespace sluice::torch_backend

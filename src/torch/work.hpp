@@ -14,6 +14,8 @@
 #include <c10/core/Stream.h>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
+#include "progress_queue.hpp"
+
 namespace sluice::torch_backend {
 
 // A DistBackendError carrying `message` (what torch.distributed raises for backend failures).
@@ -33,6 +35,10 @@ class SluiceWork final : public c10d::Work {
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
   // Named in the error of a wait() that times out, e.g. "peer rank 2" for a point-to-point op.
   void set_peer(std::string peer) { peer_ = std::move(peer); }
+  // A Work the mailbox completes (send, recv): wait() runs the mailbox's progress tasks while
+  // it waits (ProgressQueue::drive_until), so its completion costs no hop through another
+  // thread. Set before the op is handed to the mailbox.
+  void drive_with(std::shared_ptr<ProgressQueue> q) { queue_ = std::move(q); }
 
  private:
   std::vector<at::Tensor> outputs_;
@@ -41,6 +47,7 @@ class SluiceWork final : public c10d::Work {
   int source_ = -1;
   std::string peer_;
   c10::intrusive_ptr<c10::ivalue::Future> future_;
+  std::shared_ptr<ProgressQueue> queue_;
 };
 
 // The Work of an op queued on the caller's CUDA stream (the low-latency all_gather,

@@ -1,0 +1,174 @@
+#include "progress_queue.hpp"
+
+#include <exception>
+
+#include "core/log.hpp"
+#include "core/thread_name.hpp"
+
+namespace sluice::torch_backend {
+
+ProgressQueue::ProgressQueue(std::function<void()> tick, std::chrono::milliseconds period, const char* thread_name)
+    : tick_(std::move(tick)), period_(period), next_tick_(Clock::now() + period) {
+  thread_ = std::thread([this, thread_name] {
+    ::sluice::detail::name_this_thread(thread_name);
+    thread_main();
+  });
+}
+
+ProgressQueue::~ProgressQueue() {
+  close();
+  std::deque<std::function<void()>> left;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    sealed_ = true;
+    left.swap(tasks_);
+  }
+}
+
+void ProgressQueue::run_task(std::function<void()>& task) {
+  try {
+    task();
+  } catch (const std::exception& e) {
+    // Every task reports its own failures through its callback; an escape here is a bug, but
+    // it must not take the process down (std::terminate on whichever thread ran it).
+    SLUICE_LOG(kError, "sluice torch mailbox: a progress task threw: " << e.what());
+  }
+}
+
+void ProgressQueue::run_locked(std::unique_lock<std::mutex>& lk) {
+  while (!closing_) {
+    // The tick first when due: under a steady stream of tasks the queue is never empty, and
+    // the mailbox's timeouts must still expire.
+    if (Clock::now() >= next_tick_) {
+      next_tick_ = Clock::now() + period_;
+      lk.unlock();
+      std::function<void()> tick = tick_;
+      run_task(tick);
+      lk.lock();
+      continue;
+    }
+    if (tasks_.empty()) break;
+    std::deque<std::function<void()>> batch;
+    batch.swap(tasks_);
+    lk.unlock();
+    for (auto& t : batch) run_task(t);
+    // The tasks hold tensors (their callbacks capture them); dropping the last reference to a
+    // tensor made in Python takes the GIL. Never under mu_: a Python thread that holds the GIL
+    // while it posts or submits waits for mu_.
+    batch.clear();
+    lk.lock();
+  }
+  running_ = false;
+  if (closing_) idle_cv_.notify_all();
+  // What the tasks completed may be what a driver waits for.
+  if (drivers_ > 0) driver_cv_.notify_all();
+}
+
+void ProgressQueue::thread_main() {
+  std::unique_lock<std::mutex> lk(mu_);
+  while (!closing_) {
+    const bool work = !running_ && drivers_ == 0 && !tasks_.empty();
+    const bool due = !running_ && Clock::now() >= next_tick_;
+    if (work || due) {
+      running_ = true;
+      run_locked(lk);
+      continue;
+    }
+    // While another thread runs tasks it also runs the tick when due; look again later.
+    thread_cv_.wait_until(lk, running_ ? Clock::now() + period_ : next_tick_);
+  }
+}
+
+void ProgressQueue::post(std::function<void()> task, bool wake) {
+  std::unique_lock<std::mutex> lk(mu_);
+  if (sealed_) {
+    lk.unlock();  // `task` is destroyed outside the lock
+    return;
+  }
+  tasks_.push_back(std::move(task));
+  if (closing_ || running_ || !wake) return;  // drain(), the running thread or the next runner takes it
+  if (drivers_ > 0)
+    driver_cv_.notify_one();
+  else
+    thread_cv_.notify_one();
+}
+
+void ProgressQueue::submit(std::function<void()> task) {
+  std::unique_lock<std::mutex> lk(mu_);
+  if (sealed_) {
+    lk.unlock();
+    return;
+  }
+  tasks_.push_back(std::move(task));
+  if (closing_ || running_) return;
+  running_ = true;
+  run_locked(lk);
+}
+
+bool ProgressQueue::drive_until(const std::function<bool()>& ready, Clock::time_point deadline) {
+  std::unique_lock<std::mutex> lk(mu_);
+  ++drivers_;
+  bool ok;
+  while (!(ok = ready())) {
+    if (!closing_ && !running_ && !tasks_.empty()) {
+      running_ = true;
+      run_locked(lk);
+      continue;
+    }
+    if (Clock::now() >= deadline) break;
+    driver_cv_.wait_until(lk, deadline);
+  }
+  --drivers_;
+  // Work queued while we drove, that no one runs now, goes back to the queue's thread.
+  if (!closing_ && !running_ && !tasks_.empty()) thread_cv_.notify_one();
+  return ok;
+}
+
+void ProgressQueue::wake() {
+  std::lock_guard<std::mutex> lk(mu_);
+  if (drivers_ > 0) driver_cv_.notify_all();
+}
+
+void ProgressQueue::close() {
+  {
+    std::unique_lock<std::mutex> lk(mu_);
+    if (!closing_) {
+      closing_ = true;
+      thread_cv_.notify_all();
+      driver_cv_.notify_all();
+    }
+    idle_cv_.wait(lk, [&] { return !running_; });
+  }
+  std::lock_guard<std::mutex> g(join_mu_);
+  if (thread_.joinable() && thread_.get_id() != std::this_thread::get_id()) thread_.join();
+}
+
+void ProgressQueue::drain() {
+  while (true) {
+    std::deque<std::function<void()>> batch;
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      batch.swap(tasks_);
+      if (batch.empty()) {
+        if (drivers_ > 0) driver_cv_.notify_all();
+        return;
+      }
+    }
+    for (auto& t : batch) run_task(t);
+    batch.clear();
+    std::lock_guard<std::mutex> lk(mu_);
+    if (drivers_ > 0) driver_cv_.notify_all();
+  }
+}
+
+void ProgressQueue::seal() {
+  std::deque<std::function<void()>> left;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    sealed_ = true;
+    left.swap(tasks_);
+    if (drivers_ > 0) driver_cv_.notify_all();
+  }
+}
+
+}  // namespace sluice::torch_backend
