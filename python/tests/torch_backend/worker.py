@@ -3,6 +3,7 @@ gloo in the same processes (a second group). Prints 'sluice-torch OK <checks>' o
 from __future__ import annotations
 
 import os
+import time
 import sys
 from datetime import timedelta
 
@@ -172,6 +173,33 @@ def main() -> int:
     else:
         dist.send(torch.full((3,), rank, dtype=torch.int64), 0, tag=11)
     checks += 4
+    # Progress without wait(): only is_completed() is polled, so no thread drives the mailbox
+    # and its own thread must (docs/torch.md, "Who runs the mailbox").
+    polled = torch.empty(4)
+    rw = dist.irecv(polled, prv, tag=21)
+    sw = dist.isend(torch.full((4,), float(rank)), nxt, tag=21)
+    give_up = time.monotonic() + 60
+    while not (rw.is_completed() and sw.is_completed()):
+        assert time.monotonic() < give_up, "is_completed() never turned true without wait()"
+        time.sleep(0.001)
+    same(polled, torch.full((4,), float(prv)), "polled irecv")
+    # A request made from inside a completion (a then() callback of a recv): it runs on
+    # whichever thread completed the recv, while that thread runs the mailbox's tasks.
+    first, second, nested = torch.empty(4), torch.empty(4), []
+
+    def post_next(f):
+        nested.append(dist.irecv(second, prv, tag=23))
+        return f.value()
+
+    fut = dist.irecv(first, prv, tag=22).get_future().then(post_next)
+    s1 = dist.isend(torch.full((4,), float(rank)), nxt, tag=22)
+    s2 = dist.isend(torch.full((4,), float(rank + 100)), nxt, tag=23)
+    fut.wait()
+    nested[0].wait()
+    s1.wait(), s2.wait()
+    same(first, torch.full((4,), float(prv)), "recv whose callback posts a recv")
+    same(second, torch.full((4,), float(prv + 100)), "recv posted from a completion callback")
+    checks += 3
     # async collective with future chaining
     t = torch.ones(10) * (rank + 1)
     w = dist.all_reduce(t, async_op=True)
