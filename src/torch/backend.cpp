@@ -185,6 +185,13 @@ SluiceBackend::SluiceBackend(const c10::intrusive_ptr<c10d::Store>& store, int r
   // ready-to-receive), so that the payload goes without an RTS / CTS round trip. Only the
   // receiver's setting matters: every rank takes the RTRs it is given.
   const uint64_t recv_ready = env_bytes("SLUICE_TORCH_RECV_READY", 1);
+  // Who runs the mailbox's tasks (docs/torch.md, "Who runs the mailbox"): 1, the threads
+  // that wait for them; 0, the mailbox thread alone (as before; for comparisons). And
+  // whether bookkeeping completions wake nobody (1) or a runner like any other (0).
+  const uint64_t caller_runs = env_bytes("SLUICE_TORCH_CALLER_RUNS", 1);
+  const uint64_t quiet_acks = env_bytes("SLUICE_TORCH_QUIET_ACKS", 1);
+  if (caller_runs > 1 || quiet_acks > 1)
+    throw Error(ErrorCode::kInvalidArgument, "sluice: SLUICE_TORCH_CALLER_RUNS and SLUICE_TORCH_QUIET_ACKS must be 0 or 1");
   if (recv_ready > 1)
     throw Error(ErrorCode::kInvalidArgument, "sluice: SLUICE_TORCH_RECV_READY must be 0 or 1, got " +
                                                  std::to_string(recv_ready));
@@ -357,7 +364,7 @@ SluiceBackend::SluiceBackend(const c10::intrusive_ptr<c10d::Store>& store, int r
   }
   mailbox_ = std::make_unique<Mailbox>(*engine_, std::move(peers), std::move(data), rank, timeout, rndv_bytes,
                                        max_unexpected_bytes, std::move(dev), inline_bytes,
-                                       recv_ready != 0);
+                                       recv_ready != 0, caller_runs != 0, quiet_acks != 0);
   if (size > 1) {
     try {
       ll_ = std::make_unique<LowLatencyAllGather>(store, rank, size, ll_bytes, ll_off,

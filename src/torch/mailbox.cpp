@@ -33,7 +33,8 @@ std::string describe_tag(uint64_t tag) {
 
 Mailbox::Mailbox(Engine& engine, std::vector<Endpoint> peers, std::vector<Endpoint> data, int rank,
                  std::chrono::milliseconds timeout, uint64_t rndv_bytes, uint64_t max_unexpected_bytes,
-                 std::vector<Endpoint> dev, uint64_t inline_bytes, bool recv_ready)
+                 std::vector<Endpoint> dev, uint64_t inline_bytes, bool recv_ready, bool callers_run,
+                 bool quiet_bookkeeping)
     : engine_(engine),
       rank_(rank),
       timeout_(timeout),
@@ -41,7 +42,8 @@ Mailbox::Mailbox(Engine& engine, std::vector<Endpoint> peers, std::vector<Endpoi
       max_unexpected_bytes_(max_unexpected_bytes),
       peers_(peers.size()),
       inline_bytes_(std::min(inline_bytes, kMaxInlineBytes)),
-      recv_ready_(recv_ready) {
+      recv_ready_(recv_ready),
+      quiet_(quiet_bookkeeping) {
   for (size_t i = 0; i < peers.size(); ++i) {
     peers_[i].ep = std::move(peers[i]);
     if (i < data.size()) peers_[i].data = std::move(data[i]);
@@ -64,7 +66,8 @@ Mailbox::Mailbox(Engine& engine, std::vector<Endpoint> peers, std::vector<Endpoi
       peers_[i].in = std::make_unique<uint64_t[]>(kInbox / 8);
       peers_[i].hdr_handle = reg(peers_[i].in.get(), kInbox);
     }
-  q_ = std::make_shared<ProgressQueue>([this] { expire(); }, std::chrono::milliseconds(100), "sluice-mailbox");
+  q_ = std::make_shared<ProgressQueue>([this] { expire(); }, std::chrono::milliseconds(100), "sluice-mailbox",
+                                       callers_run);
   post([this] {
     for (size_t i = 0; i < peers_.size(); ++i)
       if (peers_[i].ep.valid()) post_header_recv(static_cast<int>(i));
@@ -94,7 +97,7 @@ void Mailbox::unreg(MemoryHandle h) {
   }
 }
 
-void Mailbox::post(std::function<void()> task, bool wake) { q_->post(std::move(task), wake); }
+void Mailbox::post(std::function<void()> task, bool wake) { q_->post(std::move(task), wake || !quiet_); }
 
 void Mailbox::close() {
   if (closed_.exchange(true)) return;

@@ -117,7 +117,8 @@ class Mailbox {
   Mailbox(Engine& engine, std::vector<Endpoint> peers, std::vector<Endpoint> data, int rank,
           std::chrono::milliseconds timeout, uint64_t rndv_bytes,
           uint64_t max_unexpected_bytes = kDefaultMaxUnexpectedBytes, std::vector<Endpoint> dev = {},
-          uint64_t inline_bytes = kDefaultInlineBytes, bool recv_ready = true);
+          uint64_t inline_bytes = kDefaultInlineBytes, bool recv_ready = true, bool callers_run = true,
+          bool quiet_bookkeeping = true);
   ~Mailbox();
   Mailbox(const Mailbox&) = delete;
   Mailbox& operator=(const Mailbox&) = delete;
@@ -381,6 +382,7 @@ class Mailbox {
   MemoryHandle send_hdrs_handle_;
   const uint64_t inline_bytes_;
   const bool recv_ready_;
+  const bool quiet_;  // bookkeeping completions wake nobody (post())
   bool destroying_ = false;  // close() runs the progress work now
   std::atomic<uint64_t> rtr_offered_{0}, rtr_used_{0}, rtr_voided_{0};
   size_t inline_slot_ = 0;  // bytes per slot: a Header and inline_bytes_, rounded to 8

@@ -7,8 +7,9 @@
 
 namespace sluice::torch_backend {
 
-ProgressQueue::ProgressQueue(std::function<void()> tick, std::chrono::milliseconds period, const char* thread_name)
-    : tick_(std::move(tick)), period_(period), next_tick_(Clock::now() + period) {
+ProgressQueue::ProgressQueue(std::function<void()> tick, std::chrono::milliseconds period, const char* thread_name,
+                             bool callers_run)
+    : tick_(std::move(tick)), period_(period), callers_run_(callers_run), next_tick_(Clock::now() + period) {
   thread_ = std::thread([this, thread_name] {
     ::sluice::detail::name_this_thread(thread_name);
     thread_main();
@@ -67,7 +68,7 @@ void ProgressQueue::run_locked(std::unique_lock<std::mutex>& lk) {
 void ProgressQueue::thread_main() {
   std::unique_lock<std::mutex> lk(mu_);
   while (!closing_) {
-    const bool work = !running_ && drivers_ == 0 && !tasks_.empty();
+    const bool work = !running_ && (drivers_ == 0 || !callers_run_) && !tasks_.empty();
     const bool due = !running_ && Clock::now() >= next_tick_;
     if (work || due) {
       running_ = true;
@@ -87,7 +88,7 @@ void ProgressQueue::post(std::function<void()> task, bool wake) {
   }
   tasks_.push_back(std::move(task));
   if (closing_ || running_ || !wake) return;  // drain(), the running thread or the next runner takes it
-  if (drivers_ > 0)
+  if (drivers_ > 0 && callers_run_)
     driver_cv_.notify_one();
   else
     thread_cv_.notify_one();
@@ -101,6 +102,10 @@ void ProgressQueue::submit(std::function<void()> task) {
   }
   tasks_.push_back(std::move(task));
   if (closing_ || running_) return;
+  if (!callers_run_) {
+    thread_cv_.notify_one();
+    return;
+  }
   running_ = true;
   run_locked(lk);
 }
@@ -110,7 +115,7 @@ bool ProgressQueue::drive_until(const std::function<bool()>& ready, Clock::time_
   ++drivers_;
   bool ok;
   while (!(ok = ready())) {
-    if (!closing_ && !running_ && !tasks_.empty()) {
+    if (callers_run_ && !closing_ && !running_ && !tasks_.empty()) {
       running_ = true;
       run_locked(lk);
       continue;

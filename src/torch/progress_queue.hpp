@@ -35,7 +35,10 @@ class ProgressQueue {
   using Clock = std::chrono::steady_clock;
 
   // Starts the queue's thread (named `thread_name`); `tick` runs about every `period`.
-  ProgressQueue(std::function<void()> tick, std::chrono::milliseconds period, const char* thread_name);
+  // `callers_run` false: every task runs on the queue's thread (submit() queues, drivers
+  // only wait), as before this queue existed (SLUICE_TORCH_CALLER_RUNS=0, for comparisons).
+  ProgressQueue(std::function<void()> tick, std::chrono::milliseconds period, const char* thread_name,
+                bool callers_run = true);
   ~ProgressQueue();
   ProgressQueue(const ProgressQueue&) = delete;
   ProgressQueue& operator=(const ProgressQueue&) = delete;
@@ -72,6 +75,7 @@ class ProgressQueue {
 
   const std::function<void()> tick_;
   const std::chrono::milliseconds period_;
+  const bool callers_run_;
   Clock::time_point next_tick_;
 
   std::mutex mu_;
