@@ -190,8 +190,11 @@ SluiceBackend::SluiceBackend(const c10::intrusive_ptr<c10d::Store>& store, int r
   // whether bookkeeping completions wake nobody (1) or a runner like any other (0).
   const uint64_t caller_runs = env_bytes("SLUICE_TORCH_CALLER_RUNS", 1);
   const uint64_t quiet_acks = env_bytes("SLUICE_TORCH_QUIET_ACKS", 1);
-  if (caller_runs > 1 || quiet_acks > 1)
-    throw Error(ErrorCode::kInvalidArgument, "sluice: SLUICE_TORCH_CALLER_RUNS and SLUICE_TORCH_QUIET_ACKS must be 0 or 1");
+  for (auto [name, v] : {std::pair<const char*, uint64_t>{"SLUICE_TORCH_CALLER_RUNS", caller_runs},
+                         std::pair<const char*, uint64_t>{"SLUICE_TORCH_QUIET_ACKS", quiet_acks}})
+    if (v > 1)
+      throw Error(ErrorCode::kInvalidArgument,
+                  std::string("sluice: ") + name + " must be 0 or 1, got " + std::to_string(v));
   if (recv_ready > 1)
     throw Error(ErrorCode::kInvalidArgument, "sluice: SLUICE_TORCH_RECV_READY must be 0 or 1, got " +
                                                  std::to_string(recv_ready));

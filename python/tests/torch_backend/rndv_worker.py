@@ -262,6 +262,15 @@ def main() -> int:
     expect_error("a group with a bad device-collectives switch", lambda: dist.new_group(backend="sluice"),
                  "SLUICE_TORCH_DEVICE_COLLECTIVES must be 0 or 1, got 2")
     del os.environ["SLUICE_TORCH_DEVICE_COLLECTIVES"]
+    for name in ("SLUICE_TORCH_CALLER_RUNS", "SLUICE_TORCH_QUIET_ACKS"):
+        before = os.environ.get(name)
+        os.environ[name] = "2"
+        expect_error(f"a group with a bad {name}", lambda: dist.new_group(backend="sluice"),
+                     f"{name} must be 0 or 1, got 2")
+        if before is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = before
 
     dist.destroy_process_group()
     print(f"rndv OK rank={rank}", flush=True)

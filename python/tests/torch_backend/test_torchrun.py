@@ -107,6 +107,19 @@ def test_rendezvous_messages(transport: str) -> None:
 
 
 @pytest.mark.timeout(200)
+def test_rendezvous_with_the_mailbox_thread_alone() -> None:
+    # The same rendezvous cases with every mailbox task on the mailbox thread and every
+    # completion waking it (SLUICE_TORCH_CALLER_RUNS=0, SLUICE_TORCH_QUIET_ACKS=0): the
+    # scheduling that the default replaced, kept for comparisons, must stay correct.
+    ps = spawn("rndv_worker.py", 3, {"SLUICE_TORCH_TRANSPORT": "shm", "SLUICE_TORCH_RNDV_BYTES": "65536",
+                                     "GROUP_TIMEOUT_S": "3", "SLUICE_TORCH_CALLER_RUNS": "0",
+                                     "SLUICE_TORCH_QUIET_ACKS": "0"}, 150)
+    out = "\n".join(f"--- rank {r} (exit {p.returncode})\n{p.stdout}" for r, p in enumerate(ps))
+    for r, p in enumerate(ps):
+        assert p.returncode == 0 and f"rndv OK rank={r}" in p.stdout, out[-6000:]
+
+
+@pytest.mark.timeout(200)
 def test_rendezvous_peer_killed_or_stopped_midway() -> None:
     ps = spawn("rndv_fail_worker.py", 3, {"GROUP_TIMEOUT_S": "3", "SLUICE_TORCH_RNDV_BYTES": "65536"}, 120)
     out = "\n".join(f"--- rank {r} (exit {p.returncode})\n{p.stdout}" for r, p in enumerate(ps))
