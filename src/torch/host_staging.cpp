@@ -74,6 +74,9 @@ c10::intrusive_ptr<c10d::Work> HostStaging::wrap(const c10::intrusive_ptr<c10d::
                                                  std::vector<at::Tensor> result, std::chrono::milliseconds timeout,
                                                  int rank, bool recv) {
   auto outer = c10::make_intrusive<SluiceWork>(type, std::move(result), timeout, rank);
+  // A staged send/recv completes inside the mailbox's tasks, as its inner Work does: waiting
+  // for it drives the same queue (work.hpp).
+  if (auto* w = dynamic_cast<SluiceWork*>(inner.get())) outer->drive_with(w->progress_queue());
   // Runs where `inner` completes (a backend thread). The callback list is dropped once it
   // ran, which ends the inner -> future -> callback -> inner cycle.
   inner->getFuture()->addCallback([outer, inner, back = std::move(back_), recv, type](c10::ivalue::Future& f) {

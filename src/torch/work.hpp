@@ -39,6 +39,7 @@ class SluiceWork final : public c10d::Work {
   // it waits (ProgressQueue::drive_until), so its completion costs no hop through another
   // thread. Set before the op is handed to the mailbox.
   void drive_with(std::shared_ptr<ProgressQueue> q) { queue_ = std::move(q); }
+  const std::shared_ptr<ProgressQueue>& progress_queue() const { return queue_; }
 
  private:
   std::vector<at::Tensor> outputs_;
