@@ -18,6 +18,8 @@ ProgressQueue::ProgressQueue(std::function<void()> tick, std::chrono::millisecon
 
 ProgressQueue::~ProgressQueue() {
   close();
+  // Dropped by its own thread (a task held the last reference): that thread ends right after.
+  if (thread_.joinable()) thread_.detach();
   std::deque<std::function<void()>> left;
   {
     std::lock_guard<std::mutex> lk(mu_);
