@@ -5,6 +5,11 @@ is `gloo` on CPU tensors and `nccl` on CUDA tensors.
     torchrun --nproc_per_node=2 tools/sluice-torch-bench/bench.py [--ops sendrecv,all_reduce,all_gather,reduce_scatter]
         [--min-bytes 8] [--max-bytes 268435456] [--iters 20] [--markdown] [--device cpu|cuda]
 
+--wakeups also counts, per call and per thread name of rank 0's process, how often its threads went
+to sleep (voluntary context switches, /proc/self/task/*/status) over a further --iters calls run
+back to back after the timed ones (a send/recv call = one round trip): where a message's time
+goes in wake-ups (docs/torch.md, "Who runs the mailbox").
+
 send/recv is a ping-pong between ranks 0 and 1 (one-way time = half the round trip); the
 collectives run on every rank. Rank 0 prints one row per (op, size): the median time of each
 backend with the spread of the samples (10th-90th percentile), the median bandwidth (bytes
@@ -47,6 +52,29 @@ def sizes(lo: int, hi: int) -> List[int]:
     return out
 
 
+def thread_sleeps() -> Dict[str, int]:
+    """Voluntary context switches of this process's threads so far, summed per thread name."""
+    out: Dict[str, int] = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                name = f.read().strip()
+            with open(f"/proc/self/task/{tid}/status") as f:
+                for line in f:
+                    if line.startswith("voluntary_ctxt_switches:"):
+                        out[name] = out.get(name, 0) + int(line.split()[1])
+        except OSError:  # the thread ended meanwhile
+            pass
+    return out
+
+
+def sleeps_per_call(before: Dict[str, int], after: Dict[str, int], calls: int) -> str:
+    """'name n.n, ...' for the threads that slept at least once in 10 calls, most first."""
+    d = {k: (after.get(k, 0) - before.get(k, 0)) / calls for k in after}
+    rows = sorted(((v, k) for k, v in d.items() if v >= 0.1), reverse=True)
+    return ", ".join(f"{k} {v:.1f}" for v, k in rows) or "none"
+
+
 def pct(sorted_values: List[float], p: float) -> float:
     """The p-th percentile of already sorted values (nearest rank)."""
     i = min(len(sorted_values) - 1, max(0, round(p / 100 * (len(sorted_values) - 1))))
@@ -81,6 +109,8 @@ def main() -> None:
     ap.add_argument("--back-to-back", type=int, default=None,
                     help="calls per sample, one synchronize at the end (CUDA collectives; default 10 on cuda, 1 on cpu)")
     ap.add_argument("--markdown", action="store_true")
+    ap.add_argument("--wakeups", action="store_true",
+                    help="also count rank 0's thread wake-ups per call, by thread name (Linux)")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--baseline", choices=("gloo", "nccl", "sluice-host"), default=None,
                     help="default: gloo for --device cpu, nccl for --device cuda")
@@ -154,6 +184,14 @@ def main() -> None:
             for _ in range(iters):
                 for name, g in live.items():
                     times[name].append(timed(lambda: run(g), g, reps, dev.type == "cuda"))
+            sleeps: Dict[str, str] = {}
+            if args.wakeups:
+                for name, g in live.items():
+                    dist.barrier(group=g)
+                    before = thread_sleeps()
+                    for _ in range(iters):
+                        run(g)
+                    sleeps[name] = sleeps_per_call(before, thread_sleeps(), iters)
             if rank == 0:
                 div = 2 if op == "sendrecv" else 1  # one-way time of a round trip
                 us = {k: sorted(t / div * 1e6 for t in v) for k, v in times.items()}
@@ -167,6 +205,8 @@ def main() -> None:
                 else:
                     print(f"{op:<11}{nbytes:>11}{med['sluice']:>12.1f}{spread['sluice']:>18}{med[base]:>12.1f}"
                           f"{spread[base]:>18}{gbs['sluice']:>13.3f}{gbs[base]:>11.3f}{speedup:>9.2f}", flush=True)
+                for name, text in sleeps.items():
+                    print(f"# wake-ups per call, rank 0, {name}: {text}", flush=True)
     if rank == 0 and args.device == "cuda":
         ll = st.backend_ll_allgather()
         print(f"# low-latency all_gather: {ll['calls']} calls took it; {ll['state']}")
