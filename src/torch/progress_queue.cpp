@@ -53,8 +53,24 @@ void ProgressQueue::run_locked(std::unique_lock<std::mutex>& lk) {
     if (tasks_.empty()) break;
     std::deque<std::function<void()>> batch;
     batch.swap(tasks_);
+    loud_ = 0;
+    auto tick_at = next_tick_;
     lk.unlock();
-    for (auto& t : batch) run_task(t);
+    size_t i = 0;
+    for (auto& t : batch) {
+      run_task(t);
+      // A long batch (many tasks queued while the last one ran) must not hold the tick off
+      // either: look at the clock every few tasks.
+      if (++i % 32 == 0 && Clock::now() >= tick_at) {
+        {
+          std::lock_guard<std::mutex> g(mu_);
+          next_tick_ = Clock::now() + period_;
+          tick_at = next_tick_;
+        }
+        std::function<void()> tick = tick_;
+        run_task(tick);
+      }
+    }
     // The tasks hold tensors (their callbacks capture them); dropping the last reference to a
     // tensor made in Python takes the GIL. Never under mu_: a Python thread that holds the GIL
     // while it posts or submits waits for mu_.
@@ -70,7 +86,9 @@ void ProgressQueue::run_locked(std::unique_lock<std::mutex>& lk) {
 void ProgressQueue::thread_main() {
   std::unique_lock<std::mutex> lk(mu_);
   while (!closing_) {
-    const bool work = !running_ && (drivers_ == 0 || !callers_run_) && !tasks_.empty();
+    // Quiet tasks (post(..., false)) do not call for a runner: they wait for the next one or
+    // the tick.
+    const bool work = !running_ && (drivers_ == 0 || !callers_run_) && loud_ > 0;
     const bool due = !running_ && Clock::now() >= next_tick_;
     if (work || due) {
       running_ = true;
@@ -89,6 +107,7 @@ void ProgressQueue::post(std::function<void()> task, bool wake) {
     return;
   }
   tasks_.push_back(std::move(task));
+  if (wake) ++loud_;
   if (closing_ || running_ || !wake) return;  // drain(), the running thread or the next runner takes it
   if (drivers_ > 0 && callers_run_)
     driver_cv_.notify_one();
@@ -103,6 +122,7 @@ void ProgressQueue::submit(std::function<void()> task) {
     return;
   }
   tasks_.push_back(std::move(task));
+  ++loud_;
   if (closing_ || running_) return;
   if (!callers_run_) {
     thread_cv_.notify_one();
@@ -126,8 +146,15 @@ bool ProgressQueue::drive_until(const std::function<bool()>& ready, Clock::time_
     driver_cv_.wait_until(lk, deadline);
   }
   --drivers_;
-  // Work queued while we drove, that no one runs now, goes back to the queue's thread.
-  if (!closing_ && !running_ && !tasks_.empty()) thread_cv_.notify_one();
+  // A task that woke us but that we leave behind (our own op completed meanwhile, on another
+  // thread) goes to another driver, or to the queue's thread. Quiet tasks wait for the next
+  // runner as they would have anyway: waking a thread for them is the cost they exist to save.
+  if (!closing_ && !running_ && loud_ > 0) {
+    if (drivers_ > 0 && callers_run_)
+      driver_cv_.notify_one();
+    else
+      thread_cv_.notify_one();
+  }
   return ok;
 }
 
@@ -156,6 +183,7 @@ void ProgressQueue::drain() {
     {
       std::lock_guard<std::mutex> lk(mu_);
       batch.swap(tasks_);
+      loud_ = 0;
       if (batch.empty()) {
         if (drivers_ > 0) driver_cv_.notify_all();
         return;
@@ -174,6 +202,7 @@ void ProgressQueue::seal() {
     std::lock_guard<std::mutex> lk(mu_);
     sealed_ = true;
     left.swap(tasks_);
+    loud_ = 0;
     if (drivers_ > 0) driver_cv_.notify_all();
   }
 }

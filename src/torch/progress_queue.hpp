@@ -83,6 +83,7 @@ class ProgressQueue {
   std::condition_variable driver_cv_;  // threads in drive_until()
   std::condition_variable idle_cv_;    // close() waiting for the running task
   std::deque<std::function<void()>> tasks_;
+  size_t loud_ = 0;       // queued tasks whose poster asked for a runner (not quiet ones)
   bool running_ = false;  // a thread is running tasks now
   int drivers_ = 0;       // threads in drive_until()
   bool closing_ = false;

@@ -148,24 +148,61 @@ TEST(ProgressQueue, TheTickRunsAndNeverBesideATask) {
         inside.fetch_sub(1);
       },
       2ms, "pq-test");
+  // Three callers keep the queue busy, each submitting its next request as soon as its last
+  // one ran (so there is always a task to run, and whoever runs them must still tick).
   std::atomic<bool> stop{false};
   std::vector<std::thread> ts;
   for (int i = 0; i < 3; ++i)
     ts.emplace_back([&] {
       while (!stop) {
+        std::atomic<bool> ran{false};
         q.submit([&] {
           if (inside.fetch_add(1) != 0) ++overlap;
           std::this_thread::yield();
           inside.fetch_sub(1);
+          ran = true;
         });
+        q.drive_until([&] { return ran.load(); }, Clock::now() + kLong);
       }
     });
-  // Under a steady stream of tasks the queue is never empty: the tick must still come.
   const bool ticked = eventually([&] { return ticks.load() >= 5; });
   stop = true;
   for (auto& t : ts) t.join();
   EXPECT_TRUE(ticked);
   EXPECT_EQ(overlap.load(), 0);
+}
+
+// A long batch (a flood of tasks queued while one ran) still lets the tick in between its
+// tasks.
+TEST(ProgressQueue, TheTickComesInsideALongBatch) {
+  std::atomic<int> ran{0}, mid_batch_ticks{0};
+  constexpr int kFlood = 2000;
+  ProgressQueue q(
+      [&] {
+        const int r = ran.load();
+        if (r > 0 && r < kFlood) ++mid_batch_ticks;
+      },
+      1ms, "pq-test");
+  std::atomic<bool> release{false};
+  std::thread runner([&] {
+    q.submit([&] {
+      while (!release) std::this_thread::yield();  // holds the queue while the flood is queued
+    });
+  });
+  std::this_thread::sleep_for(5ms);  // set-up only: the first task is likely running
+  for (int i = 0; i < kFlood; ++i)
+    q.post(
+        [&] {
+          std::this_thread::sleep_for(50us);
+          ++ran;
+        },
+        /*wake=*/false);
+  release = true;
+  runner.join();  // its submit() ran the flood too: it was queued before the first task ended
+  ASSERT_TRUE(eventually([&] { return ran.load() == kFlood; }));
+  // >= 100 ms of tasks in one batch with a tick due every 1 ms: some ran between them (the
+  // queue's thread stays away while a runner runs, so only the runner can have run them).
+  EXPECT_GT(mid_batch_ticks.load(), 0);
 }
 
 // Posters, submitters and drivers together: every task runs exactly once, never two at a time,
@@ -198,6 +235,25 @@ TEST(ProgressQueue, ManyThreadsOneTaskAtATime) {
   for (auto& t : ts) t.join();
   EXPECT_EQ(overlap.load(), 0);
   q.submit([&] { EXPECT_EQ(plain_count, kThreads * kEach); });
+}
+
+// Two drivers; a task for driver B is posted just as driver A's own op completes. If the post
+// wakes A, A leaves without running it: it must reach B (the queue's thread stays away while
+// drivers wait, and the tick here never comes).
+TEST(ProgressQueue, ATaskADriverLeavesBehindReachesAnotherDriver) {
+  ProgressQueue q([] {}, 3600s, "pq-test");
+  for (int round = 0; round < 50; ++round) {
+    std::atomic<bool> a{false}, b{false};
+    std::atomic<bool> b_done{false};
+    std::thread driver_b([&] { b_done = q.drive_until([&] { return b.load(); }, Clock::now() + kLong); });
+    std::thread driver_a([&] { q.drive_until([&] { return a.load(); }, Clock::now() + kLong); });
+    std::this_thread::sleep_for(1ms);  // set-up only: both are likely waiting by now
+    a = true;                          // A's op completed elsewhere...
+    q.post([&] { b = true; });         // ...as B's completion is posted
+    driver_a.join();
+    driver_b.join();
+    ASSERT_TRUE(b_done.load()) << "round " << round;
+  }
 }
 
 TEST(ProgressQueue, CloseWaitsForTheRunningTaskAndLeavesTheRestToDrain) {
