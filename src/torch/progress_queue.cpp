@@ -28,7 +28,7 @@ ProgressQueue::~ProgressQueue() {
   }
 }
 
-void ProgressQueue::run_task(std::function<void()>& task) {
+void ProgressQueue::run_task(const std::function<void()>& task) {
   try {
     task();
   } catch (const std::exception& e) {
@@ -38,16 +38,19 @@ void ProgressQueue::run_task(std::function<void()>& task) {
   }
 }
 
+void ProgressQueue::tick_locked(std::unique_lock<std::mutex>& lk) {
+  next_tick_ = Clock::now() + period_;
+  lk.unlock();
+  run_task(tick_);
+  lk.lock();
+}
+
 void ProgressQueue::run_locked(std::unique_lock<std::mutex>& lk) {
   while (!closing_) {
     // The tick first when due: under a steady stream of tasks the queue is never empty, and
     // the mailbox's timeouts must still expire.
     if (Clock::now() >= next_tick_) {
-      next_tick_ = Clock::now() + period_;
-      lk.unlock();
-      std::function<void()> tick = tick_;
-      run_task(tick);
-      lk.lock();
+      tick_locked(lk);
       continue;
     }
     if (tasks_.empty()) break;
@@ -62,13 +65,10 @@ void ProgressQueue::run_locked(std::unique_lock<std::mutex>& lk) {
       // A long batch (many tasks queued while the last one ran) must not hold the tick off
       // either: look at the clock every few tasks.
       if (++i % 32 == 0 && Clock::now() >= tick_at) {
-        {
-          std::lock_guard<std::mutex> g(mu_);
-          next_tick_ = Clock::now() + period_;
-          tick_at = next_tick_;
-        }
-        std::function<void()> tick = tick_;
-        run_task(tick);
+        lk.lock();
+        tick_locked(lk);
+        tick_at = next_tick_;
+        lk.unlock();
       }
     }
     // The tasks hold tensors (their callbacks capture them); dropping the last reference to a

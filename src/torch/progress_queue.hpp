@@ -71,7 +71,9 @@ class ProgressQueue {
   // With `lk` held and running_ set by the caller: runs tasks (and the tick when due) until
   // none is queued; clears running_ and wakes drivers. Returns with `lk` held.
   void run_locked(std::unique_lock<std::mutex>& lk);
-  static void run_task(std::function<void()>& task);
+  // With `lk` held: schedules the next tick and runs this one without the lock.
+  void tick_locked(std::unique_lock<std::mutex>& lk);
+  static void run_task(const std::function<void()>& task);
 
   const std::function<void()> tick_;
   const std::chrono::milliseconds period_;
