@@ -33,6 +33,8 @@ def test_sendrecv_and_all_reduce_with_wakeups(tmp_path) -> None:
     assert len(rows) == 4, out[-6000:]
     wake = [l for l in r.stdout.splitlines() if l.startswith("# wake-ups per call, rank 0, ")]
     assert len(wake) == 8, out[-6000:]  # each row, sluice and gloo
-    # A blocking call puts rank 0's caller (the main thread, named after the interpreter) to
-    # sleep at least once, in both backends; the counts are "name n.n" pairs.
-    assert all(re.search(r": .*python[\w.]* \d+\.\d", l) for l in wake), wake
+    # Each line is "name n.n" pairs, most first, or "none". Which threads slept how often is a
+    # measurement, not a property: it is not asserted (a first version required the caller to
+    # sleep in every row and failed once in CI when a fast call completed without it).
+    pairs = re.compile(r": (none|[\w.-]+ \d+\.\d(, [\w.-]+ \d+\.\d)*)$")
+    assert all(pairs.search(l) for l in wake), wake
