@@ -25,6 +25,20 @@ import numpy as np
 # builds a 64 MiB pattern in about 3 s under emulation (driver.py, rdma section).
 FOOTPRINT = int(os.environ.get("PEERS_FOOTPRINT", 64 << 20))
 
+# Every engine's buffers are the same kind of memory: numpy's arrays of 4 MiB and more ask for
+# transparent huge pages (madvise), and native/peers_mem.h does the same for the C and C++
+# adapters and the ceilings. PEERS_HUGEPAGES=0 turns it off for all of them.
+HUGEPAGES = os.environ.get("PEERS_HUGEPAGES", "1") != "0"
+
+
+def use_hugepages(on: bool = HUGEPAGES) -> None:
+    """Makes numpy's large allocations ask for huge pages (or not), as peers_mem.h does."""
+    try:
+        from numpy._core import multiarray as ma  # numpy 2
+    except ImportError:  # numpy 1
+        from numpy.core import multiarray as ma
+    ma._set_madvise_hugepage(on)
+
 
 @dataclass(frozen=True)
 class Cell:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from common import FOOTPRINT, Cell, cells_to_json, make_cells  # noqa: E402
+from common import FOOTPRINT, HUGEPAGES, Cell, cells_to_json, make_cells  # noqa: E402
 
 ALL_OPS = ("read", "write", "send")
 
@@ -533,7 +533,7 @@ def main(argv=None) -> int:
             guest_wall = round(time.monotonic() - t0, 1)
     meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(t_start)), "host": platform.node(),
             "cpus": os.cpu_count(), "load_before": os.getloadavg(), "rounds": rounds, "quick": o.quick,
-            "footprint": FOOTPRINT, "channels": o.channels, "wall_s": round(time.time() - t_start, 1),
+            "footprint": FOOTPRINT, "hugepages": HUGEPAGES, "channels": o.channels, "wall_s": round(time.time() - t_start, 1),
             "not_run": {e.name: e.not_run for e in es if e.not_run}, "versions": vers,
             "engines": [{"name": e.name, "section": e.section, "ceiling": e.ceiling, "ops": list(e.ops)} for e in es]}
     if any(e.section == "rdma" for e in es):

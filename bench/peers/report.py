@@ -83,13 +83,20 @@ def cell_text(a: dict | None, what: str = "mbps") -> str:
     return f"{num(a[what])} [{num(lo)}–{num(hi)}]{star}" if a["ok"] > 1 else f"{num(a[what])}{star}"
 
 
+def hugepages_text(meta: dict) -> str:
+    if "hugepages" not in meta:  # runs before 2026-11-29: numpy's buffers had them, the native ones not
+        return ""
+    return f", {'with' if meta['hugepages'] else 'without'} transparent huge pages asked for every engine's buffers " \
+           f"(`PEERS_HUGEPAGES`)"
+
+
 def markdown(meta: dict, agg: dict, img_prefix: str | None) -> str:
     L = []
     L.append(f"Measured {meta['date']} on `{meta['host']}` ({meta['cpus']} CPUs; load average before the run "
              f"{', '.join(f'{x:.1f}' for x in meta['load_before'])}), {meta['rounds']} interleaved round(s)"
              f"{' (--quick)' if meta['quick'] else ''}, {meta['wall_s']} s. Cells: median MB/s (10^6 B/s) "
              f"[min–max over the rounds]; ✗ = the byte check failed; footprint {meta['footprint'] >> 20} MiB per "
-             f"side; Sluice with {meta['channels']} channels, ceilings with as many streams/threads (one at a "
+             f"side{hugepages_text(meta)}; Sluice with {meta['channels']} channels, ceilings with as many streams/threads (one at a "
              f"time for batch 1, concurrency 1).")
     L.append("")
     L.append("Versions: " + ", ".join(f"{k.replace('_peer', '')} {v}" for k, v in meta["versions"].items()) + ".")

@@ -12,7 +12,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import cells_from_json  # noqa: E402
+from common import cells_from_json, use_hugepages  # noqa: E402
 
 
 def main(argv: list[str]) -> int:
@@ -20,6 +20,7 @@ def main(argv: list[str]) -> int:
         sys.stderr.write(__doc__ + "\n")
         return 2
     module, role, settings = argv[0], argv[1], json.loads(argv[2])
+    use_hugepages()  # before any buffer: the same memory as the native adapters (common.py)
     with open(argv[3]) as f:
         cells = cells_from_json(f.read())
     mod = importlib.import_module(f"engines.{module}")

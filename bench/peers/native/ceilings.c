@@ -26,6 +26,8 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "peers_mem.h"
+
 static double now(void) {
   struct timespec t;
   clock_gettime(CLOCK_MONOTONIC, &t);
@@ -39,6 +41,7 @@ static void die(const char* what) {
 static size_t g_size, g_msgs, g_foot;
 static int g_n;
 static char *g_src, *g_dst;
+static char* g_remote;  // cma: the child's buffer, at its address in the child
 static pid_t g_child;
 static int g_mode;  // 0 tcp, 1 cma, 2 memcpy
 static int* g_socks;
@@ -68,7 +71,7 @@ static void* worker(void* arg) {
     if (g_mode == 0) {
       write_all(g_socks[t], g_src + off, g_size);
     } else if (g_mode == 1) {
-      struct iovec l = {g_dst + off, g_size}, r = {g_src + off, g_size};
+      struct iovec l = {g_dst + off, g_size}, r = {g_remote + off, g_size};
       if (process_vm_readv(g_child, &l, 1, &r, 1, 0) != (ssize_t)g_size) die("process_vm_readv");
     } else {
       memcpy(g_dst + off, g_src + off, g_size);
@@ -127,9 +130,8 @@ static int tcp(int pingpong) {
     pthread_t th[64];
     int n = pingpong ? 1 : g_n;
     size_t alloc = (g_foot + 4095) & ~(size_t)4095;
-    g_rbuf = aligned_alloc(4096, alloc);
-    if (!g_rbuf) die("aligned_alloc");
-    memset(g_rbuf, 0, alloc);  // its pages made before the clock starts, as the engines' are
+    g_rbuf = peers_alloc(alloc);  // zeroed: its pages made before the clock starts, as the engines' are
+    if (!g_rbuf) die("peers_alloc");
     for (int t = 0; t < n; t++) {
       int s = accept(ls, 0, 0);
       if (s < 0) die("accept");
@@ -185,8 +187,8 @@ int main(int argc, char** argv) {
   }
   signal(SIGPIPE, SIG_IGN);
   size_t alloc = (g_foot + 4095) & ~(size_t)4095;
-  g_src = aligned_alloc(4096, alloc), g_dst = aligned_alloc(4096, alloc);
-  if (!g_src || !g_dst) die("aligned_alloc");
+  g_src = peers_alloc(alloc), g_dst = peers_alloc(alloc);
+  if (!g_src || !g_dst) die("peers_alloc");
   memset(g_src, 3, alloc), memset(g_dst, 0, alloc);
   if (!strcmp(mode, "tcp")) return g_mode = 0, tcp(0);
   if (!strcmp(mode, "tcp-pingpong")) return g_mode = 0, g_n = 1, tcp(1);
@@ -195,14 +197,17 @@ int main(int argc, char** argv) {
     if (pipe(p)) die("pipe");
     g_child = fork();
     if (g_child == 0) {
-      memset(g_src, 5, alloc);  // the child's own pages (copy-on-write broken)
-      char x = 1;
-      write_all(p[1], &x, 1);
+      // A buffer of the child's own, allocated here: writing into the parent's copy-on-write
+      // pages would leave the child 4 KiB pages (the kernel splits a huge page on that fault),
+      // unlike an engine's region.
+      char* own = peers_alloc(alloc);
+      if (!own) die("peers_alloc");
+      memset(own, 5, alloc);
+      write_all(p[1], (const char*)&own, sizeof(own));
       pause();
       _exit(0);
     }
-    char x;
-    read_all(p[0], &x, 1);
+    read_all(p[0], (char*)&g_remote, sizeof(g_remote));
     g_mode = 1;
   } else if (!strcmp(mode, "memcpy")) {
     g_mode = 2;

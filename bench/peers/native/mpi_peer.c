@@ -12,6 +12,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "peers_mem.h"
+
 static void fill(unsigned char* p, size_t n, uint64_t seed) {  // = common.pattern
   for (size_t i = 0; i < n; i++) {
     uint64_t j = (uint64_t)i + seed;
@@ -32,8 +34,12 @@ int main(int argc, char** argv) {
   }
   size_t foot = strtoull(argv[2], 0, 0);
   unsigned char *local, *check, *win_buf;
-  local = malloc(foot), check = malloc(foot);
-  MPI_Alloc_mem(foot, MPI_INFO_NULL, &win_buf);
+  // The window is our memory, like every engine's region (MPI_Win_create takes any memory).
+  local = peers_alloc(foot), check = peers_alloc(foot), win_buf = peers_alloc(foot);
+  if (!local || !check || !win_buf) {
+    fprintf(stderr, "mpi_peer: cannot allocate %zu bytes\n", foot);
+    MPI_Abort(MPI_COMM_WORLD, 2);
+  }
   fill(local, foot, 0), fill(win_buf, foot, 0), memset(check, 0, foot);
   MPI_Win win;
   MPI_Win_create(win_buf, foot, 1, MPI_INFO_NULL, MPI_COMM_WORLD, &win);
@@ -132,8 +138,7 @@ int main(int argc, char** argv) {
   fclose(f);
   MPI_Win_unlock_all(win);
   MPI_Win_free(&win);
-  MPI_Free_mem(win_buf);
-  free(local), free(check);
+  free(win_buf), free(local), free(check);
   MPI_Finalize();
   return 0;
 }

@@ -26,6 +26,10 @@
 
 #include "sluice/sluice.hpp"
 
+extern "C" {
+#include "peers_mem.h"
+}
+
 namespace {
 
 constexpr const char* kName = "peers";
@@ -62,7 +66,7 @@ void must(const sluice::Status& st, const char* what) {
 struct Buffer {
   sluice::Engine& e;
   sluice::Allocation alloc;
-  std::unique_ptr<uint8_t[]> own;
+  std::unique_ptr<void, decltype(&std::free)> own{nullptr, &std::free};
   uint8_t* ptr = nullptr;
   sluice::MemoryHandle handle;
   Buffer(sluice::Engine& eng, uint64_t len, bool memfd, const std::string& name) : e(eng) {
@@ -71,8 +75,9 @@ struct Buffer {
       ptr = static_cast<uint8_t*>(alloc.ptr);
       handle = alloc.handle;
     } else {
-      own.reset(new uint8_t[len]());
-      ptr = own.get();
+      own.reset(peers_alloc(len));
+      if (!own) throw std::runtime_error("cannot allocate " + std::to_string(len) + " bytes");
+      ptr = static_cast<uint8_t*>(own.get());
       handle = e.register_memory(ptr, len, sluice::Location::host(), name);
     }
   }
