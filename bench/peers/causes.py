@@ -38,8 +38,18 @@ MiB = 1 << 20
 CAUSES: tuple[Cause, ...] = (
     Cause("cause-lone-small", "lone small operations on this 2-vCPU host run in one of two modes set by where the "
           "scheduler puts the threads (the same library: 366 or 2,010 MB/s for a lone 64 KiB tcp read); the cell "
-          "flips between runs of the same code", "loss", ("tcp", "shm"), ("read", "write", "send"), LONE,
+          "flips between runs of the same code", "loss", ("tcp",), ("read", "write", "send"), LONE,
           max_size=64 << 10),
+    Cause("cause-lone-small-shm", "lone 4 KiB shm operations run in one of two modes on this host (lone 4 KiB "
+          "SENDs: 2,100-2,700 or 490-630 MB/s, in two libraries alike); the cell flips between runs",
+          "loss", ("shm",), ("read", "write", "send"), LONE, max_size=4 << 10),
+    Cause("cause-vader-polls", "Open MPI's two processes poll (1.9 of the 2 vCPUs busy over 20,000 lone 1 MiB "
+          "SENDs, 73 us each); Sluice's threads sleep between the SEND_RTS, the copy and the SEND_ACK (89-120 us, "
+          "1.1-1.3 vCPUs); polling waiters (SLUICE_BUSY_WAIT_US) made the CMA SEND slower, not faster",
+          "loss", ("shm",), ("send",), LONE, min_size=64 << 10),
+    Cause("cause-lone-shm-loss", "vader's processes poll; a lone Sluice op wakes a copy-pool thread for its second "
+          "lane and then the waiter (15-20 us of a 70-75 us copy of 1 MiB here)", "loss", ("shm",),
+          ("read", "write"), LONE, min_size=MiB, max_size=MiB),
     Cause("cause-tcp-64k-batch", "varies between runs of the same code: Sluice's medians 1,956-3,587 MB/s, "
           "Mooncake's 1,378-2,321 (2026-11-28 10:44 against 2026-11-29 05:41); not profiled further",
           "loss", ("tcp",), ("read", "write"), ((64, 8),), min_size=64 << 10, max_size=64 << 10),
@@ -48,14 +58,18 @@ CAUSES: tuple[Cause, ...] = (
           "loss", ("tcp",), ("send",), ((64, 8), (64, 1), (1, 8)), min_size=MiB),
     Cause("cause-lone-tcp-lanes", "a lone op is split into one lane per channel; on 2 vCPUs the two lanes' four "
           "threads share two cores (one lane: 0.85-0.95 of the ping-pong); on a 16-core host the split "
-          "is as fast or faster (1 MiB: read 5,801 MB/s split, 5,083 on one channel; write 5,036 and 5,248)", "miss", ("tcp",), ("read", "write", "send"),
-          LONE, min_size=MiB, max_size=MiB),
-    Cause("cause-lone-shm", "a lone op pays a wake-up of a copy-pool thread and of the waiter: 15-20 µs against a "
-          "50-55 µs copy of 1 MiB on this host", "miss", ("shm",), ("read", "write"), LONE, min_size=MiB,
+          "is as fast or faster (1 MiB: read 5,801 MB/s split, 5,083 on one channel; write 5,036 and 5,248)",
+          "miss", ("tcp",), ("read", "write", "send"), LONE, min_size=MiB, max_size=MiB),
+    Cause("cause-lone-cma-write", "a peer's memory is never written by address (docs/security.md): the target "
+          "pulls the bytes, a request's round trip and a wake-up before the copy (lone 1 MiB: 178 us against "
+          "105 us for the READ in the same run)", "miss", ("shm",), ("write",), LONE, min_size=MiB,
+          max_size=MiB, engines=("cma",)),
+    Cause("cause-lone-shm", "a lone op pays a wake-up of a copy-pool thread and of the waiter: 15-20 us against a "
+          "50-75 us copy of 1 MiB on this host", "miss", ("shm",), ("read", "write"), LONE, min_size=MiB,
           max_size=MiB),
     Cause("cause-lone-shm-send", "a SEND_RTS frame wakes the receiver before the copy and a SEND_ACK wakes the "
-          "sender after it: two wake-ups around a 50 µs copy", "miss", ("shm",), ("send",), LONE, min_size=MiB,
-          max_size=MiB),
+          "sender after it: two wake-ups around a 50-75 us copy", "miss", ("shm",), ("send",), LONE,
+          min_size=MiB, max_size=MiB),
     Cause("cause-shm-send-batch", "the receiving process copies on four threads on 2 vCPUs (perf: 70 % of samples "
           "in memcpy); the 2-thread memcpy ceiling runs at 2.8x one thread here; the 16-batch cell measured "
           "0.68-0.90 when run alone", "miss", ("shm",), ("send",), ((64, 8),), min_size=MiB, max_size=MiB),
