@@ -464,6 +464,50 @@ TEST(ShmCopy, OperationsSplitBetweenTheSubmitterAndThePoolLandWhole) {
         }
 }
 
+// shm.take_back: after copying its first lane, the submitting thread copies the op's other
+// lanes that no pool thread has started. The engine's one pool thread is held (0.5 s) in another
+// endpoint's copy (shm.test_copy_delay_ms on that endpoint only), so a lone 1 MiB read's
+// second lane can only be copied by the submitting thread before that: with take_back the read
+// is complete when read() returns; without it, it is not (its lane waits for the pool), and it
+// completes once the pool is free. Every byte lands either way.
+TEST(ShmCopy, TheSubmitterTakesBackLanesThePoolHasNotStarted) {
+  for (bool take_back : {true, false}) {
+    EngineConfig cfg = engine_config("shm", 2, 10s);
+    cfg.stripe_threshold = 64 << 10;         // two lanes
+    cfg.options["shm.copy_threads"] = "1";   // one pool thread for both endpoints of `a`
+    cfg.options["shm.take_back"] = take_back ? "1" : "0";
+    Engine a(cfg), b(cfg), c(cfg);
+    constexpr uint64_t kBusy = 2 << 20, kLone = 1 << 20;
+    std::vector<uint8_t> la(kBusy), lb(kBusy), lc(kLone), rc(kLone);
+    std::mt19937_64 rng(35);
+    fill_random(lb.data(), lb.size(), rng);
+    fill_random(rc.data(), rc.size(), rng);
+    auto ha = a.register_memory(la.data(), la.size());
+    auto hc = a.register_memory(lc.data(), lc.size());
+    b.register_memory(lb.data(), lb.size(), Location::host(), "busy");
+    c.register_memory(rc.data(), rc.size(), Location::host(), "lone");
+    ::setenv("SLUICE_SHM_TEST_COPY_DELAY_MS", "500", 1);
+    Endpoint slow = a.connect(b.local_info());
+    ::unsetenv("SLUICE_SHM_TEST_COPY_DELAY_MS");  // read as the endpoints were made
+    auto pb = b.accept(5s);
+    Endpoint fast = a.connect(c.local_info());
+    auto pc = c.accept(5s);
+    ASSERT_TRUE(pb.has_value() && pc.has_value());
+    // Each endpoint has its peer's region described before the test (a lane waiting for a
+    // description would be parked, not copied).
+    ASSERT_TRUE(slow.read({{ha, 0, *slow.remote_region("busy"), 0, 4096}}).wait().ok());
+    ASSERT_TRUE(fast.read({{hc, 0, *fast.remote_region("lone"), 0, 4096}}).wait().ok());
+    // Above shm.inline_split_max: every lane of it goes to the pool, whose thread sleeps in it.
+    Future busy = slow.read({{ha, 0, *slow.remote_region("busy"), 0, kBusy}});
+    Future lone = fast.read({{hc, 0, *fast.remote_region("lone"), 0, kLone}});
+    EXPECT_EQ(lone.wait_for(0ns), take_back) << "take_back " << take_back;
+    ASSERT_TRUE(lone.wait().ok()) << lone.status().to_string();
+    EXPECT_EQ(0, std::memcmp(lc.data(), rc.data(), kLone));
+    ASSERT_TRUE(busy.wait().ok()) << busy.status().to_string();
+    EXPECT_EQ(0, std::memcmp(la.data(), lb.data(), kBusy));
+  }
+}
+
 // The eager ring (shm_eager.cpp): messages of every size from 0 to shm.eager_max, into recvs
 // posted before they arrive and into the stash, through a ring small enough (a 1 MiB grant:
 // 1 MiB + 64 KiB) that they wrap around it about eight times. Every byte must land in its own

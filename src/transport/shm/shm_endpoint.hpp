@@ -204,6 +204,9 @@ class ShmEndpoint final : public EndpointBase,
   void install(net::Socket sock);
   void enqueue(Job job);
   void run_here(Job& job);  // a small operation's lane, on the submitting thread
+  // shm.take_back. After its own lane: takes back the lanes of `op` that no pool thread has
+  // started yet (the pool's wake-up then costs the op nothing); false when none is left queued.
+  bool take_back(const std::shared_ptr<TransferOp>& op, Job& out);
   // mu_ held: puts this endpoint in the pool's ready list if it has work and is not there.
   void schedule_locked();
   void run_job(Job& job);
@@ -316,6 +319,7 @@ class ShmEndpoint final : public EndpointBase,
   const int put_delay_ms_;   // test only (shm.test_put_delay_ms): a copy into an offered recv too
   const uint64_t inline_max_;  // shm.inline_max
   const uint64_t inline_split_max_;  // shm.inline_split_max
+  const bool take_back_;             // shm.take_back
   const uint64_t split_min_;   // shm.send_split_min
   const uint64_t eager_max_;     // shm.eager_max: the largest eager SEND sent or taken
   const uint64_t eager_credit_;  // shm.eager_credit: eager bytes queued, either way, not yet taken
