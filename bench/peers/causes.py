@@ -47,8 +47,9 @@ CAUSES: tuple[Cause, ...] = (
           "SENDs, 73 us each); Sluice's threads sleep between the SEND_RTS, the copy and the SEND_ACK (89-120 us, "
           "1.1-1.3 vCPUs); polling waiters (SLUICE_BUSY_WAIT_US) made the CMA SEND slower, not faster",
           "loss", ("shm",), ("send",), LONE, min_size=64 << 10),
-    Cause("cause-lone-shm-loss", "vader's processes poll; a lone Sluice op wakes a copy-pool thread for its second "
-          "lane and then the waiter (15-20 us of a 70-75 us copy of 1 MiB here)", "loss", ("shm",),
+    Cause("cause-lone-shm-loss", "vader's processes poll; a lone Sluice op whose second lane a copy-pool thread "
+          "took pays that thread's wake-up and then the waiter's (15-20 us of a 70-75 us copy of 1 MiB here; "
+          "shm.take_back saves them only when the submitting thread gets there first)", "loss", ("shm",),
           ("read", "write"), LONE, min_size=MiB, max_size=MiB),
     Cause("cause-tcp-64k-batch", "varies between runs of the same code: Sluice's medians 1,956-3,587 MB/s, "
           "Mooncake's 1,378-2,321 (2026-11-28 10:44 against 2026-11-29 05:41); not profiled further",
@@ -64,8 +65,9 @@ CAUSES: tuple[Cause, ...] = (
           "pulls the bytes, a request's round trip and a wake-up before the copy (lone 1 MiB: 178 us against "
           "105 us for the READ in the same run)", "miss", ("shm",), ("write",), LONE, min_size=MiB,
           max_size=MiB, engines=("cma",)),
-    Cause("cause-lone-shm", "a lone op pays a wake-up of a copy-pool thread and of the waiter: 15-20 us against a "
-          "50-75 us copy of 1 MiB on this host", "miss", ("shm",), ("read", "write"), LONE, min_size=MiB,
+    Cause("cause-lone-shm", "a lone op whose second lane a copy-pool thread took pays that thread's wake-up and "
+          "the waiter's: 15-20 us against a 50-75 us copy of 1 MiB on this host (shm.take_back saves them when "
+          "the submitting thread gets there first)", "miss", ("shm",), ("read", "write"), LONE, min_size=MiB,
           max_size=MiB),
     Cause("cause-lone-shm-send", "a SEND_RTS frame wakes the receiver before the copy and a SEND_ACK wakes the "
           "sender after it: two wake-ups around a 50-75 us copy", "miss", ("shm",), ("send",), LONE,
