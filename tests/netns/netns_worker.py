@@ -66,6 +66,9 @@ class Worker:
                     raise
                 time.sleep(0.02)
         self.t_up = time.monotonic()
+        # A program joins the directory when its engine starts and registers its memory later;
+        # peers that reach it in between see no regions yet (the restart scenario widens this).
+        time.sleep(cfg.get("regions_after", 0.0))
         size = self.n * self.slot
         # wsrc: what we write (slot j -> engine j); src: what peers read (slot j is for engine j);
         # dst: where peers write (slot j from engine j); rd: where our reads land (slot j from j).
@@ -141,7 +144,10 @@ class Worker:
         mine = self.buf["wsrc"][lslot * s:(lslot + 1) * s]
         back = self.buf["rd"][lslot * s:(lslot + 1) * s]
         mine[:] = pattern("stream", self.index, rslot, seq, s)
-        dst = ep.remote_region("dst", refresh=False)
+        # As a caller would: the cached table first, fetched again only when it lacks the name.
+        # After a reconnection the table is the new incarnation's at its handshake, which can
+        # come before that process registered "dst" (it joins the directory first).
+        dst = ep.remote_region("dst")
         _finish(ep.write(self._batch(self.h["wsrc"], lslot, dst, rslot, 4)), wait, "write")
         back[:] = 0
         _finish(ep.read(self._batch(self.h["rd"], lslot, dst, rslot, 4)), wait, "read")
