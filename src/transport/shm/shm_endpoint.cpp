@@ -10,6 +10,7 @@
 #include "core/log.hpp"
 #include "core/params.hpp"
 #include "transport/common/control_frames.hpp"
+#include "transport/shm/bulk_copy.hpp"
 #include "transport/common/cma.hpp"
 #include "transport/shm/shm_test_describe.hpp"
 
@@ -56,6 +57,16 @@ const Param<bool> kTakeBack{"shm.take_back", "SLUICE_SHM_TAKE_BACK", true, boole
 const Param<uint64_t> kSendSplitMin{"shm.send_split_min", "SLUICE_SHM_SEND_SPLIT_MIN", 1 << 20, size_in(0, 1ull << 40),
                                     "a received SEND of at least this many bytes into a posted recv is copied in parts "
                                     "(of at least half this) by the receiving thread and the copy pool together; 0 = never"};
+
+// A plain copy reads every destination line before it writes it; into a large buffer of
+// another process's, which no cache of ours holds, that doubled the memory traffic (one 1 MiB
+// copy into a cold 64 MiB slot range: 88 us with memcpy, 49 with streaming stores; bulk_copy.hpp).
+const Param<uint64_t> kStreamCopyMin{"shm.stream_copy_min", "SLUICE_SHM_STREAM_COPY_MIN", 64 << 10,
+                                     size_in(0, 1ull << 40),
+                                     "a copy between this process's memory and a peer's mapped memfd region (a read, a "
+                                     "mapped write, a SEND into an offered recv or out of a mapped sender) of at least "
+                                     "this many bytes uses non-temporal stores, which do not read the destination into "
+                                     "the cache first (x86-64); 0 = never"};
 
 // A lone small SEND waited for a round trip (the receiver's thread woke, copied with
 // process_vm_readv and answered): 61 us for 4 KiB in the peers bench, where Open MPI's vader,
@@ -157,9 +168,9 @@ struct SendCopy {
 namespace {
 // One part of a SEND's copy: out of our mapping of the sender's memfd region, or with
 // process_vm_readv from the sender's address.
-Status copy_part(pid_t pid, uint8_t* dst, uint64_t src, const uint8_t* mapped, uint64_t len) {
+Status copy_part(pid_t pid, uint8_t* dst, uint64_t src, const uint8_t* mapped, uint64_t len, uint64_t stream_min) {
   if (!mapped) return cma::read(pid, {{dst, src, len}});
-  std::memcpy(dst, mapped, len);
+  bulk_copy(dst, mapped, len, stream_min);
   return Status::Ok();
 }
 }  // namespace
@@ -198,6 +209,7 @@ ShmEndpoint::ShmEndpoint(const EndpointSetup& s, Host& host, std::string peer_so
       inline_split_max_(kInlineSplitMax.get(s.config)),
       take_back_(kTakeBack.get(s.config)),
       split_min_(kSendSplitMin.get(s.config)),
+      stream_min_(kStreamCopyMin.get(s.config)),
       eager_max_(kEagerMax.get(s.config)),
       eager_credit_(kEagerCredit.get(s.config)),
       ring_eager_(kEagerRing.get(s.config)),
@@ -664,7 +676,7 @@ void ShmEndpoint::run_job(Job& job) {
   }
   if (job.kind == Job::kPart) {
     // Counted as a copy (copy_send) until the last part is done; job.send holds the mapping.
-    send_part_done(job.send, copy_part(pid_.load(), job.dst, job.src, job.mapped, job.len));
+    send_part_done(job.send, copy_part(pid_.load(), job.dst, job.src, job.mapped, job.len, stream_min_));
     return;
   }
   if (job.kind == Job::kServe) {
@@ -737,7 +749,7 @@ Status ShmEndpoint::run_read(const TransferOp& op, const Lane& lane) {
   for (size_t i = 0; i < lane.pieces.size(); ++i) {
     // Host memory: ours, or a StagingEndpoint's copy that it uploads once the op completed.
     const Piece& p = lane.pieces[i];
-    if (where[i].map) std::memcpy(p.local, where[i].map->base + p.remote_offset, p.length);
+    if (where[i].map) bulk_copy(p.local, where[i].map->base + p.remote_offset, p.length, stream_min_);
     else spans.push_back({p.local, where[i].addr + p.remote_offset, p.length});
   }
   if (!spans.empty())
@@ -771,7 +783,7 @@ Status ShmEndpoint::run_mapped_write(const TransferOp& op, const Lane& lane) {
   // Host memory (a CUDA piece arrives as a StagingEndpoint's host copy).
   for (size_t i = 0; i < lane.pieces.size(); ++i) {
     const Piece& p = lane.pieces[i];
-    std::memcpy(where[i].map->base + p.remote_offset, p.local, p.length);
+    bulk_copy(where[i].map->base + p.remote_offset, p.local, p.length, stream_min_);
   }
   // Our bytes went to the region's pages; if the owner withdrew it meanwhile they went to pages
   // it no longer maps (harmless to it) and the write did not happen as far as we can tell.
@@ -961,7 +973,7 @@ uint64_t ShmEndpoint::copy_send(MessageMatcher::Claim&& claim, uint64_t op_id, u
   // No shm.take_back here: a receiving thread that took back the parts of SENDs in a burst
   // copied whole messages instead of reading the next SEND_RTS for the pool (64 x 8 of 2-4 MiB
   // over CMA: 25-35 % slower) for a lone 1 MiB SEND's 5-25 % (docs/peers.md, "take back").
-  send_part_done(c, copy_part(pid_.load(), dst, addr, mapped, std::min(step, n)));
+  send_part_done(c, copy_part(pid_.load(), dst, addr, mapped, std::min(step, n), stream_min_));
   return std::min(step, n);
 }
 

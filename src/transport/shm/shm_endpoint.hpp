@@ -321,6 +321,7 @@ class ShmEndpoint final : public EndpointBase,
   const uint64_t inline_split_max_;  // shm.inline_split_max
   const bool take_back_;             // shm.take_back
   const uint64_t split_min_;   // shm.send_split_min
+  const uint64_t stream_min_;  // shm.stream_copy_min (bulk_copy.hpp)
   const uint64_t eager_max_;     // shm.eager_max: the largest eager SEND sent or taken
   const uint64_t eager_credit_;  // shm.eager_credit: eager bytes queued, either way, not yet taken
   std::atomic<uint64_t> send_credit_{0};     // eager bytes we may still queue to the peer

@@ -12,6 +12,7 @@
 #include <cstring>
 
 #include "transport/common/signal_target.hpp"
+#include "transport/shm/bulk_copy.hpp"
 #include "transport/shm/shm_endpoint.hpp"
 
 namespace sluice::detail::shm {
@@ -125,7 +126,7 @@ Status ShmEndpoint::run_post_write(const PostOp& op) {
     regions_.erase(p.remote_id);  // gone: forget its description and mapping
     return {ErrorCode::kUnknownHandle, "peer region " + std::to_string(p.remote_id) + " is no longer registered"};
   }
-  std::memcpy(where.map->base + p.remote_offset, p.local, p.length);
+  bulk_copy(where.map->base + p.remote_offset, p.local, p.length, stream_min_);
   // If the owner withdrew the region meanwhile the bytes went to pages only our mapping still
   // holds (harmless to it), and the write did not happen as far as we can tell.
   const bool still = leases_.still(where.slot, p.remote_id);
