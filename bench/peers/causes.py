@@ -68,16 +68,22 @@ CAUSES: tuple[Cause, ...] = (
           "pulls the bytes, a request's round trip and a wake-up before the copy (lone 1 MiB: 178 us against "
           "105 us for the READ in the same run)", "miss", ("shm",), ("write",), LONE, min_size=MiB,
           max_size=MiB, engines=("cma",)),
-    Cause("cause-lone-shm", "a lone op whose second lane a copy-pool thread took pays that thread's wake-up and "
-          "the waiter's: 15-20 us against a 50-75 us copy of 1 MiB on this host (shm.take_back saves them when "
-          "the submitting thread gets there first)", "miss", ("shm",), ("read", "write"), LONE, min_size=MiB,
-          max_size=MiB),
+    Cause("streaming-stores", "a lone op whose second lane a copy-pool thread took pays that thread's wake-up "
+          "and the waiter's: a lone 1 MiB memfd read ran 13,300-13,400 MB/s, and 18,500-19,400 copied whole on the "
+          "submitting thread (shm.inline_max 1 MiB) or with the waiter spinning (SLUICE_BUSY_WAIT_US 30-100); "
+          "neither is the default: whole copies cost 8 ops in flight 20 % here and a lone op 55 % on a 16-core host",
+          "miss", ("shm",), ("read", "write"), LONE, min_size=MiB, max_size=MiB),
     Cause("cause-lone-shm-send", "a SEND_RTS frame wakes the receiver before the copy and a SEND_ACK wakes the "
           "sender after it: two wake-ups around a 50-75 us copy", "miss", ("shm",), ("send",), LONE,
-          min_size=MiB, max_size=MiB),
-    Cause("cause-shm-send-batch", "the receiving process copies on four threads on 2 vCPUs (perf: 70 % of samples "
-          "in memcpy); the 2-thread memcpy ceiling runs at 2.8x one thread here; the 16-batch cell measured "
-          "0.68-0.90 when run alone", "miss", ("shm",), ("send",), ((64, 8),), min_size=MiB, max_size=MiB),
+          min_size=MiB, max_size=MiB, engines=("cma",)),
+    Cause("offered-send-modes", "the sender copies into the recv its peer offered, alone (one thread, the ceiling's "
+          "own copy) and then sends a frame; when it outruns the receiver's next offer the SEND goes as SEND_RTS "
+          "(uprobes, 6 runs of 265 lone 1 MiB SENDs: no SEND_RTS in 3, at 16,300-17,000 MB/s; 5-15 in the others, "
+          "at 6,400-12,300)", "miss", ("shm",), ("send",), LONE, min_size=MiB, max_size=MiB, engines=("memfd",)),
+    Cause("shm-send-batch-stream", "the receiving process's copies (reactor and copy pool, streaming stores) are "
+          "46 % of the 2 vCPUs' samples; the sender's loop, the receiver's recv loop and wake-ups take the rest "
+          "(sluice_peer alone: 19,309 MB/s against the 2-thread streaming copy's 23,700-26,800)", "miss", ("shm",),
+          ("send",), ((64, 8),), min_size=MiB, max_size=MiB),
 )
 
 

@@ -64,7 +64,7 @@ def test_a_ceiling_miss_is_matched_by_engine_and_shape():
     }
     _, misses = report.verdicts(m, agg)
     got = {d["op"]: d["cause"] and d["cause"].anchor for d in misses}
-    assert got == {"send": "cause-shm-send-batch", "write": None}
+    assert got == {"send": "shm-send-batch-stream", "write": None}
 
 
 def test_every_cause_has_its_anchor_in_docs_peers_md():
