@@ -60,6 +60,10 @@ CAUSES: tuple[Cause, ...] = (
     Cause("cause-tcp-send-stream", "a pair's SENDs keep their order on one TCP stream: 0.91-0.97 of one stream's "
           "rate; gloo also runs one stream per pair: 0.92 and 1.00 of gloo in the runs of 2026-11-28 and -29",
           "loss", ("tcp",), ("send",), ((64, 8), (64, 1), (1, 8)), min_size=MiB),
+    Cause("tcp-batch-python", "the Python adapter's cell: the same engine through the C++ adapter in the same run "
+          "met the bar (read 4,687 MB/s, 0.93; SEND 4,679, 0.94), and the Python row's range (read 3,908-5,250) "
+          "spans the ceiling's (4,971-5,041); its SENDs are 64 Python calls a batch on each side",
+          "miss", ("tcp",), ("read", "send"), ((64, 8),), min_size=MiB, max_size=MiB, engines=("sluice tcp",)),
     Cause("cause-lone-tcp-lanes", "a lone op is split into one lane per channel; on 2 vCPUs the two lanes' four "
           "threads share two cores (one lane: 0.85-0.95 of the ping-pong); on a 16-core host the split "
           "is as fast or faster (1 MiB: read 5,801 MB/s split, 5,083 on one channel; write 5,036 and 5,248)",
@@ -83,7 +87,11 @@ CAUSES: tuple[Cause, ...] = (
     Cause("shm-send-batch-stream", "the receiving process's copies (reactor and copy pool, streaming stores) are "
           "46 % of the 2 vCPUs' samples; the sender's loop, the receiver's recv loop and wake-ups take the rest "
           "(sluice_peer alone: 19,309 MB/s against the 2-thread streaming copy's 23,700-26,800)", "miss", ("shm",),
-          ("send",), ((64, 8),), min_size=MiB, max_size=MiB),
+          ("send",), ((64, 8),), min_size=MiB, max_size=MiB, engines=("memfd",)),
+    Cause("shm-send-batch-cma", "the receiving process's process_vm_readv copies (reactor and copy pool) are 56 % "
+          "of the 2 vCPUs' samples (perf); sluice_peer alone 12,773 MB/s against the 2-thread CMA ceiling's "
+          "15,100 run right after (0.85); the run's ceiling ranged 17,125-28,055", "miss", ("shm",), ("send",),
+          ((64, 8),), min_size=MiB, max_size=MiB, engines=("cma",)),
 )
 
 
