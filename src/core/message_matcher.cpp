@@ -16,11 +16,16 @@ Status truncation(uint64_t length, uint64_t capacity) {
 }
 
 // The stashed bytes (host memory) into the recv's buffer, which may be device memory (a tcp
-// recv into a CUDA region: a host memcpy there was a segfault).
-Status copy_into_recv(MessageOp& op, const uint8_t* src, uint64_t n) {
+// recv into a CUDA region: a host memcpy there was a segfault). Bytes stashed in place are
+// copied by the transport that holds them (CreditSink::copy_held), if it is still there.
+Status copy_into_recv(MessageOp& op, const StashSlot& msg, const uint8_t* src, uint64_t n) {
   const RegionEntry* e = op.pin.get();
   if (!e || e->location.is_host()) {
-    std::memcpy(op.ptr, src, n);
+    auto holder = msg.held ? msg.sink.lock() : nullptr;
+    if (holder)
+      holder->copy_held(op.ptr, src, n);
+    else
+      std::memcpy(op.ptr, src, n);
     return Status::Ok();
   }
   const DeviceMemoryHooks* hooks = device_memory_hooks();
@@ -41,7 +46,7 @@ void MessageMatcher::finish_recv(MessageOp& op, const StashSlot& msg) {
   // rest was never written).
   const uint64_t have = msg.held ? msg.length : std::min<uint64_t>(msg.length, msg.data.size());
   uint64_t n = msg.status.ok() ? std::min(op.length, have) : 0;
-  const Status copied = n ? copy_into_recv(op, msg.held ? msg.held : msg.data.data(), n) : Status::Ok();
+  const Status copied = n ? copy_into_recv(op, msg, msg.held ? msg.held : msg.data.data(), n) : Status::Ok();
   op.future->set_bytes(copied.ok() ? n : 0);
   if (!msg.status.ok())
     op.future->complete(msg.status);

@@ -5,6 +5,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <cstring>
 #include <deque>
 #include <memory>
 #include <mutex>
@@ -26,6 +27,10 @@ class CreditSink {
   // A message stashed in place (StashSlot::held) was copied out: its bytes up to `end` in the
   // transport's memory may be reused. Called before release_credit() for the same message.
   virtual void release_held(uint64_t end) { (void)end; }
+  // Copies n bytes of a message stashed in place (StashSlot::held) into a host recv: the
+  // transport that holds that memory knows how best to copy out of it (shm streams large
+  // copies out of its eager ring, bulk_copy.hpp).
+  virtual void copy_held(void* dst, const void* src, uint64_t n) { std::memcpy(dst, src, n); }
 };
 
 // A message that arrived before its recv; `ready` once all its bytes have landed. A recv

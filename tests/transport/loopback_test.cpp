@@ -517,10 +517,13 @@ TEST(ShmCopy, TheSubmitterTakesBackLanesThePoolHasNotStarted) {
 // next) fits the grant and the ring, less the eighth of the grant a receiver may still owe, so
 // most must have gone through the ring (the test seam counts them). Without waiting for the
 // CREDIT frame, a loaded host sent a chunk as rendezvous now and then (126 of 244 by the ring
-// in one of twelve runs two at a time).
-TEST(ShmEager, RingCarriesMessagesOfEverySizeAcrossItsWrap) {
+// in one of twelve runs two at a time). Run with shm.stream_copy_min at its default (only the
+// 64 KiB messages stream into and out of the ring, bulk_copy.hpp) and at 1 (every message
+// does, at every offset the random layout gives it).
+static void ring_carries_every_size(const char* stream_copy_min) {
   EngineConfig c = engine_config("shm", 2, 10s);
   c.options["shm.eager_credit"] = std::to_string(1 << 20);
+  if (stream_copy_min) c.options["shm.stream_copy_min"] = stream_copy_min;
   Engine a(c);
   Engine b(c);
   constexpr uint64_t kLen = 8 << 20;
@@ -579,6 +582,10 @@ TEST(ShmEager, RingCarriesMessagesOfEverySizeAcrossItsWrap) {
   const uint64_t ring = detail::shm::test_ring_messages_served() - start - syncs;
   EXPECT_GT(ring, msgs.size() / 2) << "only " << ring << " of " << msgs.size() << " messages went through the ring";
 }
+
+TEST(ShmEager, RingCarriesMessagesOfEverySizeAcrossItsWrap) { ring_carries_every_size(nullptr); }
+
+TEST(ShmEager, RingCarriesMessagesOfEverySizeAcrossItsWrapStreamingEveryCopy) { ring_carries_every_size("1"); }
 
 // An eager SEND to a peer that has closed must fail, not complete: its frame goes nowhere.
 // Sent at once after the peer's close, before this side may have seen the close on its

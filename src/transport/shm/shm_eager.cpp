@@ -7,7 +7,10 @@
 //   SEND_RING frame of 56 bytes; the receiver copies it out, into the posted recv or the
 //   stash, as the frame arrives. Two memcpys instead of a copy into the socket and one out
 //   of it, which for 64 KiB were most of the time a message took (perf: the socket's copy
-//   into fresh skb pages alone was 22% of the profile);
+//   into fresh skb pages alone was 22% of the profile). Both copies stream from
+//   shm.stream_copy_min (bulk_copy.hpp): 64 KiB SENDs 64 x 8 moved 15-20% more, lone ones
+//   10-25% (2 vCPUs, docs/peers.md), the ring and the recvs being too large for the cache to
+//   keep what the other side reads next;
 // - with the bytes in the SEND frame itself, until the ring is mapped or while it has no room.
 // The receiver enforces its own grant and takes ring messages only at the position that
 // follows the last one, so a peer that ignores either is refused; it never reads outside
@@ -20,6 +23,7 @@
 
 #include "core/log.hpp"
 #include "core/memfd.hpp"
+#include "transport/shm/bulk_copy.hpp"
 #include "transport/shm/shm_endpoint.hpp"
 #include "transport/shm/shm_ring.hpp"
 #include "transport/shm/shm_test_ring.hpp"
@@ -124,7 +128,7 @@ ShmEndpoint::Placed ShmEndpoint::place_in_ring(const MessageOp& op, FrameHeader*
   const uint64_t size = tx_data_;
   const uint64_t pos = ring_place(tx_head_, op.length, size);
   if (pos + op.length - tx_tail_.load(std::memory_order_acquire) > size) return Placed::kNo;  // no room yet
-  std::memcpy(tx_ring_->base + pos % size, op.ptr, op.length);
+  bulk_copy(tx_ring_->base + pos % size, op.ptr, op.length, stream_min_);
   tx_head_ = pos + op.length;
   if (tx_slots_) {
     auto* desc = reinterpret_cast<RingDesc*>(tx_ring_->base + size);
@@ -337,7 +341,7 @@ Status ShmEndpoint::serve_ring_message(uint64_t seq, uint64_t n, uint64_t pos) {
   } else {
     if (claim.dest) {
       if (begin_copy()) {
-        std::memcpy(claim.dest, src, std::min(n, claim.capacity));
+        bulk_copy(claim.dest, src, std::min(n, claim.capacity), stream_min_);
         end_copy();
       } else {
         st = {ErrorCode::kCancelled, "endpoint closed"};
@@ -381,6 +385,10 @@ void ShmEndpoint::ring_done(uint64_t end) {
 }
 
 void ShmEndpoint::release_held(uint64_t end) { ring_done(end); }
+
+// A ring message a recv took after it landed: out of the ring into the recv, streamed like the
+// copy of one that found its recv posted (serve_ring_message).
+void ShmEndpoint::copy_held(void* dst, const void* src, uint64_t n) { bulk_copy(dst, src, n, stream_min_); }
 
 uint64_t test_ring_messages_served() { return g_ring_served.load(std::memory_order_relaxed); }
 

@@ -173,6 +173,7 @@ class ShmEndpoint final : public EndpointBase,
   void release_credit(uint64_t bytes) override;
   // A message the matcher stashed in our eager ring was copied out (serve_ring).
   void release_held(uint64_t end) override;
+  void copy_held(void* dst, const void* src, uint64_t n) override;
   // RecvOfferer (shm_offer.cpp): a recv that waits for its message, in a region of ours the
   // peer can map, is offered to the peer in our eager ring.
   void offer(MessageOp& recv, uint64_t seq, uint64_t incoming) override;
