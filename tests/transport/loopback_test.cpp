@@ -547,6 +547,7 @@ static void ring_carries_every_size(const char* stream_copy_min) {
   }
   ASSERT_GT(detail::shm::test_ring_messages_served(), before) << "the sender never used the receiver's eager ring";
   const uint64_t start = detail::shm::test_ring_messages_served();
+  const uint64_t held_before = detail::shm::test_ring_messages_held();
   std::vector<std::pair<uint64_t, uint64_t>> msgs;  // offset, length
   for (uint64_t off = 64, i = 0; off < kLen - 65536 * 2; ++i) {
     uint64_t n = i % 97 == 0 ? 0 : i % 13 == 0 ? 65536 : 1 + rng() % 65536;
@@ -562,8 +563,17 @@ static void ring_carries_every_size(const char* stream_copy_min) {
       for (size_t i = sent; i < end; ++i) recvs.push_back(peer->recv(hb, msgs[i].first, msgs[i].second));
     };
     if (chunk % 2 == 0) post_recvs();  // posted first: straight into the recv; else stashed
+    const uint64_t served = detail::shm::test_ring_messages_served();
     for (size_t i = sent; i < end; ++i) sends.push_back(ep.send(ha, msgs[i].first, msgs[i].second));
-    if (chunk % 2 == 1) post_recvs();
+    if (chunk % 2 == 1) {
+      // Let the receiver take the chunk's ring messages before any recv is posted, so that
+      // they stay in the ring and the recvs copy them out (copy_held); bounded, as some of
+      // them may have gone in their frames or as rendezvous.
+      for (auto until = std::chrono::steady_clock::now() + 200ms;
+           detail::shm::test_ring_messages_served() - served < end - sent && std::chrono::steady_clock::now() < until;)
+        std::this_thread::sleep_for(1ms);
+      post_recvs();
+    }
     for (size_t i = 0; i < sends.size(); ++i)
       ASSERT_TRUE(sends[i].wait().ok()) << "send " << sent + i << ": " << sends[i].status().to_string();
     for (size_t i = 0; i < recvs.size(); ++i) {
@@ -581,6 +591,9 @@ static void ring_carries_every_size(const char* stream_copy_min) {
         << "message " << i << " (" << msgs[i].second << " bytes at " << msgs[i].first << ")";
   const uint64_t ring = detail::shm::test_ring_messages_served() - start - syncs;
   EXPECT_GT(ring, msgs.size() / 2) << "only " << ring << " of " << msgs.size() << " messages went through the ring";
+  // About half the messages come before their recvs; most of those must have waited in the ring.
+  const uint64_t held = detail::shm::test_ring_messages_held() - held_before;
+  EXPECT_GT(held, msgs.size() / 8) << "only " << held << " of " << msgs.size() << " messages waited in the ring for their recv";
 }
 
 TEST(ShmEager, RingCarriesMessagesOfEverySizeAcrossItsWrap) { ring_carries_every_size(nullptr); }

@@ -32,6 +32,7 @@ namespace sluice::detail::shm {
 namespace {
 
 std::atomic<uint64_t> g_ring_served{0};  // test_ring_messages_served()
+std::atomic<uint64_t> g_ring_held{0};    // test_ring_messages_held()
 
 // What an eager message holds of the receiver's grant: its bytes and its frame header, so
 // that empty messages are bounded too.
@@ -335,6 +336,7 @@ Status ShmEndpoint::serve_ring_message(uint64_t seq, uint64_t n, uint64_t pos) {
     // it from here, then release_held), the room it holds counted in the peer's grant like
     // any stashed eager message.
     ring_hold(end);
+    g_ring_held.fetch_add(1, std::memory_order_relaxed);
     claim.stash->held = src;
     claim.stash->held_end = end;
     claim.stash->held_keep = rx_ring_map_;
@@ -391,5 +393,6 @@ void ShmEndpoint::release_held(uint64_t end) { ring_done(end); }
 void ShmEndpoint::copy_held(void* dst, const void* src, uint64_t n) { bulk_copy(dst, src, n, stream_min_); }
 
 uint64_t test_ring_messages_served() { return g_ring_served.load(std::memory_order_relaxed); }
+uint64_t test_ring_messages_held() { return g_ring_held.load(std::memory_order_relaxed); }
 
 }  // namespace sluice::detail::shm

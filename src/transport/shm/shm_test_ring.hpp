@@ -7,6 +7,8 @@
 namespace sluice::detail::shm {
 
 uint64_t test_ring_messages_served();
+// Of those, how many landed before their recv and stayed in the ring until one took them.
+uint64_t test_ring_messages_held();
 // How many SENDs this process copied into recvs its peers offered (shm_offer.cpp).
 uint64_t test_offered_sends();
 // Test only: a receiver's offer() hands each slot it just wrote (for message `seq`) to `f`,
