@@ -64,9 +64,10 @@ const Param<uint64_t> kSendSplitMin{"shm.send_split_min", "SLUICE_SHM_SEND_SPLIT
 const Param<uint64_t> kStreamCopyMin{"shm.stream_copy_min", "SLUICE_SHM_STREAM_COPY_MIN", 64 << 10,
                                      size_in(0, 1ull << 40),
                                      "a copy between this process's memory and a peer's mapped memfd region (a read, a "
-                                     "mapped write, a SEND into an offered recv or out of a mapped sender) of at least "
-                                     "this many bytes uses non-temporal stores, which do not read the destination into "
-                                     "the cache first (x86-64); 0 = never"};
+                                     "mapped write, a SEND into an offered recv or out of a mapped sender, an eager "
+                                     "SEND into or out of the receiver's eager ring) of at least this many bytes uses "
+                                     "non-temporal stores, which do not read the destination into the cache first "
+                                     "(x86-64); 0 = never"};
 
 // A lone small SEND waited for a round trip (the receiver's thread woke, copied with
 // process_vm_readv and answered): 61 us for 4 KiB in the peers bench, where Open MPI's vader,
