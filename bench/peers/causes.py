@@ -43,6 +43,10 @@ CAUSES: tuple[Cause, ...] = (
     Cause("cause-lone-small-shm", "lone 4 KiB shm operations run in one of two modes on this host (lone 4 KiB "
           "SENDs: 2,100-2,700 or 490-630 MB/s, in two libraries alike); the cell flips between runs",
           "loss", ("shm",), ("read", "write", "send"), LONE, max_size=4 << 10),
+    Cause("eager-ring-lone-64k", "a near tie: over 100,000 lone 64 KiB SENDs (C++ adapter, right after the run), "
+          "Sluice 8.3-8.5 us each over memfd and CMA alike (an eager SEND: two streaming copies through the "
+          "receiver's ring, 0.5 context switches a message), vader 7.6-8.4 us (it polls: 0.03)", "loss", ("shm",),
+          ("send",), LONE, min_size=64 << 10, max_size=64 << 10),
     Cause("cause-vader-polls", "Open MPI's two processes poll (1.9 of the 2 vCPUs busy over 20,000 lone 1 MiB "
           "SENDs, 73 us each); Sluice's threads sleep between the SEND_RTS, the copy and the SEND_ACK (89-120 us, "
           "1.1-1.3 vCPUs); polling waiters (SLUICE_BUSY_WAIT_US) made the CMA SEND slower, not faster",
@@ -64,6 +68,13 @@ CAUSES: tuple[Cause, ...] = (
           "met the bar (read 4,687 MB/s, 0.93; SEND 4,679, 0.94), and the Python row's range (read 3,908-5,250) "
           "spans the ceiling's (4,971-5,041); its SENDs are 64 Python calls a batch on each side",
           "miss", ("tcp",), ("read", "send"), ((64, 8),), min_size=MiB, max_size=MiB, engines=("sluice tcp",)),
+    Cause("tcp-send-64m-spread", "one 64 MiB SEND a sample (the 64 MiB budget); 7 interleaved rounds of 8 right "
+          "after (512 MiB budget): Sluice 4,686 MB/s (C++ adapter 4,588) against gloo's 4,065, 1.13-1.15",
+          "loss", ("tcp",), ("send",), LONE, min_size=64 * MiB, max_size=64 * MiB),
+    Cause("shm-lone-16m-read-spread", "the run's three samples (16 ops each) ranged 12,951-17,201 MB/s; sluice_peer "
+          "alone right after, 5 runs of 64 lone 16 MiB memfd reads alternating with the ceiling's 1-thread streaming "
+          "copy: 17,998-24,550 against 20,023-23,000 (0.87-1.07)", "miss", ("shm",), ("read",), LONE,
+          min_size=16 * MiB, max_size=16 * MiB, engines=("c++ shm memfd",)),
     Cause("cause-lone-tcp-lanes", "a lone op is split into one lane per channel; on 2 vCPUs the two lanes' four "
           "threads share two cores (one lane: 0.85-0.95 of the ping-pong); on a 16-core host the split "
           "is as fast or faster (1 MiB: read 5,801 MB/s split, 5,083 on one channel; write 5,036 and 5,248)",
