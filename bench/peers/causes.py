@@ -51,8 +51,10 @@ CAUSES: tuple[Cause, ...] = (
           "SENDs, 73 us each); Sluice's threads sleep between the SEND_RTS, the copy and the SEND_ACK (89-120 us, "
           "1.1-1.3 vCPUs); polling waiters (SLUICE_BUSY_WAIT_US) made the CMA SEND slower, not faster",
           "loss", ("shm",), ("send",), LONE, min_size=64 << 10),
-    Cause("cause-lone-shm-read-64k", "a near tie: over 100,000 lone 64 KiB CMA READs, Sluice's C++ adapter 7.81 us "
-          "each with 1.04 vCPUs busy, vader 7.66 us with 1.56 (2 % apart); the rest is the short cell's spread",
+    Cause("cause-lone-shm-read-64k", "over 100,000 lone 64 KiB READs (C++ adapter) memfd moves 15,165-15,392 MB/s "
+          "against vader's 8,912-9,766 (1.55-1.70x), CMA 7,671-8,412 (7.81 against 7.66 us a READ); the cell's "
+          "1,000 READs are the C++ adapter's first pass over a fresh mapping and, for the Python adapter, 1,000 "
+          "Python calls",
           "loss", ("shm",), ("read",), LONE, min_size=64 << 10, max_size=64 << 10),
     Cause("cause-lone-shm-loss", "vader's processes poll; a lone Sluice op whose second lane a copy-pool thread "
           "took pays that thread's wake-up and then the waiter's (15-20 us of a 70-75 us copy of 1 MiB here; "
