@@ -54,6 +54,16 @@ const Param<bool> kTakeBack{"shm.take_back", "SLUICE_SHM_TAKE_BACK", true, boole
                             "a submitting thread that copied its operation's first lane (shm.inline_split_max) "
                             "then copies the operation's other lanes that no copy-pool thread has started yet, "
                             "instead of waiting for them; false = they stay with the pool"};
+// A waiter slept while a pool thread copied its operation, and was woken after: a lone 256 KiB
+// read moved 4.0-4.9 GB/s on 2 vCPUs (one pool lane, its wake-up and then the waiter's), 7.0-7.5
+// with its waiter polling; a lone 1 MiB read 12.1-13.8 and 18.5-19.2; 8 in flight unchanged
+// (docs/peers.md, "Waiters of pool copies poll"). Bounded by the time the copy should take, at
+// 4 GB/s, so a waiter that a busy host keeps from its copy sleeps soon.
+const Param<int> kPoolWait{"shm.pool_wait_us", "SLUICE_SHM_POOL_WAIT_US", -1, int_in(-1, 100000),
+                           "the waiter of an operation larger than shm.inline_max and at most shm.inline_split_max, "
+                           "which the copy pool copies (all of it, or the lanes besides the submitting thread's), "
+                           "polls for its completion this many microseconds before sleeping; -1 = 20 plus the "
+                           "operation's bytes at 4 GB/s (85 us for 256 KiB); 0 = as any waiter (busy_wait_us)"};
 const Param<uint64_t> kSendSplitMin{"shm.send_split_min", "SLUICE_SHM_SEND_SPLIT_MIN", 1 << 20, size_in(0, 1ull << 40),
                                     "a received SEND of at least this many bytes into a posted recv is copied in parts "
                                     "(of at least half this) by the receiving thread and the copy pool together; 0 = never"};
@@ -209,6 +219,8 @@ ShmEndpoint::ShmEndpoint(const EndpointSetup& s, Host& host, std::string peer_so
       inline_max_(kInlineMax.get(s.config)),
       inline_split_max_(kInlineSplitMax.get(s.config)),
       take_back_(kTakeBack.get(s.config)),
+      pool_wait_(kPoolWait.get(s.config)),
+      busy_wait_(busy_wait_of(s.config)),
       split_min_(kSendSplitMin.get(s.config)),
       stream_min_(kStreamCopyMin.get(s.config)),
       eager_max_(kEagerMax.get(s.config)),
@@ -406,6 +418,12 @@ void ShmEndpoint::submit(std::shared_ptr<TransferOp> op) {
     // rather than waited for (a pool thread that wakes late finds nothing to do).
     if (take_back_)
       while (take_back(op, j)) run_here(j);
+  }
+  // What is left is the pool's: its waiter polls about as long as that copy should take
+  // (shm.pool_wait_us) instead of sleeping through a pool thread's wake-up and its own.
+  if (!here && op->bytes <= inline_split_max_ && pool_wait_ != 0 && op->future && !op->future->done()) {
+    const auto us = std::chrono::microseconds(pool_wait_ > 0 ? pool_wait_ : 20 + static_cast<int64_t>(op->bytes / 4000));
+    op->future->set_busy_wait(std::max(us, busy_wait_));
   }
 }
 

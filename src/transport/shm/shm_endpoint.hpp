@@ -15,6 +15,7 @@
 #include <sys/types.h>
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <deque>
 #include <memory>
@@ -321,6 +322,8 @@ class ShmEndpoint final : public EndpointBase,
   const uint64_t inline_max_;  // shm.inline_max
   const uint64_t inline_split_max_;  // shm.inline_split_max
   const bool take_back_;             // shm.take_back
+  const int pool_wait_;              // shm.pool_wait_us
+  const std::chrono::microseconds busy_wait_;  // EngineConfig::busy_wait_us, resolved
   const uint64_t split_min_;   // shm.send_split_min
   const uint64_t stream_min_;  // shm.stream_copy_min (bulk_copy.hpp)
   const uint64_t eager_max_;     // shm.eager_max: the largest eager SEND sent or taken
