@@ -55,8 +55,8 @@ const Param<bool> kTakeBack{"shm.take_back", "SLUICE_SHM_TAKE_BACK", true, boole
                             "then copies the operation's other lanes that no copy-pool thread has started yet, "
                             "instead of waiting for them; false = they stay with the pool"};
 // A waiter slept while a pool thread copied its operation, and was woken after: a lone 256 KiB
-// read moved 4.0-4.9 GB/s on 2 vCPUs (one pool lane, its wake-up and then the waiter's), 7.0-7.5
-// with its waiter polling; a lone 1 MiB read 12.1-13.8 and 18.5-19.2; 8 in flight unchanged
+// read moved 4.1-4.2 GB/s on 2 vCPUs (one pool lane, its wake-up and then the waiter's), 6.6-6.7
+// with its waiter polling; a lone 1 MiB read 12.4-12.9 and 16.0-17.3; 8 in flight no worse
 // (docs/peers.md, "Waiters of pool copies poll"). Bounded by the time the copy should take, at
 // 4 GB/s, so a waiter that a busy host keeps from its copy sleeps soon.
 const Param<int> kPoolWait{"shm.pool_wait_us", "SLUICE_SHM_POOL_WAIT_US", -1, int_in(-1, 100000),
