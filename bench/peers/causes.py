@@ -47,6 +47,9 @@ CAUSES: tuple[Cause, ...] = (
           "Sluice 8.3-8.5 us each over memfd and CMA alike (an eager SEND: two streaming copies through the "
           "receiver's ring, 0.5 context switches a message), vader 7.6-8.4 us (it polls: 0.03)", "loss", ("shm",),
           ("send",), LONE, min_size=64 << 10, max_size=64 << 10),
+    Cause("rdma-64k-batch-spread", "inside the emulated guest; 5 interleaved rounds right after the run: Sluice "
+          "78.8 MB/s (77.5-82.2), Mooncake 73.5 (52.4-75.8), perftest 78.8; the run's 3 rounds had one of Sluice's "
+          "at 56.1", "loss", ("rdma",), ("read",), ((16, 4),), min_size=64 << 10, max_size=64 << 10),
     Cause("cause-vader-polls", "Open MPI's two processes poll (1.9 of the 2 vCPUs busy over 20,000 lone 1 MiB "
           "SENDs, 73 us each); Sluice's threads sleep between the SEND_RTS, the copy and the SEND_ACK (89-120 us, "
           "1.1-1.3 vCPUs); polling waiters (SLUICE_BUSY_WAIT_US) made the CMA SEND slower, not faster",
@@ -85,11 +88,10 @@ CAUSES: tuple[Cause, ...] = (
           "pulls the bytes, a request's round trip and a wake-up before the copy (lone 1 MiB: 178 us against "
           "105 us for the READ in the same run)", "miss", ("shm",), ("write",), LONE, min_size=MiB,
           max_size=MiB, engines=("cma",)),
-    Cause("streaming-stores", "a lone op whose second lane a copy-pool thread took pays that thread's wake-up "
-          "and the waiter's: a lone 1 MiB memfd read ran 13,300-13,400 MB/s, and 18,500-19,400 copied whole on the "
-          "submitting thread (shm.inline_max 1 MiB) or with the waiter spinning (SLUICE_BUSY_WAIT_US 30-100); "
-          "neither is the default: whole copies cost 8 ops in flight 20 % here and a lone op 55 % on a 16-core host",
-          "miss", ("shm",), ("read", "write"), LONE, min_size=MiB, max_size=MiB),
+    Cause("pool-wait", "a lone 1 MiB memfd op's second lane waits for a copy-pool thread to wake (its waiter now "
+          "polls meanwhile, shm.pool_wait_us); sluice_peer alone, 5 runs of 1,000 lone reads each beside the "
+          "ceiling's 1-thread streaming copy: 14,844-16,940 MB/s against 17,474-20,474 (0.79-0.88)",
+          "miss", ("shm",), ("read", "write"), LONE, min_size=MiB, max_size=MiB, engines=("memfd",)),
     Cause("cause-lone-shm-send", "a SEND_RTS frame wakes the receiver before the copy and a SEND_ACK wakes the "
           "sender after it: two wake-ups around a 50-75 us copy", "miss", ("shm",), ("send",), LONE,
           min_size=MiB, max_size=MiB, engines=("cma",)),
