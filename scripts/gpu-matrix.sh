@@ -20,7 +20,8 @@
 #           + matmul (tools/sluice-gpu-bench/ag_gemm_bench.py): 2 ranks intra-node, issue 14's
 #           shapes, bf16 and fp16, chunks 2/4/8, with an SM-carveout variant; 2 ranks forced
 #           inter (HierAllGather, --quick), also with NCCL on sockets; 4 ranks when the host has
-#           them; the example under torchrun, intra and inter, graph and eager. Not yet run.
+#           them; the example under torchrun, intra and inter, graph and eager (203 s on 2xH200:
+#           give it STAGE_TIMEOUT >= 240)
 #   port    sluice-port-bench (port channel vs the copy engine, ping-pong, request rate), the
 #           batched nvlink post path and nvlink.post_batch=false interleaved, 2 rounds each
 #   nvlink  sluice-gpu-bench (nvlink transport vs cudaMemcpyPeerAsync)
@@ -43,7 +44,9 @@
 # PyPI is reachable; the GPU machine reaches nothing); STAGE_TIMEOUT = seconds per stage
 # (default 900). Measured on 4xH200 (2026-11-27): info+cxx+ag+port+nvlink 57 s, wheel 391 s
 # (one job at a time then: see JOBS below),
-# torch (2 and 4 ranks) 167 s, tbench 25 s, ce 197 s.
+# torch (2 and 4 ranks) 167 s, tbench 25 s, ce 197 s. On 2xH200 (2026-11-29): info 7 s, wheel
+# 53 s, cebench 92 s, nvlink 9 s, ce 162 s, tbench 18 s, torch 96 s, cxx 6 s, port 67 s, ag 12 s,
+# hier 60 s (the binaries for cxx..nvlink built in about 35 s).
 # NVLink multicast stays off (NCCL_NVLS_ENABLE=0 and friends): never remove that.
 set -uo pipefail
 cd "$(dirname "$0")/.."
