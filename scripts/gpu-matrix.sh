@@ -46,7 +46,7 @@
 # (one job at a time then: see JOBS below),
 # torch (2 and 4 ranks) 167 s, tbench 25 s, ce 197 s. On 2xH200 (2026-11-29): info 7 s, wheel
 # 53 s, cebench 92 s, nvlink 9 s, ce 162 s, tbench 18 s, torch 96 s, cxx 6 s, port 67 s, ag 12 s,
-# hier 60 s (the binaries for cxx..nvlink built in about 35 s).
+# hier 60 s (building the binaries for cxx..nvlink took under 40 s).
 # NVLink multicast stays off (NCCL_NVLS_ENABLE=0 and friends): never remove that.
 set -uo pipefail
 cd "$(dirname "$0")/.."
