@@ -108,7 +108,7 @@ def test_a_two_thread_ping_pong_is_recorded_in_order(tmp_path, env):
 def test_without_the_folder_nothing_is_written_and_calls_behave(tmp_path, env):
     tl = load_tool()
     e = dict(env)
-    e["LD_PRELOAD"] = tl_build(tl, env)
+    e["LD_PRELOAD"] = tl.build_library(env["XDG_CACHE_HOME"])
     e.pop("SLUICE_TIMELINE_DIR", None)
     prog = tmp_path / "prog.py"
     prog.write_text(PROGRAM)
@@ -140,14 +140,3 @@ def test_an_unknown_mark_and_an_empty_folder_say_so(tmp_path, env):
                        timeout=60)
     assert s.returncode != 0 and "no timeline.* files" in s.stderr
 
-
-def tl_build(tl, env):
-    old = os.environ.get("XDG_CACHE_HOME")
-    os.environ["XDG_CACHE_HOME"] = env["XDG_CACHE_HOME"]
-    try:
-        return tl.build_library()
-    finally:
-        if old is None:
-            os.environ.pop("XDG_CACHE_HOME", None)
-        else:
-            os.environ["XDG_CACHE_HOME"] = old

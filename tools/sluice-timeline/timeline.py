@@ -37,11 +37,13 @@ WAITS = {"epoll_wait", "epoll_pwait", "poll", "cond_wait", "cond_timedwait", "co
 SIGNALS = {"cond_signal", "cond_broadcast"}
 
 
-def build_library() -> str:
-    """The preload library, compiled from SOURCE into a cache folder keyed by its contents."""
+def build_library(cache_home: Optional[str] = None) -> str:
+    """The preload library, compiled from SOURCE into a cache folder keyed by its contents
+    (under cache_home, default $XDG_CACHE_HOME or ~/.cache)."""
     with open(SOURCE, "rb") as f:
         digest = hashlib.sha256(f.read()).hexdigest()[:16]
-    cache = os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "sluice-timeline")
+    home = cache_home or os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache"))
+    cache = os.path.join(home, "sluice-timeline")
     lib = os.path.join(cache, f"libsluice_timeline-{digest}.so")
     if not os.path.exists(lib):
         os.makedirs(cache, exist_ok=True)
