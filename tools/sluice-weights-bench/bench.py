@@ -4,7 +4,7 @@ memcpy of the same bytes, measured in the same run).
 
     python tools/sluice-weights-bench/bench.py [--size-mib 256] [--tensors 1000] [--receivers 2]
         [--rounds 5] [--bucket-mib 64] [--depth 2] [--transport tcp] [--check] [--json out.json]
-        [--trainer-memory cpu|pinned|shared|cuda] [--targets cpu|cuda]
+        [--trainer-memory cpu|pinned|shared|cuda] [--targets cpu|cuda] [--mode pull|push|both]
 
 ``--trainer-memory``: the trainer's tensors are plain CPU tensors (``register``), pinned CPU
 tensors, copies in shareable host memory (``WeightPublisher.share``: receivers on this host
@@ -13,7 +13,10 @@ i % device_count; the pinned host-to-device copy of the same bytes (and, with a 
 the device-to-device copy) is then measured in the same run as the ceiling.
 
 Every round each receiver runs ``update(force=True)`` (a full pull into its own tensors),
-all receivers starting together; the round's time is the slowest receiver's. ``--check``
+all receivers starting together; the round's time is the slowest receiver's. ``--mode push``:
+the receivers are ``WeightSink`` s and each round is ``receive(force=True)`` at every receiver
+and one ``WeightPublisher.push()`` at the trainer (write-with-immediate per bucket); ``both``
+alternates pull and push rounds in one run (the same processes, tensors and buckets). ``--check``
 verifies every tensor's bytes (crc32 against the trainer's) after the last round and exits 1
 on a mismatch: CI runs it at 256 MiB. The model: ``--tensors`` tensors of mixed dtypes
 (float32, bfloat16, float16, float8_e4m3fn when torch has it, int8) and sizes (a few large
@@ -102,17 +105,22 @@ def trainer(conn, spec: Spec, transports, memory: str) -> None:
     crcs = {n: crc(t) for n, t in tensors.items()}
     pub.publish(1)
     conn.send((engine.listen_address, crcs))
-    conn.recv()  # stop
+    while True:
+        cmd = conn.recv()
+        if cmd[0] != "push":
+            break  # stop
+        res = pub.push(expect=cmd[1], timeout=300)
+        conn.send((res.seconds, [f"{s.rank}: {s.error}" for s in res.failed]))
     pub.close()
     engine.close()
 
 
 def receiver(conn, ref: str, spec: Spec, transports, bucket_bytes: int, depth: int, rounds: int, check: bool,
-             device: str) -> None:
+             device: str, rank: int = 0) -> None:
     import torch
 
     import sluice
-    from sluice.weights import WeightSubscriber
+    from sluice.weights import WeightSink, WeightSubscriber
 
     # One torch thread: the engine moves the bytes; OpenMP workers forked from the server
     # and spinning on a busy 2-core host made allocating the targets take 20 s.
@@ -120,18 +128,24 @@ def receiver(conn, ref: str, spec: Spec, transports, bucket_bytes: int, depth: i
     with sluice.Engine(transports=transports) as engine:
         targets = {n: torch.zeros(s, dtype=d, device=device) for n, d, s in spec}
         sub = WeightSubscriber(engine, ref, bucket_bytes=bucket_bytes, depth=depth, timeout=120)
+        sink = WeightSink(engine, ref, rank=rank, bucket_bytes=bucket_bytes, timeout=300)
         sub.published()  # connect and read the metadata before timing
+        sink.published()
         conn.send("ready")
         times = []
         for _ in range(rounds):
-            conn.recv()  # go
+            mode = conn.recv()  # go: "pull" or "push"
             t0 = time.perf_counter()
-            res = sub.update(targets, force=True)
-            times.append(time.perf_counter() - t0)
+            if mode == "push":
+                res = sink.receive(targets, force=True)
+            else:
+                res = sub.update(targets, force=True)
+            times.append((mode, time.perf_counter() - t0))
             conn.send(("done", res.nbytes))
         crcs = {n: crc(t) for n, t in targets.items()} if check else {}
         conn.send((times, crcs, sub._ep.transport if sub._ep is not None else "?"))
         sub.close()
+        sink.close()
 
 
 def memcpy_ceiling(total_bytes: int, rounds: int) -> float:
@@ -188,6 +202,8 @@ def main(argv=None) -> int:
                     help="where the trainer's tensors are (see the module doc)")
     ap.add_argument("--targets", choices=["cpu", "cuda"], default="cpu",
                     help="receivers pull into CPU tensors or into GPU i %% device_count")
+    ap.add_argument("--mode", choices=["pull", "push", "both"], default="pull",
+                    help="receivers pull (WeightSubscriber), the trainer pushes (WeightSink), or both interleaved")
     ap.add_argument("--check", action="store_true", help="verify every byte after the last round; exit 1 if wrong")
     ap.add_argument("--json", default=None, help="also write the results here")
     ap.add_argument("--verbose", action="store_true", help="print when each phase ends (stderr)")
@@ -217,6 +233,7 @@ def main(argv=None) -> int:
     ngpu = torch.cuda.device_count() if (a.targets == "cuda" or a.trainer_memory in ("cuda", "pinned")) else 0
     if (a.targets == "cuda" or a.trainer_memory in ("cuda", "pinned")) and ngpu == 0:
         ap.error("--targets cuda / --trainer-memory cuda|pinned need a CUDA device, and torch sees none")
+    modes = {"pull": ["pull"], "push": ["push"], "both": ["pull", "push"]}[a.mode] * a.rounds
     tp = ctx.Process(target=trainer, args=(tchild, spec, a.transport, a.trainer_memory), daemon=True)
     tp.start()
     kids = []
@@ -230,8 +247,8 @@ def main(argv=None) -> int:
             conn, child = ctx.Pipe()
             device = f"cuda:{i % ngpu}" if a.targets == "cuda" else "cpu"
             p = ctx.Process(target=receiver, daemon=True,
-                            args=(child, ref, spec, a.transport, int(a.bucket_mib * (1 << 20)), a.depth, a.rounds, a.check,
-                                  device))
+                            args=(child, ref, spec, a.transport, int(a.bucket_mib * (1 << 20)), a.depth, len(modes),
+                                  a.check, device, i))
             p.start()
             kids.append((conn, p))
         for conn, _ in kids:
@@ -239,29 +256,40 @@ def main(argv=None) -> int:
                 print("sluice-weights-bench: a receiver did not start", file=sys.stderr)
                 return 1
         phase("receivers ready")
-        rounds = []
-        for _ in range(a.rounds):
+        rounds: Dict[str, List[float]] = {m: [] for m in dict.fromkeys(modes)}
+        for mode in modes:
             t0 = time.perf_counter()
             for conn, _ in kids:
-                conn.send("go")
+                conn.send(mode)
+            if mode == "push":
+                tconn.send(("push", len(kids)))
             for conn, _ in kids:
                 if not conn.poll(300):
                     print("sluice-weights-bench: a receiver did not finish its round", file=sys.stderr)
                     return 1
                 tag, nbytes = conn.recv()
                 assert tag == "done" and nbytes == total, (tag, nbytes, total)
-            rounds.append(time.perf_counter() - t0)
-            phase(f"round {len(rounds)}")
-        per = []
+            if mode == "push":
+                if not tconn.poll(300):
+                    print("sluice-weights-bench: the trainer's push did not return", file=sys.stderr)
+                    return 1
+                _, failed = tconn.recv()
+                if failed:
+                    print(f"sluice-weights-bench: push failed at {failed}", file=sys.stderr)
+                    return 1
+            rounds[mode].append(time.perf_counter() - t0)
+            phase(f"round {sum(map(len, rounds.values()))} ({mode})")
+        per: Dict[str, List[float]] = {m: [] for m in rounds}
         bad = []
         used = set()
         for i, (conn, _) in enumerate(kids):
             times, crcs, transport = conn.recv()
             used.add(transport)
-            per.append(statistics.median(times))
+            for m in rounds:
+                per[m].append(statistics.median(t for mm, t in times if mm == m))
             if a.check:
                 bad += [f"receiver {i}: {n}" for n in want if crcs.get(n) != want[n]]
-        tconn.send("stop")
+        tconn.send(("stop",))
         phase("receivers checked")
     finally:
         for _, p in kids:
@@ -277,23 +305,28 @@ def main(argv=None) -> int:
     gpu = cuda_ceilings(total, a.rounds, a.trainer_memory == "cuda") if a.targets == "cuda" else {}
     if gpu:
         phase("GPU copies measured")
-    rnd, rcv = statistics.median(rounds), statistics.median(per)
     gb = total / 1e9
     print(f"sluice-weights-bench: {len(spec)} tensors, {total / (1 << 20):.1f} MiB, {a.receivers} receivers, "
           f"bucket {a.bucket_mib:g} MiB x{a.depth}, transport {a.transport or 'auto'} (used: {', '.join(sorted(used))}), "
-          f"trainer {a.trainer_memory} -> targets {a.targets}, medians of {a.rounds} rounds")
+          f"trainer {a.trainer_memory} -> targets {a.targets}, medians of {a.rounds} rounds"
+          f"{' per mode, interleaved' if a.mode == 'both' else ''}")
     print(f"{'what':<34}{'seconds':>10}{'GB/s':>10}")
     print(f"{'memcpy ceiling (one copy)':<34}{ceiling:>10.4f}{gb / ceiling:>10.2f}")
     for what, sec in gpu.items():
         print(f"{what + ' ceiling':<34}{sec:>10.4f}{gb / sec:>10.2f}")
-    print(f"{'sluice.weights per receiver':<34}{rcv:>10.4f}{gb / rcv:>10.2f}")
-    print(f"{'sluice.weights round (all recv.)':<34}{rnd:>10.4f}{gb * a.receivers / rnd:>10.2f}  (aggregate)")
-    print(f"per-receiver ingest / memcpy ceiling: {ceiling / rcv:.2f}")
-    for what, sec in gpu.items():
-        print(f"per-receiver ingest / {what}: {sec / rcv:.2f}")
+    for m in rounds:
+        rnd, rcv = statistics.median(rounds[m]), statistics.median(per[m])
+        spread = f"  (rounds {min(rounds[m]):.4f}..{max(rounds[m]):.4f})"
+        print(f"{m + ' per receiver':<34}{rcv:>10.4f}{gb / rcv:>10.2f}")
+        print(f"{m + ' round (all receivers)':<34}{rnd:>10.4f}{gb * a.receivers / rnd:>10.2f}  aggregate{spread}")
+    for m in rounds:
+        rcv = statistics.median(per[m])
+        print(f"{m}: per-receiver ingest / memcpy ceiling: {ceiling / rcv:.2f}")
+        for what, sec in gpu.items():
+            print(f"{m}: per-receiver ingest / {what}: {sec / rcv:.2f}")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"tensors": len(spec), "bytes": total, "receivers": a.receivers, "rounds": rounds,
+            json.dump({"tensors": len(spec), "bytes": total, "receivers": a.receivers, "mode": a.mode, "rounds": rounds,
                        "per_receiver_s": per, "memcpy_s": ceiling, "gpu_ceilings_s": gpu, "transport": a.transport,
                        "transports_used": sorted(used), "trainer_memory": a.trainer_memory, "targets": a.targets},
                       f, indent=1)

@@ -25,10 +25,11 @@ from ._relay import host_layout as relay_layout
 from ._relay import tree_parent as relay_parent
 from .errors import TensorMismatchError, TrainerLostError, WeightsChangedError, WeightsError
 from .publisher import WeightPublisher
+from .push import PushResult, SinkReport, WeightSink
 from .striped import StripedSubscriber
 from .subscriber import UpdateResult, WeightSubscriber
 
 __all__ = [
-    "WeightPublisher", "WeightSubscriber", "StripedSubscriber", "UpdateResult", "Snapshot", "TensorInfo", "relay_parent", "relay_layout",
+    "WeightPublisher", "WeightSubscriber", "StripedSubscriber", "WeightSink", "PushResult", "SinkReport", "UpdateResult", "Snapshot", "TensorInfo", "relay_parent", "relay_layout",
     "WeightsError", "TrainerLostError", "TensorMismatchError", "WeightsChangedError",
 ]

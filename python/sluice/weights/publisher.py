@@ -50,7 +50,8 @@ class WeightPublisher:
         self._lock = threading.Lock()
         self._infos: List[_meta.TensorInfo] = []
         self._tensors: Dict[str, object] = {}
-        self._handles: List[int] = []
+        self._handles: List[int] = []  # register(): each tensor's own handle (0: shared or empty)
+        self._locals: List[Tuple[int, int]] = []  # (handle, offset) of each tensor's bytes: push() writes from there
         self._versions: List[int] = []
         self._version = 0
         self._seq = 1  # odd: nothing published yet, receivers wait
@@ -63,9 +64,11 @@ class WeightPublisher:
         self._closed = False
         self._stop = threading.Event()
         self._accept_thread: Optional[threading.Thread] = None
+        self._peers: List[Endpoint] = []  # what the accept thread holds: push() finds sinks there
+        self._hellos = None  # push.Hellos, made by the first push()
         self._write_meta(new_table=True)
         if accept:
-            self._accept_thread = threading.Thread(target=_accept_loop, args=(engine, self._stop),
+            self._accept_thread = threading.Thread(target=_accept_loop, args=(engine, self._stop, self._peers),
                                                    name=f"sluice-weights-accept-{name}", daemon=True)
             self._accept_thread.start()
 
@@ -126,7 +129,7 @@ class WeightPublisher:
                     size = nbytes(tensor)
                     view = block[off:off + size].view(tensor.dtype).view(tensor.shape)
                     view.copy_(tensor)
-                    self._add(name, view, region if size else None, off if size else 0, 0)
+                    self._add(name, view, region if size else None, off if size else 0, 0, local=handle)
                     out[name] = view
             except BaseException:
                 self._drop_from(base)
@@ -169,8 +172,10 @@ class WeightPublisher:
             new.append((name, tensor))
         return new
 
-    def _add(self, name: str, tensor, region: Optional[str], offset: int, handle: int) -> None:
+    def _add(self, name: str, tensor, region: Optional[str], offset: int, handle: int,
+             local: Optional[int] = None) -> None:
         self._handles.append(handle)
+        self._locals.append((handle if local is None else local, offset))
         self._infos.append(_meta.TensorInfo(name, dtype_name(tensor), tuple(int(d) for d in tensor.shape),
                                             nbytes(tensor), region, offset))
         self._tensors[name] = tensor
@@ -185,7 +190,7 @@ class WeightPublisher:
                 self._engine.unregister(h)
         for info in self._infos[base:]:
             self._tensors.pop(info.name, None)
-        del self._infos[base:], self._handles[base:], self._versions[base:]
+        del self._infos[base:], self._handles[base:], self._versions[base:], self._locals[base:]
         t = torch()
         self._cuda_devices = {x.device.index or 0 for x in self._tensors.values()
                               if isinstance(x, t.Tensor) and x.device.type == "cuda"}
@@ -239,6 +244,55 @@ class WeightPublisher:
         self.begin_update()
         yield
         self.publish(version, names)
+
+    # ------------------------------------------------------------ push
+
+    def push(self, *, timeout: float = 60.0, expect: int = 0, ranks: Optional[Iterable[int]] = None,
+             depth: int = 2, endpoints: Optional[Iterable[Endpoint]] = None):
+        """Write the published tensors into every :class:`~sluice.weights.WeightSink` connected
+        to this trainer (their ``receive()`` armed them; those not armed yet are waited for),
+        each bucket a write-with-immediate the sink's callback runs on. Only the tensors whose
+        version a sink does not hold are written. ``expect``: wait until that many sinks
+        connected; ``ranks``: only sinks with these ranks; ``depth``: buckets in flight per
+        sink; ``endpoints``: the endpoints to look for sinks on (default: those the accept
+        thread holds; a sink's first message on its endpoint is a hello that push() may
+        receive: keep your own send/recv off them). Returns a
+        :class:`~sluice.weights.PushResult`: a sink that died, stalled or never armed fails
+        alone (its ``error`` says why, its ``rank`` names it) within ``timeout``; nothing
+        raises for it. Call after :meth:`publish` (not inside
+        :meth:`updating`); register, publish and begin_update wait until the push ends."""
+        from .push import Hellos, PushState, push
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < 1e9:
+            raise InvalidArgumentError(f"push: timeout must be a number of seconds > 0, got {timeout!r}")
+        for what, v, low in (("expect", expect, 0), ("depth", depth, 1)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < low:
+                raise InvalidArgumentError(f"push: {what} must be an int >= {low}, got {v!r}")
+        rank_set = None
+        if ranks is not None:
+            rank_set = set(ranks)
+            if not all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in rank_set):
+                raise InvalidArgumentError(f"push: ranks must be ints >= 0, got {sorted(rank_set, key=str)!r}")
+        if endpoints is None:
+            if self._accept_thread is None:
+                raise InvalidArgumentError("push: this publisher does not accept endpoints (accept=False): pass "
+                                           "endpoints=[...] (the ones your code accepted)")
+            eps, more = list(self._peers), (lambda: list(self._peers))
+        else:
+            eps, more = list(endpoints), None
+            if not all(isinstance(e, Endpoint) for e in eps):
+                raise InvalidArgumentError("push: endpoints must be sluice.Endpoint objects")
+        with self._lock:
+            self._need_open()
+            if self._seq % 2:
+                raise InvalidArgumentError(f"push: publisher {self._name!r} has nothing published to push "
+                                           "(call publish() first; not between begin_update() and publish())")
+            state = PushState(self._name, self._instance, self._seq, self._version,
+                              tuple(t.name for t in self._infos), tuple(t.nbytes for t in self._infos),
+                              tuple(self._versions), tuple(self._locals))
+            if self._hellos is None:
+                self._hellos = Hellos(self._engine)
+            return push(self._engine, state, eps, timeout=float(timeout), expect=expect, ranks=rank_set,
+                        depth=depth, hellos=self._hellos, more=more)
 
     @property
     def version(self) -> int:
@@ -301,10 +355,12 @@ class WeightPublisher:
         return f"<WeightPublisher {self._name!r} tensors={len(self._infos)} version={self._version}>"
 
 
-def _accept_loop(engine: Engine, stop: threading.Event) -> None:
+def _accept_loop(engine: Engine, stop: threading.Event, held: Optional[List[Endpoint]] = None) -> None:
     """Holds the endpoints receivers open (dropping one would close it), forgetting those
-    whose peer went away. One thread per publisher, whatever the number of receivers."""
-    held: List[Endpoint] = []
+    whose peer went away. One thread per publisher, whatever the number of receivers.
+    ``held``: the list to keep them in (the publisher's, which push() reads)."""
+    if held is None:
+        held = []
     ref = weakref.ref(engine)
     del engine
     while not stop.is_set():
@@ -320,6 +376,6 @@ def _accept_loop(engine: Engine, stop: threading.Event) -> None:
             continue
         finally:
             del e
-        held = [h for h in held if h.connected]
+        held[:] = [h for h in held if h.connected]
         if ep is not None:
             held.append(ep)

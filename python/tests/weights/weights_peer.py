@@ -9,7 +9,7 @@ import zlib
 import torch
 
 import sluice
-from sluice.weights import WeightPublisher, WeightSubscriber
+from sluice.weights import WeightPublisher, WeightSink, WeightSubscriber
 
 FP8 = getattr(torch, "float8_e4m3fn", None)
 
@@ -84,6 +84,9 @@ def trainer(conn, spec, listen=None, transports=None, name="model", mode="regist
         elif cmd[0] == "begin":
             pub.begin_update()
             conn.send("ok")
+        elif cmd[0] == "push":  # ("push", keywords): answers the report as plain tuples
+            res = pub.push(**cmd[1])
+            conn.send((res.version, [(s.rank, s.tensors, s.nbytes, s.error) for s in res.sinks]))
         elif cmd[0] == "stop":
             break
     pub.close()
@@ -111,6 +114,28 @@ def receiver(conn, ref, spec, version, bucket_bytes, die_after_buckets=None):
         bad = [n for n, d, s in spec if not torch.equal(as_bytes(targets[n]), expected(n, d, s, version))]
         conn.send((res.version, sorted(res.updated), bad, sorted(seen)))
         sub.close()
+
+
+def sink(conn, ref, spec, version, bucket_bytes, rank, die_after_buckets=None):
+    """A WeightSink that arms once and reports whether every byte is right; with
+    ``die_after_buckets`` it exits hard from inside its callback (a receiver that dies)."""
+    torch.set_num_threads(1)
+    with sluice.Engine() as engine:
+        targets = empty_targets(spec)
+        seen = []
+
+        def on_bucket(pairs):
+            seen.extend(n for n, _ in pairs)
+            if die_after_buckets is not None and len(seen) >= die_after_buckets:
+                os._exit(3)
+
+        s = WeightSink(engine, ref, rank=rank, bucket_bytes=bucket_bytes, timeout=30)
+        s.published()  # connected: the trainer's accept thread holds our endpoint
+        conn.send("ready")
+        res = s.receive(targets, on_bucket=on_bucket)
+        bad = [n for n, d, s_ in spec if not torch.equal(as_bytes(targets[n]), expected(n, d, s_, version))]
+        conn.send((res.version, sorted(res.updated), bad, sorted(seen)))
+        s.close()
 
 
 def relay(conn, trainer_ref, spec, transports=None, source=None):
