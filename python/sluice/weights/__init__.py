@@ -24,6 +24,8 @@ from ._meta import Snapshot, TensorInfo
 from ._relay import host_layout as relay_layout
 from ._relay import tree_parent as relay_parent
 from .errors import TensorMismatchError, TrainerLostError, WeightsChangedError, WeightsError
+from .placement import Placement, PullPlan, plan_pulls
+from .placement import probe as probe_placement
 from .publisher import WeightPublisher
 from .push import PushResult, SinkReport, WeightSink
 from .striped import StripedSubscriber
@@ -31,5 +33,6 @@ from .subscriber import UpdateResult, WeightSubscriber
 
 __all__ = [
     "WeightPublisher", "WeightSubscriber", "StripedSubscriber", "WeightSink", "PushResult", "SinkReport", "UpdateResult", "Snapshot", "TensorInfo", "relay_parent", "relay_layout",
+    "Placement", "PullPlan", "plan_pulls", "probe_placement",
     "WeightsError", "TrainerLostError", "TensorMismatchError", "WeightsChangedError",
 ]

@@ -2,7 +2,8 @@
 sends its bytes once per relay tree instead of once per receiver (docs/weights.md, "Relays").
 
 A relaying :class:`~sluice.weights.WeightSubscriber` keeps a small engine-allocated region,
-``sluice.weights.relay/<publisher>``, that says which version of each of the trainer's
+``sluice.weights.relay/<publisher>/<instance>`` (the trainer publisher's name and instance in
+hex: one process can relay shards of several trainers that use one name), that says which version of each of the trainer's
 tensors its targets hold and where (little endian)::
 
     0   magic      8s  b"SLRELAY1"
@@ -35,8 +36,8 @@ HEADER_SIZE = HEADER.size  # 64
 ENTRY = struct.Struct("<QQQ")
 
 
-def region_name(publisher: str) -> str:
-    return f"sluice.weights.relay/{publisher}"
+def region_name(publisher: str, instance: int) -> str:
+    return f"sluice.weights.relay/{publisher}/{instance:016x}"
 
 
 def region_size(n: int) -> int:
@@ -142,12 +143,27 @@ def host_layout(hosts: Sequence[Hashable], fanout: int = 2, trainer_host: Option
     ``fanout``-ary tree under their leader (shm or NVLink there, not the host's uplink).
     Receivers on ``trainer_host`` pull from the trainer itself or from each other, in a tree
     under the trainer, and lead no other host. A leader serves at most ``fanout`` receivers
-    over its uplink and ``fanout`` of its own host."""
+    over its uplink and ``fanout`` of its own host.
+
+    ``hosts[i]`` may be a :class:`~sluice.weights.placement.Placement` (``probe()``): its
+    ``host`` is the label, and a host's leader is then its receiver nearest to a NIC (PCIe hops
+    from its GPU, else NUMA distance; ties and unknowns: the first), the others following in
+    index order. ``trainer_host`` may be one too."""
     if isinstance(fanout, bool) or not isinstance(fanout, int) or fanout < 1:
         raise ValueError(f"host_layout: fanout must be an int >= 1, got {fanout!r}")
+    from .placement import Placement
+
+    hosts = list(hosts)
+    placed = [isinstance(h, Placement) for h in hosts]
+    if isinstance(trainer_host, Placement):
+        trainer_host = trainer_host.host
     groups: Dict[Hashable, List[int]] = {}
     for i, h in enumerate(hosts):
-        groups.setdefault(h, []).append(i)
+        groups.setdefault(h.host if placed[i] else h, []).append(i)
+    for h, g in groups.items():  # the receiver nearest to a NIC leads its host
+        near = [(0, hosts[i].distance) if placed[i] and hosts[i].distance is not None else (1, 0) for i in g]
+        lead = min(range(len(g)), key=lambda k: (near[k], k))
+        g.insert(0, g.pop(lead))
     parent: List[Optional[int]] = [None] * len(hosts)
     for i, p in enumerate(groups.get(trainer_host, []) if trainer_host is not None else []):
         up = tree_parent(i + 1, fanout)  # position 0 of this tree is the trainer

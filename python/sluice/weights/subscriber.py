@@ -105,6 +105,7 @@ class WeightSubscriber:
         self._relay_buf = None
         self._relay_handle = None
         self._relay_publisher: Optional[str] = None
+        self._relay_region: Optional[str] = None  # its name: the trainer's publisher and instance
         self._relay_index: Dict[str, int] = {}  # tensor name -> its index in the holdings (last update's table)
         self._relay_stop = threading.Event()
         self._relay_thread: Optional[threading.Thread] = None
@@ -560,7 +561,7 @@ class WeightSubscriber:
         """One read of the relay's holdings region; None while it has none for this publisher
         (it has not begun an update yet). Raises _SourceDown if it cannot be read."""
         ep = self._source_connect(deadline)
-        name = _relay.region_name(snap.publisher)
+        name = _relay.region_name(snap.publisher, snap.instance)
         for attempt in range(2):
             r = self._src_regions.get(name)
             if r is None or attempt:
@@ -664,12 +665,14 @@ class WeightSubscriber:
             return
         n = len(snap.tensors)
         need = _relay.region_size(n)
-        fresh = self._relay_buf is None or len(self._relay_buf) < need
+        region = _relay.region_name(snap.publisher, snap.instance)
+        fresh = self._relay_buf is None or len(self._relay_buf) < need or region != self._relay_region
         if fresh:
             if self._relay_handle is not None:
                 self._engine.unregister(self._relay_handle)
                 self._relay_buf = self._relay_handle = None
-            buf, h = self._engine.allocate(max(4096, 2 * need), name=_relay.region_name(snap.publisher))
+            buf, h = self._engine.allocate(max(4096, 2 * need), name=region)
+            self._relay_region = region
             buf[:] = 0
             self._relay_buf, self._relay_handle = buf, h
         raw = self._relay_buf[:_relay.HEADER_SIZE].tobytes()
