@@ -32,6 +32,10 @@
 #   tbench  tools/sluice-torch-bench/bench.py --device cuda against NCCL, 2 ranks
 #   ce      checkpoint-engine 0.4.2, unmodified, on the Mooncake facade
 #           (tests/compat/run_checkpoint_engine.sh run $WH; $WH must hold its wheels: `fetch`)
+#   weights sluice.weights on the GPU: the pull, push and staging tests with CUDA tensors
+#           (python/tests/weights/test_weights_{cuda,push,staging}.py) and the bench, pull and
+#           push rounds interleaved into GPU targets from share()d and from pinned trainer memory
+#           (4 GiB in 1,000 tensors; WEIGHTS_MIB changes the size); needs the wheel stage first
 #   cebench issue 15's comparison on every GPU of the host (>= 1): checkpoint-engine broadcast,
 #           checkpoint-engine P2P on the facade and sluice.weights, 20 GiB in 1,000 tensors, with
 #           the pinned H2D ceiling (run_checkpoint_engine.sh bench; CEBENCH_ARGS adds arguments,
@@ -187,6 +191,18 @@ s_tbench() {
 # Each of checkpoint-engine's four tests took 40-50 s on 4xH200; a failing one can hang until
 # its timeout (its checker process waits), so the timeout here is short.
 s_ce() { CE_TIMEOUT=${CE_TIMEOUT:-300} PYTHON=$PY tests/compat/run_checkpoint_engine.sh run "$WH"; }
+
+s_weights() {
+  local rc=0 mem
+  "$PY" -c 'import pytest' 2>/dev/null || "$PY" -m pip install -q --no-index --find-links "$WH" pytest pytest-timeout || rc=1
+  (cd python/tests/weights && "$PY" -m pytest -q -rs -p no:cacheprovider test_weights_cuda.py test_weights_push.py \
+    test_weights_staging.py) || rc=1
+  for mem in shared pinned; do
+    "$PY" tools/sluice-weights-bench/bench.py --size-mib "${WEIGHTS_MIB:-4096}" --tensors 1000 --receivers 1 \
+      --rounds 3 --mode both --trainer-memory "$mem" --targets cuda --check --json "$LOGS/weights-$mem.json" || rc=1
+  done
+  return $rc
+}
 
 s_cebench() {
   PYTHON=$PY tests/compat/run_checkpoint_engine.sh bench "$WH" --size-gib 20 --tensors 1000 --rounds 3 ${CEBENCH_ARGS:-}

@@ -17,7 +17,11 @@ Receivers READ the trainer's tensors one-sided, in buckets, and only the tensors
 version changed since their last update. A receiver may relay (``relay=True``) and others pull
 from it (``source=``), so the trainer sends each byte once per tree of receivers
 (``relay_parent`` lays one out, ``relay_layout`` one by host); the processes of one host can
-share the host-to-device work (``StripedSubscriber``). See docs/weights.md.
+share the host-to-device work (``StripedSubscriber``), with pullers chosen by NIC and GPU
+affinity (``probe_placement``, ``plan_pulls``). Or the trainer pushes (``pub.push()`` into
+``WeightSink.receive()``: a write-with-immediate per bucket), and an inference process that
+cannot run an engine takes them from a staging buffer shared through CUDA IPC
+(``sluice.weights.staging``). See docs/weights.md.
 """
 
 from ._meta import Snapshot, TensorInfo
@@ -28,11 +32,12 @@ from .placement import Placement, PullPlan, plan_pulls
 from .placement import probe as probe_placement
 from .publisher import WeightPublisher
 from .push import PushResult, SinkReport, WeightSink
+from .staging import StagingClient, StagingServer, receive_from_staging
 from .striped import StripedSubscriber
 from .subscriber import UpdateResult, WeightSubscriber
 
 __all__ = [
     "WeightPublisher", "WeightSubscriber", "StripedSubscriber", "WeightSink", "PushResult", "SinkReport", "UpdateResult", "Snapshot", "TensorInfo", "relay_parent", "relay_layout",
-    "Placement", "PullPlan", "plan_pulls", "probe_placement",
+    "Placement", "PullPlan", "plan_pulls", "probe_placement", "StagingServer", "StagingClient", "receive_from_staging",
     "WeightsError", "TrainerLostError", "TensorMismatchError", "WeightsChangedError",
 ]
