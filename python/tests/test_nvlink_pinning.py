@@ -57,3 +57,51 @@ def test_only_a_resident_region_is_page_locked(capfd):
     finally:
         conn.send("stop")
         p.join(30)
+
+
+def gpu_owner(conn):
+    """A peer with a GPU region: the target of our writes (a trainer pushing into it)."""
+    with sluice.Engine() as e:
+        dst = torch.zeros(TOUCHED, dtype=torch.uint8, device="cuda")
+        e.register(dst, name="gpu")
+        conn.send(e.listen_address)
+        cmd = conn.recv()
+        conn.send(int((dst == 7).sum()))  # after our writes: how many bytes hold them
+        conn.recv()
+
+
+def test_our_own_resident_region_is_page_locked_for_writes_to_a_gpu(capfd):
+    """Writes out of our engine-allocated memory into a peer's GPU: a fully resident region is
+    page-locked on its first copy (and unlocked when it goes), a sparse one is not."""
+    import ctypes
+
+    ctx = mp.get_context("spawn")
+    conn, child = ctx.Pipe()
+    p = ctx.Process(target=gpu_owner, args=(child,), daemon=True)
+    p.start()
+    try:
+        assert conn.poll(60), "the owner did not start"
+        ref = conn.recv()
+        with sluice.Engine(log_level="info") as e:
+            ep = e.connect(ref)
+            assert ep.transport == "nvlink"
+            sparse, hs = e.allocate(SPARSE)
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+            assert libc.madvise(sparse.ctypes.data, SPARSE, 9) == 0  # MADV_REMOVE: no page in memory
+            buf, ht = e.allocate(TOUCHED)
+            buf[:] = 7
+            gpu = ep.remote_region("gpu")
+            ep.write([(hs, 0, gpu, 0, 1 << 20)]).result()
+            ep.write([(ht, 0, gpu, 0, TOUCHED)]).result()
+            conn.send("count")
+            assert conn.poll(60)
+            assert conn.recv() == TOUCHED  # every byte landed
+            e.unregister(ht)  # unlocked before the engine unmaps it (nothing to see but no crash)
+        err = capfd.readouterr().err
+        assert any(f"page-locked our host region of {TOUCHED} bytes" in line for line in err.splitlines()), err[-2000:]
+        assert any(f"our host region of {SPARSE} bytes is not page-locked" in line and "not in memory" in line
+                   for line in err.splitlines()), err[-2000:]
+    finally:
+        conn.send("stop")
+        p.join(30)

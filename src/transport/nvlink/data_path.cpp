@@ -460,6 +460,11 @@ Status NvlinkEndpoint::copy_unmapped_host(CopyPlan& c, const Seg& g, const Remot
 // Copy case: cuda memory of the peer, mapped here; large copies are split over the streams.
 void NvlinkEndpoint::copy_cuda(CopyPlan& c, const Seg& g, const RemoteView& rv) {
   uint8_t* remote = rv.ptr + g.remote_offset;
+  // Our side in host memory: an engine-allocated (memfd) region is page-locked once, on its
+  // first copy (from pageable memory the copy runs through the driver's bounce buffers, at a
+  // tenth of the copy engine's speed: a trainer pushing out of WeightPublisher.share()'s block).
+  if (pin_host_ && local_device(*c.op, g.local) < 0)
+    if (const RegionEntry* e = pin_of(*c.op, g.local); e && e->memfd >= 0) host_.pin_local(*e);
   uint8_t* dst = c.write ? remote : g.local;
   const uint8_t* src = c.write ? g.local : remote;
   int parts = g.length >= split_min_ ? c.nstreams : 1;

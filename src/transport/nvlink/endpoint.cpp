@@ -12,6 +12,7 @@
 #include "core/log.hpp"
 #include "core/params.hpp"
 #include "transport/nvlink/endpoint.hpp"
+#include "transport/nvlink/local_pins.hpp"
 #include "core/thread_name.hpp"
 
 namespace sluice::detail::nvlink {
@@ -27,9 +28,10 @@ const Param<uint64_t> kInlineMax{"nvlink.inline_max", "SLUICE_NVLINK_INLINE_MAX"
                                  "ops up to this size are polled to completion on the submitting thread (no hand-off)"};
 
 const Param<bool> kPinHostMappings{"nvlink.pin_host_mappings", "SLUICE_NVLINK_PIN_HOST_MAPPINGS", true, boolean(),
-                                   "a peer's memfd host region mapped here is page-locked for CUDA (cudaHostRegister) on "
-                                   "its first copy to or from our GPU if all its pages are in memory, so those copies run "
-                                   "at copy-engine speed and asynchronously; false = pageable copies"};
+                                   "a peer's memfd host region mapped here, and our own engine-allocated host region, is "
+                                   "page-locked for CUDA (cudaHostRegister) on its first copy to or from a GPU if all its "
+                                   "pages are in memory, so those copies run at copy-engine speed and asynchronously; "
+                                   "false = pageable copies"};
 const Param<bool> kPostBatch{"nvlink.post_batch", "SLUICE_NVLINK_POST_BATCH", true, boolean(),
                              "thin post path: post_batch (the port channel's proxy) turns a run of small writes and "
                              "their signals into one kernel; false = one copy-engine job or signal kernel per post"};
@@ -41,24 +43,6 @@ const Param<uint64_t> kPostSmCopyMax{"nvlink.post_sm_copy_max", "SLUICE_NVLINK_P
 
 }  // namespace
 
-namespace {
-
-// Pages of [base, base + length) not in memory (mincore), counted in 1 GiB steps; -1 if
-// mincore fails. Page-locking faults every page in: a peer's sparse region would make this
-// process commit memory the peer never touched, so only a fully resident mapping is locked.
-int64_t absent_pages(const uint8_t* base, uint64_t length) {
-  const uint64_t page = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
-  std::vector<unsigned char> vec((1ull << 30) / page);
-  int64_t absent = 0;
-  for (uint64_t off = 0; off < length; off += 1ull << 30) {
-    const uint64_t n = std::min<uint64_t>(1ull << 30, length - off);
-    if (::mincore(const_cast<uint8_t*>(base + off), n, vec.data()) != 0) return -1;
-    for (uint64_t i = 0; i < (n + page - 1) / page; ++i) absent += (vec[i] & 1) ? 0 : 1;
-  }
-  return absent;
-}
-
-}  // namespace
 
 bool HostMapping::pin() {
   std::call_once(pin_once_, [this] {

@@ -178,6 +178,8 @@ class NvlinkHost {
   virtual const std::string& engine_id() const = 0;
   virtual int lease_fd() const = 0;
   virtual void forget(uint64_t token) = 0;
+  // Page-locks our engine-allocated host region `e` once (LocalPins); true if it is locked.
+  virtual bool pin_local(const RegionEntry& e) = 0;
 };
 
 class NvlinkEndpoint final : public EndpointBase, public StreamChannel::Handler, public same_host::ProvenEndpoint {

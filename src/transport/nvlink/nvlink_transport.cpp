@@ -28,6 +28,7 @@
 #include "core/log.hpp"
 #include "core/params.hpp"
 #include "transport/nvlink/endpoint.hpp"
+#include "transport/nvlink/local_pins.hpp"
 #include "transport/transport.hpp"
 
 namespace sluice::detail::nvlink {
@@ -104,12 +105,17 @@ class NvlinkTransport final : public Transport, public NvlinkHost {
   const std::string& engine_id() const override { return engine_id_; }
   int lease_fd() const override { return registry_->leases().ok() ? registry_->leases().memfd() : -1; }
   void forget(uint64_t) override { endpoints_.forget(); }
+  bool pin_local(const RegionEntry& e) override { return local_pins_.pin(e); }
+
+  // No local op pins `e` any more: unlock it before the engine unmaps it.
+  void region_removed(const RegionEntry& e) override { local_pins_.forget(e); }
 
  private:
   std::string host_id_;
   std::string engine_id_;
   const Registry* registry_;
   same_host::Endpoints endpoints_;
+  LocalPins local_pins_;  // unlocked when the transport goes (its endpoints stopped in ~NvlinkTransport)
 };
 
 }  // namespace
