@@ -34,7 +34,8 @@
 #           (tests/compat/run_checkpoint_engine.sh run $WH; $WH must hold its wheels: `fetch`)
 #   weights sluice.weights on the GPU: the pull, push and staging tests with CUDA tensors
 #           (python/tests/weights/test_weights_{cuda,push,staging}.py) and the bench, pull and
-#           push rounds interleaved into GPU targets from share()d and from pinned trainer memory
+#           push rounds interleaved into GPU targets from share()d and from pinned trainer memory,
+#           the staging path against a direct pull (staging_bench.py), nvlink's page-locking tests
 #           (4 GiB in 1,000 tensors; WEIGHTS_MIB changes the size); needs the wheel stage first
 #   cebench issue 15's comparison on every GPU of the host (>= 1): checkpoint-engine broadcast,
 #           checkpoint-engine P2P on the facade and sluice.weights, 20 GiB in 1,000 tensors, with
@@ -197,10 +198,13 @@ s_weights() {
   "$PY" -c 'import pytest' 2>/dev/null || "$PY" -m pip install -q --no-index --find-links "$WH" pytest pytest-timeout || rc=1
   (cd python/tests/weights && "$PY" -m pytest -q -rs -p no:cacheprovider test_weights_cuda.py test_weights_push.py \
     test_weights_staging.py) || rc=1
+  "$PY" -m pytest -q -rs -p no:cacheprovider python/tests/test_nvlink_pinning.py || rc=1
   for mem in shared pinned; do
     "$PY" tools/sluice-weights-bench/bench.py --size-mib "${WEIGHTS_MIB:-4096}" --tensors 1000 --receivers 1 \
       --rounds 3 --mode both --trainer-memory "$mem" --targets cuda --check --json "$LOGS/weights-$mem.json" || rc=1
   done
+  "$PY" tools/sluice-weights-bench/staging_bench.py --device cuda --size-mib "${WEIGHTS_MIB:-4096}" --tensors 1000 \
+    --rounds 3 --check --json "$LOGS/weights-staging.json" || rc=1
   return $rc
 }
 
