@@ -119,7 +119,8 @@ if [ -z "${SLUICE_SKIP_EXAMPLES:-}" ]; then
   say "examples"
   failed=0
   # Each example as it is, then the ones whose options take another path.
-  runs=("$ROOT"/examples/python/*.py "$ROOT/examples/python/weight_update.py --relay")
+  runs=("$ROOT"/examples/python/*.py "$ROOT/examples/python/weight_update.py --relay"
+        "$ROOT/examples/python/weight_update.py --push")
   for run in "${runs[@]}"; do
     read -r -a cmd <<<"$run"
     if timeout 120 "$VPY" "${cmd[@]}" >/tmp/sluice-example.$$.log 2>&1; then
