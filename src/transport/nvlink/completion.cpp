@@ -118,12 +118,70 @@ void NvlinkEndpoint::run_background() {
   for (auto& [op, token] : ops) start(op, token, true);
 }
 
+namespace {
+thread_local int tl_reaping = 0;  // completions this thread is making in reap() (stop_io waits for the others)
+}  // namespace
+
+bool NvlinkEndpoint::reap(bool block) {
+  std::vector<std::pair<Inflight, cudaError_t>> done;
+  bool left = false;
+  {
+    std::unique_lock<std::mutex> lk(act_mu_, std::defer_lock);
+    if (block) {
+      lk.lock();
+    } else if (!lk.try_lock()) {
+      return false;  // the poller (or another waiter) is looking: poll again
+    }
+    if (stop_flag_.load(std::memory_order_acquire)) return false;  // stop_io() takes what is left
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      while (!inflight_.empty()) {
+        running_.push_back(std::move(inflight_.front()));
+        inflight_.pop_front();
+      }
+    }
+    for (auto it = running_.begin(); it != running_.end();) {
+      cudaError_t e = events_done(*it);
+      if (e == cudaErrorNotReady) {
+        ++it;
+        continue;
+      }
+      done.emplace_back(std::move(*it), e);
+      it = running_.erase(it);
+    }
+    running_n_.store(running_.size(), std::memory_order_release);
+    left = !running_.empty();
+    if (!done.empty()) reaping_.fetch_add(1, std::memory_order_acq_rel);
+  }
+  // A waiter may have taken ops nobody waits for: the poller must go on polling them.
+  if (!block && left) wake_poller();
+  if (done.empty()) return false;
+  ++tl_reaping;
+  for (auto& [f, e] : done) complete(f, e);
+  --tl_reaping;
+  reaping_.fetch_sub(1, std::memory_order_acq_rel);
+  return true;
+}
+
+// Under mu_, so that a poller about to sleep sees running_n_ or is woken.
+void NvlinkEndpoint::wake_poller() {
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    has_work_.store(true, std::memory_order_release);
+  }
+  cv_.notify_one();
+}
+
+void NvlinkEndpoint::end_polling(bool satisfied) {
+  if (!satisfied) wake_poller();  // the waiter sleeps now: the poller completes its op
+}
+
 void NvlinkEndpoint::poll() {
-  std::deque<Inflight> mine;
   auto idle_since = std::chrono::steady_clock::now();
   for (;;) {
     const bool posts = post_marks_.load(std::memory_order_acquire) > 0;
-    if (mine.empty() && !posts && !has_work_.load(std::memory_order_acquire)) {
+    const bool active = running_n_.load(std::memory_order_acquire) > 0;
+    if (!active && !posts && !has_work_.load(std::memory_order_acquire)) {
       // Spin a little before sleeping: a new op is often right behind the last one.
       if (std::chrono::steady_clock::now() - idle_since < std::chrono::microseconds(200)) {
         if (stop_flag_.load(std::memory_order_acquire)) break;
@@ -134,37 +192,36 @@ void NvlinkEndpoint::poll() {
     bool background = false;
     {
       std::unique_lock<std::mutex> lk(mu_);
-      if (mine.empty())
-        cv_.wait(lk, [&] {
-          return stop_ || !inflight_.empty() || !deferred_.empty() || resolve_wanted_ ||
-                 post_marks_.load(std::memory_order_acquire) > 0;
-        });
+      cv_.wait(lk, [&] {
+        return stop_ || !inflight_.empty() || running_n_.load(std::memory_order_acquire) > 0 || !deferred_.empty() ||
+               resolve_wanted_ || post_marks_.load(std::memory_order_acquire) > 0;
+      });
       if (stop_) break;
-      while (!inflight_.empty()) {
-        mine.push_back(std::move(inflight_.front()));
-        inflight_.pop_front();
-      }
       background = resolve_wanted_ || !deferred_.empty();
       has_work_.store(false, std::memory_order_release);
     }
     if (background) run_background();
     bool progressed = poll_posts();
-    for (auto it = mine.begin(); it != mine.end();) {
-      cudaError_t e = events_done(*it);
-      if (e == cudaErrorNotReady) {
-        ++it;
-        continue;
-      }
-      complete(*it, e);
-      it = mine.erase(it);
-      progressed = true;
-    }
-    const bool busy = !mine.empty() || post_marks_.load(std::memory_order_acquire) > 0;
+    if (reap(true)) progressed = true;
+    const bool busy = running_n_.load(std::memory_order_acquire) > 0 || post_marks_.load(std::memory_order_acquire) > 0;
     if (!busy) idle_since = std::chrono::steady_clock::now();
     if (!progressed && busy) std::this_thread::yield();
   }
-  // Closing: wait for the copies so that no engine thread touches memory after close().
-  for (auto& f : mine)
+  // Closing: stop_io() waits for the copies in running_ and inflight_.
+}
+
+// Closing (stop_io, after the poller stopped): no waiter takes ops any more; wait for those
+// completing ops they took, then for every copy still in flight, so that no engine thread
+// touches memory after close().
+void NvlinkEndpoint::drain_active() {
+  std::deque<Inflight> left;
+  {
+    std::lock_guard<std::mutex> lk(act_mu_);  // after this, reap() sees stop_flag_ and takes nothing
+    left.swap(running_);
+    running_n_.store(0, std::memory_order_release);
+  }
+  while (reaping_.load(std::memory_order_acquire) > tl_reaping) std::this_thread::yield();
+  for (auto& f : left)
     for (auto e : f.events) {
       cudaEventSynchronize(e);
       give_event(f.device, e);

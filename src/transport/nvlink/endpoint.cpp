@@ -32,6 +32,10 @@ const Param<bool> kPinHostMappings{"nvlink.pin_host_mappings", "SLUICE_NVLINK_PI
                                    "page-locked for CUDA (cudaHostRegister) on its first copy to or from a GPU if all its "
                                    "pages are in memory, so those copies run at copy-engine speed and asynchronously; "
                                    "false = pageable copies"};
+const Param<bool> kWaitersPoll{"nvlink.waiters_poll", "SLUICE_NVLINK_WAITERS_POLL", true, boolean(),
+                               "where waiters may poll (engine busy_wait > 0), a thread waiting for an op queries its "
+                               "copies' events and completes it itself, without waiting for the poller thread to wake; "
+                               "false = the poller completes every op above nvlink.inline_max"};
 const Param<bool> kPostBatch{"nvlink.post_batch", "SLUICE_NVLINK_POST_BATCH", true, boolean(),
                              "thin post path: post_batch (the port channel's proxy) turns a run of small writes and "
                              "their signals into one kernel; false = one copy-engine job or signal kernel per post"};
@@ -81,6 +85,7 @@ NvlinkEndpoint::NvlinkEndpoint(const EndpointSetup& s, NvlinkHost& host, std::st
   // Where the engine lets waiters poll (spare cores), let them poll for about as long as
   // the copy should take, as cudaStreamSynchronize does: a sleeping waiter wakes late.
   poll_waiters_ = busy_wait_of(s.config).count() > 0;
+  waiters_complete_ = poll_waiters_ && kWaitersPoll.get(s.config);
   // A mark every few posts, never more than the depth: a poster held back by post.depth
   // waits for a post that a mark will complete.
   mark_every_ = std::min<size_t>(16, post_depth(s.config));
@@ -259,6 +264,7 @@ void NvlinkEndpoint::stop_io() {
     cv_.notify_all();
   }
   if (poller_.joinable() && poller_.get_id() != std::this_thread::get_id()) poller_.join();
+  drain_active();
   {
     std::lock_guard<std::mutex> lk(mu_);
     for (auto& f : inflight_)
