@@ -251,7 +251,7 @@ class WeightSink(WeightSubscriber):
             raise error
         for name, version in pushed.items():
             self._have[name] = (snap.instance, version, _where(targets[name]))
-        result = UpdateResult(version=ctl.version)
+        result = UpdateResult(version=ctl.version, seq=ctl.seq, instance=ctl.instance)
         result.updated = [n for n in selected if n in pushed]
         result.unchanged = [n for n in selected if n not in pushed]
         result.nbytes = sum(b.nbytes for b in buckets)

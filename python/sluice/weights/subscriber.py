@@ -34,6 +34,8 @@ class UpdateResult:
     seconds: float = 0.0
     from_source: int = 0  # bytes pulled from the relay given as ``source`` (the rest: from the trainer)
     source_fallback: str = ""  # why this update stopped pulling from ``source`` ("" if it did not)
+    seq: int = 0  # the trainer's metadata seq the update read, unchanged until it ended
+    instance: int = 0  # the trainer publisher's instance (a restarted trainer has a new one)
 
     @property
     def gbps(self) -> float:
@@ -146,7 +148,7 @@ class WeightSubscriber:
         infos = {t.name: (t, snap.versions[i]) for i, t in enumerate(snap.tensors)}
         self._validate(selected, infos, targets)
 
-        result = UpdateResult(version=snap.version)
+        result = UpdateResult(version=snap.version, seq=snap.seq, instance=snap.instance)
         items: List[Item] = []
         for name in selected:
             tensor = targets[name]

@@ -317,13 +317,13 @@ class StagingServer:
 
     def _pull(self, items, snap, deadline: float, k: int, n: int) -> None:
         views = {info.name: _view(self._buf, info.dtype, info.shape, off) for info, off in items}
-        self._sub.update(views, names=list(views), force=True,
-                         timeout=self._left(deadline, f"pulling bin {k + 1} of {n}"))
-        now = self._sub.published(timeout=self._left(deadline, f"checking the version of bin {k + 1} of {n}"))
-        if (now.seq, now.instance) != (snap.seq, snap.instance):
+        res = self._sub.update(views, names=list(views), force=True,
+                               timeout=self._left(deadline, f"pulling bin {k + 1} of {n}"))
+        # The update checked that the metadata stayed as it read it: its seq is this bin's.
+        if (res.seq, res.instance) != (snap.seq, snap.instance):
             raise WeightsChangedError(
                 f"the trainer changed its tensors during the staged update (bin {k + 1} of {n}; published version "
-                f"was {snap.version}, now {now.version}); run update() again")
+                f"was {snap.version}, now {res.version}); run update() again")
 
     def _ack(self, entry, uid: int, n: int, snap, version_of, result: StagingResult, deadline: float) -> None:
         k, _, names, nbytes = entry
