@@ -85,13 +85,7 @@ class WeightSink(WeightSubscriber):
         :class:`WeightsChangedError` if its table changed since this sink armed; after an
         error nothing more is written into the targets (the endpoint is closed; the next
         receive reconnects). An exception from ``on_bucket`` is raised after the push ended."""
-        self._need_open()
-        if timeout is not None:
-            self._check_timeout(timeout)
-        t0 = time.monotonic()
-        deadline = t0 + (self.timeout if timeout is None else float(timeout))
-        selected = self._select(targets, names)
-        snap = self._fetch(deadline)
+        t0, deadline, selected, snap = self._begin(targets, names, timeout)
         infos = {t.name: (i, t) for i, t in enumerate(snap.tensors)}
         self._validate(selected, {n: (t, snap.versions[i]) for n, (i, t) in infos.items()}, targets)
         entries: List[_sink.Entry] = []

@@ -138,13 +138,7 @@ class WeightSubscriber:
         :class:`TrainerLostError` (naming the trainer) if it cannot be reached or dies, within
         ``timeout``; :class:`WeightsChangedError` if it changed the tensors meanwhile. After
         an error the update is not recorded: the next one pulls those tensors again."""
-        self._need_open()
-        if timeout is not None:
-            self._check_timeout(timeout)
-        t0 = time.monotonic()
-        deadline = t0 + (self.timeout if timeout is None else float(timeout))
-        selected = self._select(targets, names)
-        snap = self._fetch(deadline)
+        t0, deadline, selected, snap = self._begin(targets, names, timeout)
         infos = {t.name: (t, snap.versions[i]) for i, t in enumerate(snap.tensors)}
         self._validate(selected, infos, targets)
 
@@ -263,6 +257,17 @@ class WeightSubscriber:
     def _need_open(self) -> None:
         if self._closed:
             raise ClosedError("the WeightSubscriber is closed")
+
+    def _begin(self, targets: Mapping[str, object], names: Optional[Iterable[str]], timeout: Optional[float]):
+        """An update's start (update(), WeightSink.receive()): its clock, deadline, the names
+        it takes, and one consistent read of the trainer's metadata."""
+        self._need_open()
+        if timeout is not None:
+            self._check_timeout(timeout)
+        t0 = time.monotonic()
+        deadline = t0 + (self.timeout if timeout is None else float(timeout))
+        selected = self._select(targets, names)
+        return t0, deadline, selected, self._fetch(deadline)
 
     def _select(self, targets: Mapping[str, object], names: Optional[Iterable[str]]) -> List[str]:
         if not isinstance(targets, Mapping):
