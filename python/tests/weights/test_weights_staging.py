@@ -424,3 +424,40 @@ def test_cuda_staging_into_a_consumer_on_the_same_gpu(trainer, capacity):
         finally:
             c.stop()
             server.close()
+
+
+def test_a_connection_on_a_descriptor_above_1024():
+    """The channel's liveness check must work on any descriptor: select() refuses those from
+    1024 on, which a process with many sockets reaches (CI's pytest run did, and every second
+    update of a server failed with "filedescriptor out of range in select()")."""
+    import resource
+    import socket
+
+    from sluice.weights.staging._wire import _Channel
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = 1200
+    if soft < want:
+        if hard != resource.RLIM_INFINITY and hard < want:
+            pytest.skip(f"RLIMIT_NOFILE hard limit {hard} < {want}")
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+    fillers = []
+    try:
+        while not fillers or fillers[-1] < 1030:
+            fillers.append(os.open(os.devnull, os.O_RDONLY))
+        a, b = socket.socketpair()
+        assert a.fileno() > 1024
+        a.settimeout(5.0)  # as the channel's sockets have: the check must not wait for it
+        ch = _Channel(a)
+        assert not ch.closed_by_peer()
+        b.sendall(b"x")
+        assert not ch.closed_by_peer()  # pending data stays, the peer is alive
+        assert a.recv(1) == b"x"
+        b.close()
+        assert ch.closed_by_peer()
+        ch.close()
+    finally:
+        for fd in fillers:
+            os.close(fd)
+        if soft < want:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

@@ -10,7 +10,6 @@ import hashlib
 import hmac
 import json
 import os
-import select
 import socket
 import struct
 import time
@@ -137,15 +136,22 @@ class _Channel:
 
     def closed_by_peer(self) -> bool:
         """True if the peer closed its end (or reset it); pending data is left in place."""
+        # A non-blocking peek, not select(): select() refuses descriptors from 1024 on, which a
+        # process with many engines and sockets reaches (CI's pytest run did).
+        # (A socket with a timeout would wait for data first: look with no timeout at all.)
+        prev = self.sock.gettimeout()
         try:
-            readable, _, _ = select.select([self.sock], [], [], 0)
-            if not readable:
-                return False
+            self.sock.settimeout(0.0)
             return self.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
         except BlockingIOError:
-            return False
+            return False  # open, nothing pending
         except OSError:
             return True
+        finally:
+            try:
+                self.sock.settimeout(prev)
+            except OSError:
+                pass
 
     def close(self) -> None:
         try:
