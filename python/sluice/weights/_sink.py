@@ -60,6 +60,7 @@ assert HEADER.size == 72 and CONTROL.size == 64
 IMM_BEGIN = 0xFFFFFE
 IMM_DONE = 0xFFFFFF
 MAX_BUCKETS = IMM_BEGIN  # bucket codes are 0 .. MAX_BUCKETS - 1
+MIN_BUCKET_BYTES = 4096  # a sink cannot make the trainer plan a bucket per byte
 
 # Control block status: why the trainer did not push (the sink raises with the reason).
 OK, STALE, BAD_TABLE, ABORTED = 0, 1, 2, 3

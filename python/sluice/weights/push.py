@@ -62,8 +62,9 @@ class WeightSink(WeightSubscriber):
         super().__init__(engine, trainer_ref, name, bucket_bytes=bucket_bytes, timeout=timeout)
         if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < 2 ** 63):
             raise InvalidArgumentError(f"WeightSink: rank must be an int >= 0 or None, got {rank!r}")
-        if bucket_bytes >= 2 ** 63:
-            raise InvalidArgumentError(f"WeightSink: bucket_bytes too large: {bucket_bytes}")
+        if not _sink.MIN_BUCKET_BYTES <= bucket_bytes < 2 ** 63:
+            raise InvalidArgumentError(f"WeightSink: bucket_bytes must be at least {_sink.MIN_BUCKET_BYTES} "
+                                       f"(and below 2**63), got {bucket_bytes}")
         self.rank = rank
         self._sink_buf = None
         self._sink_handle = None
@@ -471,6 +472,10 @@ async def _push_one(engine, state: PushState, group: List[Endpoint], region: Tup
     ep = group[0]  # for reading the table: any endpoint to the sink's engine reads the same
     report = SinkReport(None, str(ep.peer_engine_id))
     rid, rlen = region
+    # What a sink decides is bounded by our own table: at most one entry per tensor, so we read
+    # (and allocate for) no more than such a table's region, whatever length the sink registered.
+    cap = max(4096, _sink.region_size(len(state.names)))
+    rlen = min(rlen, cap)
     scratch = None
     writing = False
     try:
@@ -485,11 +490,11 @@ async def _push_one(engine, state: PushState, group: List[Endpoint], region: Tup
                 # on the same engine has not armed yet: look again, until the deadline.
                 found = await asyncio.to_thread(_sink_region, ep, state.publisher, True)
                 if found is not None:
-                    if found[1] > rlen:
+                    if min(found[1], cap) > rlen:
                         engine.unregister(sh)
                         scratch = None
-                        scratch, sh = engine.allocate(found[1])
-                    rid, rlen = found
+                        scratch, sh = engine.allocate(min(found[1], cap))
+                    rid, rlen = found[0], min(found[1], cap)
                     continue
                 table, served, why = None, 0, "the sink's region is gone (the sink closed?)"
             else:
@@ -514,8 +519,14 @@ async def _push_one(engine, state: PushState, group: List[Endpoint], region: Tup
         # 2. What to write: entries whose version the sink does not hold. The engine refuses
         #    writes outside the sink's registered regions; checking here gives a clear reason.
         status, problem = _sink.OK, ""
+        total = sum(e.nbytes for e in table.entries)
         if table.instance != state.instance:
             status, problem = _sink.STALE, "the sink's table names an older tensor table"
+        elif len({e.index for e in table.entries}) != n or table.bucket_bytes < _sink.MIN_BUCKET_BYTES or \
+                -(-total // table.bucket_bytes) > _sink.MAX_BUCKETS:
+            status, problem = _sink.BAD_TABLE, (f"a tensor listed twice, or bucket_bytes {table.bucket_bytes} "
+                                                f"(at least {_sink.MIN_BUCKET_BYTES}, and at most "
+                                                f"{_sink.MAX_BUCKETS} buckets)")
         else:
             # The targets were registered when the sink armed: after our last look, maybe.
             regions = _region_lengths(ep)

@@ -270,13 +270,15 @@ def test_push_arguments_and_states():
         quiet.close()
     with pytest.raises(sluice.InvalidArgumentError):
         WeightSink(sluice.Engine(), "127.0.0.1:1", rank=-1)
+    with pytest.raises(sluice.InvalidArgumentError, match="bucket_bytes"):
+        WeightSink(sluice.Engine(), "127.0.0.1:1", bucket_bytes=100)
 
 
-def _fake_sink(engine, publisher, *, n, entries, instance, region_len=None):
+def _fake_sink(engine, publisher, *, n, entries, instance, region_len=None, bucket_bytes=1 << 20):
     """A hostile sink: a hand-written table in a region named like a sink's."""
     size = region_len or _sink.region_size(n)
     buf, h = engine.allocate(max(size, 4096), name=_sink.region_name(publisher))
-    _sink.write_table(buf, arm=1, instance=instance, bucket_bytes=1 << 20, rank=9, token=5, entries=entries)
+    _sink.write_table(buf, arm=1, instance=instance, bucket_bytes=bucket_bytes, rank=9, token=5, entries=entries)
     return buf, h
 
 
@@ -297,20 +299,25 @@ def test_hostile_sink_tables_are_refused_and_nothing_outside_is_written():
         small = np.zeros(16, np.uint8)  # a target region too small for the tensor
         sh = evil.register(small)
         trainer_region = int(pub._handles[0])  # a region of the trainer's own, not the sink's
+        big = np.zeros(8192, np.uint8)
+        bh = evil.register(big)
         cases = [
-            ("index past the table", [_sink.Entry(5, int(sh), 4096, 0)]),
-            ("wrong size", [_sink.Entry(0, int(sh), 16, 0)]),
-            ("region too small", [_sink.Entry(0, int(sh), 4096, 0)]),
-            ("a region the sink does not have", [_sink.Entry(0, trainer_region, 4096, 0)]),
+            ("index past the table", [_sink.Entry(5, int(sh), 4096, 0)], 1 << 20),
+            ("wrong size", [_sink.Entry(0, int(sh), 16, 0)], 1 << 20),
+            ("region too small", [_sink.Entry(0, int(sh), 4096, 0)], 1 << 20),
+            ("a region the sink does not have", [_sink.Entry(0, trainer_region, 4096, 0)], 1 << 20),
+            ("one tensor twice", [_sink.Entry(0, int(bh), 4096, 0), _sink.Entry(0, int(bh), 4096, 0)], 1 << 20),
+            ("a bucket per byte", [_sink.Entry(0, int(bh), 4096, 0)], 1),
         ]
-        for why, entries in cases:
-            buf, h = _fake_sink(evil, "p", n=len(entries), entries=entries, instance=instance)
+        for why, entries, bucket_bytes in cases:
+            buf, h = _fake_sink(evil, "p", n=len(entries), entries=entries, instance=instance,
+                                bucket_bytes=bucket_bytes)
             res = pub.push(timeout=5, endpoints=[_accepted(tr, pub)])
             assert [s.rank for s in res.failed] == [9], (why, res)
             ctl = _sink.read_control(buf, len(entries))
             assert ctl.status == _sink.BAD_TABLE and ctl.pushed == (), why
             evil.unregister(h)
-        assert not small.any() and torch.equal(w, torch.arange(1024, dtype=torch.float32))
+        assert not small.any() and not big.any() and torch.equal(w, torch.arange(1024, dtype=torch.float32))
         # a torn or foreign table is never armed: the push reports it and writes nothing
         buf, h = evil.allocate(4096, name=_sink.region_name("p"))
         buf[:8] = np.frombuffer(b"SLWSINK1", np.uint8)

@@ -20,6 +20,8 @@ from ... import InvalidArgumentError
 PROTOCOL = 1
 _LEN = struct.Struct("<Q")
 _MAX_FRAME = 256 << 20
+HANDSHAKE_FRAME = 64 << 10  # before the peer proved it holds the key
+ACK_FRAME = 16 << 20  # a consumer's ack (its traceback included)
 
 
 class _Gone(Exception):
@@ -77,14 +79,16 @@ class _Channel:
         except OSError as e:
             raise _Gone(f"{what}: {e}") from None
 
-    def recv_raw(self, deadline: float, what: str) -> bytes:
+    def recv_raw(self, deadline: float, what: str, limit: int = _MAX_FRAME) -> bytes:
         (n,) = _LEN.unpack(self._exact(_LEN.size, deadline, what))
-        if n > _MAX_FRAME:
+        if n > limit:
             raise _Gone(f"{what}: a message of {n} bytes is not our protocol")
         return self._exact(n, deadline, what)
 
-    def recv(self, deadline: float, what: str) -> dict:
-        raw = self.recv_raw(deadline, what)
+    def recv(self, deadline: float, what: str, limit: int = _MAX_FRAME) -> dict:
+        """One message; ``limit``: the most bytes the peer may make us allocate for it (small
+        before the peer proved it holds the key)."""
+        raw = self.recv_raw(deadline, what, limit)
         try:
             msg = json.loads(raw)
         except ValueError:

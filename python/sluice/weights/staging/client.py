@@ -21,7 +21,7 @@ from .._torch import describe, dtype_name, torch
 from ..errors import TensorMismatchError
 from ._layout import _view
 from ._results import ReceiveResult
-from ._wire import PROTOCOL, _Channel, _Gone, _mac, _parse_address, _shown, _Timeout
+from ._wire import HANDSHAKE_FRAME, PROTOCOL, _Channel, _Gone, _mac, _parse_address, _shown, _Timeout
 from .errors import StagingAbortedError, StagingServerLostError
 
 RunCallback = Callable[[List[Tuple[str, object]]], None]
@@ -217,7 +217,7 @@ class StagingClient:
         self._chan = chan
 
     def _handshake(self, chan: _Channel, deadline: float) -> None:
-        msg = chan.recv(deadline, "waiting for the server's challenge")
+        msg = chan.recv(deadline, "waiting for the server's challenge", HANDSHAKE_FRAME)
         if msg.get("type") != "challenge" or msg.get("protocol") != PROTOCOL:
             raise _Gone(f"not a sluice staging server of protocol {PROTOCOL} (got {msg.get('type')!r}, "
                         f"protocol {msg.get('protocol')!r})")

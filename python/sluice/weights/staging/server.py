@@ -22,7 +22,7 @@ from .._torch import torch
 from ..errors import TensorMismatchError, WeightsChangedError
 from ._layout import ALIGN, _align, _Layout, _view
 from ._results import StagingResult
-from ._wire import PROTOCOL, _Channel, _Gone, _mac, _shown, _Timeout
+from ._wire import ACK_FRAME, HANDSHAKE_FRAME, PROTOCOL, _Channel, _Gone, _mac, _shown, _Timeout
 from .errors import ConsumerError, ConsumerLostError, StagingCapacityError, StagingError
 
 log = logging.getLogger("sluice.weights")
@@ -328,7 +328,7 @@ class StagingServer:
     def _ack(self, entry, uid: int, n: int, snap, version_of, result: StagingResult, deadline: float) -> None:
         k, _, names, nbytes = entry
         while True:
-            msg = self._chan.recv(deadline, f"waiting for the consumer's ack of bin {k + 1} of {n}")
+            msg = self._chan.recv(deadline, f"waiting for the consumer's ack of bin {k + 1} of {n}", ACK_FRAME)
             if msg.get("type") == "ack" and msg.get("update") == uid:
                 break
             log.debug("sluice.weights staging: dropping a stale message %r", msg.get("type"))
@@ -358,7 +358,7 @@ class StagingServer:
             while pending:
                 pending.popleft()
                 while True:
-                    msg = chan.recv(deadline, "waiting for the consumer to release its slots")
+                    msg = chan.recv(deadline, "waiting for the consumer to release its slots", ACK_FRAME)
                     if msg.get("type") == "ack" and msg.get("update") == uid:
                         break
                 if msg.get("error"):
@@ -405,7 +405,7 @@ class StagingServer:
     def _handshake(self, chan: _Channel, deadline: float) -> None:
         nonce = secrets.token_bytes(32)
         chan.send({"type": "challenge", "protocol": PROTOCOL, "nonce": nonce.hex()}, deadline, "handshake")
-        msg = chan.recv(deadline, "handshake")
+        msg = chan.recv(deadline, "handshake", HANDSHAKE_FRAME)
         if msg.get("type") != "auth" or not isinstance(msg.get("mac"), str) or \
                 not hmac.compare_digest(msg["mac"], _mac(self._key, b"client", nonce)):
             raise _Gone("the client does not hold this server's key")
@@ -427,7 +427,7 @@ class StagingServer:
             chan.send_raw(pickle.dumps(reduce_tensor(self._buf)), deadline, "sending the CUDA IPC handle")
         else:
             chan.send_fd(self._memfd, deadline, "sending the buffer's memfd")
-        msg = chan.recv(deadline, "waiting for the consumer to map the buffer")
+        msg = chan.recv(deadline, "waiting for the consumer to map the buffer", ACK_FRAME)
         if msg.get("type") != "ready":
             raise _Gone(f"expected ready, got {msg.get('type')!r}")
         if msg.get("error"):
