@@ -63,6 +63,14 @@ bool SluiceWork::wait(std::chrono::milliseconds timeout) {
   // that takes nothing fails), and that failure names the peer rank. Waiting exactly the
   // group timeout here would race it and report a bare "did not complete" instead.
   auto limit = timeout == kNoTimeout ? timeout_ * 2 + std::chrono::seconds(10) : timeout;
+  if (trace_) trace_->mark(TraceEv::kWaitStart, trace_peer_);
+  struct End {
+    Trace* t;
+    int peer;
+    ~End() {
+      if (t) t->mark(TraceEv::kWaitEnd, peer);
+    }
+  } end{trace_, trace_peer_};
   if (queue_) {
     // Run the mailbox's tasks here until this op completed (or the limit): the engine's
     // completion wakes this thread rather than the mailbox thread, which would wake it.
@@ -365,9 +373,10 @@ SluiceBackend::SluiceBackend(const c10::intrusive_ptr<c10d::Store>& store, int r
         ll_off = "no device endpoint between ranks " + std::to_string(rank) + " and " + std::to_string(j) +
                  " (another host, or GPUs that cannot share memory)";
   }
+  trace_ = Trace::from_env(rank);
   mailbox_ = std::make_unique<Mailbox>(*engine_, std::move(peers), std::move(data), rank, timeout, rndv_bytes,
                                        max_unexpected_bytes, std::move(dev), inline_bytes,
-                                       recv_ready != 0, caller_runs != 0, quiet_acks != 0);
+                                       recv_ready != 0, caller_runs != 0, quiet_acks != 0, trace_.get());
   if (size > 1) {
     try {
       ll_ = std::make_unique<LowLatencyAllGather>(store, rank, size, ll_bytes, ll_off,
@@ -403,6 +412,7 @@ c10::intrusive_ptr<c10d::Work> SluiceBackend::send_device(const at::Tensor& t, i
   if (!cuda_regs_ || !t.is_cuda() || t.layout() != at::kStrided || dst < 0 || dst >= getSize() || dst == getRank() ||
       !mailbox_->has_device(dst) || t.nbytes() < mailbox_->rndv_bytes())
     return {};
+  if (trace_) trace_->mark(TraceEv::kSendCall, dst);
   at::Tensor buf = t.contiguous();
   std::string why;
   auto lease = cuda_regs_->acquire(buf.data_ptr(), buf.nbytes(), &why);
@@ -411,8 +421,10 @@ c10::intrusive_ptr<c10d::Work> SluiceBackend::send_device(const at::Tensor& t, i
     return {};
   }
   sync_current_stream(buf);
+  if (trace_) trace_->mark(TraceEv::kSendSynced, dst);
   auto work = c10::make_intrusive<SluiceWork>(c10d::OpType::SEND, std::vector<at::Tensor>{t}, timeout_, getRank());
   work->set_peer("peer rank " + std::to_string(dst));
+  work->set_trace(trace_.get(), dst);
   work->drive_with(mailbox_->progress());
   CudaRegistrations* regs = cuda_regs_.get();
   void* key = lease->key;
@@ -433,6 +445,7 @@ c10::intrusive_ptr<c10d::Work> SluiceBackend::recv_device(const at::Tensor& t, i
   if (!cuda_regs_ || !t.is_cuda() || t.layout() != at::kStrided || !t.is_contiguous() || src < 0 ||
       src >= getSize() || src == getRank() || !mailbox_->has_device(src) || t.nbytes() < mailbox_->rndv_bytes())
     return {};
+  if (trace_) trace_->mark(TraceEv::kRecvCall, src);
   std::string why;
   auto lease = cuda_regs_->acquire(t.data_ptr(), t.nbytes(), &why);
   if (!lease) {
@@ -442,8 +455,10 @@ c10::intrusive_ptr<c10d::Work> SluiceBackend::recv_device(const at::Tensor& t, i
   // Work the caller queued on the tensor (an earlier kernel reading it) ends before the
   // engine writes into it.
   sync_current_stream(t);
+  if (trace_) trace_->mark(TraceEv::kRecvSynced, src);
   auto work = c10::make_intrusive<SluiceWork>(c10d::OpType::RECV, std::vector<at::Tensor>{t}, timeout_, getRank());
   work->set_peer("peer rank " + std::to_string(src));
+  work->set_trace(trace_.get(), src);
   work->drive_with(mailbox_->progress());
   CudaRegistrations* regs = cuda_regs_.get();
   void* key = lease->key;
@@ -723,9 +738,11 @@ c10::intrusive_ptr<c10d::Work> SluiceBackend::send(std::vector<at::Tensor>& tens
   check_cpu(tensors[0], "send");
   TORCH_CHECK(dst >= 0 && dst < getSize() && dst != getRank(), "sluice: rank ", getRank(), ": invalid destination rank ",
               dst, " (group size ", getSize(), ")");
+  if (trace_) trace_->mark(TraceEv::kSendCall, dst);
   at::Tensor buf = tensors[0].contiguous();
   auto work = c10::make_intrusive<SluiceWork>(c10d::OpType::SEND, tensors, timeout_, getRank());
   work->set_peer("peer rank " + std::to_string(dst));
+  work->set_trace(trace_.get(), dst);
   work->drive_with(mailbox_->progress());
   mailbox_->send(dst, user_tag(tag), buf.data_ptr(), buf.nbytes(), [work, buf](const Status& st, int peer, uint64_t) {
     work->complete(st.ok() ? nullptr : backend_error("sluice: send failed: " + st.message));
@@ -745,11 +762,13 @@ c10::intrusive_ptr<c10d::Work> SluiceBackend::recv(std::vector<at::Tensor>& tens
   check_cpu(tensors[0], "recv");
   TORCH_CHECK(src == Mailbox::kAnySource || (src >= 0 && src < getSize() && src != getRank()), "sluice: rank ",
               getRank(), ": invalid source rank ", src, " (group size ", getSize(), ")");
+  if (trace_) trace_->mark(TraceEv::kRecvCall, src);
   at::Tensor out = tensors[0];
   at::Tensor buf = out.is_contiguous() ? out : at::empty_like(out, at::MemoryFormat::Contiguous);
   auto work = c10::make_intrusive<SluiceWork>(
       src == Mailbox::kAnySource ? c10d::OpType::RECVANYSOURCE : c10d::OpType::RECV, tensors, timeout_, getRank());
   work->set_peer(src == Mailbox::kAnySource ? "any peer rank" : "peer rank " + std::to_string(src));
+  work->set_trace(trace_.get(), src);
   work->drive_with(mailbox_->progress());
   mailbox_->recv(src, user_tag(tag), buf.data_ptr(), buf.nbytes(), [work, out, buf](const Status& st, int peer, uint64_t) mutable {
     if (!st.ok()) {

@@ -20,6 +20,7 @@
 #include "cuda_registrations.hpp"
 #include "ll_allgather.hpp"
 #include "mailbox.hpp"
+#include "trace.hpp"
 #include "sluice/engine.hpp"
 
 namespace sluice::torch_backend {
@@ -173,6 +174,7 @@ class SluiceBackend final : public c10d::Backend {
   std::optional<HeldLeases> device_leases(const at::Tensor& a, const at::Tensor& b);
 
   std::chrono::milliseconds timeout_;
+  std::unique_ptr<Trace> trace_;  // SLUICE_TORCH_TRACE (trace.hpp); outlives the mailbox and the engine
   std::unique_ptr<Engine> engine_;
   std::unique_ptr<Mailbox> mailbox_;
   std::string transport_;

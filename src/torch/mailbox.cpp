@@ -34,8 +34,9 @@ std::string describe_tag(uint64_t tag) {
 Mailbox::Mailbox(Engine& engine, std::vector<Endpoint> peers, std::vector<Endpoint> data, int rank,
                  std::chrono::milliseconds timeout, uint64_t rndv_bytes, uint64_t max_unexpected_bytes,
                  std::vector<Endpoint> dev, uint64_t inline_bytes, bool recv_ready, bool callers_run,
-                 bool quiet_bookkeeping)
+                 bool quiet_bookkeeping, Trace* trace)
     : engine_(engine),
+      trace_(trace),
       rank_(rank),
       timeout_(timeout),
       rndv_bytes_(rndv_bytes),
@@ -254,6 +255,7 @@ Status Mailbox::truncated(int peer, uint64_t tag, uint64_t length, uint64_t n) c
 void Mailbox::send_ctrl(int peer, Header h, std::function<void(const Status&)> finish,
                         std::shared_ptr<std::atomic<int>> left) {
   Peer& p = peers_[peer];
+  if (trace_) trace_->mark(TraceEv::kHeaderOut, peer, id_of(h), static_cast<uint8_t>(kind_of(h)));
   MemoryHandle hh;
   uint64_t hoff = 0;
   uint32_t slot = UINT32_MAX;
@@ -420,6 +422,7 @@ void Mailbox::on_header(int peer, const Status& st, uint64_t bytes) {
   Header h;
   std::memcpy(&h, p.in.get(), sizeof(Header));
   const Kind kind = kind_of(h);
+  if (trace_) trace_->mark(TraceEv::kHeaderIn, peer, id_of(h), static_cast<uint8_t>(kind));
   // Only EAGER_INLINE carries bytes after its header, exactly its length.
   const uint64_t extra = bytes - sizeof(Header);
   if (kind == kEagerInline ? (h.length > kMaxInlineBytes || extra != h.length) : extra != 0) {
@@ -614,6 +617,7 @@ bool Mailbox::send_inline(int dst, uint64_t tag, const void* ptr, uint64_t n, Do
   const Header h{tag, n, make_kind(kEagerInline, 0), 0, 0, 0};
   std::memcpy(out, &h, sizeof(h));
   if (n) std::memcpy(out + sizeof(h), ptr, n);
+  if (trace_) trace_->mark(TraceEv::kHeaderOut, dst, 0, static_cast<uint8_t>(kEagerInline));
   Future f;
   try {
     f = p.ep.send(inline_out_handle_, uint64_t(slot) * inline_slot_, sizeof(h) + n);
@@ -708,6 +712,13 @@ void Mailbox::deliver(Unexpected& u, PostedRecv& r) {
   release(u);
 }
 
+Mailbox::Done Mailbox::traced(Done done) {
+  return [t = trace_, done = std::move(done)](const Status& st, int peer, uint64_t bytes) {
+    t->mark(TraceEv::kDone, peer, bytes);
+    done(st, peer, bytes);
+  };
+}
+
 void Mailbox::recv(int src, uint64_t tag, void* ptr, uint64_t n, Done done) {
   recv(src, tag, Buffer{ptr, n}, std::move(done));
 }
@@ -720,6 +731,7 @@ void Mailbox::recv(int src, uint64_t tag, const Buffer& b, Done done) {
     throw Error(ErrorCode::kInvalidArgument, "rank " + std::to_string(rank_) +
                                                  ": a recv into CUDA memory needs a registered buffer of at least "
                                                  "rndv_bytes from a rank with a device endpoint");
+  if (trace_) done = traced(std::move(done));
   auto r = std::make_shared<PostedRecv>(
       PostedRecv{src, tag, b.ptr, b.n, std::move(done), Clock::now(), b.handle, b.offset, b.device});
   q_->submit([this, r] {
@@ -771,6 +783,7 @@ void Mailbox::send(int dst, uint64_t tag, const Buffer& b, Done done) {
     throw Error(ErrorCode::kInvalidArgument, "rank " + std::to_string(rank_) +
                                                  ": a send from CUDA memory needs a registered buffer of at least "
                                                  "rndv_bytes to a rank with a device endpoint");
+  if (trace_) done = traced(std::move(done));
   q_->submit([this, dst, tag, b, done = std::move(done)]() mutable {
     const uint64_t n = b.n;
     Peer& p = peers_[dst];
@@ -988,6 +1001,7 @@ void Mailbox::start_read(int src, uint64_t id, uint64_t length, uint64_t region,
   try {
     l->handle = l->owned ? reg(r->ptr, length) : r->handle;
     f = p.dev.read({{l->handle, l->owned ? 0 : r->offset, RemoteHandle{region}, offset, length}});
+    if (trace_) trace_->mark(TraceEv::kReadPosted, src, id);
   } catch (const Error& e) {
     if (l->owned) unreg(l->handle);
     r->done({e.code(), who(src) + ": " + e.what()}, src, 0);
@@ -995,7 +1009,8 @@ void Mailbox::start_read(int src, uint64_t id, uint64_t length, uint64_t region,
     return;
   }
   landing_.push_back(l);
-  f.on_complete([this, l, length, fin](const Status& st) {
+  f.on_complete([this, l, length, fin, id](const Status& st) {
+    if (trace_) trace_->mark(TraceEv::kReadDone, l->src, id);
     post([this, l, length, fin, st] {
       Status out = landed(*l, st, "reading its message: ");
       l->r->done(out, l->src, out.ok() ? length : 0);

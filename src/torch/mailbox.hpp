@@ -95,6 +95,7 @@
 
 #include "progress_queue.hpp"
 #include "sluice/engine.hpp"
+#include "trace.hpp"
 
 namespace sluice::torch_backend {
 
@@ -118,7 +119,7 @@ class Mailbox {
           std::chrono::milliseconds timeout, uint64_t rndv_bytes,
           uint64_t max_unexpected_bytes = kDefaultMaxUnexpectedBytes, std::vector<Endpoint> dev = {},
           uint64_t inline_bytes = kDefaultInlineBytes, bool recv_ready = true, bool callers_run = true,
-          bool quiet_bookkeeping = true);
+          bool quiet_bookkeeping = true, Trace* trace = nullptr);
   ~Mailbox();
   Mailbox(const Mailbox&) = delete;
   Mailbox& operator=(const Mailbox&) = delete;
@@ -365,6 +366,8 @@ class Mailbox {
   std::string who(int peer) const;
 
   Engine& engine_;
+  Trace* trace_;  // null, or where headers, reads and completions are recorded (trace.hpp); outlives us
+  Done traced(Done done);   // `done`, recorded in trace_ first
   const int rank_;
   std::chrono::milliseconds timeout_;
   const uint64_t rndv_bytes_;

@@ -15,6 +15,7 @@
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include "progress_queue.hpp"
+#include "trace.hpp"
 
 namespace sluice::torch_backend {
 
@@ -35,6 +36,11 @@ class SluiceWork final : public c10d::Work {
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
   // Named in the error of a wait() that times out, e.g. "peer rank 2" for a point-to-point op.
   void set_peer(std::string peer) { peer_ = std::move(peer); }
+  // wait() records its start and end there (trace.hpp), `peer` naming the op's peer rank.
+  void set_trace(Trace* t, int peer) {
+    trace_ = t;
+    trace_peer_ = peer;
+  }
   // A Work the mailbox completes (send, recv): wait() runs the mailbox's progress tasks while
   // it waits (ProgressQueue::drive_until), so its completion costs no hop through another
   // thread. Set before the op is handed to the mailbox.
@@ -49,6 +55,8 @@ class SluiceWork final : public c10d::Work {
   std::string peer_;
   c10::intrusive_ptr<c10::ivalue::Future> future_;
   std::shared_ptr<ProgressQueue> queue_;
+  Trace* trace_ = nullptr;
+  int trace_peer_ = -1;
 };
 
 // The Work of an op queued on the caller's CUDA stream (the low-latency all_gather,

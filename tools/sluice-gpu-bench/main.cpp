@@ -52,6 +52,10 @@ int child_main(int dev, uint64_t bytes) {
 }
 
 double secs(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
+double median(std::vector<double> v) {
+  std::nth_element(v.begin(), v.begin() + v.size() / 2, v.end());
+  return v[v.size() / 2];
+}
 
 std::string fmt(const char* f, double a) {
   char b[64];
@@ -240,7 +244,9 @@ int main(int argc, char** argv) {
   out("## Small-op latency (us, median of 2000; copy engine vs SM copy kernel vs raw memcpy+sync)");
   out("| size | WRITE CE | WRITE SM | READ CE | READ SM | raw cudaMemcpyPeerAsync+sync |");
   out("|---|---|---|---|---|---|");
-  std::vector<uint64_t> small = {8, 64, 512, 4096, 32768, 65536, 262144};
+  // 8 B twice: first right after connect, and again last (whether the first rows pay for setup
+  // still running on the engine's threads).
+  std::vector<uint64_t> small = {8, 64, 512, 4096, 32768, 65536, 262144, 8};
   std::vector<std::vector<double>> lat(small.size(), std::vector<double>(5));
   ::setenv("SLUICE_NVLINK_STREAMS", "1", 1);
   for (int mode = 0; mode < 2; ++mode) {
@@ -275,8 +281,67 @@ int main(int argc, char** argv) {
     }
     std::nth_element(v.begin(), v.begin() + v.size() / 2, v.end());
     lat[k][4] = v[v.size() / 2];
-    out("| " + human(small[k]) + " | " + fmt("%.1f", lat[k][0]) + " | " + fmt("%.1f", lat[k][1]) + " | " +
+    out("| " + human(small[k]) + (k + 1 == small.size() ? " (again)" : "") + " | " + fmt("%.1f", lat[k][0]) + " | " + fmt("%.1f", lat[k][1]) + " | " +
         fmt("%.1f", lat[k][2]) + " | " + fmt("%.1f", lat[k][3]) + " | " + fmt("%.1f", lat[k][4]) + " |");
+  }
+
+  // Where a lone op's time goes: how long the submitting call takes and how long until the op
+  // completes, with the default inline polling (ops up to nvlink.inline_max complete inside the
+  // call) and with it off (the call returns once the copy is queued; the waiter completes it),
+  // against the raw copy's launch and its launch + synchronize. Medians of 2000, us.
+  out("");
+  out("## Lone-op breakdown (us, median of 2000): call returns / op complete; raw: launch / launch + sync");
+  out("| size | WRITE default call / complete | WRITE inline_max=0 call / complete | READ inline_max=0 call / complete | raw launch / + sync |");
+  out("|---|---|---|---|---|");
+  {
+    const std::vector<uint64_t> lone = {8, 65536, 1 << 20};
+    std::vector<std::vector<std::pair<double, double>>> res(lone.size(), std::vector<std::pair<double, double>>(4));
+    ::setenv("SLUICE_NVLINK_SM_COPY_MAX", "0", 1);
+    for (int mode = 0; mode < 2; ++mode) {
+      if (mode) ::setenv("SLUICE_NVLINK_INLINE_MAX", "0", 1);
+      EngineConfig c;
+      Engine e(c);
+      auto src = e.allocate(1 << 20, Location::cuda(0));
+      auto ep = e.connect(info);
+      auto dst = *ep.remote_region("dst");
+      for (size_t k = 0; k < lone.size(); ++k)
+        for (int dir = 0; dir < 2; ++dir) {
+          if (mode == 0 && dir == 1) continue;
+          Batch b{{src.handle, 0, dst, 0, lone[k]}};
+          std::vector<double> call, all;
+          for (int i = 0; i < 2200; ++i) {
+            auto t0 = Clock::now();
+            Future f = dir == 0 ? ep.write(b) : ep.read(b);
+            auto t1 = Clock::now();
+            f.get();
+            auto t2 = Clock::now();
+            if (i >= 200) {
+              call.push_back(secs(t1 - t0) * 1e6);
+              all.push_back(secs(t2 - t0) * 1e6);
+            }
+          }
+          res[k][mode == 0 ? 0 : 1 + dir] = {median(call), median(all)};
+        }
+      ep.close();
+    }
+    ::unsetenv("SLUICE_NVLINK_INLINE_MAX");
+    for (size_t k = 0; k < lone.size(); ++k) {
+      std::vector<double> call, all;
+      for (int i = 0; i < 2200; ++i) {
+        auto t0 = Clock::now();
+        CK(cudaMemcpyPeerAsync(b1, peer_dev, b0, 0, lone[k], s));
+        auto t1 = Clock::now();
+        CK(cudaStreamSynchronize(s));
+        auto t2 = Clock::now();
+        if (i >= 200) {
+          call.push_back(secs(t1 - t0) * 1e6);
+          all.push_back(secs(t2 - t0) * 1e6);
+        }
+      }
+      res[k][3] = {median(call), median(all)};
+      auto cell = [&](int j) { return fmt("%.1f", res[k][j].first) + " / " + fmt("%.1f", res[k][j].second); };
+      out("| " + human(lone[k]) + " | " + cell(0) + " | " + cell(1) + " | " + cell(2) + " | " + cell(3) + " |");
+    }
   }
 
   // cuda memory over tcp and shm (staged through pinned host buffers).

@@ -1,0 +1,61 @@
+"""SLUICE_TORCH_TRACE and tools/sluice-torch-bench/trace.py on CPU: two torchrun ranks ping-pong
+1 MiB messages by rendezvous (RTS/CTS: ready-to-receive off), each rank writes its records, and
+the tool pairs them. Checks that every message is paired across the ranks in causal order and
+that each step has a row; no timing is asserted."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("torch", reason="torch is not installed")
+st = pytest.importorskip("sluice.torch")
+if not st.available():
+    pytest.skip("sluice was built without the torch backend", allow_module_level=True)
+
+TOOLS = os.path.join(os.path.dirname(__file__), "..", "..", "..", "tools", "sluice-torch-bench")
+ITERS = 6
+
+
+@pytest.mark.timeout(200)
+def test_rendezvous_messages_are_paired_across_ranks(tmp_path) -> None:
+    if not os.path.exists(os.path.join(TOOLS, "trace.py")):
+        pytest.skip(f"{TOOLS} is not in this tree (tests run from an sdist?)")
+    prefix = str(tmp_path / "tr")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           os.path.join(TOOLS, "bench.py"), "--ops", "sendrecv", "--min-bytes", str(1 << 20),
+           "--max-bytes", str(1 << 20), "--iters", str(ITERS)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "SLUICE_TORCH_TRACE": prefix, "SLUICE_TORCH_RECV_READY": "0"}
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=tmp_path, env=env)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-6000:]
+    assert sorted(os.listdir(tmp_path)) == ["tr.g0.rank0.csv", "tr.g0.rank1.csv"]
+
+    sys.path.insert(0, TOOLS)
+    try:
+        import trace as tool  # tools/sluice-torch-bench/trace.py (the stdlib's trace is shadowed on purpose)
+    finally:
+        sys.path.pop(0)
+    assert hasattr(tool, "messages"), "imported the stdlib's trace module, not the tool"
+    msgs = tool.messages(tool.load(prefix, 0))
+    # The warm-up ping-pong and ITERS timed ones, each way.
+    for s, rcv in ((0, 1), (1, 0)):
+        mine = [m for m in msgs if m["sender"] == s and m["receiver"] == rcv]
+        assert len(mine) == ITERS + 1, mine
+        for m in mine:
+            assert m["proto"] == "RTS"
+            assert m["send_call"] <= m["rts_out"] < m["rts_in"] < m["cts_out"] < m["cts_in"], m
+            assert m["cts_in"] < m["recv_done"] <= m["recv_wait_end"], m
+    rows = tool.summarize(msgs, skip=1)
+    steps = {(row["sender"], row["step"]) for row in rows}
+    for s in (0, 1):
+        for name, _, _ in tool.RTS_STEPS:
+            assert (s, name) in steps, (s, name, rows)
+
+    printed = subprocess.run([sys.executable, os.path.join(TOOLS, "trace.py"), prefix], capture_output=True, text=True)
+    assert printed.returncode == 0, printed.stderr
+    assert "RTS messages, rank 0 -> rank 1" in printed.stdout and "| one way:" in printed.stdout
+    missing = subprocess.run([sys.executable, os.path.join(TOOLS, "trace.py"), str(tmp_path / "nothing")],
+                             capture_output=True, text=True)
+    assert missing.returncode != 0 and "SLUICE_TORCH_TRACE" in missing.stderr

@@ -1,0 +1,184 @@
+"""Where a torch send/recv's time goes between the ranks: reads the per-rank records that
+SLUICE_TORCH_TRACE=<prefix> makes the sluice backend write (<prefix>.g<n>.rank<r>.csv, one file
+per rank and traced group, src/torch/trace.hpp) and prints, per rendezvous message, the median
+time of each step from the sender's call to both sides' return, over every message of a size
+class. Timestamps are CLOCK_MONOTONIC, which the processes of one host share, so steps across
+ranks are comparable there (not across hosts).
+
+    SLUICE_TORCH_TRACE=/tmp/tr torchrun --nproc_per_node=2 tools/sluice-torch-bench/bench.py --device cuda --ops sendrecv
+    python3 tools/sluice-torch-bench/trace.py /tmp/tr [--group 0] [--json]
+
+Messages are the rendezvous kinds (RTS: host payloads, CTS from the receiver; RTS_READ: CUDA
+payloads the receiver reads, FIN back) matched across ranks by (sender, id). Eager messages
+carry no id and are not paired.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import glob
+import json
+import statistics
+import sys
+from bisect import bisect_right
+from typing import Dict, List, Optional, Tuple
+
+KINDS = {0: "EAGER", 1: "RTS", 2: "CTS", 3: "NACK", 4: "RTS_READ", 5: "FIN", 6: "EAGER_INLINE", 7: "RTR", 8: "RTR_DATA"}
+
+# Steps of a CUDA message (RTS_READ): (name, side, from event, to event). side s = sender, r = receiver.
+READ_STEPS = [
+    ("sender: call -> stream synced", "send_call", "send_synced"),
+    ("sender: synced -> RTS_READ out", "send_synced", "rts_out"),
+    ("RTS_READ out -> in at receiver", "rts_out", "rts_in"),
+    ("receiver: RTS_READ in -> read posted", "rts_in", "read_posted"),
+    ("receiver: read posted -> done (copy + completion)", "read_posted", "read_done"),
+    ("receiver: read done -> recv done", "read_done", "recv_done"),
+    ("receiver: recv done -> wait returns", "recv_done", "recv_wait_end"),
+    ("receiver: recv done -> FIN out", "recv_done", "fin_out"),
+    ("FIN out -> in at sender", "fin_out", "fin_in"),
+    ("sender: FIN in -> send done", "fin_in", "send_done"),
+    ("sender: send done -> wait returns", "send_done", "send_wait_end"),
+    ("one way: sender's call -> receiver's wait returns", "send_call", "recv_wait_end"),
+    ("sender's call -> its wait returns", "send_call", "send_wait_end"),
+]
+RTS_STEPS = [
+    ("sender: call -> RTS out", "send_call", "rts_out"),
+    ("RTS out -> in at receiver", "rts_out", "rts_in"),
+    ("receiver: RTS in -> CTS out", "rts_in", "cts_out"),
+    ("CTS out -> in at sender", "cts_out", "cts_in"),
+    ("CTS in -> receiver's recv done", "cts_in", "recv_done"),
+    ("receiver: recv done -> wait returns", "recv_done", "recv_wait_end"),
+    ("one way: sender's call -> receiver's wait returns", "send_call", "recv_wait_end"),
+]
+
+Event = Tuple[int, int, str, int, int, int]  # t_ns, rank, event, peer, id, kind
+
+
+def load(prefix: str, group: int) -> List[Event]:
+    files = sorted(glob.glob(f"{prefix}.g{group}.rank*.csv"))
+    if not files:
+        raise SystemExit(f"trace.py: no {prefix}.g{group}.rank*.csv (was SLUICE_TORCH_TRACE={prefix} set, and the "
+                         f"group destroyed?)")
+    out: List[Event] = []
+    for f in files:
+        with open(f, newline="") as fh:
+            for row in csv.DictReader(fh):
+                out.append((int(row["t_ns"]), int(row["rank"]), row["event"], int(row["peer"]), int(row["id"]),
+                            int(row["kind"])))
+    out.sort()
+    return out
+
+
+class Index:
+    """Per (rank, event, peer): sorted times, for 'the last X before t' / 'the first X after t'."""
+
+    def __init__(self, events: List[Event]) -> None:
+        self.t: Dict[Tuple[int, str, int], List[int]] = {}
+        for t, rank, ev, peer, _id, _kind in events:
+            self.t.setdefault((rank, ev, peer), []).append(t)
+
+    def last_before(self, rank: int, ev: str, peer: int, t: int) -> Optional[int]:
+        v = self.t.get((rank, ev, peer), [])
+        i = bisect_right(v, t)
+        return v[i - 1] if i else None
+
+    def first_after(self, rank: int, ev: str, peer: int, t: int) -> Optional[int]:
+        v = self.t.get((rank, ev, peer), [])
+        i = bisect_right(v, t)
+        return v[i] if i < len(v) else None
+
+
+def messages(events: List[Event]) -> List[Dict]:
+    """One dict per rendezvous message: its protocol, sender, receiver and the times of its steps."""
+    idx = Index(events)
+    by_key: Dict[Tuple[int, int, int], Dict] = {}  # (sender, receiver, id)
+    for t, rank, ev, peer, mid, kind in events:
+        k = KINDS.get(kind, "?")
+        if ev == "header_out" and k in ("RTS", "RTS_READ"):
+            by_key[(rank, peer, mid)] = {"proto": k, "sender": rank, "receiver": peer, "id": mid, "rts_out": t}
+        elif ev == "header_in" and k in ("RTS", "RTS_READ"):
+            m = by_key.get((peer, rank, mid))
+            if m is not None and "rts_in" not in m:
+                m["rts_in"] = t
+        elif ev in ("read_posted", "read_done"):
+            m = by_key.get((peer, rank, mid))
+            if m is not None:
+                m.setdefault(ev, t)
+        elif ev == "header_out" and k in ("FIN", "CTS"):
+            m = by_key.get((peer, rank, mid))
+            if m is not None:
+                m.setdefault("fin_out" if k == "FIN" else "cts_out", t)
+        elif ev == "header_in" and k in ("FIN", "CTS"):
+            m = by_key.get((rank, peer, mid))
+            if m is not None:
+                m.setdefault("fin_in" if k == "FIN" else "cts_in", t)
+    out = []
+    for (s, r, _), m in by_key.items():
+        if "rts_in" not in m:
+            continue
+        m["send_call"] = idx.last_before(s, "send_call", r, m["rts_out"])
+        m["send_synced"] = idx.last_before(s, "send_synced", r, m["rts_out"])
+        after = m.get("read_done") or m.get("cts_in") or m["rts_in"]
+        m["recv_done"] = idx.first_after(r, "done", s, after)
+        if m["recv_done"] is not None:
+            m["recv_wait_end"] = idx.first_after(r, "wait_end", s, m["recv_done"] - 1)
+        fin = m.get("fin_in")
+        if fin is not None:
+            m["send_done"] = idx.first_after(s, "done", r, fin)
+            if m["send_done"] is not None:
+                m["send_wait_end"] = idx.first_after(s, "wait_end", r, m["send_done"] - 1)
+        out.append(m)
+    return out
+
+
+def summarize(msgs: List[Dict], skip: int) -> List[Dict]:
+    """Median and spread (us) of every step, per protocol and sender -> receiver, the first
+    `skip` messages of each pair left out (warm-up: registrations, descriptors)."""
+    groups: Dict[Tuple[str, int, int], List[Dict]] = {}
+    for m in sorted(msgs, key=lambda m: m["rts_out"]):
+        groups.setdefault((m["proto"], m["sender"], m["receiver"]), []).append(m)
+    rows = []
+    for (proto, s, r), ms in sorted(groups.items()):
+        ms = ms[skip:] if len(ms) > skip else ms
+        steps = READ_STEPS if proto == "RTS_READ" else RTS_STEPS
+        for name, a, b in steps:
+            d = [(m[b] - m[a]) / 1e3 for m in ms if m.get(a) is not None and m.get(b) is not None]
+            if not d:
+                continue
+            d.sort()
+            rows.append({"proto": proto, "sender": s, "receiver": r, "step": name, "messages": len(d),
+                         "median_us": statistics.median(d), "p10_us": d[int(0.1 * (len(d) - 1))],
+                         "p90_us": d[int(0.9 * (len(d) - 1))]})
+    return rows
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("prefix", help="the SLUICE_TORCH_TRACE prefix the ranks wrote")
+    ap.add_argument("--group", type=int, default=0, help="the n-th traced group of each process (default 0)")
+    ap.add_argument("--skip", type=int, default=3, help="leave out the first messages of each pair (warm-up)")
+    ap.add_argument("--json", action="store_true", help="print the rows as JSON")
+    args = ap.parse_args(argv)
+    msgs = messages(load(args.prefix, args.group))
+    if not msgs:
+        print("trace.py: no rendezvous message in the trace (only eager messages, or one rank's file missing)",
+              file=sys.stderr)
+        return 1
+    rows = summarize(msgs, args.skip)
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return 0
+    last = None
+    for row in rows:
+        key = (row["proto"], row["sender"], row["receiver"])
+        if key != last:
+            print(f"\n{row['proto']} messages, rank {row['sender']} -> rank {row['receiver']}")
+            print("| step | messages | median us | p10-p90 us |")
+            print("|---|---:|---:|---:|")
+            last = key
+        print(f"| {row['step']} | {row['messages']} | {row['median_us']:.1f} | {row['p10_us']:.1f}-{row['p90_us']:.1f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
