@@ -198,6 +198,14 @@ SluiceBackend::SluiceBackend(const c10::intrusive_ptr<c10d::Store>& store, int r
   // whether bookkeeping completions wake nobody (1) or a runner like any other (0).
   const uint64_t caller_runs = env_bytes("SLUICE_TORCH_CALLER_RUNS", 1);
   const uint64_t quiet_acks = env_bytes("SLUICE_TORCH_QUIET_ACKS", 1);
+  // How long a thread waiting for the mailbox polls before it sleeps (progress_queue.hpp): a
+  // completion it sees while polling costs no wake-up. Default 1 ms where the host has 8 or
+  // more hardware threads, else 0 (a polling waiter would take the core the engine needs).
+  const unsigned hw = std::thread::hardware_concurrency();
+  const uint64_t spin_us = env_bytes("SLUICE_TORCH_SPIN_US", hw >= 8 ? 1000 : 0);
+  if (spin_us > 1000000)
+    throw Error(ErrorCode::kInvalidArgument, "sluice: SLUICE_TORCH_SPIN_US must be at most 1000000 (1 s), got " +
+                                                 std::to_string(spin_us));
   for (auto [name, v] : {std::pair<const char*, uint64_t>{"SLUICE_TORCH_CALLER_RUNS", caller_runs},
                          std::pair<const char*, uint64_t>{"SLUICE_TORCH_QUIET_ACKS", quiet_acks}})
     if (v > 1)
@@ -376,7 +384,8 @@ SluiceBackend::SluiceBackend(const c10::intrusive_ptr<c10d::Store>& store, int r
   trace_ = Trace::from_env(rank);
   mailbox_ = std::make_unique<Mailbox>(*engine_, std::move(peers), std::move(data), rank, timeout, rndv_bytes,
                                        max_unexpected_bytes, std::move(dev), inline_bytes,
-                                       recv_ready != 0, caller_runs != 0, quiet_acks != 0, trace_.get());
+                                       recv_ready != 0, caller_runs != 0, quiet_acks != 0, trace_.get(),
+                                       std::chrono::microseconds(spin_us));
   if (size > 1) {
     try {
       ll_ = std::make_unique<LowLatencyAllGather>(store, rank, size, ll_bytes, ll_off,
@@ -405,7 +414,11 @@ std::string SluiceBackend::ll_allgather_state() const {
 
 void sync_current_stream(const at::Tensor& t) {
   const c10::impl::DeviceGuardImplInterface* g = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
-  g->synchronizeStream(g->getStream(t.device()));
+  const c10::Stream s = g->getStream(t.device());
+  // An idle stream (the common case: the tensor was made a while ago) answers a query without
+  // the synchronize's wait setup.
+  if (g->queryStream(s)) return;
+  g->synchronizeStream(s);
 }
 
 c10::intrusive_ptr<c10d::Work> SluiceBackend::send_device(const at::Tensor& t, int dst, int tag) {

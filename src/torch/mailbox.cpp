@@ -34,7 +34,7 @@ std::string describe_tag(uint64_t tag) {
 Mailbox::Mailbox(Engine& engine, std::vector<Endpoint> peers, std::vector<Endpoint> data, int rank,
                  std::chrono::milliseconds timeout, uint64_t rndv_bytes, uint64_t max_unexpected_bytes,
                  std::vector<Endpoint> dev, uint64_t inline_bytes, bool recv_ready, bool callers_run,
-                 bool quiet_bookkeeping, Trace* trace)
+                 bool quiet_bookkeeping, Trace* trace, std::chrono::microseconds spin)
     : engine_(engine),
       trace_(trace),
       rank_(rank),
@@ -68,7 +68,7 @@ Mailbox::Mailbox(Engine& engine, std::vector<Endpoint> peers, std::vector<Endpoi
       peers_[i].hdr_handle = reg(peers_[i].in.get(), kInbox);
     }
   q_ = std::make_shared<ProgressQueue>([this] { expire(); }, std::chrono::milliseconds(100), "sluice-mailbox",
-                                       callers_run);
+                                       callers_run, spin);
   post([this] {
     for (size_t i = 0; i < peers_.size(); ++i)
       if (peers_[i].ep.valid()) post_header_recv(static_cast<int>(i));
@@ -1000,6 +1000,7 @@ void Mailbox::start_read(int src, uint64_t id, uint64_t length, uint64_t region,
   Future f;
   try {
     l->handle = l->owned ? reg(r->ptr, length) : r->handle;
+    if (trace_) trace_->mark(TraceEv::kReadCall, src, id);
     f = p.dev.read({{l->handle, l->owned ? 0 : r->offset, RemoteHandle{region}, offset, length}});
     if (trace_) trace_->mark(TraceEv::kReadPosted, src, id);
   } catch (const Error& e) {

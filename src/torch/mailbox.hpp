@@ -119,7 +119,8 @@ class Mailbox {
           std::chrono::milliseconds timeout, uint64_t rndv_bytes,
           uint64_t max_unexpected_bytes = kDefaultMaxUnexpectedBytes, std::vector<Endpoint> dev = {},
           uint64_t inline_bytes = kDefaultInlineBytes, bool recv_ready = true, bool callers_run = true,
-          bool quiet_bookkeeping = true, Trace* trace = nullptr);
+          bool quiet_bookkeeping = true, Trace* trace = nullptr,
+          std::chrono::microseconds spin = std::chrono::microseconds(0));
   ~Mailbox();
   Mailbox(const Mailbox&) = delete;
   Mailbox& operator=(const Mailbox&) = delete;

@@ -7,9 +7,23 @@
 
 namespace sluice::torch_backend {
 
+namespace {
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
+}  // namespace
+
 ProgressQueue::ProgressQueue(std::function<void()> tick, std::chrono::milliseconds period, const char* thread_name,
-                             bool callers_run)
-    : tick_(std::move(tick)), period_(period), callers_run_(callers_run), next_tick_(Clock::now() + period) {
+                             bool callers_run, std::chrono::microseconds spin)
+    : tick_(std::move(tick)),
+      period_(period),
+      callers_run_(callers_run),
+      spin_(callers_run ? spin : std::chrono::microseconds(0)),
+      next_tick_(Clock::now() + period) {
   thread_ = std::thread([this, thread_name] {
     ::sluice::detail::name_this_thread(thread_name);
     thread_main();
@@ -80,6 +94,7 @@ void ProgressQueue::run_locked(std::unique_lock<std::mutex>& lk) {
   running_ = false;
   if (closing_) idle_cv_.notify_all();
   // What the tasks completed may be what a driver waits for.
+  changes_.fetch_add(1, std::memory_order_release);
   if (drivers_ > 0) driver_cv_.notify_all();
 }
 
@@ -109,6 +124,7 @@ void ProgressQueue::post(std::function<void()> task, bool wake) {
   tasks_.push_back(std::move(task));
   if (wake) ++loud_;
   if (closing_ || running_ || !wake) return;  // drain(), the running thread or the next runner takes it
+  changes_.fetch_add(1, std::memory_order_release);
   if (drivers_ > 0 && callers_run_)
     driver_cv_.notify_one();
   else
@@ -135,6 +151,7 @@ void ProgressQueue::submit(std::function<void()> task) {
 bool ProgressQueue::drive_until(const std::function<bool()>& ready, Clock::time_point deadline) {
   std::unique_lock<std::mutex> lk(mu_);
   ++drivers_;
+  Clock::time_point spin_until{};  // set when this driver first finds nothing to do
   bool ok;
   while (!(ok = ready())) {
     if (callers_run_ && !closing_ && !running_ && !tasks_.empty()) {
@@ -142,7 +159,23 @@ bool ProgressQueue::drive_until(const std::function<bool()>& ready, Clock::time_
       run_locked(lk);
       continue;
     }
-    if (Clock::now() >= deadline) break;
+    const auto now = Clock::now();
+    if (now >= deadline) break;
+    if (spin_.count() > 0) {
+      // Poll before sleeping: a post() seen here costs no wake-up.
+      if (spin_until == Clock::time_point()) spin_until = now + spin_;
+      if (now < spin_until) {
+        const uint64_t seen = changes_.load(std::memory_order_acquire);
+        lk.unlock();
+        const auto stop = std::min(spin_until, deadline);
+        for (unsigned i = 1; changes_.load(std::memory_order_acquire) == seen; ++i) {
+          if (i % 64 == 0 && Clock::now() >= stop) break;
+          cpu_relax();
+        }
+        lk.lock();
+        continue;
+      }
+    }
     driver_cv_.wait_until(lk, deadline);
   }
   --drivers_;
@@ -160,6 +193,7 @@ bool ProgressQueue::drive_until(const std::function<bool()>& ready, Clock::time_
 
 void ProgressQueue::wake() {
   std::lock_guard<std::mutex> lk(mu_);
+  changes_.fetch_add(1, std::memory_order_release);
   if (drivers_ > 0) driver_cv_.notify_all();
 }
 
@@ -168,6 +202,7 @@ void ProgressQueue::close() {
     std::unique_lock<std::mutex> lk(mu_);
     if (!closing_) {
       closing_ = true;
+      changes_.fetch_add(1, std::memory_order_release);
       thread_cv_.notify_all();
       driver_cv_.notify_all();
     }
@@ -185,6 +220,7 @@ void ProgressQueue::drain() {
       batch.swap(tasks_);
       loud_ = 0;
       if (batch.empty()) {
+        changes_.fetch_add(1, std::memory_order_release);
         if (drivers_ > 0) driver_cv_.notify_all();
         return;
       }
@@ -192,6 +228,7 @@ void ProgressQueue::drain() {
     for (auto& t : batch) run_task(t);
     batch.clear();
     std::lock_guard<std::mutex> lk(mu_);
+    changes_.fetch_add(1, std::memory_order_release);
     if (drivers_ > 0) driver_cv_.notify_all();
   }
 }
@@ -203,6 +240,7 @@ void ProgressQueue::seal() {
     sealed_ = true;
     left.swap(tasks_);
     loud_ = 0;
+    changes_.fetch_add(1, std::memory_order_release);
     if (drivers_ > 0) driver_cv_.notify_all();
   }
 }

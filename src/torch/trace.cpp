@@ -1,6 +1,8 @@
 #include "trace.hpp"
 
+#include <sys/syscall.h>
 #include <time.h>
+#include <unistd.h>
 
 #include <cstdio>
 #include <cstdlib>
@@ -12,7 +14,7 @@ namespace sluice::torch_backend {
 namespace {
 const char* ev_name(uint8_t e) {
   static const char* names[] = {"send_call", "send_synced", "recv_call", "recv_synced", "header_out", "header_in",
-                                "read_posted", "read_done", "done", "wait_start", "wait_end"};
+                                "read_posted", "read_done", "done", "wait_start", "wait_end", "read_call"};
   return e < sizeof(names) / sizeof(names[0]) ? names[e] : "?";
 }
 }  // namespace
@@ -36,6 +38,11 @@ uint64_t Trace::now_ns() {
   return uint64_t(ts.tv_sec) * 1000000000ull + uint64_t(ts.tv_nsec);
 }
 
+int32_t Trace::this_tid() {
+  thread_local int32_t tid = static_cast<int32_t>(::syscall(SYS_gettid));
+  return tid;
+}
+
 Trace::~Trace() {
   const std::string file = path_ + ".g" + std::to_string(group_) + ".rank" + std::to_string(rank_) + ".csv";
   FILE* f = std::fopen(file.c_str(), "w");
@@ -44,11 +51,12 @@ Trace::~Trace() {
     return;
   }
   const size_t n = std::min(next_.load(), kCap);
-  std::fprintf(f, "t_ns,rank,event,peer,id,kind\n");
+  std::fprintf(f, "t_ns,rank,pid,tid,event,peer,id,kind\n");
+  const int pid = static_cast<int>(::getpid());
   for (size_t i = 0; i < n; ++i) {
     const Rec& r = recs_[i];
-    std::fprintf(f, "%llu,%d,%s,%d,%llu,%u\n", static_cast<unsigned long long>(r.t), rank_, ev_name(r.ev), r.peer,
-                 static_cast<unsigned long long>(r.id), static_cast<unsigned>(r.kind));
+    std::fprintf(f, "%llu,%d,%d,%d,%s,%d,%llu,%u\n", static_cast<unsigned long long>(r.t), rank_, pid, r.tid,
+                 ev_name(r.ev), r.peer, static_cast<unsigned long long>(r.id), static_cast<unsigned>(r.kind));
   }
   if (next_.load() > kCap)
     std::fprintf(stderr, "sluice torch: SLUICE_TORCH_TRACE: %zu events past the %zu recorded were dropped\n",

@@ -1,7 +1,8 @@
 // Per-message timestamps, to find where a message's time goes between the ranks' threads
 // (docs/torch.md, "Tracing where a message's time goes"). Off unless SLUICE_TORCH_TRACE names a
 // file prefix: then each process records up to kCap events (CLOCK_MONOTONIC ns, which every
-// process of a host shares; the event; the peer rank; the message id or header kind) and writes
+// process of a host shares; the thread; the event; the peer rank; the message id or header
+// kind) and writes
 // them to <prefix>.g<n>.rank<r>.csv when the group is destroyed (n: the process's n-th traced group). tools/sluice-torch-bench/trace.py
 // pairs the ranks' records and prints the median time of each step.
 // Recording is one atomic increment and four stores: cheap enough to leave in the hot path.
@@ -27,6 +28,7 @@ enum class TraceEv : uint8_t {
   kDone,          // a send or recv finished in the mailbox (its Work is completed next)
   kWaitStart,     // Work::wait() entered
   kWaitEnd,       // Work::wait() returned
+  kReadCall,      // the receiver's engine READ about to be submitted (read_posted: the call returned)
 };
 
 class Trace {
@@ -39,15 +41,17 @@ class Trace {
   void mark(TraceEv ev, int peer, uint64_t id = 0, uint8_t kind = 0) {
     const size_t i = next_.fetch_add(1, std::memory_order_relaxed);
     if (i >= kCap) return;
-    recs_[i] = {now_ns(), static_cast<int32_t>(peer), static_cast<uint8_t>(ev), kind, id};
+    recs_[i] = {now_ns(), static_cast<int32_t>(peer), this_tid(), static_cast<uint8_t>(ev), kind, id};
   }
   static uint64_t now_ns();
+  static int32_t this_tid();  // the kernel's thread id (tools/sluice-timeline records the same)
 
  private:
   Trace(std::string path, int rank);
   struct Rec {
     uint64_t t;
     int32_t peer;
+    int32_t tid;
     uint8_t ev;
     uint8_t kind;
     uint64_t id;

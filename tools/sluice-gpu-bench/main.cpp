@@ -286,19 +286,20 @@ int main(int argc, char** argv) {
   }
 
   // Where a lone op's time goes: how long the submitting call takes and how long until the op
-  // completes, with the default inline polling (ops up to nvlink.inline_max complete inside the
-  // call) and with it off (the call returns once the copy is queued; the waiter completes it),
-  // against the raw copy's launch and its launch + synchronize. Medians of 2000, us.
+  // completes: by default (the call returns once the copy is queued, the waiter completes the
+  // op), and with nvlink.waiters_poll=0 (ops up to nvlink.inline_max are polled to completion
+  // inside the call, larger ones completed by the poller thread), against the raw copy's
+  // launch and its launch + synchronize. Medians of 2000, us.
   out("");
   out("## Lone-op breakdown (us, median of 2000): call returns / op complete; raw: launch / launch + sync");
-  out("| size | WRITE default call / complete | WRITE inline_max=0 call / complete | READ inline_max=0 call / complete | raw launch / + sync |");
+  out("| size | WRITE default call / complete | READ default call / complete | WRITE waiters_poll=0 call / complete | raw launch / + sync |");
   out("|---|---|---|---|---|");
   {
     const std::vector<uint64_t> lone = {8, 65536, 1 << 20};
     std::vector<std::vector<std::pair<double, double>>> res(lone.size(), std::vector<std::pair<double, double>>(4));
     ::setenv("SLUICE_NVLINK_SM_COPY_MAX", "0", 1);
     for (int mode = 0; mode < 2; ++mode) {
-      if (mode) ::setenv("SLUICE_NVLINK_INLINE_MAX", "0", 1);
+      if (mode) ::setenv("SLUICE_NVLINK_WAITERS_POLL", "0", 1);
       EngineConfig c;
       Engine e(c);
       auto src = e.allocate(1 << 20, Location::cuda(0));
@@ -306,7 +307,7 @@ int main(int argc, char** argv) {
       auto dst = *ep.remote_region("dst");
       for (size_t k = 0; k < lone.size(); ++k)
         for (int dir = 0; dir < 2; ++dir) {
-          if (mode == 0 && dir == 1) continue;
+          if (mode == 1 && dir == 1) continue;
           Batch b{{src.handle, 0, dst, 0, lone[k]}};
           std::vector<double> call, all;
           for (int i = 0; i < 2200; ++i) {
@@ -320,11 +321,11 @@ int main(int argc, char** argv) {
               all.push_back(secs(t2 - t0) * 1e6);
             }
           }
-          res[k][mode == 0 ? 0 : 1 + dir] = {median(call), median(all)};
+          res[k][mode == 0 ? dir : 2] = {median(call), median(all)};
         }
       ep.close();
     }
-    ::unsetenv("SLUICE_NVLINK_INLINE_MAX");
+    ::unsetenv("SLUICE_NVLINK_WAITERS_POLL");
     for (size_t k = 0; k < lone.size(); ++k) {
       std::vector<double> call, all;
       for (int i = 0; i < 2200; ++i) {

@@ -9,7 +9,7 @@
                                                        time inside each call kind, long waits
 
 The recording library (timeline_preload.cpp, built here with the host's C++ compiler on first
-use, into ~/.cache/sluice-timeline) logs when each socket, pipe/eventfd, epoll/poll,
+use, into ~/.cache/sluice-timeline) logs when each socket, pipe/eventfd, epoll/poll, ioctl (the GPU driver),
 process_vm_* and condition-variable call of every thread starts and ends (docs/performance.md,
 "Tracing a message through the threads"). perf and strace are not on every machine we measure on;
 this needs a compiler only. A program marks where the interesting part starts with

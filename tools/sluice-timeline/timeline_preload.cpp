@@ -1,5 +1,5 @@
 // LD_PRELOAD library for tools/sluice-timeline/timeline.py: records, per thread, when each
-// socket, pipe/eventfd, epoll/poll, process_vm_* and condition-variable call starts and ends,
+// socket, pipe/eventfd, epoll/poll, process_vm_*, ioctl and condition-variable call starts and ends,
 // so that a message's way through the threads of two processes can be read off afterwards
 // (which thread slept where, who woke whom, how long each hop took). perf and strace are not on
 // every machine we measure on (the GPU hosts have neither); this needs only a C++ compiler.
@@ -22,6 +22,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include <cstdarg>
 #include <atomic>
 #include <cstdint>
 #include <cstdio>
@@ -41,14 +42,14 @@ struct Event {
 
 enum Call : int16_t {
   kSendmsg, kSendto, kRecvfrom, kRecvmsg, kRead, kWrite, kWritev, kReadv, kEpollWait, kEpollPwait,
-  kPoll, kCondWait, kCondTimedwait, kCondClockwait, kCondSignal, kCondBroadcast, kVmReadv, kVmWritev,
+  kPoll, kCondWait, kCondTimedwait, kCondClockwait, kCondSignal, kCondBroadcast, kVmReadv, kVmWritev, kIoctl,
   kCount
 };
 const char* const kNames[kCount] = {"sendmsg",        "sendto",        "recvfrom",       "recvmsg",
                                     "read",           "write",         "writev",         "readv",
                                     "epoll_wait",     "epoll_pwait",   "poll",           "cond_wait",
                                     "cond_timedwait", "cond_clockwait", "cond_signal",   "cond_broadcast",
-                                    "process_vm_readv", "process_vm_writev"};
+                                    "process_vm_readv", "process_vm_writev", "ioctl"};
 
 Event* g_buf = nullptr;
 uint64_t g_cap = 0;
@@ -222,6 +223,17 @@ ssize_t process_vm_writev(pid_t p, const iovec* l, unsigned long ln, const iovec
   static auto f = real<ssize_t (*)(pid_t, const iovec*, unsigned long, const iovec*, unsigned long, unsigned long)>(
       "process_vm_writev");
   TIMED(kVmWritev, static_cast<int64_t>(ln), p, f(p, l, ln, r, rn, fl));
+}
+
+// The GPU driver's calls into the kernel (a CUDA launch, event or query that takes one shows
+// here; value on enter: the request number).
+int ioctl(int fd, unsigned long req, ...) {
+  static auto f = real<int (*)(int, unsigned long, void*)>("ioctl");
+  va_list ap;
+  va_start(ap, req);
+  void* arg = va_arg(ap, void*);
+  va_end(ap);
+  TIMED(kIoctl, static_cast<int64_t>(req), fd, f(fd, req, arg));
 }
 
 }  // extern "C"

@@ -6,7 +6,11 @@ class. Timestamps are CLOCK_MONOTONIC, which the processes of one host share, so
 ranks are comparable there (not across hosts).
 
     SLUICE_TORCH_TRACE=/tmp/tr torchrun --nproc_per_node=2 tools/sluice-torch-bench/bench.py --device cuda --ops sendrecv
-    python3 tools/sluice-torch-bench/trace.py /tmp/tr [--group 0] [--json]
+    python3 tools/sluice-torch-bench/trace.py /tmp/tr [--group 0] [--json] [--timeline DIR]
+
+--timeline DIR: the same run recorded by tools/sluice-timeline (timeline.py run --out DIR -- ...):
+each step on one rank also gets the median number of ioctl calls (the GPU driver's calls into
+the kernel) its process made inside the step, and the median time spent in them.
 
 Messages are the rendezvous kinds (RTS: host payloads, CTS from the receiver; RTS_READ: CUDA
 payloads the receiver reads, FIN back) matched across ranks by (sender, id). Eager messages
@@ -18,6 +22,7 @@ import argparse
 import csv
 import glob
 import json
+import os
 import statistics
 import sys
 from bisect import bisect_right
@@ -30,7 +35,8 @@ READ_STEPS = [
     ("sender: call -> stream synced", "send_call", "send_synced"),
     ("sender: synced -> RTS_READ out", "send_synced", "rts_out"),
     ("RTS_READ out -> in at receiver", "rts_out", "rts_in"),
-    ("receiver: RTS_READ in -> read posted", "rts_in", "read_posted"),
+    ("receiver: RTS_READ in -> read call", "rts_in", "read_call"),
+    ("receiver: read call -> posted (the engine's submit)", "read_call", "read_posted"),
     ("receiver: read posted -> done (copy + completion)", "read_posted", "read_done"),
     ("receiver: read done -> recv done", "read_done", "recv_done"),
     ("receiver: recv done -> wait returns", "recv_done", "recv_wait_end"),
@@ -52,6 +58,51 @@ RTS_STEPS = [
 ]
 
 Event = Tuple[int, int, str, int, int, int]  # t_ns, rank, event, peer, id, kind
+SENDER_SIDE = {"send_call", "send_synced", "rts_out", "fin_in", "cts_in", "send_done", "send_wait_end"}
+RECEIVER_SIDE = {"rts_in", "read_call", "read_posted", "read_done", "recv_done", "recv_wait_end", "fin_out", "cts_out"}
+
+
+def pids(prefix: str, group: int) -> Dict[int, int]:
+    """rank -> the pid that wrote its file."""
+    out: Dict[int, int] = {}
+    for f in sorted(glob.glob(f"{prefix}.g{group}.rank*.csv")):
+        with open(f, newline="") as fh:
+            for row in csv.DictReader(fh):
+                out[int(row["rank"])] = int(row["pid"])
+                break
+    return out
+
+
+def ioctls(folder: str) -> Dict[int, List[Tuple[int, int]]]:
+    """pid -> sorted (start, end) ns of every ioctl call in a tools/sluice-timeline recording."""
+    out: Dict[int, List[Tuple[int, int]]] = {}
+    for path in glob.glob(os.path.join(folder, "timeline.*")):
+        pid = int(path.rsplit(".", 1)[1])
+        open_: Dict[int, int] = {}
+        calls: List[Tuple[int, int]] = []
+        with open(path) as fh:
+            for line in fh:
+                p = line.split()
+                if len(p) != 6 or p[2] != "ioctl" or not p[0].isdigit():
+                    continue
+                ns, tid = int(p[0]), int(p[1])
+                if p[3] == "0":
+                    open_[tid] = ns
+                elif tid in open_:
+                    calls.append((open_.pop(tid), ns))
+        out[pid] = sorted(calls)
+    return out
+
+
+def in_step(calls: List[Tuple[int, int]], a: int, b: int) -> Tuple[int, float]:
+    """How many calls start in [a, b), and the us they spend inside it."""
+    i = bisect_right(calls, (a, -1))
+    n, t = 0, 0
+    while i < len(calls) and calls[i][0] < b:
+        n += 1
+        t += min(calls[i][1], b) - calls[i][0]
+        i += 1
+    return n, t / 1e3
 
 
 def load(prefix: str, group: int) -> List[Event]:
@@ -100,7 +151,7 @@ def messages(events: List[Event]) -> List[Dict]:
             m = by_key.get((peer, rank, mid))
             if m is not None and "rts_in" not in m:
                 m["rts_in"] = t
-        elif ev in ("read_posted", "read_done"):
+        elif ev in ("read_call", "read_posted", "read_done"):
             m = by_key.get((peer, rank, mid))
             if m is not None:
                 m.setdefault(ev, t)
@@ -131,9 +182,12 @@ def messages(events: List[Event]) -> List[Dict]:
     return out
 
 
-def summarize(msgs: List[Dict], skip: int) -> List[Dict]:
+def summarize(msgs: List[Dict], skip: int, calls: Optional[Dict[int, List[Tuple[int, int]]]] = None,
+              rank_pid: Optional[Dict[int, int]] = None) -> List[Dict]:
     """Median and spread (us) of every step, per protocol and sender -> receiver, the first
-    `skip` messages of each pair left out (warm-up: registrations, descriptors)."""
+    `skip` messages of each pair left out (warm-up: registrations, descriptors). With `calls`
+    (ioctls per pid) and `rank_pid`, a step on one rank also gets its ioctls' median count and
+    time."""
     groups: Dict[Tuple[str, int, int], List[Dict]] = {}
     for m in sorted(msgs, key=lambda m: m["rts_out"]):
         groups.setdefault((m["proto"], m["sender"], m["receiver"]), []).append(m)
@@ -146,9 +200,16 @@ def summarize(msgs: List[Dict], skip: int) -> List[Dict]:
             if not d:
                 continue
             d.sort()
-            rows.append({"proto": proto, "sender": s, "receiver": r, "step": name, "messages": len(d),
-                         "median_us": statistics.median(d), "p10_us": d[int(0.1 * (len(d) - 1))],
-                         "p90_us": d[int(0.9 * (len(d) - 1))]})
+            row = {"proto": proto, "sender": s, "receiver": r, "step": name, "messages": len(d),
+                   "median_us": statistics.median(d), "p10_us": d[int(0.1 * (len(d) - 1))],
+                   "p90_us": d[int(0.9 * (len(d) - 1))]}
+            side = s if {a, b} <= SENDER_SIDE else r if {a, b} <= RECEIVER_SIDE else None
+            if calls is not None and rank_pid is not None and side is not None and rank_pid.get(side) in calls:
+                c = [in_step(calls[rank_pid[side]], m[a], m[b]) for m in ms
+                     if m.get(a) is not None and m.get(b) is not None]
+                row["ioctls"] = statistics.median(n for n, _ in c)
+                row["ioctl_us"] = statistics.median(t for _, t in c)
+            rows.append(row)
     return rows
 
 
@@ -158,13 +219,18 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--group", type=int, default=0, help="the n-th traced group of each process (default 0)")
     ap.add_argument("--skip", type=int, default=3, help="leave out the first messages of each pair (warm-up)")
     ap.add_argument("--json", action="store_true", help="print the rows as JSON")
+    ap.add_argument("--timeline", metavar="DIR", help="a tools/sluice-timeline recording of the same run: ioctls per step")
     args = ap.parse_args(argv)
     msgs = messages(load(args.prefix, args.group))
+    calls = ioctls(args.timeline) if args.timeline else None
+    if args.timeline and not calls:
+        print(f"trace.py: no timeline.<pid> files in {args.timeline}", file=sys.stderr)
+        return 1
     if not msgs:
         print("trace.py: no rendezvous message in the trace (only eager messages, or one rank's file missing)",
               file=sys.stderr)
         return 1
-    rows = summarize(msgs, args.skip)
+    rows = summarize(msgs, args.skip, calls, pids(args.prefix, args.group) if calls else None)
     if args.json:
         print(json.dumps(rows, indent=1))
         return 0
@@ -173,10 +239,14 @@ def main(argv: Optional[List[str]] = None) -> int:
         key = (row["proto"], row["sender"], row["receiver"])
         if key != last:
             print(f"\n{row['proto']} messages, rank {row['sender']} -> rank {row['receiver']}")
-            print("| step | messages | median us | p10-p90 us |")
-            print("|---|---:|---:|---:|")
+            print("| step | messages | median us | p10-p90 us |" + (" ioctls | in ioctls us |" if calls else ""))
+            print("|---|---:|---:|---:|" + ("---:|---:|" if calls else ""))
             last = key
-        print(f"| {row['step']} | {row['messages']} | {row['median_us']:.1f} | {row['p10_us']:.1f}-{row['p90_us']:.1f} |")
+        extra = ""
+        if calls:
+            extra = f" {row['ioctls']:.0f} | {row['ioctl_us']:.1f} |" if "ioctls" in row else " | |"
+        print(f"| {row['step']} | {row['messages']} | {row['median_us']:.1f} | {row['p10_us']:.1f}-{row['p90_us']:.1f} |"
+              + extra)
     return 0
 
 

@@ -1,7 +1,8 @@
 """SLUICE_TORCH_TRACE and tools/sluice-torch-bench/trace.py on CPU: two torchrun ranks ping-pong
 1 MiB messages by rendezvous (RTS/CTS: ready-to-receive off), each rank writes its records, and
-the tool pairs them. Checks that every message is paired across the ranks in causal order and
-that each step has a row; no timing is asserted."""
+the tool pairs them, with the same run recorded by tools/sluice-timeline (ioctls per step). Checks
+that every message is paired across the ranks in causal order and that each step has a row; no
+timing is asserted."""
 from __future__ import annotations
 
 import os
@@ -16,6 +17,7 @@ if not st.available():
     pytest.skip("sluice was built without the torch backend", allow_module_level=True)
 
 TOOLS = os.path.join(os.path.dirname(__file__), "..", "..", "..", "tools", "sluice-torch-bench")
+TIMELINE = os.path.join(os.path.dirname(__file__), "..", "..", "..", "tools", "sluice-timeline", "timeline.py")
 ITERS = 6
 
 
@@ -24,13 +26,15 @@ def test_rendezvous_messages_are_paired_across_ranks(tmp_path) -> None:
     if not os.path.exists(os.path.join(TOOLS, "trace.py")):
         pytest.skip(f"{TOOLS} is not in this tree (tests run from an sdist?)")
     prefix = str(tmp_path / "tr")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+    tl = tmp_path / "tl"
+    cmd = [sys.executable, TIMELINE, "run", "--out", str(tl), "--",
+           sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            os.path.join(TOOLS, "bench.py"), "--ops", "sendrecv", "--min-bytes", str(1 << 20),
            "--max-bytes", str(1 << 20), "--iters", str(ITERS)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "SLUICE_TORCH_TRACE": prefix, "SLUICE_TORCH_RECV_READY": "0"}
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=tmp_path, env=env)
     assert r.returncode == 0, (r.stdout + r.stderr)[-6000:]
-    assert sorted(os.listdir(tmp_path)) == ["tr.g0.rank0.csv", "tr.g0.rank1.csv"]
+    assert sorted(os.listdir(tmp_path)) == ["tl", "tr.g0.rank0.csv", "tr.g0.rank1.csv"]
 
     sys.path.insert(0, TOOLS)
     try:
@@ -47,15 +51,25 @@ def test_rendezvous_messages_are_paired_across_ranks(tmp_path) -> None:
             assert m["proto"] == "RTS"
             assert m["send_call"] <= m["rts_out"] < m["rts_in"] < m["cts_out"] < m["cts_in"], m
             assert m["cts_in"] < m["recv_done"] <= m["recv_wait_end"], m
-    rows = tool.summarize(msgs, skip=1)
+    calls = tool.ioctls(str(tl))
+    rank_pid = tool.pids(prefix, 0)
+    assert set(rank_pid) == {0, 1} and set(rank_pid.values()) <= set(calls), (rank_pid, list(calls))
+    rows = tool.summarize(msgs, 1, calls, rank_pid)
     steps = {(row["sender"], row["step"]) for row in rows}
     for s in (0, 1):
         for name, _, _ in tool.RTS_STEPS:
             assert (s, name) in steps, (s, name, rows)
+    # Steps within one rank count that process's ioctls (none need be made on CPU); steps
+    # across ranks do not.
+    one_rank = [row for row in rows if row["step"].startswith("receiver:")]
+    assert one_rank and all("ioctls" in row and row["ioctls"] >= 0 for row in one_rank), rows
+    assert all("ioctls" not in row for row in rows if " -> in at " in row["step"]), rows
 
-    printed = subprocess.run([sys.executable, os.path.join(TOOLS, "trace.py"), prefix], capture_output=True, text=True)
+    printed = subprocess.run([sys.executable, os.path.join(TOOLS, "trace.py"), prefix, "--timeline", str(tl)],
+                             capture_output=True, text=True)
     assert printed.returncode == 0, printed.stderr
     assert "RTS messages, rank 0 -> rank 1" in printed.stdout and "| one way:" in printed.stdout
+    assert "in ioctls us" in printed.stdout
     missing = subprocess.run([sys.executable, os.path.join(TOOLS, "trace.py"), str(tmp_path / "nothing")],
                              capture_output=True, text=True)
     assert missing.returncode != 0 and "SLUICE_TORCH_TRACE" in missing.stderr

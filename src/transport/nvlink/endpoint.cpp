@@ -25,7 +25,8 @@ const Param<int> kStreams{"nvlink.streams", "SLUICE_NVLINK_STREAMS", 1, int_in(1
 const Param<uint64_t> kSplitMin{"nvlink.split_min", "SLUICE_NVLINK_SPLIT_MIN", 8ull << 20, size_in(1, 1ull << 40),
                                 "copies at least this large are split over nvlink.streams streams"};
 const Param<uint64_t> kInlineMax{"nvlink.inline_max", "SLUICE_NVLINK_INLINE_MAX", 64ull << 10, size_in(0, 1ull << 30),
-                                 "ops up to this size are polled to completion on the submitting thread (no hand-off)"};
+                                 "where waiters do not complete their own ops (nvlink.waiters_poll), ops up to this size "
+                                 "are polled to completion on the submitting thread (no hand-off)"};
 
 const Param<bool> kPinHostMappings{"nvlink.pin_host_mappings", "SLUICE_NVLINK_PIN_HOST_MAPPINGS", true, boolean(),
                                    "a peer's memfd host region mapped here, and our own engine-allocated host region, is "
