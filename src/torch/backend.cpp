@@ -199,10 +199,12 @@ SluiceBackend::SluiceBackend(const c10::intrusive_ptr<c10d::Store>& store, int r
   const uint64_t caller_runs = env_bytes("SLUICE_TORCH_CALLER_RUNS", 1);
   const uint64_t quiet_acks = env_bytes("SLUICE_TORCH_QUIET_ACKS", 1);
   // How long a thread waiting for the mailbox polls before it sleeps (progress_queue.hpp): a
-  // completion it sees while polling costs no wake-up. Default 1 ms where the host has 8 or
-  // more hardware threads, else 0 (a polling waiter would take the core the engine needs).
+  // completion it sees while polling costs no wake-up. Default 1 ms where the host has at least
+  // 4 hardware threads per rank on it (torchrun's LOCAL_WORLD_SIZE, else 2 assumed), else 0: a
+  // polling waiter would take the cores the engine's threads need.
   const unsigned hw = std::thread::hardware_concurrency();
-  const uint64_t spin_us = env_bytes("SLUICE_TORCH_SPIN_US", hw >= 8 ? 1000 : 0);
+  const uint64_t local_ranks = std::max<uint64_t>(1, env_bytes("LOCAL_WORLD_SIZE", 2));
+  const uint64_t spin_us = env_bytes("SLUICE_TORCH_SPIN_US", hw >= 4 * local_ranks && hw >= 8 ? 1000 : 0);
   if (spin_us > 1000000)
     throw Error(ErrorCode::kInvalidArgument, "sluice: SLUICE_TORCH_SPIN_US must be at most 1000000 (1 s), got " +
                                                  std::to_string(spin_us));
