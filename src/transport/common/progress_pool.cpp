@@ -280,7 +280,7 @@ void Fiber::yield() {
 #endif
 }
 
-Reactor::Reactor() {
+Reactor::Reactor(std::chrono::microseconds spin) : spin_(spin) {
   epfd_ = ::epoll_create1(EPOLL_CLOEXEC);
   wakefd_ = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
   if (epfd_ < 0 || wakefd_ < 0) throw Error(ErrorCode::kSystem, "progress reactor: " + std::string(std::strerror(errno)));
@@ -367,6 +367,7 @@ void Reactor::loop() {
   constexpr int kMaxEvents = 128;
   epoll_event evs[kMaxEvents];
   std::vector<std::function<void()>> tasks;
+  std::chrono::steady_clock::time_point poll_until{};  // progress.spin_us after the last events
   while (!stop_.load(std::memory_order_relaxed)) {
     int timeout = -1;
     auto now = std::chrono::steady_clock::now();
@@ -375,7 +376,9 @@ void Reactor::loop() {
       ms = std::max<long long>(ms, 0);
       if (timeout < 0 || ms < timeout) timeout = static_cast<int>(std::min<long long>(ms, 1000));
     }
+    if (now < poll_until) timeout = 0;
     int n = ::epoll_wait(epfd_, evs, kMaxEvents, timeout);
+    if (n > 0 && spin_.count() > 0) poll_until = std::chrono::steady_clock::now() + spin_;
     if (n < 0 && errno != EINTR) {
       SLUICE_LOG(kError, "progress reactor: epoll_wait: " << std::strerror(errno));
       n = 0;
@@ -417,6 +420,12 @@ const Param<int> kProgressThreads{"progress.threads", "SLUICE_PROGRESS_THREADS",
                                   ParamScope::kProcess};
 }  // namespace
 
+const Param<int> kProgressSpin{"progress.spin_us", "SLUICE_PROGRESS_SPIN_US", 0, int_in(0, 1000000),
+                               "after handling events a reactor keeps polling this long before it blocks in "
+                               "epoll_wait again (a message arriving meanwhile costs no wake-up; a core while it "
+                               "polls); 0 = block at once",
+                               ParamScope::kProcess};
+
 int progress_threads_from_env() {
   int n = kProgressThreads.read();
   if (n > 0) return n;
@@ -424,8 +433,8 @@ int progress_threads_from_env() {
   return static_cast<int>(std::min(4u, hw));
 }
 
-ProgressPool::ProgressPool(int threads) {
-  for (int i = 0; i < threads; ++i) reactors_.push_back(std::make_unique<Reactor>());
+ProgressPool::ProgressPool(int threads, std::chrono::microseconds spin) {
+  for (int i = 0; i < threads; ++i) reactors_.push_back(std::make_unique<Reactor>(spin));
 }
 
 Reactor& ProgressPool::pick() {
@@ -447,9 +456,11 @@ std::shared_ptr<ProgressPool> ProgressPool::shared() {
   std::lock_guard<std::mutex> lk(mu);
   if (!pool || owner != ::getpid()) {
     int n = progress_threads_from_env();
-    pool = new std::shared_ptr<ProgressPool>(std::make_shared<ProgressPool>(n));
+    const int spin = kProgressSpin.read();
+    pool = new std::shared_ptr<ProgressPool>(std::make_shared<ProgressPool>(n, std::chrono::microseconds(spin)));
     owner = ::getpid();
-    SLUICE_LOG(kInfo, "progress: " << n << " reactor threads (SLUICE_PROGRESS_THREADS)");
+    SLUICE_LOG(kInfo, "progress: " << n << " reactor threads (SLUICE_PROGRESS_THREADS), polling " << spin
+                                   << " us after events (SLUICE_PROGRESS_SPIN_US)");
   }
   return *pool;
 }

@@ -81,7 +81,10 @@ class ReactorSource {
 
 class Reactor {
  public:
-  Reactor();
+  // `spin`: after handling events the reactor keeps polling (epoll_wait with no timeout)
+  // this long before it blocks again, so that a message arriving meanwhile costs no wake-up
+  // (progress.spin_us; a core while it polls).
+  explicit Reactor(std::chrono::microseconds spin = std::chrono::microseconds(0));
   ~Reactor();
   // fd is watched edge-triggered for input (urgent data included), hang-up and errors, not
   // for output: a unix socket reports room on every read its peer makes, which would wake the
@@ -108,6 +111,7 @@ class Reactor {
  private:
   void loop();
   int epfd_ = -1;
+  const std::chrono::microseconds spin_;
   int wakefd_ = -1;
   std::thread thread_;
   std::thread::id thread_id_;
@@ -123,7 +127,7 @@ class ProgressPool {
  public:
   // The process's pool, created on first use (and again in a forked child).
   static std::shared_ptr<ProgressPool> shared();
-  explicit ProgressPool(int threads);
+  explicit ProgressPool(int threads, std::chrono::microseconds spin = std::chrono::microseconds(0));
   // The least loaded reactor.
   Reactor& pick();
   int size() const { return static_cast<int>(reactors_.size()); }

@@ -183,7 +183,7 @@ void NvlinkEndpoint::poll() {
     const bool active = running_n_.load(std::memory_order_acquire) > 0;
     if (!active && !posts && !has_work_.load(std::memory_order_acquire)) {
       // Spin a little before sleeping: a new op is often right behind the last one.
-      if (std::chrono::steady_clock::now() - idle_since < std::chrono::microseconds(200)) {
+      if (std::chrono::steady_clock::now() - idle_since < poller_spin_) {
         if (stop_flag_.load(std::memory_order_acquire)) break;
         std::this_thread::yield();
         continue;

@@ -37,6 +37,9 @@ const Param<bool> kWaitersPoll{"nvlink.waiters_poll", "SLUICE_NVLINK_WAITERS_POL
                                "where waiters may poll (engine busy_wait > 0), a thread waiting for an op queries its "
                                "copies' events and completes it itself, without waiting for the poller thread to wake; "
                                "false = the poller completes every op above nvlink.inline_max"};
+const Param<int> kPollerSpin{"nvlink.poller_spin_us", "SLUICE_NVLINK_POLLER_SPIN_US", 200, int_in(0, 1000000),
+                             "the endpoint's poller thread keeps polling this long after its last op before it "
+                             "sleeps (an op submitted meanwhile costs no wake-up; a core while it polls)"};
 const Param<bool> kPostBatch{"nvlink.post_batch", "SLUICE_NVLINK_POST_BATCH", true, boolean(),
                              "thin post path: post_batch (the port channel's proxy) turns a run of small writes and "
                              "their signals into one kernel; false = one copy-engine job or signal kernel per post"};
@@ -80,6 +83,7 @@ NvlinkEndpoint::NvlinkEndpoint(const EndpointSetup& s, NvlinkHost& host, std::st
   nstreams_ = kStreams.get(s.config);
   split_min_ = kSplitMin.get(s.config);
   inline_max_ = kInlineMax.get(s.config);
+  poller_spin_ = std::chrono::microseconds(kPollerSpin.get(s.config));
   pin_host_ = kPinHostMappings.get(s.config);
   post_batching_ = kPostBatch.get(s.config);
   post_sm_copy_max_ = kPostSmCopyMax.get(s.config);

@@ -339,6 +339,7 @@ class NvlinkEndpoint final : public EndpointBase,
   int nstreams_ = 1;
   uint64_t split_min_ = 8ull << 20;
   uint64_t inline_max_ = 64ull << 10;
+  std::chrono::microseconds poller_spin_{200};  // nvlink.poller_spin_us
   bool pin_host_ = true;  // nvlink.pin_host_mappings
   bool poll_waiters_ = false;
   bool waiters_complete_ = false;  // poll_waiters_ and nvlink.waiters_poll: we are a ProgressSource
