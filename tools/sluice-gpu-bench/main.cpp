@@ -242,12 +242,12 @@ int main(int argc, char** argv) {
   // Small-op latency: submit -> Future complete, one at a time.
   out("");
   out("## Small-op latency (us, median of 2000; copy engine vs SM copy kernel vs raw memcpy+sync)");
-  out("| size | WRITE CE | WRITE SM | READ CE | READ SM | raw cudaMemcpyPeerAsync+sync |");
+  out("| size | WRITE CE | WRITE SM | READ CE | READ SM | raw 0->1 cudaMemcpyPeerAsync+sync | raw 1->0 (READ's path) |");
   out("|---|---|---|---|---|---|");
   // 8 B twice: first right after connect, and again last (whether the first rows pay for setup
   // still running on the engine's threads).
   std::vector<uint64_t> small = {8, 64, 512, 4096, 32768, 65536, 262144, 8};
-  std::vector<std::vector<double>> lat(small.size(), std::vector<double>(5));
+  std::vector<std::vector<double>> lat(small.size(), std::vector<double>(6));
   ::setenv("SLUICE_NVLINK_STREAMS", "1", 1);
   for (int mode = 0; mode < 2; ++mode) {
     ::setenv("SLUICE_NVLINK_SM_COPY_MAX", mode ? "1048576" : "0", 1);
@@ -272,17 +272,21 @@ int main(int argc, char** argv) {
     ep.close();
   }
   for (size_t k = 0; k < small.size(); ++k) {
-    std::vector<double> v;
-    for (int i = 0; i < 2200; ++i) {
-      auto t0 = Clock::now();
-      CK(cudaMemcpyPeerAsync(b1, peer_dev, b0, 0, small[k], s));
-      CK(cudaStreamSynchronize(s));
-      if (i >= 200) v.push_back(secs(Clock::now() - t0) * 1e6);
+    for (int dir = 0; dir < 2; ++dir) {
+      std::vector<double> v;
+      for (int i = 0; i < 2200; ++i) {
+        auto t0 = Clock::now();
+        if (dir == 0)
+          CK(cudaMemcpyPeerAsync(b1, peer_dev, b0, 0, small[k], s));
+        else
+          CK(cudaMemcpyPeerAsync(b0, 0, b1, peer_dev, small[k], s));  // what a READ does: peer -> here
+        CK(cudaStreamSynchronize(s));
+        if (i >= 200) v.push_back(secs(Clock::now() - t0) * 1e6);
+      }
+      lat[k][4 + dir] = median(v);
     }
-    std::nth_element(v.begin(), v.begin() + v.size() / 2, v.end());
-    lat[k][4] = v[v.size() / 2];
     out("| " + human(small[k]) + (k + 1 == small.size() ? " (again)" : "") + " | " + fmt("%.1f", lat[k][0]) + " | " + fmt("%.1f", lat[k][1]) + " | " +
-        fmt("%.1f", lat[k][2]) + " | " + fmt("%.1f", lat[k][3]) + " | " + fmt("%.1f", lat[k][4]) + " |");
+        fmt("%.1f", lat[k][2]) + " | " + fmt("%.1f", lat[k][3]) + " | " + fmt("%.1f", lat[k][4]) + " | " + fmt("%.1f", lat[k][5]) + " |");
   }
 
   // Where a lone op's time goes: how long the submitting call takes and how long until the op

@@ -262,6 +262,14 @@ def main() -> int:
     expect_error("a group with a bad device-collectives switch", lambda: dist.new_group(backend="sluice"),
                  "SLUICE_TORCH_DEVICE_COLLECTIVES must be 0 or 1, got 2")
     del os.environ["SLUICE_TORCH_DEVICE_COLLECTIVES"]
+    before = os.environ.get("SLUICE_TORCH_SPIN_US")
+    os.environ["SLUICE_TORCH_SPIN_US"] = "2000000"
+    expect_error("a group that would poll for 2 s", lambda: dist.new_group(backend="sluice"),
+                 "SLUICE_TORCH_SPIN_US must be at most 1000000 (1 s), got 2000000")
+    if before is None:
+        del os.environ["SLUICE_TORCH_SPIN_US"]
+    else:
+        os.environ["SLUICE_TORCH_SPIN_US"] = before
     for name in ("SLUICE_TORCH_CALLER_RUNS", "SLUICE_TORCH_QUIET_ACKS"):
         before = os.environ.get(name)
         os.environ[name] = "2"

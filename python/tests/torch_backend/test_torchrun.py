@@ -98,8 +98,11 @@ def test_rendezvous_messages(transport: str) -> None:
     # tcp only (CI time): the mailbox protocol is the same on every transport, the failure
     # test below runs on shm, and test_every_op_matches_gloo crosses the threshold on both.
     # Plain processes rather than torchrun: the same test without the agent's start-up (CI time).
+    # Waiters poll the mailbox before sleeping (SLUICE_TORCH_SPIN_US, the default on hosts with
+    # 4+ hardware threads per rank, off on CI's 2 cores): the cases must hold with it too; the
+    # other tests here run without it.
     ps = spawn("rndv_worker.py", 3, {"SLUICE_TORCH_TRANSPORT": transport, "SLUICE_TORCH_RNDV_BYTES": "65536",
-                                     "GROUP_TIMEOUT_S": "3"}, 150)
+                                     "GROUP_TIMEOUT_S": "3", "SLUICE_TORCH_SPIN_US": "300"}, 150)
     out = "\n".join(f"--- rank {r} (exit {p.returncode})\n{p.stdout}" for r, p in enumerate(ps))
     for r, p in enumerate(ps):
         assert p.returncode == 0 and f"rndv OK rank={r}" in p.stdout, out[-6000:]
