@@ -120,6 +120,56 @@ TEST(ProgressQueue, WakeMakesADriverLookAgain) {
   t.join();
 }
 
+// A driver that polls (spin) before sleeping: its poll must see what is posted and what
+// wake() signals, or it would only notice at its deadline. The spin outlasts the deadline here,
+// so a poll that missed the change makes drive_until return false.
+TEST(ProgressQueue, APollingDriverRunsWhatIsPostedWhileItPolls) {
+  ProgressQueue q([] {}, 1000ms, "pq-test", true, std::chrono::microseconds(std::chrono::seconds(60)));
+  std::atomic<bool> done{false};
+  std::thread::id ran_on;
+  std::thread poster([&] {
+    std::this_thread::sleep_for(20ms);
+    q.post([&] {
+      ran_on = std::this_thread::get_id();
+      done = true;
+    });
+  });
+  EXPECT_TRUE(q.drive_until([&] { return done.load(); }, Clock::now() + kLong));
+  poster.join();
+  EXPECT_EQ(ran_on, std::this_thread::get_id());
+}
+
+TEST(ProgressQueue, WakeEndsAPollingDriversPoll) {
+  ProgressQueue q([] {}, 1000ms, "pq-test", true, std::chrono::microseconds(std::chrono::seconds(60)));
+  std::atomic<bool> flag{false};
+  std::thread t([&] {
+    std::this_thread::sleep_for(20ms);
+    flag = true;
+    q.wake();
+  });
+  EXPECT_TRUE(q.drive_until([&] { return flag.load(); }, Clock::now() + kLong));
+  t.join();
+}
+
+TEST(ProgressQueue, APollingDriverGivesUpAtItsDeadline) {
+  ProgressQueue q([] {}, 1000ms, "pq-test", true, std::chrono::microseconds(std::chrono::seconds(60)));
+  const auto start = Clock::now();
+  EXPECT_FALSE(q.drive_until([] { return false; }, start + 30ms));
+  EXPECT_GE(Clock::now() - start, 30ms);
+}
+
+// Polls once per drive_until: after its poll it sleeps, and a post still wakes it.
+TEST(ProgressQueue, APollingDriverThatSleptIsStillWokenByAPost) {
+  ProgressQueue q([] {}, 1000ms, "pq-test", true, std::chrono::microseconds(1000));
+  std::atomic<bool> done{false};
+  std::thread poster([&] {
+    std::this_thread::sleep_for(50ms);  // well past the 1 ms poll
+    q.post([&] { done = true; });
+  });
+  EXPECT_TRUE(q.drive_until([&] { return done.load(); }, Clock::now() + kLong));
+  poster.join();
+}
+
 TEST(ProgressQueue, AQuietTaskRunsWithTheNextRunner) {
   ProgressQueue q([] {}, 1000ms, "pq-test");  // the tick is far off
   std::atomic<int> order{0};
