@@ -1,5 +1,7 @@
 #include "backend.hpp"
 
+#include <c10/core/StreamGuard.h>
+
 #include <Python.h>
 
 #include <charconv>
@@ -104,13 +106,27 @@ StreamWork::StreamWork(c10d::OpType type, std::vector<at::Tensor> outputs, c10::
       outputs_(std::move(outputs)),
       stream_(stream),
       done_(std::move(done)),
-      captured_(captured),
-      future_(c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()),
-                                                       std::vector<c10::Device>{stream.device()})) {
-  // As NCCL does: the future is complete now; being a CUDA future, it recorded an event on the
-  // current stream (the op's: the caller holds a guard on its device) and makes whoever reads
-  // its value wait for it.
+      captured_(captured) {
+  if (captured_) {
+    std::lock_guard<std::mutex> lk(future_mu_);
+    make_future();
+  }
+}
+
+void StreamWork::make_future() {
+  future_ = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()),
+                                                     std::vector<c10::Device>{stream_.device()});
+  // As NCCL does: the future is complete; being a CUDA future, it records an event on the
+  // current stream, made the op's here (then the event follows the op), and makes whoever
+  // reads its value wait for it.
+  c10::StreamGuard guard(stream_);
   future_->markCompleted(c10::IValue(outputs_));
+}
+
+c10::intrusive_ptr<c10::ivalue::Future> StreamWork::getFuture() {
+  std::lock_guard<std::mutex> lk(future_mu_);
+  if (!future_) make_future();
+  return future_;
 }
 
 bool StreamWork::isCompleted() {

@@ -18,6 +18,7 @@
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include "cuda_registrations.hpp"
+#include "event_pool.hpp"
 #include "ll_allgather.hpp"
 #include "mailbox.hpp"
 #include "trace.hpp"
@@ -184,6 +185,7 @@ class SluiceBackend final : public c10d::Backend {
   std::atomic<uint64_t> device_calls_{0};
   std::atomic<uint64_t> ll_allreduce_calls_{0};
   std::unique_ptr<LowLatencyAllGather> ll_;       // null for a world of one
+  EventPool events_;                              // the stream-ordered Works' events
   uint64_t seq_ = 0;  // collectives issued (same order on every rank)
   at::Tensor scratch_;  // see scratch()
 

@@ -353,7 +353,7 @@ bool SluiceBackend::ll_ready(c10::Device device, c10d::OpType type) {
 
 c10::intrusive_ptr<c10d::Work> SluiceBackend::ll_finish(c10d::OpType type, const std::vector<at::Tensor>& outs,
                                                         const LlStream& ls, bool launched) {
-  auto done = std::make_shared<c10::Event>(c10::DeviceType::CUDA);
+  auto done = events_.take(ls.stream.device_index(), ls.capturing);
   done->record(ls.stream);
   if (launched) ll_->note_done(done, ls.stream, ls.capturing);
   return c10::make_intrusive<StreamWork>(type, outs, ls.stream, std::move(done), ls.capturing, rank());

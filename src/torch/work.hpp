@@ -65,9 +65,12 @@ class SluiceWork final : public c10d::Work {
 //    when that is the op's own stream); returns at once.
 //  * isCompleted(): whether the GPU has finished it (the event, queried; a Work made during a
 //    graph capture reads as completed, since its work runs at each replay instead).
-//  * getFuture(): completed at once with the outputs, as a CUDA future (its devices set): a
-//    then() callback runs at once on the host, and its value() and wait() make the current
-//    stream wait for the op, as c10's Future does for CUDA values.
+//  * getFuture(): completed with the outputs, as a CUDA future (its devices set): a then()
+//    callback runs at once on the host, and its value() and wait() make the current stream wait
+//    for the op, as c10's Future does for CUDA values. Made on the first getFuture() (a
+//    synchronous collective never asks for it, and completing a CUDA future records an event),
+//    then completed with the op's stream current, so its event follows the op; made at once for
+//    a Work made inside a capture, whose stream is the capture's only then.
 class StreamWork final : public c10d::Work {
  public:
   // `done` was recorded on `stream` after the op's last work there.
@@ -78,14 +81,16 @@ class StreamWork final : public c10d::Work {
   bool wait(std::chrono::milliseconds timeout = kNoTimeout) override;
   void synchronize() override;
   std::vector<at::Tensor> result() override { return outputs_; }
-  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
 
  private:
+  void make_future();  // with future_mu_ held
   std::vector<at::Tensor> outputs_;
   c10::Stream stream_;
   std::shared_ptr<c10::Event> done_;
   bool captured_;
-  c10::intrusive_ptr<c10::ivalue::Future> future_;
+  std::mutex future_mu_;
+  c10::intrusive_ptr<c10::ivalue::Future> future_;  // made by getFuture() (above)
 };
 
 }  // namespace sluice::torch_backend

@@ -368,6 +368,21 @@ def ll_allgather_checks(sl, gloo, nccl, rank: int, world: int, dev: torch.device
     torch.cuda.current_stream().synchronize()
     same(got, torch.cat([torch.full((n,), float(r + 10)) for r in range(world)]) * 3, "ll future then()")
     checks += 4
+    # Works' events are reused once their Works are gone (event_pool.hpp): 100 Works alive at
+    # once (more than a device's pool keeps), their futures asked for late, then 100 more after
+    # they are dropped; every output checked, every Work completed.
+    for phase in range(2):
+        outs = [torch.full((64 * world,), float(poison), device=dev) for _ in range(100)]
+        works = [dist.all_gather_into_tensor(o, torch.full((64,), float(rank * 1000 + i + phase), device=dev),
+                                             group=sl, async_op=True) for i, o in enumerate(outs)]
+        for i, (w, o) in enumerate(zip(works, outs)):
+            val = w.get_future().wait()[0] if i % 2 else (w.wait(), o)[1]
+            same(val, torch.cat([torch.full((64,), float(r * 1000 + i + phase)) for r in range(world)]),
+                 f"ll work {i} of 100 alive at once (phase {phase})")
+        torch.cuda.current_stream().synchronize()
+        assert all(w.is_completed() for w in works), "a Work of the 100 never completed"
+        del works, outs
+    checks += 2
     # A CUDA graph: captured once (after the warm-up calls above set the path up), replayed
     # twice with new inputs.
     n = 1000
