@@ -867,6 +867,7 @@ void Mailbox::send_eager(int dst, uint64_t tag, const void* ptr, uint64_t n, Don
       post([finish, st] { finish(st); }, !st.ok() || last);
     };
     try {
+      if (trace_) trace_->mark(TraceEv::kHeaderOut, dst, 0, static_cast<uint8_t>(kEager));
       Future fh = p.ep.send(hh, hoff, sizeof(Header));
       ++submitted;
       fh.on_complete(on_done);

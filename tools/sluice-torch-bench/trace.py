@@ -12,9 +12,12 @@ ranks are comparable there (not across hosts).
 each step on one rank also gets the median number of ioctl calls (the GPU driver's calls into
 the kernel) its process made inside the step, and the median time spent in them.
 
-Messages are the rendezvous kinds (RTS: host payloads, CTS from the receiver; RTS_READ: CUDA
-payloads the receiver reads, FIN back) matched across ranks by (sender, id). Eager messages
-carry no id and are not paired.
+Messages are paired across ranks by protocol: rendezvous (RTS: host payloads, CTS from the
+receiver; RTS_READ: CUDA payloads the receiver reads, FIN back) by (sender, id); ready-to-receive
+(RTR from the receiver whose recv was posted first, RTR_DATA from the sender) by (receiver, RTR
+id); eager messages (EAGER, EAGER_INLINE: no id) by order, the k-th a rank sent to a peer being
+the k-th that peer took from it (one control endpoint per pair, in order). Collectives' messages
+appear too, without send/recv calls.
 """
 from __future__ import annotations
 
@@ -47,6 +50,21 @@ READ_STEPS = [
     ("one way: sender's call -> receiver's wait returns", "send_call", "recv_wait_end"),
     ("sender's call -> its wait returns", "send_call", "send_wait_end"),
 ]
+RTR_STEPS = [
+    ("RTR out -> in at the sender (its recv posted first)", "rtr_out", "rtr_in"),
+    ("sender: call -> RTR_DATA out (payload already sent)", "send_call", "data_out"),
+    ("RTR_DATA out -> in at receiver", "data_out", "data_in"),
+    ("sender's call -> receiver's recv done", "send_call", "recv_done"),
+    ("receiver: recv done -> wait returns", "recv_done", "recv_wait_end"),
+    ("one way: sender's call -> receiver's wait returns", "send_call", "recv_wait_end"),
+]
+EAGER_STEPS = [
+    ("sender: call -> header out", "send_call", "rts_out"),
+    ("header out -> in at receiver", "rts_out", "rts_in"),
+    ("receiver: header in -> recv done", "rts_in", "recv_done"),
+    ("receiver: recv done -> wait returns", "recv_done", "recv_wait_end"),
+    ("one way: sender's call -> receiver's wait returns", "send_call", "recv_wait_end"),
+]
 RTS_STEPS = [
     ("sender: call -> RTS out", "send_call", "rts_out"),
     ("RTS out -> in at receiver", "rts_out", "rts_in"),
@@ -57,9 +75,12 @@ RTS_STEPS = [
     ("one way: sender's call -> receiver's wait returns", "send_call", "recv_wait_end"),
 ]
 
+STEPS = {"RTS_READ": READ_STEPS, "RTS": RTS_STEPS, "RTR": RTR_STEPS, "EAGER": EAGER_STEPS, "EAGER_INLINE": EAGER_STEPS}
 Event = Tuple[int, int, str, int, int, int]  # t_ns, rank, event, peer, id, kind
-SENDER_SIDE = {"send_call", "send_synced", "rts_out", "fin_in", "cts_in", "send_done", "send_wait_end"}
-RECEIVER_SIDE = {"rts_in", "read_call", "read_posted", "read_done", "recv_done", "recv_wait_end", "fin_out", "cts_out"}
+SENDER_SIDE = {"send_call", "send_synced", "rts_out", "fin_in", "cts_in", "send_done", "send_wait_end", "rtr_in",
+               "data_out"}
+RECEIVER_SIDE = {"rts_in", "read_call", "read_posted", "read_done", "recv_done", "recv_wait_end", "fin_out", "cts_out",
+                 "rtr_out", "data_in"}
 
 
 def pids(prefix: str, group: int) -> Dict[int, int]:
@@ -138,14 +159,40 @@ class Index:
         i = bisect_right(v, t)
         return v[i] if i < len(v) else None
 
+    def call_of(self, rank: int, peer: int, header_out: int) -> Optional[int]:
+        """The send() call whose message left as the header sent at `header_out`: the last call
+        to that peer before it, if no other header to that peer left in between (a
+        collective's message has no call of its own)."""
+        call = self.last_before(rank, "send_call", peer, header_out)
+        if call is None or self.first_after(rank, "header_out", peer, call - 1) != header_out:
+            return None
+        return call
+
 
 def messages(events: List[Event]) -> List[Dict]:
-    """One dict per rendezvous message: its protocol, sender, receiver and the times of its steps."""
+    """One dict per paired message: its protocol, sender, receiver and the times of its steps."""
     idx = Index(events)
     by_key: Dict[Tuple[int, int, int], Dict] = {}  # (sender, receiver, id)
+    rtr: Dict[Tuple[int, int, int], Dict] = {}  # (receiver, sender, RTR id)
+    eager_out: Dict[Tuple[int, int], List[Dict]] = {}  # (sender, receiver): in order
+    eager_in: Dict[Tuple[int, int], List[int]] = {}
     for t, rank, ev, peer, mid, kind in events:
         k = KINDS.get(kind, "?")
-        if ev == "header_out" and k in ("RTS", "RTS_READ"):
+        if ev == "header_out" and k in ("EAGER", "EAGER_INLINE"):
+            sent = eager_out.setdefault((rank, peer), [])
+            sent.append({"proto": k, "sender": rank, "receiver": peer, "id": len(sent), "rts_out": t})
+        elif ev == "header_in" and k in ("EAGER", "EAGER_INLINE"):
+            eager_in.setdefault((peer, rank), []).append(t)
+        elif ev == "header_out" and k == "RTR":
+            rtr[(rank, peer, mid)] = {"proto": "RTR", "sender": peer, "receiver": rank, "id": mid, "rtr_out": t}
+        elif k in ("RTR", "RTR_DATA"):
+            name = {("header_in", "RTR"): "rtr_in", ("header_out", "RTR_DATA"): "data_out",
+                    ("header_in", "RTR_DATA"): "data_in"}.get((ev, k))
+            receiver_side = name == "data_in"
+            m = rtr.get((rank, peer, mid) if receiver_side else (peer, rank, mid))
+            if name and m is not None:
+                m.setdefault(name, t)
+        elif ev == "header_out" and k in ("RTS", "RTS_READ"):
             by_key[(rank, peer, mid)] = {"proto": k, "sender": rank, "receiver": peer, "id": mid, "rts_out": t}
         elif ev == "header_in" and k in ("RTS", "RTS_READ"):
             m = by_key.get((peer, rank, mid))
@@ -167,8 +214,8 @@ def messages(events: List[Event]) -> List[Dict]:
     for (s, r, _), m in by_key.items():
         if "rts_in" not in m:
             continue
-        m["send_call"] = idx.last_before(s, "send_call", r, m["rts_out"])
-        m["send_synced"] = idx.last_before(s, "send_synced", r, m["rts_out"])
+        m["send_call"] = idx.call_of(s, r, m["rts_out"])
+        m["send_synced"] = idx.last_before(s, "send_synced", r, m["rts_out"]) if m["send_call"] is not None else None
         after = m.get("read_done") or m.get("cts_in") or m["rts_in"]
         m["recv_done"] = idx.first_after(r, "done", s, after)
         if m["recv_done"] is not None:
@@ -179,6 +226,25 @@ def messages(events: List[Event]) -> List[Dict]:
             if m["send_done"] is not None:
                 m["send_wait_end"] = idx.first_after(s, "wait_end", r, m["send_done"] - 1)
         out.append(m)
+    for (r, s, _), m in rtr.items():
+        if "data_out" not in m or "data_in" not in m:
+            continue  # voided, or its payload went another way
+        m["send_call"] = idx.call_of(s, r, m["data_out"])
+        # The payload may land before its header: the recv is done after the send began.
+        m["recv_done"] = idx.first_after(r, "done", s, m["send_call"] if m["send_call"] is not None else m["rtr_out"])
+        if m["recv_done"] is not None:
+            m["recv_wait_end"] = idx.first_after(r, "wait_end", s, m["recv_done"] - 1)
+        out.append(m)
+    for (s, r), sent in eager_out.items():
+        taken = eager_in.get((s, r), [])
+        for m, t_in in zip(sent, taken):
+            m["rts_in"] = t_in
+            m["send_call"] = idx.call_of(s, r, m["rts_out"])
+            m["recv_done"] = idx.first_after(r, "done", s, t_in)
+            # A collective's message (no call) is waited for by its collective, not by a Work.
+            if m["recv_done"] is not None and m["send_call"] is not None:
+                m["recv_wait_end"] = idx.first_after(r, "wait_end", s, m["recv_done"] - 1)
+            out.append(m)
     return out
 
 
@@ -189,12 +255,12 @@ def summarize(msgs: List[Dict], skip: int, calls: Optional[Dict[int, List[Tuple[
     (ioctls per pid) and `rank_pid`, a step on one rank also gets its ioctls' median count and
     time."""
     groups: Dict[Tuple[str, int, int], List[Dict]] = {}
-    for m in sorted(msgs, key=lambda m: m["rts_out"]):
+    for m in sorted(msgs, key=lambda m: m.get("rts_out", m.get("rtr_out", 0))):
         groups.setdefault((m["proto"], m["sender"], m["receiver"]), []).append(m)
     rows = []
     for (proto, s, r), ms in sorted(groups.items()):
         ms = ms[skip:] if len(ms) > skip else ms
-        steps = READ_STEPS if proto == "RTS_READ" else RTS_STEPS
+        steps = STEPS[proto]
         for name, a, b in steps:
             d = [(m[b] - m[a]) / 1e3 for m in ms if m.get(a) is not None and m.get(b) is not None]
             if not d:
@@ -227,8 +293,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"trace.py: no timeline.<pid> files in {args.timeline}", file=sys.stderr)
         return 1
     if not msgs:
-        print("trace.py: no rendezvous message in the trace (only eager messages, or one rank's file missing)",
-              file=sys.stderr)
+        print("trace.py: no message could be paired across the ranks (one rank's file missing?)", file=sys.stderr)
         return 1
     rows = summarize(msgs, args.skip, calls, pids(args.prefix, args.group) if calls else None)
     if args.json:

@@ -45,10 +45,9 @@ def test_rendezvous_messages_are_paired_across_ranks(tmp_path) -> None:
     msgs = tool.messages(tool.load(prefix, 0))
     # The warm-up ping-pong and ITERS timed ones, each way.
     for s, rcv in ((0, 1), (1, 0)):
-        mine = [m for m in msgs if m["sender"] == s and m["receiver"] == rcv]
+        mine = [m for m in msgs if m["sender"] == s and m["receiver"] == rcv and m["proto"] == "RTS"]
         assert len(mine) == ITERS + 1, mine
         for m in mine:
-            assert m["proto"] == "RTS"
             assert m["send_call"] <= m["rts_out"] < m["rts_in"] < m["cts_out"] < m["cts_in"], m
             assert m["cts_in"] < m["recv_done"] <= m["recv_wait_end"], m
     calls = tool.ioctls(str(tl))
@@ -73,3 +72,52 @@ def test_rendezvous_messages_are_paired_across_ranks(tmp_path) -> None:
     missing = subprocess.run([sys.executable, os.path.join(TOOLS, "trace.py"), str(tmp_path / "nothing")],
                              capture_output=True, text=True)
     assert missing.returncode != 0 and "SLUICE_TORCH_TRACE" in missing.stderr
+
+
+@pytest.mark.timeout(200)
+def test_ready_to_receive_and_eager_messages_are_paired(tmp_path) -> None:
+    # The defaults: a 512 KiB recv posted first tells its sender (RTR; the payload then goes
+    # with an RTR_DATA header), messages up to 4 KiB travel inside their header (EAGER_INLINE),
+    # larger eager ones after it (EAGER); the barriers' messages are eager too.
+    if not os.path.exists(os.path.join(TOOLS, "trace.py")):
+        pytest.skip(f"{TOOLS} is not in this tree (tests run from an sdist?)")
+    prefix = str(tmp_path / "tr")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           os.path.join(TOOLS, "bench.py"), "--ops", "sendrecv", "--min-bytes", "8", "--max-bytes", str(512 << 10),
+           "--iters", str(ITERS)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "SLUICE_TORCH_TRACE": prefix}
+    env.pop("SLUICE_TORCH_RECV_READY", None)
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=tmp_path, env=env)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-6000:]
+
+    sys.path.insert(0, TOOLS)
+    try:
+        import trace as tool
+    finally:
+        sys.path.pop(0)
+    msgs = tool.messages(tool.load(prefix, 0))
+    rtr_seen = 0
+    for s, rcv in ((0, 1), (1, 0)):
+        rtr = [m for m in msgs if m["proto"] == "RTR" and m["sender"] == s and m["receiver"] == rcv]
+        rts = [m for m in msgs if m["proto"] == "RTS" and m["sender"] == s and m["receiver"] == rcv]
+        # Every 512 KiB message is paired: by its RTR, or as an RTS where the sender's call came
+        # before the RTR (which way each goes is timing, not asserted).
+        assert len(rtr) + len(rts) == ITERS + 1, [m["proto"] for m in msgs]
+        rtr_seen += len(rtr)
+        for m in rtr:
+            assert m["rtr_out"] < m["rtr_in"] and m["data_out"] < m["data_in"], m
+            assert m["send_call"] is not None and m["send_call"] <= m["data_out"], m
+            assert m["recv_done"] <= m["recv_wait_end"], m
+        inline = [m for m in msgs if m["proto"] == "EAGER_INLINE" and m["sender"] == s and m["receiver"] == rcv
+                  and m["send_call"] is not None]
+        # 8 B to 2 KiB (5 sizes) fit in a header; each size's warm-up and timed ping-pongs.
+        assert len(inline) >= 5 * (ITERS + 1), len(inline)
+        for m in inline:
+            assert m["send_call"] <= m["rts_out"] < m["rts_in"] <= m["recv_done"] <= m["recv_wait_end"], m
+        assert any(m["proto"] == "EAGER" and m["sender"] == s for m in msgs)  # 8 KiB - 128 KiB
+    assert rtr_seen > 0, "no 512 KiB message of 14 went by its RTR"
+    rows = tool.summarize(msgs, 1)
+    protos = {row["proto"] for row in rows}
+    assert {"RTR", "EAGER_INLINE", "EAGER"} <= protos, protos
+    printed = subprocess.run([sys.executable, os.path.join(TOOLS, "trace.py"), prefix], capture_output=True, text=True)
+    assert printed.returncode == 0 and "RTR messages, rank" in printed.stdout, printed.stdout + printed.stderr
