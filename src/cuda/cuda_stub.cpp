@@ -50,6 +50,28 @@ int AllGather::world_size() const { return 0; }
 int AllGather::rank() const { return 0; }
 }  // namespace sluice::cuda
 
+// Stream-ordered send/recv without CUDA: constructing one reports kNoDevice.
+#include "sluice/stream_p2p.hpp"
+
+namespace sluice::cuda {
+struct StreamP2p::Impl {};
+StreamP2p::StreamP2p(int, const std::vector<int>&, int, StreamP2pOptions) {
+  throw Error(ErrorCode::kNoDevice, "StreamP2p: libsluice was built without CUDA");
+}
+StreamP2p::~StreamP2p() = default;
+std::string StreamP2p::handle() const { return {}; }
+void StreamP2p::connect(int, const std::string&) {}
+bool StreamP2p::connected(int) const { return false; }
+void StreamP2p::send(int, const void*, uint64_t, void*, uint32_t) {}
+void StreamP2p::recv(int, void*, uint64_t, void*, uint32_t) {}
+void StreamP2p::set_timeout(std::chrono::milliseconds) {}
+void StreamP2p::abort() {}
+void StreamP2p::quiesce() {}
+Status StreamP2p::status() const { return {ErrorCode::kNoDevice, "libsluice was built without CUDA"}; }
+uint64_t StreamP2p::region_bytes() const { return 0; }
+int StreamP2p::rank() const { return 0; }
+}  // namespace sluice::cuda
+
 // The hierarchical AllGather without CUDA: constructing one reports kNoDevice; the C entry
 // points exist so that the ctypes wrapper gets that message instead of a missing symbol.
 #include <cstring>

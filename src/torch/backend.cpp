@@ -242,12 +242,13 @@ SluiceBackend::SluiceBackend(const c10::intrusive_ptr<c10d::Store>& store, int r
   device_collectives_ = device_collectives == 1;
   // How CUDA tensors move: "auto" (default) sends and receives large ones directly between
   // GPUs of a host (a device endpoint over nvlink per peer, see below); "host" always stages
-  // them through host memory (host_staging.hpp).
+  // them through host memory (host_staging.hpp); "stream" is "auto" with send/recv between
+  // GPUs of a host as kernels on the caller's stream, NCCL's contract (stream_p2p_link.hpp).
   const char* path_env = std::getenv("SLUICE_TORCH_CUDA_PATH");
   const std::string cuda_path = path_env && *path_env ? path_env : "auto";
-  if (cuda_path != "auto" && cuda_path != "host")
-    throw Error(ErrorCode::kInvalidArgument, "sluice: SLUICE_TORCH_CUDA_PATH must be 'auto' or 'host', got '" +
-                                                 cuda_path + "'");
+  if (cuda_path != "auto" && cuda_path != "host" && cuda_path != "stream")
+    throw Error(ErrorCode::kInvalidArgument,
+                "sluice: SLUICE_TORCH_CUDA_PATH must be 'auto', 'host' or 'stream', got '" + cuda_path + "'");
   EngineConfig base;
   // Our own header recvs stay posted while the group is idle: the Mailbox bounds every
   // user-visible recv with the group timeout instead of the engine's recv timeout.
@@ -298,6 +299,7 @@ SluiceBackend::SluiceBackend(const c10::intrusive_ptr<c10d::Store>& store, int r
     store->set(k, std::vector<uint8_t>(v.begin(), v.end()));
   };
   put(key("nvlink", rank, -1), has_nvlink ? "1" : "0");
+  put(key("p2p_mode", rank, -1), cuda_path == "stream" ? "stream" : "rendezvous");
   uint8_t roles[3] = {0, 1, 2};
   MemoryHandle roles_handle = engine_->register_memory(roles, sizeof(roles));
   std::vector<Future> marks;
@@ -399,6 +401,24 @@ SluiceBackend::SluiceBackend(const c10::intrusive_ptr<c10d::Store>& store, int r
         ll_off = "no device endpoint between ranks " + std::to_string(rank) + " and " + std::to_string(j) +
                  " (another host, or GPUs that cannot share memory)";
   }
+  // The stream path takes a pair's CUDA messages only if both ranks run it: a sender on it and
+  // a receiver off it would never meet, so ranks that disagree fail here, naming the setting.
+  std::vector<int> stream_peers;
+  for (int j = 0; j < size; ++j) {
+    if (j == rank || !dev[j].valid()) continue;
+    const std::string theirs = store_wait(key("p2p_mode", j, -1));
+    if ((theirs == "stream") != (cuda_path == "stream")) {
+      engine_->close();
+      throw Error(ErrorCode::kInvalidArgument,
+                  "sluice: rank " + std::to_string(rank) + " runs " +
+                      (cuda_path == "stream" ? "SLUICE_TORCH_CUDA_PATH=stream" : "without SLUICE_TORCH_CUDA_PATH=stream") +
+                      ", rank " + std::to_string(j) + " " + (theirs == "stream" ? "with" : "without") +
+                      " it: set it alike on every rank of a host");
+    }
+    stream_peers.push_back(j);
+  }
+  if (cuda_path == "stream" && !stream_peers.empty())
+    stream_p2p_ = std::make_unique<StreamP2pLink>(store, rank, stream_peers, timeout);
   trace_ = Trace::from_env(rank);
   mailbox_ = std::make_unique<Mailbox>(*engine_, std::move(peers), std::move(data), rank, timeout, rndv_bytes,
                                        max_unexpected_bytes, std::move(dev), inline_bytes,
@@ -425,6 +445,10 @@ SluiceBackend::~SluiceBackend() { shutdown(); }
 
 std::string SluiceBackend::transport() const { return transport_; }
 std::string SluiceBackend::cuda_path() const { return cuda_path_; }
+std::string SluiceBackend::stream_p2p_state() const {
+  return stream_p2p_ ? stream_p2p_->state() : "off (SLUICE_TORCH_CUDA_PATH is not 'stream', or no peer shares this host's GPUs)";
+}
+uint64_t SluiceBackend::stream_p2p_calls() const { return stream_p2p_ ? stream_p2p_->calls() : 0; }
 uint64_t SluiceBackend::ll_allgather_calls() const { return ll_ ? ll_->calls() : 0; }
 std::string SluiceBackend::ll_allgather_state() const {
   return ll_ ? ll_->state() : "off: a group of one rank";
@@ -437,6 +461,33 @@ void sync_current_stream(const at::Tensor& t) {
   // the synchronize's wait setup.
   if (g->queryStream(s)) return;
   g->synchronizeStream(s);
+}
+
+c10::intrusive_ptr<c10d::Work> SluiceBackend::send_stream(const at::Tensor& t, int dst, int tag) {
+  if (!stream_p2p_ || !t.is_cuda() || t.layout() != at::kStrided || !stream_p2p_->reaches(dst)) return {};
+  c10::DeviceGuard guard(t.device());
+  const LlStream ls = ll_stream(t.device());
+  at::Tensor buf = t.contiguous();  // a copy on the current stream, if needed
+  auto q = stream_p2p_->send(buf, dst, uint32_t(tag), ls.stream, ls.capturing);
+  return c10::make_intrusive<StreamWork>(c10d::OpType::SEND, std::vector<at::Tensor>{t}, q.stream,
+                                         std::move(q.done), ls.capturing, getRank());
+}
+
+c10::intrusive_ptr<c10d::Work> SluiceBackend::recv_stream(const at::Tensor& t, int src, int tag) {
+  if (!stream_p2p_ || !t.is_cuda() || t.layout() != at::kStrided) return {};
+  TORCH_CHECK(src != Mailbox::kAnySource, "sluice: rank ", getRank(),
+              ": a CUDA recv from any source cannot take the stream path (SLUICE_TORCH_CUDA_PATH=stream): name the "
+              "source rank");
+  if (!stream_p2p_->reaches(src)) return {};
+  c10::DeviceGuard guard(t.device());
+  const LlStream ls = ll_stream(t.device());
+  at::Tensor buf = t.is_contiguous() ? t : at::empty_like(t, at::MemoryFormat::Contiguous);
+  at::Tensor out = t;
+  auto q = stream_p2p_->recv(buf, src, uint32_t(tag), ls.stream, ls.capturing, [&] {
+    if (!buf.is_same(out)) out.copy_(buf);
+  });
+  return c10::make_intrusive<StreamWork>(c10d::OpType::RECV, std::vector<at::Tensor>{t}, q.stream,
+                                         std::move(q.done), ls.capturing, getRank());
 }
 
 c10::intrusive_ptr<c10d::Work> SluiceBackend::send_device(const at::Tensor& t, int dst, int tag) {
@@ -594,6 +645,7 @@ c10::intrusive_ptr<c10d::Work> SluiceBackend::allgather_device(const at::Tensor&
 void SluiceBackend::setTimeout(std::chrono::milliseconds timeout) {
   timeout_ = timeout;
   if (mailbox_) mailbox_->set_timeout(timeout);
+  if (stream_p2p_) stream_p2p_->set_timeout(timeout);
 }
 
 namespace {
@@ -619,17 +671,22 @@ void SluiceBackend::shutdown() {
   }
   // Collectives already queued run to the end (each is bounded by the group timeout).
   if (worker_.joinable()) worker_.join();
+  // This rank's stream-path kernels end before the goodbyes, so that once a peer has ours, no
+  // kernel of either rank still writes into the other's regions (freed after them).
+  if (stream_p2p_) stream_p2p_->quiesce();
   if (mailbox_) {
     say_goodbye();
     mailbox_->close();
   }
   cuda_regs_.reset();  // its registrations go before the engine does
   ll_.reset();         // waits for this rank's kernels (peers ran theirs: each needs all ranks)
+  stream_p2p_.reset();
   if (engine_) engine_->close();
 }
 
 void SluiceBackend::abort() {
   if (ll_) ll_->abandon();
+  if (stream_p2p_) stream_p2p_->abandon();
   shutdown();
 }
 
@@ -761,6 +818,7 @@ void SluiceBackend::exchange(uint64_t tag, const std::vector<Xfer>& xfers) {
 c10::intrusive_ptr<c10d::Work> SluiceBackend::send(std::vector<at::Tensor>& tensors, int dst, int tag) {
   TORCH_CHECK(tensors.size() == 1, "sluice: send takes exactly one tensor");
   if (any_cuda(tensors)) {
+    if (auto w = send_stream(tensors[0], dst, tag)) return w;
     if (auto w = send_device(tensors[0], dst, tag)) return w;
     HostStaging s;
     auto host = s.inputs(tensors);
@@ -784,6 +842,7 @@ c10::intrusive_ptr<c10d::Work> SluiceBackend::send(std::vector<at::Tensor>& tens
 c10::intrusive_ptr<c10d::Work> SluiceBackend::recv(std::vector<at::Tensor>& tensors, int src, int tag) {
   TORCH_CHECK(tensors.size() == 1, "sluice: recv takes exactly one tensor");
   if (any_cuda(tensors)) {
+    if (auto w = recv_stream(tensors[0], src, tag)) return w;
     if (auto w = recv_device(tensors[0], src, tag)) return w;
     HostStaging s;
     auto host = s.outputs(tensors);

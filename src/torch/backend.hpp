@@ -20,6 +20,7 @@
 #include "cuda_registrations.hpp"
 #include "event_pool.hpp"
 #include "ll_allgather.hpp"
+#include "stream_p2p_link.hpp"
 #include "mailbox.hpp"
 #include "trace.hpp"
 #include "sluice/engine.hpp"
@@ -47,6 +48,10 @@ class SluiceBackend final : public c10d::Backend {
   // How large CUDA tensors move between ranks: "nvlink" (directly between GPUs, to the peers
   // a device endpoint reaches) or "host" (through host memory).
   std::string cuda_path() const;
+  // The stream path of CUDA send/recv (SLUICE_TORCH_CUDA_PATH=stream, stream_p2p_link.hpp):
+  // its state and the calls that took it.
+  std::string stream_p2p_state() const;
+  uint64_t stream_p2p_calls() const;
   // The low-latency all_gather of CUDA tensors (ll_allgather.hpp): the calls that took it, and
   // its state ("on ...", "off: why").
   uint64_t ll_allgather_calls() const;
@@ -117,6 +122,9 @@ class SluiceBackend final : public c10d::Backend {
   // The device path of send / recv: null when this tensor or peer cannot take it (the caller
   // then stages the tensor through host memory).
   c10::intrusive_ptr<c10d::Work> send_device(const at::Tensor& t, int dst, int tag);
+  // The stream path (stream_p2p_link.hpp): null when it is off or does not reach the peer.
+  c10::intrusive_ptr<c10d::Work> send_stream(const at::Tensor& t, int dst, int tag);
+  c10::intrusive_ptr<c10d::Work> recv_stream(const at::Tensor& t, int src, int tag);
   c10::intrusive_ptr<c10d::Work> recv_device(const at::Tensor& t, int src, int tag);
   void say_goodbye();  // shutdown(): quiesce every endpoint before closing it
   // all_gather (`into_one` false: one output per rank) or all_gather_into_tensor (`outs` is the
@@ -185,6 +193,7 @@ class SluiceBackend final : public c10d::Backend {
   std::atomic<uint64_t> device_calls_{0};
   std::atomic<uint64_t> ll_allreduce_calls_{0};
   std::unique_ptr<LowLatencyAllGather> ll_;       // null for a world of one
+  std::unique_ptr<StreamP2pLink> stream_p2p_;     // SLUICE_TORCH_CUDA_PATH=stream, else null
   EventPool events_;                              // the stream-ordered Works' events
   uint64_t seq_ = 0;  // collectives issued (same order on every rank)
   at::Tensor scratch_;  // see scratch()

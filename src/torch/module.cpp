@@ -17,6 +17,11 @@ PYBIND11_MODULE(_sluice_torch, m) {
                              "The engine transport the endpoints run (shm, tcp, ...).")
       .def_property_readonly("cuda_path", &SluiceBackend::cuda_path,
                              "How large CUDA tensors move: 'nvlink' (directly between GPUs) or 'host'.")
+      .def_property_readonly("stream_p2p_state", &SluiceBackend::stream_p2p_state,
+                             "The stream-ordered CUDA send/recv (SLUICE_TORCH_CUDA_PATH=stream): 'on ...', "
+                             "'not set up ...', 'failed: <why>' or 'off ...'.")
+      .def_property_readonly("stream_p2p_calls", &SluiceBackend::stream_p2p_calls,
+                             "CUDA sends and recvs that ran as stream-ordered kernels.")
       .def_property_readonly("ll_allgather_calls", &SluiceBackend::ll_allgather_calls,
                              "all_gather calls on CUDA tensors that ran as the low-latency NVLink kernel.")
       .def_property_readonly("ll_allreduce_calls", &SluiceBackend::ll_allreduce_calls,

@@ -139,6 +139,7 @@ def main() -> None:
               f"device={args.device} host cores={os.cpu_count()} load={os.getloadavg()[0]:.1f}")
         if args.device == "cuda":
             print(f"# low-latency all_gather: {st.backend_ll_allgather()['state']}")
+            print(f"# stream-ordered send/recv (SLUICE_TORCH_CUDA_PATH=stream): {st.backend_stream_p2p()['state']}")
         if args.markdown:
             print(f"| op | bytes | sluice us (p10-p90) | {base} us (p10-p90) | sluice GB/s | {base} GB/s | speedup |")
             print("|---|---:|---:|---:|---:|---:|---:|")

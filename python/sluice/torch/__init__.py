@@ -82,6 +82,16 @@ def backend_ll_allgather(group: Optional["dist.ProcessGroup"] = None) -> "dict[s
             "state": backend.ll_allgather_state}
 
 
+def backend_stream_p2p(group: Optional["dist.ProcessGroup"] = None) -> "dict[str, Any]":
+    """The stream-ordered CUDA send/recv of ``group`` (SLUICE_TORCH_CUDA_PATH=stream,
+    docs/torch.md): ``{"calls": n, "state": s}``, where ``calls`` counts the sends and recvs that
+    ran as kernels on streams (NCCL's contract) and ``state`` is "on ...", "not set up ...",
+    "failed: <why>" (an earlier message went wrong; every later one is refused) or "off ..."."""
+    pg = group if group is not None else dist.group.WORLD
+    backend = pg._get_backend(torch.device("cpu"))  # type: ignore[union-attr]
+    return {"calls": backend.stream_p2p_calls, "state": backend.stream_p2p_state}
+
+
 def backend_device_collectives(group: Optional["dist.ProcessGroup"] = None) -> int:
     """How many collective calls on CUDA tensors of ``group`` (all_gather_into_tensor,
     all_to_all_single, broadcast) went GPU to GPU over the device endpoints
@@ -121,5 +131,6 @@ __all__ = [
     "backend_device_collectives",
     "backend_ll_allgather",
     "backend_recv_ready",
+    "backend_stream_p2p",
     "backend_transport",
 ]

@@ -280,6 +280,23 @@ def main() -> int:
         else:
             os.environ[name] = before
 
+    os.environ["SLUICE_TORCH_CUDA_PATH"] = "nccl"
+    expect_error("a group with an unknown CUDA path", lambda: dist.new_group(backend="sluice"),
+                 "SLUICE_TORCH_CUDA_PATH must be 'auto', 'host' or 'stream', got 'nccl'")
+    # 9. The stream-ordered CUDA send/recv has no peer to take on a host without GPUs: the group
+    #    says so and works as any other.
+    os.environ["SLUICE_TORCH_CUDA_PATH"] = "stream"
+    sg = dist.new_group(backend="sluice")
+    del os.environ["SLUICE_TORCH_CUDA_PATH"]
+    info = sluice.torch.backend_stream_p2p(sg)
+    assert info["calls"] == 0 and info["state"].startswith("off"), info
+    x = payload(rank, 40)
+    y = torch.empty(N)
+    reqs = [dist.isend(x, (rank + 1) % world, group=sg), dist.irecv(y, (rank - 1) % world, group=sg)]
+    [q.wait() for q in reqs]
+    assert torch.equal(y, payload((rank - 1) % world, 40)), "send/recv on a stream-path group without GPUs"
+    assert sluice.torch.backend_stream_p2p(sg)["calls"] == 0
+
     dist.destroy_process_group()
     print(f"rndv OK rank={rank}", flush=True)
     return 0
