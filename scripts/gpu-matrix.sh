@@ -74,9 +74,9 @@ bin_setup() {
   else
     BIN=$ROOT/build-gpu
     cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null &&
-      ninja -C build-gpu -j "$JOBS" sluice sluice_cuda_tests sluice_port_channel_cuda_tests sluice-gpu-bench sluice-port-bench >/dev/null || return 1
+      ninja -C build-gpu -j "$JOBS" sluice sluice_cuda_tests sluice_port_channel_cuda_tests sluice-gpu-bench sluice-p2p-bench sluice-port-bench >/dev/null || return 1
     ln -sf tests/cuda/sluice_cuda_tests tests/port_channel/sluice_port_channel_cuda_tests \
-      tools/sluice-gpu-bench/sluice-gpu-bench tools/sluice-port-bench/sluice-port-bench build-gpu/ 2>/dev/null
+      tools/sluice-gpu-bench/sluice-gpu-bench tools/sluice-gpu-bench/sluice-p2p-bench tools/sluice-port-bench/sluice-port-bench build-gpu/ 2>/dev/null
   fi
   export LD_LIBRARY_PATH=$BIN${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 }
