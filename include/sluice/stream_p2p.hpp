@@ -84,6 +84,7 @@ class SLUICE_API StreamP2p {
   struct Impl;
 
  private:
+  void launch(bool send, int peer, void* data, uint64_t bytes, void* stream, uint32_t tag);
   std::unique_ptr<Impl> impl_;
 };
 

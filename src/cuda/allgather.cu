@@ -221,12 +221,6 @@ struct Handle {
   cudaIpcMemHandle_t ipc;
 };
 
-// Receive buffers of the AllGathers alive in this process. A rank of this same process is
-// reached through the raw pointer in its handle, and a handle is just bytes from a rendezvous
-// socket: it is honoured only if it names one of these (so a forged handle cannot point our
-// kernels at any other memory of the process).
-std::mutex g_local_mu;
-std::map<uint64_t, std::pair<uint64_t, int>> g_local;  // buffer -> (size, device)
 
 int sm_count(int device) {
   int n = 0;
@@ -291,10 +285,9 @@ AllGather::AllGather(uint64_t max_tokens, uint64_t token_bytes, DType dtype, int
   cudaSetDevice(prev);
   d::check(e, "AllGather: allocating the receive buffer");
   m.buf = static_cast<uint8_t*>(p);
-  {
-    std::lock_guard<std::mutex> lk(g_local_mu);
-    g_local[reinterpret_cast<uint64_t>(p)] = {m.L.total, m.device};
-  }
+  // A rank of this same process is reached through the raw pointer in its handle, honoured only
+  // for a registered buffer (d::map_shared_buffer).
+  d::register_shared_buffer(p, m.L.total, m.device);
   for (auto& b : m.peers.buf) b = nullptr;
   m.peers.buf[rank] = m.buf;
   // The timeout flag (mapped host memory), and both kernels loaded now: a kernel's first launch
@@ -324,10 +317,7 @@ AllGather::~AllGather() {
   cudaSetDevice(m.device);
   cudaDeviceSynchronize();
   for (void* p : m.opened) cudaIpcCloseMemHandle(p);
-  if (m.buf) {
-    std::lock_guard<std::mutex> lk(g_local_mu);
-    g_local.erase(reinterpret_cast<uint64_t>(m.buf));
-  }
+  if (m.buf) d::unregister_shared_buffer(m.buf);
   if (m.buf) cudaFree(m.buf);
   if (m.err) cudaFreeHost(m.err);
   cudaSetDevice(prev);
@@ -348,9 +338,6 @@ void AllGather::connect(const std::vector<std::string>& handles) {
   auto& m = *impl_;
   if (static_cast<int>(handles.size()) != m.world)
     throw Error(ErrorCode::kInvalidArgument, "AllGather::connect: need " + std::to_string(m.world) + " handles");
-  int prev = 0;
-  cudaGetDevice(&prev);
-  d::check(cudaSetDevice(m.device), "cudaSetDevice");
   for (int r = 0; r < m.world; ++r) {
     if (r == m.rank) continue;
     Handle h{};
@@ -359,40 +346,9 @@ void AllGather::connect(const std::vector<std::string>& handles) {
     if (h.size != m.L.total)
       throw Error(ErrorCode::kInvalidArgument, "AllGather::connect: rank " + std::to_string(r) +
                                                    " was built with other sizes");
-    if (h.pid == ::getpid()) {
-      {
-        std::lock_guard<std::mutex> lk(g_local_mu);
-        auto it = g_local.find(h.ptr);
-        if (it == g_local.end() || it->second.first != h.size || it->second.second != h.device)
-          throw Error(ErrorCode::kProtocol, "AllGather::connect: rank " + std::to_string(r) +
-                                                "'s handle claims this process but names none of its AllGather buffers");
-      }
-      int ok = 0;
-      cudaDeviceCanAccessPeer(&ok, m.device, h.device);
-      if (h.device != m.device) {
-        if (!ok) throw Error(ErrorCode::kUnsupported, "AllGather: no peer access between the devices");
-        cudaError_t e = cudaDeviceEnablePeerAccess(h.device, 0);
-        if (e == cudaErrorPeerAccessAlreadyEnabled) cudaGetLastError();
-        else d::check(e, "cudaDeviceEnablePeerAccess");
-      }
-      m.peers.buf[r] = reinterpret_cast<uint8_t*>(h.ptr);
-    } else {
-      void* p = nullptr;
-      d::check(cudaIpcOpenMemHandle(&p, h.ipc, cudaIpcMemLazyEnablePeerAccess), "cudaIpcOpenMemHandle");
-      m.opened.push_back(p);
-      // Our kernels write h.size bytes there: the allocation behind the handle must be that
-      // large, whatever the handle's size field says.
-      const d::Driver& drv = d::driver();
-      CUdeviceptr rb = 0;
-      size_t rs = 0;
-      auto at = reinterpret_cast<CUdeviceptr>(p);
-      if (!drv.memGetAddressRange || drv.memGetAddressRange(&rb, &rs, at) != CUDA_SUCCESS || rb > at || rb + rs - at < h.size)
-        throw Error(ErrorCode::kProtocol, "AllGather::connect: rank " + std::to_string(r) + "'s buffer is " +
-                                              std::to_string(rs) + " bytes, smaller than its handle says");
-      m.peers.buf[r] = static_cast<uint8_t*>(p);
-    }
+    m.peers.buf[r] = d::map_shared_buffer(h.pid, h.ptr, h.size, h.device, h.ipc, m.device, &m.opened,
+                                          "AllGather::connect: rank " + std::to_string(r));
   }
-  cudaSetDevice(prev);
   m.connected = true;
 }
 

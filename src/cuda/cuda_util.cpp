@@ -459,6 +459,59 @@ std::shared_ptr<Import> import_region(const nlohmann::json& desc, int fd, int de
   return imp;
 }
 
+namespace {
+std::mutex g_shared_mu;
+std::map<uint64_t, std::pair<uint64_t, int>> g_shared;  // buffer -> (size, device)
+}  // namespace
+
+void register_shared_buffer(const void* ptr, uint64_t size, int device) {
+  std::lock_guard<std::mutex> lk(g_shared_mu);
+  g_shared[reinterpret_cast<uint64_t>(ptr)] = {size, device};
+}
+
+void unregister_shared_buffer(const void* ptr) {
+  std::lock_guard<std::mutex> lk(g_shared_mu);
+  g_shared.erase(reinterpret_cast<uint64_t>(ptr));
+}
+
+uint8_t* map_shared_buffer(int pid, uint64_t ptr, uint64_t size, int peer_device, const cudaIpcMemHandle_t& ipc,
+                           int my_device, std::vector<void*>* opened, const std::string& who) {
+  int prev = 0;
+  cudaGetDevice(&prev);
+  check(cudaSetDevice(my_device), "cudaSetDevice");
+  struct Restore {
+    int dev;
+    ~Restore() { cudaSetDevice(dev); }
+  } restore{prev};
+  if (pid == ::getpid()) {
+    {
+      std::lock_guard<std::mutex> lk(g_shared_mu);
+      auto it = g_shared.find(ptr);
+      if (it == g_shared.end() || it->second.first != size || it->second.second != peer_device)
+        throw Error(ErrorCode::kProtocol, who + "'s handle claims this process but names none of its shared buffers");
+    }
+    if (peer_device != my_device) {
+      int ok = 0;
+      cudaDeviceCanAccessPeer(&ok, my_device, peer_device);
+      if (!ok) throw Error(ErrorCode::kUnsupported, who + ": no peer access between the devices");
+      cudaError_t e = cudaDeviceEnablePeerAccess(peer_device, 0);
+      if (e == cudaErrorPeerAccessAlreadyEnabled) cudaGetLastError();
+      else check(e, "cudaDeviceEnablePeerAccess");
+    }
+    return reinterpret_cast<uint8_t*>(ptr);
+  }
+  void* p = nullptr;
+  check(cudaIpcOpenMemHandle(&p, ipc, cudaIpcMemLazyEnablePeerAccess), "cudaIpcOpenMemHandle");
+  opened->push_back(p);
+  const Driver& drv = driver();
+  CUdeviceptr rb = 0;
+  size_t rs = 0;
+  auto at = reinterpret_cast<CUdeviceptr>(p);
+  if (!drv.memGetAddressRange || drv.memGetAddressRange(&rb, &rs, at) != CUDA_SUCCESS || rb > at || rb + rs - at < size)
+    throw Error(ErrorCode::kProtocol, who + "'s buffer is " + std::to_string(rs) + " bytes, smaller than its handle says");
+  return static_cast<uint8_t*>(p);
+}
+
 std::string hex(const void* data, size_t n) {
   static const char* digits = "0123456789abcdef";
   std::string s(n * 2, '0');

@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
@@ -83,6 +84,20 @@ struct Import {
 // local device that will drive copies. Throws Error (kProtocol when the description does not
 // match what the driver maps, e.g. a base_size larger than the allocation).
 std::shared_ptr<Import> import_region(const nlohmann::json& desc, int fd, int device);
+
+// Device buffers that the NVLink kernel objects (AllGather, StreamP2p) share with peers by
+// cudaIpc handle. A handle is only bytes from a rendezvous, so mapping one checks it: one that
+// names this process must name a registered buffer of that size and device (a forged one could
+// otherwise aim our kernels at any memory of the process), and another process's allocation
+// must be at least as large as the handle says (our kernels write that far).
+void register_shared_buffer(const void* ptr, uint64_t size, int device);
+void unregister_shared_buffer(const void* ptr);
+// The peer's buffer as this process reaches it from `my_device` (the current device is left
+// as it was): its own address for a buffer of this process (peer access enabled between the
+// devices), else a new IPC mapping, appended to *opened (close each with cudaIpcCloseMemHandle).
+// Throws Error naming `who`.
+uint8_t* map_shared_buffer(int pid, uint64_t ptr, uint64_t size, int peer_device, const cudaIpcMemHandle_t& ipc,
+                           int my_device, std::vector<void*>* opened, const std::string& who);
 
 std::string hex(const void* data, size_t n);
 bool unhex(const std::string& text, void* out, size_t n);

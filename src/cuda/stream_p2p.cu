@@ -222,10 +222,6 @@ struct Handle {
   cudaIpcMemHandle_t ipc;
 };
 
-// Buffers of the StreamP2p objects alive in this process: a handle naming this process is
-// honoured only if it names one of them (a forged one cannot aim our kernels elsewhere).
-std::mutex g_local_mu;
-std::map<uint64_t, std::pair<uint64_t, int>> g_local;  // buffer -> (size, device)
 
 const sluice::detail::Param<int> kLanes{"cuda.p2p_lanes", "SLUICE_P2P_LANES", 32, sluice::detail::int_in(1, kMaxLanes),
                                         "stream-ordered send/recv: thread blocks (lanes) per message at most",
@@ -330,8 +326,7 @@ StreamP2p::StreamP2p(int rank, const std::vector<int>& peers, int device, Stream
     d::check(e, "StreamP2p: allocating its regions");
   }
   m.buf = static_cast<uint8_t*>(p);
-  std::lock_guard<std::mutex> lk(g_local_mu);
-  g_local[reinterpret_cast<uint64_t>(p)] = {total, device};
+  d::register_shared_buffer(p, total, device);
 }
 
 StreamP2p::~StreamP2p() {
@@ -343,8 +338,7 @@ StreamP2p::~StreamP2p() {
   cudaDeviceSynchronize();
   for (void* p : m.opened) cudaIpcCloseMemHandle(p);
   if (m.buf) {
-    std::lock_guard<std::mutex> lk(g_local_mu);
-    g_local.erase(reinterpret_cast<uint64_t>(m.buf));
+    d::unregister_shared_buffer(m.buf);
     cudaFree(m.buf);
   }
   if (m.err) cudaFreeHost(m.err);
@@ -389,46 +383,7 @@ void StreamP2p::connect(int peer, const std::string& text) {
   for (int i = 0; i < h.npeers; ++i)
     if (h.peers[i] == m.rank) k = i;
   if (k < 0) throw Error(ErrorCode::kInvalidArgument, who + " does not list rank " + std::to_string(m.rank) + " as a peer");
-  int prev = 0;
-  cudaGetDevice(&prev);
-  d::check(cudaSetDevice(m.device), "cudaSetDevice");
-  uint8_t* base = nullptr;
-  try {
-    if (h.pid == ::getpid()) {
-      {
-        std::lock_guard<std::mutex> g(g_local_mu);
-        auto it = g_local.find(h.ptr);
-        if (it == g_local.end() || it->second.first != h.size || it->second.second != h.device)
-          throw Error(ErrorCode::kProtocol, who + "'s handle claims this process but names none of its buffers");
-      }
-      if (h.device != m.device) {
-        int ok = 0;
-        cudaDeviceCanAccessPeer(&ok, m.device, h.device);
-        if (!ok) throw Error(ErrorCode::kUnsupported, who + ": no peer access between the devices");
-        cudaError_t e = cudaDeviceEnablePeerAccess(h.device, 0);
-        if (e == cudaErrorPeerAccessAlreadyEnabled) cudaGetLastError();
-        else d::check(e, "cudaDeviceEnablePeerAccess");
-      }
-      base = reinterpret_cast<uint8_t*>(h.ptr);
-    } else {
-      void* p = nullptr;
-      d::check(cudaIpcOpenMemHandle(&p, h.ipc, cudaIpcMemLazyEnablePeerAccess), "cudaIpcOpenMemHandle");
-      m.opened.push_back(p);
-      // Our kernels write up to h.size bytes there: the allocation must be that large.
-      const d::Driver& drv = d::driver();
-      CUdeviceptr rb = 0;
-      size_t rs = 0;
-      auto at = reinterpret_cast<CUdeviceptr>(p);
-      if (!drv.memGetAddressRange || drv.memGetAddressRange(&rb, &rs, at) != CUDA_SUCCESS || rb > at ||
-          rb + rs - at < h.size)
-        throw Error(ErrorCode::kProtocol, who + "'s buffer is smaller than its handle says");
-      base = static_cast<uint8_t*>(p);
-    }
-  } catch (...) {
-    cudaSetDevice(prev);
-    throw;
-  }
-  cudaSetDevice(prev);
+  uint8_t* base = d::map_shared_buffer(h.pid, h.ptr, h.size, h.device, h.ipc, m.device, &m.opened, who);
   m.theirs[peer] = base + kHeader + uint64_t(k) * m.region;
 }
 
@@ -438,35 +393,30 @@ bool StreamP2p::connected(int peer) const {
 }
 
 void StreamP2p::send(int peer, const void* in, uint64_t bytes, void* stream, uint32_t tag) {
-  auto& m = *impl_;
-  Status st = status();
-  if (!st.ok()) throw Error(st);
-  Ring r;
-  {
-    std::lock_guard<std::mutex> lk(m.mu);
-    r = m.ring(peer, "send");
-  }
-  if (bytes == 0) return;
-  const Msg g = m.msg(bytes, tag);
-  const unsigned grid = unsigned(std::min<uint64_t>(m.lanes, (bytes + g.piece - 1) / g.piece));
-  send_kernel<<<grid, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(r, g, static_cast<const uint8_t*>(in));
-  d::check(cudaGetLastError(), "StreamP2p: launching a send");
+  launch(true, peer, const_cast<void*>(in), bytes, stream, tag);
 }
 
 void StreamP2p::recv(int peer, void* out, uint64_t bytes, void* stream, uint32_t tag) {
+  launch(false, peer, out, bytes, stream, tag);
+}
+
+void StreamP2p::launch(bool send, int peer, void* data, uint64_t bytes, void* stream, uint32_t tag) {
   auto& m = *impl_;
   Status st = status();
   if (!st.ok()) throw Error(st);
   Ring r;
   {
     std::lock_guard<std::mutex> lk(m.mu);
-    r = m.ring(peer, "recv");
+    r = m.ring(peer, send ? "send" : "recv");
   }
   if (bytes == 0) return;
   const Msg g = m.msg(bytes, tag);
   const unsigned grid = unsigned(std::min<uint64_t>(m.lanes, (bytes + g.piece - 1) / g.piece));
-  recv_kernel<<<grid, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(r, g, static_cast<uint8_t*>(out));
-  d::check(cudaGetLastError(), "StreamP2p: launching a recv");
+  auto s = static_cast<cudaStream_t>(stream);
+  auto* p = static_cast<uint8_t*>(data);
+  if (send) send_kernel<<<grid, kThreads, 0, s>>>(r, g, p);
+  else recv_kernel<<<grid, kThreads, 0, s>>>(r, g, p);
+  d::check(cudaGetLastError(), send ? "StreamP2p: launching a send" : "StreamP2p: launching a recv");
 }
 
 void StreamP2p::set_timeout(std::chrono::milliseconds timeout) {
