@@ -33,7 +33,7 @@ namespace {
 namespace d = sluice::detail::cuda;
 using namespace sluice::cuda::dev;
 
-constexpr int kThreads = 512;
+constexpr int kP2pThreads = 512;
 constexpr int kMaxLanes = 64;
 constexpr int kMaxSlots = 8;
 constexpr int kMaxPeers = 63;
@@ -45,7 +45,7 @@ constexpr uint64_t kMinPiece = 64 << 10;
 // The buffer's header (before the regions): this object's failure word, which its kernels read
 // when they start (a read of the mapped host word there cost 30 us at 512 KiB on 2xH200: 32
 // blocks reading host memory over PCIe).
-constexpr uint64_t kHeader = 4096;
+constexpr uint64_t kP2pHeader = 4096;
 constexpr uint64_t kPiecesPerLane = 4;
 
 // What a kernel that gives up leaves in the mapped host word (the first one wins).
@@ -129,7 +129,7 @@ __device__ __forceinline__ bool started(const Msg& m, const Ring& r, int* go) {
   return *go;
 }
 
-__global__ void __launch_bounds__(kThreads) send_kernel(Ring r, Msg m, const uint8_t* __restrict__ in) {
+__global__ void __launch_bounds__(kP2pThreads) send_kernel(Ring r, Msg m, const uint8_t* __restrict__ in) {
   __shared__ int go;
   if (!started(m, r, &go)) return;
   const int lane = blockIdx.x;
@@ -166,7 +166,7 @@ __global__ void __launch_bounds__(kThreads) send_kernel(Ring r, Msg m, const uin
   }
 }
 
-__global__ void __launch_bounds__(kThreads) recv_kernel(Ring r, Msg m, uint8_t* __restrict__ out) {
+__global__ void __launch_bounds__(kP2pThreads) recv_kernel(Ring r, Msg m, uint8_t* __restrict__ out) {
   __shared__ int go;
   if (!started(m, r, &go)) return;
   const int lane = blockIdx.x;
@@ -215,7 +215,7 @@ __global__ void __launch_bounds__(kThreads) recv_kernel(Ring r, Msg m, uint8_t* 
 }
 
 // What handle() prints (hex).
-struct Handle {
+struct P2pHandle {
   int pid, device, rank, lanes, slots, npeers;
   uint64_t slot_bytes, ptr, size;
   int peers[kMaxPeers];
@@ -262,7 +262,7 @@ struct StreamP2p::Impl {
     if (it == theirs.end())
       throw Error(ErrorCode::kInvalidArgument, std::string("StreamP2p::") + what + ": rank " + std::to_string(peer) +
                                                    " is not connected (connect() first)");
-    return Ring{buf + kHeader + uint64_t(i) * region, it->second, lanes, slots, slot_bytes};
+    return Ring{buf + kP2pHeader + uint64_t(i) * region, it->second, lanes, slots, slot_bytes};
   }
   // Pieces of about bytes / (lanes x kPiecesPerLane): each lane then has a few pieces in
   // flight, so that its receiver copies one out while its sender stores the next (one piece
@@ -298,7 +298,7 @@ StreamP2p::StreamP2p(int rank, const std::vector<int>& peers, int device, Stream
   m.slot_bytes = o.slot_bytes;
   m.peers = peers;
   m.region = round_up(uint64_t(m.lanes) * kLaneCtl + uint64_t(m.lanes) * m.slots * m.slot_bytes, 4096);
-  const uint64_t total = kHeader + m.region * peers.size();
+  const uint64_t total = kP2pHeader + m.region * peers.size();
   int prev = 0;
   cudaGetDevice(&prev);
   d::check(cudaSetDevice(device), "cudaSetDevice");
@@ -347,7 +347,7 @@ StreamP2p::~StreamP2p() {
 
 std::string StreamP2p::handle() const {
   auto& m = *impl_;
-  Handle h{};
+  P2pHandle h{};
   h.pid = ::getpid();
   h.device = m.device;
   h.rank = m.rank;
@@ -355,7 +355,7 @@ std::string StreamP2p::handle() const {
   h.slots = m.slots;
   h.slot_bytes = m.slot_bytes;
   h.ptr = reinterpret_cast<uint64_t>(m.buf);
-  h.size = kHeader + m.region * m.peers.size();
+  h.size = kP2pHeader + m.region * m.peers.size();
   h.npeers = int(m.peers.size());
   for (size_t i = 0; i < m.peers.size(); ++i) h.peers[i] = m.peers[i];
   d::check(cudaIpcGetMemHandle(&h.ipc, m.buf), "cudaIpcGetMemHandle");
@@ -368,7 +368,7 @@ void StreamP2p::connect(int peer, const std::string& text) {
   const std::string who = "StreamP2p::connect: rank " + std::to_string(peer);
   if (m.index_of(peer) < 0) throw Error(ErrorCode::kInvalidArgument, who + " is not one of this object's peers");
   if (m.theirs.count(peer)) return;
-  Handle h{};
+  P2pHandle h{};
   if (!d::unhex(text, &h, sizeof(h))) throw Error(ErrorCode::kInvalidArgument, who + ": malformed handle");
   if (h.rank != peer) throw Error(ErrorCode::kInvalidArgument, who + ": the handle is rank " + std::to_string(h.rank) + "'s");
   if (h.lanes != m.lanes || h.slots != m.slots || h.slot_bytes != m.slot_bytes)
@@ -377,14 +377,14 @@ void StreamP2p::connect(int peer, const std::string& text) {
                     std::to_string(h.slots) + ", " + std::to_string(h.slot_bytes) + "; here " +
                     std::to_string(m.lanes) + ", " + std::to_string(m.slots) + ", " + std::to_string(m.slot_bytes) +
                     "): set SLUICE_P2P_LANES, SLUICE_P2P_SLOTS and SLUICE_P2P_SLOT_BYTES alike on every rank");
-  if (h.npeers < 1 || h.npeers > kMaxPeers || h.size != kHeader + m.region * uint64_t(h.npeers))
+  if (h.npeers < 1 || h.npeers > kMaxPeers || h.size != kP2pHeader + m.region * uint64_t(h.npeers))
     throw Error(ErrorCode::kProtocol, who + ": inconsistent handle");
   int k = -1;
   for (int i = 0; i < h.npeers; ++i)
     if (h.peers[i] == m.rank) k = i;
   if (k < 0) throw Error(ErrorCode::kInvalidArgument, who + " does not list rank " + std::to_string(m.rank) + " as a peer");
   uint8_t* base = d::map_shared_buffer(h.pid, h.ptr, h.size, h.device, h.ipc, m.device, &m.opened, who);
-  m.theirs[peer] = base + kHeader + uint64_t(k) * m.region;
+  m.theirs[peer] = base + kP2pHeader + uint64_t(k) * m.region;
 }
 
 bool StreamP2p::connected(int peer) const {
@@ -414,8 +414,8 @@ void StreamP2p::launch(bool send, int peer, void* data, uint64_t bytes, void* st
   const unsigned grid = unsigned(std::min<uint64_t>(m.lanes, (bytes + g.piece - 1) / g.piece));
   auto s = static_cast<cudaStream_t>(stream);
   auto* p = static_cast<uint8_t*>(data);
-  if (send) send_kernel<<<grid, kThreads, 0, s>>>(r, g, p);
-  else recv_kernel<<<grid, kThreads, 0, s>>>(r, g, p);
+  if (send) send_kernel<<<grid, kP2pThreads, 0, s>>>(r, g, p);
+  else recv_kernel<<<grid, kP2pThreads, 0, s>>>(r, g, p);
   d::check(cudaGetLastError(), send ? "StreamP2p: launching a send" : "StreamP2p: launching a recv");
 }
 

@@ -31,7 +31,8 @@ TEST(StreamP2pNoDevice, ConstructionFailsCleanly) {
 }
 
 #ifdef SLUICE_TEST_CUDA
-namespace {
+// A named namespace: the CI builds tests as unity batches, beside cuda_test.cpp's helpers.
+namespace stream_p2p_test {
 
 #define NEED_GPU()                                                                                                  \
   do {                                                                                                              \
@@ -76,8 +77,6 @@ struct Bufs {
     cudaStreamDestroy(s);
   }
 };
-
-}  // namespace
 
 // Both directions at once, sizes from 8 bytes to many times the ring, queued back to back and
 // replayed from a CUDA graph; every byte checked.
@@ -227,4 +226,5 @@ TEST(StreamP2p, RefusesBadHandlesAndPeers) {
   a.connect(1, b.handle());
   EXPECT_TRUE(a.connected(1));
 }
+}  // namespace stream_p2p_test
 #endif
