@@ -22,6 +22,7 @@
 #include <thread>
 #include <vector>
 
+#include "../common/cuda_check.hpp"
 #include "sluice/cuda.hpp"
 #include "sluice/stream_p2p.hpp"
 
@@ -29,15 +30,6 @@ using namespace sluice;
 using Clock = std::chrono::steady_clock;
 
 namespace {
-
-#define CK(x)                                                                            \
-  do {                                                                                   \
-    cudaError_t e_ = (x);                                                                \
-    if (e_ != cudaSuccess) {                                                             \
-      std::fprintf(stderr, "%s: %s\n", #x, cudaGetErrorString(e_));                     \
-      std::exit(1);                                                                      \
-    }                                                                                    \
-  } while (0)
 
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
