@@ -98,6 +98,10 @@ def read(raw: bytes) -> Holdings:
     if len(raw) < HEADER_SIZE:
         raise BadRelay(f"relay region too small ({len(raw)} bytes)")
     magic, fmt, _pad, instance, n = HEADER.unpack_from(raw, 0)
+    if magic == bytes(len(MAGIC)):
+        # The relay has allocated its region (its name is visible from then on) but not yet
+        # written the header: it holds nothing yet, as before it had a region at all.
+        return Holdings(0, [])
     if magic != MAGIC:
         raise BadRelay("not a sluice.weights relay region (bad magic)")
     if fmt != FORMAT:
