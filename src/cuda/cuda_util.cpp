@@ -539,4 +539,30 @@ bool unhex(const std::string& text, void* out, size_t n) {
   return true;
 }
 
+namespace {
+std::mutex g_words_mu;
+std::vector<uint64_t*> g_free_words;
+constexpr size_t kWordSlab = 4096, kWordStride = 64;
+}  // namespace
+
+uint64_t* take_mapped_word() {
+  std::lock_guard<std::mutex> lk(g_words_mu);
+  if (g_free_words.empty()) {
+    void* p = nullptr;
+    check(cudaHostAlloc(&p, kWordSlab, cudaHostAllocMapped | cudaHostAllocPortable), "cudaHostAlloc (mapped words)");
+    for (size_t off = 0; off < kWordSlab; off += kWordStride)
+      g_free_words.push_back(reinterpret_cast<uint64_t*>(static_cast<uint8_t*>(p) + off));
+  }
+  uint64_t* w = g_free_words.back();
+  g_free_words.pop_back();
+  __atomic_store_n(w, 0, __ATOMIC_RELEASE);
+  return w;
+}
+
+void give_mapped_word(uint64_t* word) {
+  if (!word) return;
+  std::lock_guard<std::mutex> lk(g_words_mu);
+  g_free_words.push_back(word);
+}
+
 }  // namespace sluice::detail::cuda

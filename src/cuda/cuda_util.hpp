@@ -99,6 +99,14 @@ void unregister_shared_buffer(const void* ptr);
 uint8_t* map_shared_buffer(int pid, uint64_t ptr, uint64_t size, int peer_device, const cudaIpcMemHandle_t& ipc,
                            int my_device, std::vector<void*>* opened, const std::string& who);
 
+// A 64-bit word in pinned host memory mapped into every device (same address on host and
+// device), on a cache line of its own, zeroed: a kernel publishes progress there with a
+// release store and the host reads it without a CUDA call (nvlink's batch kernel). Taken from
+// 4 KiB slabs that are never freed: cudaFreeHost may wait for every kernel of a device, and
+// a port channel's kernel may be spinning there. Throws Error when pinning fails.
+uint64_t* take_mapped_word();
+void give_mapped_word(uint64_t* word);
+
 std::string hex(const void* data, size_t n);
 bool unhex(const std::string& text, void* out, size_t n);
 

@@ -35,9 +35,11 @@ static_assert(sizeof(BatchArgs) <= 4000, "kernel parameters are limited to 4 KiB
 // A signal is raised after ALL the launch's copies, never only those before it: later is
 // allowed (the contract is "never before"), and it needs one grid-wide arrival only.
 // `arrivals`: a zeroed device counter owned by `stream` (launches on one stream never
-// overlap; the last block resets it). Copies and signals on `stream` before this launch
-// are complete before it starts (stream order).
-cudaError_t post_batch(const BatchArgs& args, unsigned* arrivals, cudaStream_t stream);
+// overlap; the last block resets it; unused by a one-block launch). Copies and signals on
+// `stream` before this launch are complete before it starts (stream order). `done` (may be
+// null): a word the host reads (cuda_util's take_mapped_word); the launch's last act is to
+// store `seq` there with release order, after every copy and signal is visible.
+cudaError_t post_batch(const BatchArgs& args, unsigned* arrivals, uint64_t* done, uint64_t seq, cudaStream_t stream);
 
 // The blocks post_batch launches for `copies` copies (the tests check the bound).
 unsigned post_batch_blocks(uint32_t copies);

@@ -36,12 +36,13 @@ Status PostTracker::admit(std::chrono::milliseconds timeout) {
 
 void PostTracker::cancel() { done(Status::Ok()); }
 
-void PostTracker::done(const Status& st) {
+void PostTracker::done(const Status& st, size_t n) {
   std::lock_guard<std::mutex> lk(mu_);
-  if (outstanding_ > 0) --outstanding_;
+  const size_t before = outstanding_;
+  outstanding_ = before - std::min(before, n);
   if (!st.ok() && first_error_.ok()) first_error_ = st;
   // Waiters are a poster held by the depth limit and flush(); both re-check their condition.
-  if (outstanding_ + 1 == depth_ || outstanding_ == 0 || !st.ok()) cv_.notify_all();
+  if ((before >= depth_ && outstanding_ < depth_) || outstanding_ == 0 || !st.ok()) cv_.notify_all();
 }
 
 Status PostTracker::flush(std::chrono::milliseconds timeout) {
@@ -81,9 +82,9 @@ size_t PostTracker::outstanding() const {
   return outstanding_;
 }
 
-uint64_t SignalSequencer::write_posted() {
+uint64_t SignalSequencer::write_posted(uint64_t n) {
   std::lock_guard<std::mutex> lk(mu_);
-  epochs_.back().writes++;
+  epochs_.back().writes += n;
   return first_ + epochs_.size() - 1;
 }
 
@@ -98,11 +99,11 @@ bool SignalSequencer::signal(const PostSignal& s) {
   return false;
 }
 
-void SignalSequencer::write_done(uint64_t epoch, std::vector<PostSignal>* ready) {
+void SignalSequencer::write_done(uint64_t epoch, std::vector<PostSignal>* ready, uint64_t n) {
   std::lock_guard<std::mutex> lk(mu_);
   if (epoch < first_ || epoch >= first_ + epochs_.size()) return;  // cleared meanwhile
   Epoch& e = epochs_[epoch - first_];
-  if (e.writes > 0) e.writes--;
+  e.writes -= std::min(e.writes, n);
   drain_locked(ready);
 }
 

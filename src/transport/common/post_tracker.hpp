@@ -34,8 +34,8 @@ class PostTracker {
   // exactly once for it, or cancel() if it was not posted after all).
   Status admit(std::chrono::milliseconds timeout);
   void cancel();
-  // One admitted post finished (an error is kept for the next flush()).
-  void done(const Status& st);
+  // `n` admitted posts finished (an error is kept for the next flush()).
+  void done(const Status& st, size_t n = 1);
   // Every post admitted so far finished: the first error since the last flush (then
   // forgotten); kTimeout after `timeout`; the endpoint's failure once fail() ran.
   Status flush(std::chrono::milliseconds timeout);
@@ -62,16 +62,16 @@ class PostTracker {
 // once its epoch and every earlier one have no write outstanding. Thread-safe.
 class SignalSequencer {
  public:
-  // A write is being posted: count it; tag the write with the returned epoch.
-  uint64_t write_posted();
-  // The write was not posted after all (its post failed before it left).
-  void write_dropped(uint64_t epoch) { write_done(epoch, nullptr); }
+  // `n` writes are being posted: count them; tag them with the returned epoch.
+  uint64_t write_posted(uint64_t n = 1);
+  // The `n` writes were not posted after all (their post failed before they left).
+  void write_dropped(uint64_t epoch, uint64_t n = 1) { write_done(epoch, nullptr, n); }
   // A signal after every write so far: true when it may be issued now (then issue it
   // yourself); false when it was queued (a later write_done() hands it out).
   bool signal(const PostSignal& s);
-  // A write of `epoch` finished (ok or not): the signals now due, in order, are appended to
+  // `n` writes of `epoch` finished (ok or not): the signals now due, in order, are appended to
   // *ready (issue them in that order).
-  void write_done(uint64_t epoch, std::vector<PostSignal>* ready);
+  void write_done(uint64_t epoch, std::vector<PostSignal>* ready, uint64_t n = 1);
   // Nothing outstanding and nothing queued: a signal now would be due at once.
   bool idle();
   // Forget everything queued (the endpoint failed); returns how many signals were dropped.

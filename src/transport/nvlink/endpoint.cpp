@@ -224,6 +224,7 @@ void NvlinkEndpoint::close(const Status& why) {
     for (auto& ps : post_streams_) {
       if (ps->arrivals) cudaFreeAsync(ps->arrivals, ps->stream);  // stream-ordered: never waits for user kernels
       cudaStreamDestroy(ps->stream);
+      cuda::give_mapped_word(ps->done);  // stop_posts synchronised the stream: no kernel writes it
     }
     post_streams_.clear();
     last_post_stream_ = nullptr;

@@ -299,6 +299,7 @@ class NvlinkEndpoint final : public EndpointBase,
   PostStream* post_stream(int device);
   void peer_access_locked(int from, int to);
   void mark_locked(PostStream& ps);
+  cudaError_t seq_mark_state(PostStream& ps, const PostStream::Mark& m);
   void mark_all_locked();
   Status enqueue_post_locked(PostOp& op, uint64_t token, const uint8_t* src, uint8_t* dst, uint64_t n);
   Status launch_signal_locked(PostOp& op, uint64_t token, bool mark_now);
@@ -316,7 +317,9 @@ class NvlinkEndpoint final : public EndpointBase,
   Batched batch_enter(const RemoteView& rv, uint64_t id, std::chrono::milliseconds timeout, size_t index, Status* st);
   Status batch_start_locked(PostStream* ps, size_t index, bool copy);
   Status launch_group(size_t* failed_at, bool mark_now);
-  Status launch_group_locked(bool mark_now);
+  Status launch_group_locked(uint64_t token, bool mark_now);
+  void group_join_locked(PostStream* ps, size_t index);
+  void batch_leave(uint32_t slot, const Status& st);
   bool sm_reach_locked(int from, int to);
   void launch_deferred_signal(uint64_t token);
   void send_signal_frame(uint64_t token, uint64_t region, uint64_t offset, uint64_t add);

@@ -13,10 +13,13 @@
 //    or from another device than the run's: a copy-engine job (post_write);
 //  - a signal into peer host memory (an owner's kSignal frame), or one while writes the owner
 //    executes (PULL_WRITE) are unanswered (owner_seq_ must hold it back): post_signal.
-// Each post keeps its own PostOp, token, lease and pin, and counts against post.depth, so
-// completion (a mark behind the kernel), flush, failure and the region leases are those of
-// the single calls. A post that finds post.depth full while the run holds admitted posts
-// launches the run first (those posts can only finish once launched), then waits.
+// A run is ONE PostOp and token for all its posts (its pins, one lease per post, the count
+// of posts), not one per post: that bookkeeping, taken twice per post against the poller
+// completing them, was most of the proxy's time at 0.2 M requests/s (docs/port-channel.md).
+// Each post still counts against post.depth, and completion (the kernel's own mark, see
+// post_path.hpp), flush, failure and the region leases are those of the single calls for
+// every post of the run. A post that finds post.depth full while the run holds admitted
+// posts launches the run first (those posts can only finish once launched), then waits.
 #include "transport/nvlink/endpoint.hpp"
 
 namespace sluice::detail::nvlink {
@@ -64,6 +67,21 @@ NvlinkEndpoint::Batched NvlinkEndpoint::batch_enter(const RemoteView& rv, uint64
   return Batched::kAdded;
 }
 
+// The run's op, taken at its first post (post_mu_ held).
+void NvlinkEndpoint::group_join_locked(PostStream* ps, size_t index) {
+  if (!group_.empty()) return;
+  group_.stream = ps;
+  group_.first_item = index;
+  group_.op = take_post();
+  group_.op->bytes = 0;
+}
+
+// A post that entered its lease and was admitted but cannot join the run after all.
+void NvlinkEndpoint::batch_leave(uint32_t slot, const Status& st) {
+  leases_.leave(slot);
+  posts_.done(st);
+}
+
 NvlinkEndpoint::Batched NvlinkEndpoint::batch_write(PostWrite& w, const RemoteView& rv,
                                                     std::chrono::milliseconds timeout, size_t index, Status* st) {
   const RegionEntry* src = w.pin.get();
@@ -77,19 +95,6 @@ NvlinkEndpoint::Batched NvlinkEndpoint::batch_write(PostWrite& w, const RemoteVi
     if (!sm_reach_locked(device, rv.owner_device)) return Batched::kSingle;
   }
   if (Batched b = batch_enter(rv, id, timeout, index, st); b != Batched::kAdded) return b;
-  const uint8_t* from = w.src;
-  auto op = take_post();
-  op->kind = OpKind::kWrite;
-  op->bytes = n;
-  op->pins.push_back(std::move(w.pin));
-  op->via = PostOp::Via::kStream;
-  op->lease_slot = rv.slot;
-  op->lease_id = id;
-  const uint64_t token = pending_.add(op);
-  if (!token) {
-    *st = post_failure();  // the post handler left the lease and counted it done
-    return Batched::kSingle;
-  }
   std::unique_lock<std::mutex> lk(post_mu_);
   Status s = posts_stopped_ ? Status{ErrorCode::kCancelled, "endpoint closed"} : Status::Ok();
   PostStream* ps = nullptr;
@@ -102,19 +107,19 @@ NvlinkEndpoint::Batched NvlinkEndpoint::batch_write(PostWrite& w, const RemoteVi
   }
   if (!s.ok()) {
     lk.unlock();
-    pending_.lane_done(token, s);
+    batch_leave(rv.slot, s);
     *st = s;
     return Batched::kSingle;
   }
   peer_access_locked(device, rv.owner_device);
-  op->stream = ps;
-  op->post_epoch = sequencer_.write_posted();  // a signal frame after it waits for the kernel
-  if (group_.empty()) {
-    group_.stream = ps;
-    group_.first_item = index;
-  }
-  group_.args.copy[group_.args.copies++] = cuda::BatchCopy{from, rv.ptr + off, n};
-  group_.entries.push_back({token, op->post_epoch, true});
+  group_join_locked(ps, index);
+  PostOp& op = *group_.op;
+  group_.args.copy[group_.args.copies++] = cuda::BatchCopy{w.src, rv.ptr + off, n};
+  op.pins.push_back(std::move(w.pin));
+  op.leases.push_back(rv.slot);
+  op.bytes += n;
+  ++group_.posts;
+  ++group_.writes;
   last_post_stream_ = ps;
   return Batched::kAdded;
 }
@@ -141,80 +146,88 @@ NvlinkEndpoint::Batched NvlinkEndpoint::batch_signal(const PostSignal& s, const 
     }
   }
   if (Batched b = batch_enter(rv, id, timeout, index, st); b != Batched::kAdded) return b;
-  auto op = take_post();
-  op->kind = OpKind::kWrite;
-  op->bytes = 8;
-  op->signal = true;
-  op->signal_add = s.add;
-  op->via = PostOp::Via::kStream;
-  op->counter = rv.ptr + s.remote_offset;
-  op->lease_slot = rv.slot;
-  op->lease_id = id;
-  op->stream = ps;
-  const uint64_t token = pending_.add(op);
-  if (!token) {
-    *st = post_failure();
-    return Batched::kSingle;
-  }
   std::unique_lock<std::mutex> lk(post_mu_);
   if (posts_stopped_) {
     lk.unlock();
     Status c{ErrorCode::kCancelled, "endpoint closed"};
-    pending_.lane_done(token, c);
+    batch_leave(rv.slot, c);
     *st = c;
     return Batched::kSingle;
   }
   peer_access_locked(ps->device, rv.owner_device);
-  if (group_.empty()) {
-    group_.stream = ps;
-    group_.first_item = index;
-  }
-  group_.args.signal[group_.args.signals++] =
-      cuda::BatchSignal{reinterpret_cast<uint64_t*>(rv.ptr + s.remote_offset), s.add};
-  group_.entries.push_back({token, 0, false});
+  group_join_locked(ps, index);
+  group_.op->leases.push_back(rv.slot);
+  group_.op->bytes += 8;
+  ++group_.posts;
+  // Signals of a launch are all raised after all its copies, so consecutive ones into one
+  // counter are one atomic (a port channel's run of put+signals: 64 remote atomics on one
+  // address, serialized, were the batch kernel's tail).
+  auto* counter = reinterpret_cast<uint64_t*>(rv.ptr + s.remote_offset);
+  if (group_.args.signals > 0 && group_.args.signal[group_.args.signals - 1].counter == counter)
+    group_.args.signal[group_.args.signals - 1].add += s.add;
+  else
+    group_.args.signal[group_.args.signals++] = cuda::BatchSignal{counter, s.add};
   return Batched::kAdded;
 }
 
-// Launches the run collected so far. On failure its posts finish with the error (flush
-// reports it too, as for a single post that failed) and *failed_at is the batch index of
-// its first post: none of the run was posted.
+// Launches the run collected so far, as one op. On failure its posts finish with the error
+// (flush reports it too, as for a single post that failed) and *failed_at is the batch index
+// of its first post: none of the run was posted.
 Status NvlinkEndpoint::launch_group(size_t* failed_at, bool mark_now) {
   if (group_.empty()) return Status::Ok();
+  std::shared_ptr<PostOp> op = group_.op;
+  op->kind = OpKind::kWrite;
+  op->via = PostOp::Via::kStream;
+  op->stream = group_.stream;
+  op->posts = group_.posts;
+  const uint64_t token = pending_.add(op);
+  if (!token) {  // the endpoint failed: add() finished the op (leases left, posts done)
+    *failed_at = group_.first_item;
+    group_.clear();
+    return post_failure();
+  }
   std::unique_lock<std::mutex> lk(post_mu_);
-  Status st = launch_group_locked(mark_now);
+  Status st = launch_group_locked(token, mark_now);
   lk.unlock();
   if (!st.ok()) {
-    for (const PostStream::Entry& e : group_.entries) pending_.lane_done(e.token, st);
+    pending_.lane_done(token, st);
     *failed_at = group_.first_item;
   }
   group_.clear();
   return st;
 }
 
-Status NvlinkEndpoint::launch_group_locked(bool mark_now) {
+Status NvlinkEndpoint::launch_group_locked(uint64_t token, bool mark_now) {
   PostStream& ps = *group_.stream;
   Status st = posts_stopped_ ? Status{ErrorCode::kCancelled, "endpoint closed"} : Status::Ok();
   // Signals also wait for copies before them on other devices' post streams.
   if (st.ok() && group_.args.signals > 0) st = wait_other_streams_locked(ps);
+  uint64_t epoch = 0;
   if (st.ok()) {
     DeviceScope scope(ps.device);
-    if (group_.args.signals > 0 && !ps.arrivals) {
+    if (!ps.arrivals) {
       // Stream-ordered, so that it never waits for a user's kernel spinning on the device.
       void* p = nullptr;
       st = cuda_status(cudaMallocAsync(&p, sizeof(unsigned), ps.stream), "cudaMallocAsync");
       if (st.ok()) st = cuda_status(cudaMemsetAsync(p, 0, sizeof(unsigned), ps.stream), "cudaMemsetAsync");
       if (st.ok()) ps.arrivals = static_cast<unsigned*>(p);
     }
-    if (st.ok()) st = cuda_status(cuda::post_batch(group_.args, ps.arrivals, ps.stream), "batch kernel");
+    if (st.ok()) {
+      // A signal frame posted after these writes waits for them (the sequencer); posters are
+      // serialised, so no such frame came between the run's writes.
+      if (group_.writes) epoch = sequencer_.write_posted(group_.writes);
+      const uint64_t seq = ps.launched + 1;
+      st = cuda_status(cuda::post_batch(group_.args, ps.arrivals, ps.done, seq, ps.stream), "batch kernel");
+      if (st.ok()) ps.launched = seq;
+      ps.tail_seq = st.ok() && ps.done ? seq : 0;
+      if (!st.ok() && group_.writes) sequencer_.write_dropped(epoch, group_.writes);
+    }
   }
-  if (!st.ok()) {
-    for (const PostStream::Entry& e : group_.entries)
-      if (e.write) sequencer_.write_dropped(e.epoch);
-    return st;
-  }
-  for (const PostStream::Entry& e : group_.entries) ps.entries.push(e);
-  ps.unmarked += group_.entries.size();
-  unmarked_total_ += group_.entries.size();
+  if (!st.ok()) return st;
+  ps.entries.push({token, epoch, group_.writes});
+  ++ps.unmarked;
+  ps.unmarked_posts += group_.posts;
+  unmarked_total_ += group_.posts;
   last_post_stream_ = &ps;
   if (mark_now || unmarked_total_ >= mark_every_ || flushing_.load(std::memory_order_acquire) > 0) mark_all_locked();
   return Status::Ok();

@@ -68,6 +68,10 @@ void NvlinkEndpoint::post_finished(const std::shared_ptr<TransferOp>& op, const 
   auto po = std::static_pointer_cast<PostOp>(op);
   if (po->lease_slot != kNoLease) leases_.leave(po->lease_slot);
   po->lease_slot = kNoLease;
+  for (uint32_t slot : po->leases) leases_.leave(slot);
+  po->leases.clear();
+  const uint32_t posts = po->posts;
+  po->posts = 1;
   po->pins.clear();
   po->post_error = Status::Ok();
   po->counter = nullptr;
@@ -79,7 +83,7 @@ void NvlinkEndpoint::post_finished(const std::shared_ptr<TransferOp>& op, const 
     std::lock_guard<std::mutex> lk(free_mu_);
     free_posts_.push_back(std::move(po));
   }
-  posts_.done(st);
+  posts_.done(st, posts);
 }
 
 PostStream* NvlinkEndpoint::post_stream(int device) {
@@ -92,6 +96,11 @@ PostStream* NvlinkEndpoint::post_stream(int device) {
   // device by then, and a lazy load would wait for it (copy_kernels.hpp).
   cu::check(cu::load_kernels(), "loading the signal and copy kernels");
   cu::check(cudaStreamCreateWithFlags(&ps->stream, cudaStreamNonBlocking), "cudaStreamCreate");
+  try {
+    ps->done = cuda::take_mapped_word();
+  } catch (const Error&) {
+    ps->done = nullptr;  // marks are events then
+  }
   post_streams_.push_back(std::move(ps));
   return post_streams_.back().get();
 }
@@ -110,7 +119,11 @@ void NvlinkEndpoint::mark_locked(PostStream& ps) {
   if (ps.unmarked == 0) return;
   PostStream::Mark m;
   m.count = ps.unmarked;
-  {
+  if (ps.tail_seq != 0) {
+    // The batch kernel last launched covers every post before it on the stream.
+    m.seq = ps.tail_seq;
+    m.since = std::chrono::steady_clock::now();
+  } else {
     DeviceScope scope(ps.device);  // an event is recorded on a stream of its own device
     try {
       m.event = take_event(ps.device);
@@ -127,8 +140,9 @@ void NvlinkEndpoint::mark_locked(PostStream& ps) {
     if (!m.event) m.error = cudaStreamSynchronize(ps.stream);
   }
   ps.marks.push(m);
-  unmarked_total_ -= ps.unmarked;
+  unmarked_total_ -= ps.unmarked_posts;
   ps.unmarked = 0;
+  ps.unmarked_posts = 0;
   post_marks_.fetch_add(1, std::memory_order_release);
   {
     std::lock_guard<std::mutex> lk(mu_);
@@ -149,8 +163,10 @@ Status NvlinkEndpoint::enqueue_post_locked(PostOp& op, uint64_t token, const uin
     if (Status st = cuda_status(cudaMemcpyAsync(dst, src, n, cudaMemcpyDefault, ps.stream), "cudaMemcpyAsync"); !st.ok())
       return st;
   }
-  ps.entries.push({token, op.post_epoch, true});
+  ps.tail_seq = 0;
+  ps.entries.push({token, op.post_epoch, 1});
   ++ps.unmarked;
+  ++ps.unmarked_posts;
   ++unmarked_total_;
   last_post_stream_ = &ps;
   // Counted over every post stream: posts unmarked on several devices must not fill the depth.
@@ -186,8 +202,10 @@ Status NvlinkEndpoint::launch_signal_locked(PostOp& op, uint64_t token, bool mar
         !st.ok())
       return st;
   }
-  ps.entries.push({token, 0, false});
+  ps.tail_seq = 0;
+  ps.entries.push({token, 0, 0});
   ++ps.unmarked;
+  ++ps.unmarked_posts;
   ++unmarked_total_;
   if (mark_now || unmarked_total_ >= mark_every_ || flushing_.load(std::memory_order_acquire) > 0) mark_all_locked();
   return Status::Ok();
@@ -421,16 +439,28 @@ Status NvlinkEndpoint::owner_post_done(uint64_t token, const Status& st) {
   return Status::Ok();
 }
 
+// A seq mark: passed once the kernel stored its seq. A kernel that faulted never stores it:
+// after a millisecond the stream is asked (a CUDA call, off the fast path), and its error
+// ends the mark.
+cudaError_t NvlinkEndpoint::seq_mark_state(PostStream& ps, const PostStream::Mark& m) {
+  if (__atomic_load_n(ps.done, __ATOMIC_ACQUIRE) >= m.seq) return cudaSuccess;
+  if (std::chrono::steady_clock::now() - m.since < std::chrono::milliseconds(1)) return cudaErrorNotReady;
+  return cudaStreamQuery(ps.stream);  // cudaSuccess: drained, the kernel finished
+}
+
 // Poller: completes the posts before every mark whose event fired, then sends the signal
 // frames that were waiting for them.
 bool NvlinkEndpoint::poll_posts() {
   if (post_marks_.load(std::memory_order_acquire) == 0) return false;
   {
-    std::lock_guard<std::mutex> lk(post_mu_);
+    // Not while a poster holds the lock (a launch takes microseconds): blocking here would
+    // make that poster wake us on its unlock, a system call on its path. The loop comes back.
+    std::unique_lock<std::mutex> lk(post_mu_, std::try_to_lock);
+    if (!lk.owns_lock()) return false;
     for (auto& ps : post_streams_) {
       while (!ps->marks.empty()) {
         PostStream::Mark& m = ps->marks.front();
-        cudaError_t r = m.event ? cudaEventQuery(m.event) : m.error;
+        cudaError_t r = m.seq ? seq_mark_state(*ps, m) : m.event ? cudaEventQuery(m.event) : m.error;
         if (r == cudaErrorNotReady) break;
         if (r != cudaSuccess) cudaGetLastError();
         for (size_t i = 0; i < m.count && !ps->entries.empty(); ++i) {
@@ -447,7 +477,7 @@ bool NvlinkEndpoint::poll_posts() {
   pending_.touch();
   moved();
   for (const auto& [e, r] : done_entries_) {
-    if (e.write) sequencer_.write_done(e.epoch, &ready_frames_);
+    if (e.writes) sequencer_.write_done(e.epoch, &ready_frames_, e.writes);
     pending_.lane_done(e.token, r == cudaSuccess ? Status::Ok()
                                                  : Status{ErrorCode::kInternal, std::string("nvlink post: copy failed: ") +
                                                                                     cudaGetErrorString(r)});
@@ -471,6 +501,7 @@ void NvlinkEndpoint::stop_posts() {
     }
     ps->entries.clear();
     ps->unmarked = 0;
+    ps->unmarked_posts = 0;
   }
   unmarked_total_ = 0;
   post_marks_.store(0, std::memory_order_release);

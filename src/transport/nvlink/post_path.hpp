@@ -5,8 +5,10 @@
 
 #include <cuda_runtime_api.h>
 
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -61,43 +63,58 @@ struct PostOp : TransferOp {
   uint64_t lease_id = 0;
   uint8_t* counter = nullptr;      // kStream signal: the peer's counter as mapped here
   struct PostStream* stream = nullptr;
+  // A batch kernel's run is ONE op for all its posts (post_batch.cpp): `posts` of them count
+  // against post.depth, `leases` holds the lease slot each entered, `pins` every source.
+  uint32_t posts = 1;
+  std::vector<uint32_t> leases;
 };
 
-// The dedicated post stream of one device. Posts are enqueued in order; an event ("mark") is
-// recorded behind every few of them (and at flush, and when a signal waits for them) and the
-// poller completes the posts before a mark once its event fired.
+// The dedicated post stream of one device. Posts are enqueued in order; a "mark" is placed
+// behind every few of them (and at flush, and when a signal waits for them) and the poller
+// completes the posts before a mark once it passed. A mark is the sequence number of a batch
+// kernel when that launch is the last thing on the stream (the kernel stores it into `done`,
+// host memory: the poller reads a word, no CUDA call that would contend with the next
+// launch), else an event recorded behind the posts.
 struct PostStream {
   struct Entry {
     uint64_t token = 0;
-    uint64_t epoch = 0;  // a write's SignalSequencer epoch
-    bool write = false;  // a write (counted in the sequencer) or a signal kernel
+    uint64_t epoch = 0;   // its writes' SignalSequencer epoch
+    uint32_t writes = 0;  // writes counted in the sequencer (0: a signal kernel)
   };
   struct Mark {
-    cudaEvent_t event = nullptr;  // null: recording failed, the stream was synchronised instead
+    uint64_t seq = 0;             // nonzero: passed once *done >= seq (no event)
+    std::chrono::steady_clock::time_point since{};  // a seq mark's start (a kernel that faulted never stores it)
+    cudaEvent_t event = nullptr;  // null (and no seq): recording failed, the stream was synchronised instead
     size_t count = 0;             // the oldest `count` entries complete with it
     cudaError_t error = cudaSuccess;  // with a null event: how the synchronisation ended
   };
   int device = 0;
   cudaStream_t stream = nullptr;
   unsigned* arrivals = nullptr;  // the batch kernel's grid-wide counter (stream-ordered allocation)
+  uint64_t* done = nullptr;      // host word: the last batch kernel's seq that finished (null: events only)
+  uint64_t launched = 0;         // batch kernels launched on the stream (their seqs)
+  uint64_t tail_seq = 0;         // the last launch's seq while nothing was enqueued after it, else 0
   Ring<Entry> entries;  // enqueued, not completed, in stream order
   Ring<Mark> marks;
-  size_t unmarked = 0;  // entries at the back that no mark covers yet
+  size_t unmarked = 0;        // entries at the back that no mark covers yet
+  size_t unmarked_posts = 0;  // the posts of those entries (a run's entry holds many)
 };
 
 // A run of small posts collected by post_batch (post_batch.cpp) for one batch kernel on
-// `stream`: SM copies and kernel signals, and the posts' entries, pushed on the stream's
-// ring once the kernel is launched. Reused: no allocation per batch.
+// `stream`: SM copies and kernel signals, and the ONE op that stands for all of them (its
+// pins and leases), added to PendingOps and to the stream's ring once the kernel is launched.
 struct PostGroup {
   PostStream* stream = nullptr;
   cuda::BatchArgs args;
-  std::vector<PostStream::Entry> entries;
+  std::shared_ptr<PostOp> op;  // taken at the run's first post
+  uint32_t posts = 0, writes = 0;
   size_t first_item = 0;  // the batch index of its first post (reported if the launch fails)
-  bool empty() const { return entries.empty(); }
+  bool empty() const { return posts == 0; }
   void clear() {
     stream = nullptr;
     args.copies = args.signals = 0;
-    entries.clear();
+    op.reset();
+    posts = writes = 0;
   }
 };
 

@@ -35,6 +35,24 @@ TEST(PostTracker, DepthHoldsPostersAndTimesOut) {
   EXPECT_EQ(2u, t.outstanding());
 }
 
+// nvlink's batch kernel finishes a run of posts as one op: done(st, n).
+TEST(PostTracker, ARunFinishesManyPostsAtOnceAndWakesAHeldPoster) {
+  PostTracker t(4);
+  for (int i = 0; i < 4; ++i) ASSERT_TRUE(t.admit(10ms).ok());
+  std::thread run([&] {
+    std::this_thread::sleep_for(20ms);
+    t.done(Status::Ok(), 3);
+  });
+  EXPECT_TRUE(t.admit(5s).ok()) << "a finished run did not make room";
+  run.join();
+  EXPECT_EQ(2u, t.outstanding());
+  t.done({ErrorCode::kInternal, "run failed"}, 5);  // more than outstanding: stops at zero
+  EXPECT_EQ(0u, t.outstanding());
+  Status st = t.flush(10ms);
+  EXPECT_EQ(ErrorCode::kInternal, st.code) << "the run's error is the flush's";
+  EXPECT_TRUE(t.flush(10ms).ok());
+}
+
 TEST(PostTracker, FlushReportsTheFirstErrorOnceThenForgetsIt) {
   PostTracker t(8);
   for (int i = 0; i < 3; ++i) ASSERT_TRUE(t.admit(1s).ok());
@@ -89,6 +107,21 @@ TEST(SignalSequencer, SignalsWaitForEarlierWritesInAnyCompletionOrder) {
   EXPECT_EQ(20u, ready[1].add);
   EXPECT_EQ(30u, ready[2].add);
   EXPECT_TRUE(s.signal(sig(40)));
+}
+
+TEST(SignalSequencer, ASignalWaitsForEveryWriteOfARun) {
+  SignalSequencer s;
+  uint64_t run = s.write_posted(3);
+  EXPECT_FALSE(s.signal(sig(7)));
+  std::vector<PostSignal> ready;
+  s.write_done(run, &ready, 2);
+  EXPECT_TRUE(ready.empty()) << "one write of the run is still outstanding";
+  s.write_done(run, &ready, 1);
+  ASSERT_EQ(1u, ready.size());
+  EXPECT_EQ(7u, ready[0].add);
+  uint64_t dropped = s.write_posted(4);
+  s.write_dropped(dropped, 4);
+  EXPECT_TRUE(s.signal(sig(8))) << "a dropped run leaves nothing outstanding";
 }
 
 TEST(SignalSequencer, ClearDropsQueuedSignalsAndIgnoresStaleWrites) {
