@@ -2,12 +2,14 @@
 // process, nvlink), against the copy engine driven from the host in the same run:
 //   - bidirectional put-with-signal at 1 KiB, 1 MiB and 128 MiB vs cudaMemcpyPeerAsync both ways
 //   - FIFO push cost from one GPU thread (ns per request, the proxy consuming meanwhile)
-//   - ping-pong round trip (put_with_signal + wait on each side)
+//   - ping-pong round trip (put_with_signal + wait on each side), then the same pattern with the
+//     proxy's work replaced by the bare act of each way a host proxy can carry a hop (floors.cu)
 //   - small-request rate: 8-byte put+signal requests per second through one proxy, pushed by
 //     one GPU thread (bound by the push cost) and by many (bound by the proxy)
 // It prints the settings it ran with first (the proxy's batching, nvlink's batch kernel), so
 // that tables from runs with other settings are not mixed up.
-//   sluice-port-bench [--peer-device 1] [--iters N] [--producers 1024] [--requests 1000000] [--set key=value ...]
+//   sluice-port-bench [--peer-device 1] [--iters N] [--producers 1024] [--requests 1000000] [--floor-rounds 5000]
+//                     [--set key=value ...]
 // --set passes an engine option to both engines, e.g. --set port.batch_max=1 or
 // --set nvlink.post_batch=false for the unbatched path (SLUICE_* variables work too).
 #include <cuda_runtime_api.h>
@@ -21,6 +23,7 @@
 #include <string>
 
 #include "../common/cuda_check.hpp"
+#include "floors.hpp"
 #include "sluice/cuda.hpp"
 #include "sluice/port_channel.hpp"
 #include "sluice/sluice.hpp"
@@ -215,7 +218,7 @@ double copy_engine_bidir(int da, int db, uint64_t n, int rounds) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  int peer = 1, iters = 20, producers = 1024, requests = 1000000;
+  int peer = 1, iters = 20, producers = 1024, requests = 1000000, floor_rounds = 5000;
   try {
     for (int i = 1; i + 1 < argc; i += 2) {
       std::string k = argv[i], v = argv[i + 1];
@@ -223,11 +226,12 @@ int main(int argc, char** argv) {
       else if (k == "--iters") iters = std::atoi(v.c_str());
       else if (k == "--producers") producers = std::max(1, std::atoi(v.c_str()));
       else if (k == "--requests") requests = std::max(1, std::atoi(v.c_str()));
+      else if (k == "--floor-rounds") floor_rounds = std::max(0, std::atoi(v.c_str()));
       else if (k == "--set" && v.find('=') != std::string::npos) g_config.set(v.substr(0, v.find('=')), v.substr(v.find('=') + 1));
       else throw Error(ErrorCode::kInvalidArgument, "unknown argument " + k);
     }
   } catch (const Error& e) {
-    std::fprintf(stderr, "%s\nusage: sluice-port-bench [--peer-device 1] [--iters N] [--producers 1024] [--requests 1000000] [--set key=value ...]\n",
+    std::fprintf(stderr, "%s\nusage: sluice-port-bench [--peer-device 1] [--iters N] [--producers 1024] [--requests 1000000] [--floor-rounds 5000 (0: none)] [--set key=value ...]\n",
                  e.what());
     return 1;
   }
@@ -291,6 +295,8 @@ int main(int argc, char** argv) {
     return 2;
   }
   std::printf("\nping-pong round trip: %.2f us\n", ns_of(a) / 1e3 / kPing);
+  // What any host proxy could reach at best on this machine, measured right after it.
+  if (floor_rounds > 0 && run_floors(a.dev, b.dev, floor_rounds, 3) != 0) return 2;
   // FIFO push cost: pushes that never find the FIFO full (fewer than its depth) ...
   CK(cudaSetDevice(a.dev));
   pushes<<<1, 1, 0, a.stream>>>(a.ch.device_handle(), 2048, false, a.err, a.ns);
