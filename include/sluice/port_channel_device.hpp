@@ -4,19 +4,20 @@
 // same functions as __host__ __device__, so one protocol serves both. No library symbol is
 // needed: a kernel only includes this header and takes the handle by value.
 //
-// The FIFO protocol (why it is safe without a single 128-bit store):
+// The FIFO protocol (LL, as NCCL's low-latency protocol: no fence on the producer's path):
 //   1. A producer takes a ticket t with an atomic fetch-add on `head`.
 //   2. It may write slot t % depth only once the proxy consumed ticket t - depth, i.e. once
 //      t < tail + depth. It first checks its cached tail (cheap: producer-side memory) and
 //      only when that says "full" reads the proxy's tail (host memory) with acquire order,
 //      spinning at most the spin bound. It never overwrites an unconsumed slot.
-//   3. It writes the payload words, then stores the control word ((t + 1) << 4 | kind) with
-//      release order (system scope on a GPU). The control word is never 0 when published.
-//   4. The proxy reads the control word of slot tail % depth with acquire order; nonzero and
-//      carrying ticket tail + 1 means the payload is complete. It copies the request, zeroes
-//      the control word, then publishes tail + 1 with release order. A producer that sees
-//      the new tail (acquire) therefore sees the zeroed slot, so its own control store can
-//      never be overwritten by the proxy's zeroing.
+//   3. It writes the request as kSlotWords 8-byte words, each {32 bits of the request, the
+//      flag (t + 1) mod 2^32}, with plain stores. Each 8-byte store arrives whole, in any
+//      order: no word needs to wait for another, so there is no system-scope fence (which
+//      waits for the stores to reach host memory across PCIe: about 2 us a push).
+//   4. The proxy reads the words of slot tail % depth; once every one carries the flag of
+//      ticket tail, the request is complete (a word of an older lap carries an older flag).
+//      It copies the request, then publishes tail + 1 with release order, after its reads.
+//      Nothing is zeroed: the flags tell the laps apart.
 //   A producer that times out in step 2 holds a ticket it can never fill; the proxy would wait
 //   on that slot forever, so the producer marks the FIFO failed instead (`state`): every later
 //   push fails at once and the proxy fails the FIFO's channels.
@@ -48,26 +49,30 @@ namespace port {
 // Request kinds (bits of the control word; several may be combined in one request).
 constexpr uint64_t kPut = 1, kSignal = 2, kFlush = 4;
 constexpr uint64_t kKindMask = 0xf;
-constexpr int kTicketShift = 4;
 // Default spin bound of push / wait / flush: 10 s.
 constexpr uint64_t kDefaultSpinNs = 10ull * 1000 * 1000 * 1000;
 // FIFO state values (PortFifoHandle::state).
 constexpr uint32_t kFifoOk = 0, kFifoTimedOut = 1, kFifoStopped = 2, kFifoCorrupt = 3;
 
-// One request: a cache line, 64-bit offsets and sizes, 32-bit memory and channel ids.
-struct alignas(64) Request {
+// One request as producers and the proxy see it: 64-bit offsets and sizes, 32-bit memory
+// and channel ids.
+struct Request {
   uint64_t dst_offset;
   uint64_t src_offset;
   uint64_t size;
   uint32_t dst_mem;
   uint32_t src_mem;
   uint32_t channel;
-  uint32_t reserved0;
-  uint64_t reserved1;
-  uint64_t reserved2;
-  uint64_t control;  // ((ticket + 1) << kTicketShift) | kinds; 0 = empty. Written last.
 };
-static_assert(sizeof(Request) == 64, "a request is one cache line");
+
+// A request in the FIFO (step 3 above): kSlotWords words of {32 bits of the request in the
+// low half, the flag in the high half}, on two cache lines.
+constexpr int kSlotWords = 10;
+struct alignas(64) Slot {
+  uint64_t word[16];  // the first kSlotWords are used
+};
+static_assert(sizeof(Slot) == 128, "a slot is two cache lines");
+SLUICE_PORT_FN uint32_t flag_of(uint64_t ticket) { return static_cast<uint32_t>(ticket + 1); }
 
 // What the proxy publishes per channel (host memory; a GPU reads it through a mapping).
 struct alignas(64) ChannelState {
@@ -93,13 +98,6 @@ SLUICE_PORT_FN uint32_t load_acquire32(const uint32_t* p) {
       .load(::cuda::memory_order_acquire);
 #else
   return __atomic_load_n(p, __ATOMIC_ACQUIRE);
-#endif
-}
-SLUICE_PORT_FN void store_release(uint64_t* p, uint64_t v) {
-#if defined(__CUDA_ARCH__)
-  ::cuda::atomic_ref<uint64_t, ::cuda::thread_scope_system>(*p).store(v, ::cuda::memory_order_release);
-#else
-  __atomic_store_n(p, v, __ATOMIC_RELEASE);
 #endif
 }
 SLUICE_PORT_FN void store_release32(uint32_t* p, uint32_t v) {
@@ -163,11 +161,63 @@ SLUICE_PORT_FN void relax(uint64_t iteration) {
 #endif
 }
 
+// One step of a producer waiting on a full FIFO: on a GPU, a short sleep (thousands of
+// threads polling cost the proxy more than they gain).
+SLUICE_PORT_FN void backoff(uint64_t iteration) {
+#if defined(__CUDA_ARCH__)
+  if (iteration >= 8) __nanosleep(200);
+#else
+  relax(iteration);
+#endif
+}
+
 }  // namespace detail
+
+// Writes ticket's request into its slot (step 3).
+SLUICE_PORT_FN void write_slot(Slot* s, const Request& r, uint64_t kinds, uint64_t ticket) {
+  const uint64_t f = uint64_t(flag_of(ticket)) << 32;
+  const uint64_t w[kSlotWords] = {f | uint32_t(r.dst_offset), f | uint32_t(r.dst_offset >> 32),
+                                  f | uint32_t(r.src_offset), f | uint32_t(r.src_offset >> 32),
+                                  f | uint32_t(r.size),       f | uint32_t(r.size >> 32),
+                                  f | r.dst_mem,              f | r.src_mem,
+                                  f | r.channel,              f | uint32_t(kinds & kKindMask)};
+#if defined(__CUDA_ARCH__)
+  // Five 16-byte stores; each 8-byte half arrives whole (volatile: straight to memory).
+  for (int i = 0; i < kSlotWords; i += 2)
+    asm volatile("st.volatile.global.v2.u64 [%0], {%1, %2};" ::"l"(&s->word[i]), "l"(w[i]), "l"(w[i + 1]) : "memory");
+#else
+  for (int i = 0; i < kSlotWords; ++i) __atomic_store_n(&s->word[i], w[i], __ATOMIC_RELAXED);
+#endif
+}
+
+// What the proxy finds in ticket's slot (step 4; host side).
+enum class SlotState { kReady, kNotYet, kCorrupt };
+inline SlotState read_slot(const Slot* s, uint64_t ticket, uint64_t depth, Request* r, uint64_t* kinds) {
+  const uint32_t want = flag_of(ticket);
+  uint32_t p[kSlotWords];
+  for (int i = 0; i < kSlotWords; ++i) {
+    const uint64_t v = __atomic_load_n(&s->word[i], __ATOMIC_RELAXED);
+    const uint32_t f = static_cast<uint32_t>(v >> 32);
+    if (f != want) {
+      // A word of an older lap (or never written) is not here yet; any other flag was not
+      // written by a producer following the protocol.
+      return (f == 0 || static_cast<uint32_t>(want - f) % depth == 0) ? SlotState::kNotYet : SlotState::kCorrupt;
+    }
+    p[i] = static_cast<uint32_t>(v);
+  }
+  r->dst_offset = p[0] | uint64_t(p[1]) << 32;
+  r->src_offset = p[2] | uint64_t(p[3]) << 32;
+  r->size = p[4] | uint64_t(p[5]) << 32;
+  r->dst_mem = p[6];
+  r->src_mem = p[7];
+  r->channel = p[8];
+  *kinds = p[9] & kKindMask;
+  return SlotState::kReady;
+}
 
 // The producer's view of one FIFO. Copied by value into kernels.
 struct FifoHandle {
-  Request* slots = nullptr;     // depth requests (host memory; mapped for a GPU)
+  Slot* slots = nullptr;        // depth requests (host memory; mapped for a GPU)
   uint64_t* head = nullptr;     // next ticket (producer-side memory)
   uint64_t* tail = nullptr;     // tickets below it are consumed (host memory, proxy-written)
   uint64_t* tail_cache = nullptr;  // producers' last seen tail (producer-side memory)
@@ -185,11 +235,6 @@ struct FifoHandle {
     if (t >= detail::load_cached(tail_cache) + depth) {
       uint64_t start = detail::now_ns();
       for (uint64_t i = 0;; ++i) {
-        uint64_t seen = detail::load_acquire(tail);
-        if (t < seen + depth) {
-          detail::raise_cached(tail_cache, seen);
-          break;
-        }
         if ((i & 63) == 63) {
           uint32_t s = detail::load_acquire32(state);
           if (s != kFifoOk) return PortResult::kFailed;
@@ -199,17 +244,22 @@ struct FifoHandle {
             return PortResult::kTimeout;
           }
         }
-        detail::relax(i);
+        // The proxy's tail is read across the bus; with many producers waiting, most polls
+        // read the cached tail another producer raised, so that their reads do not crowd the
+        // link the proxy's slots and tail travel on.
+        if ((i & 7) != 0) {
+          if (t < detail::load_cached(tail_cache) + depth) break;
+        } else {
+          const uint64_t seen = detail::load_acquire(tail);
+          if (t < seen + depth) {
+            detail::raise_cached(tail_cache, seen);
+            break;
+          }
+        }
+        detail::backoff(i);
       }
     }
-    Request* s = slots + (t & (depth - 1));
-    s->dst_offset = r.dst_offset;
-    s->src_offset = r.src_offset;
-    s->size = r.size;
-    s->dst_mem = r.dst_mem;
-    s->src_mem = r.src_mem;
-    s->channel = r.channel;
-    detail::store_release(&s->control, ((t + 1) << kTicketShift) | (kinds & kKindMask));
+    write_slot(slots + (t & (depth - 1)), r, kinds, t);
     if (ticket) *ticket = t;
     return PortResult::kOk;
   }

@@ -28,15 +28,15 @@ const Param<uint64_t> kBatchMax{"port.batch_max", "SLUICE_PORT_BATCH_MAX", 256, 
 }  // namespace
 
 Fifo::Fifo(uint32_t depth, ProducerKind kind, int device)
-    : shared(size_t(depth) * sizeof(port::Request) + 2 * kLine, kind, device), counters(2 * kLine, kind, device) {
+    : shared(size_t(depth) * sizeof(port::Slot) + 2 * kLine, kind, device), counters(2 * kLine, kind, device) {
   auto* host = static_cast<uint8_t*>(shared.host());
   auto* prod = static_cast<uint8_t*>(shared.producer());
-  size_t slots_bytes = size_t(depth) * sizeof(port::Request);
-  slots = reinterpret_cast<port::Request*>(host);
+  size_t slots_bytes = size_t(depth) * sizeof(port::Slot);
+  slots = reinterpret_cast<port::Slot*>(host);
   tail = reinterpret_cast<uint64_t*>(host + slots_bytes + kTailOffset);
   state = reinterpret_cast<uint32_t*>(host + slots_bytes + kStateOffset);
   auto* c = static_cast<uint8_t*>(counters.get());
-  handle.slots = reinterpret_cast<port::Request*>(prod);
+  handle.slots = reinterpret_cast<port::Slot*>(prod);
   handle.tail = reinterpret_cast<uint64_t*>(prod + slots_bytes + kTailOffset);
   handle.state = reinterpret_cast<uint32_t*>(prod + slots_bytes + kStateOffset);
   handle.head = reinterpret_cast<uint64_t*>(c);
@@ -75,9 +75,9 @@ ProxyCore::ProxyCore(Registry& registry, ProxyOptions options, const EngineConfi
   if (opt_.fifo_depth < 2 || (opt_.fifo_depth & (opt_.fifo_depth - 1)) != 0)
     throw Error(ErrorCode::kInvalidArgument,
                 "ProxyService: fifo_depth must be a power of two >= 2 (got " + std::to_string(opt_.fifo_depth) + ")");
-  if (opt_.fifo_depth > (1u << 24))
+  if (opt_.fifo_depth > (1u << 23))
     throw Error(ErrorCode::kInvalidArgument, "ProxyService: fifo_depth " + std::to_string(opt_.fifo_depth) +
-                                                 " is above the limit of 2^24 requests (1 GiB of pinned memory)");
+                                                 " is above the limit of 2^23 requests (1 GiB of pinned memory)");
   // A batch never holds more than one FIFO's worth: what a worker pops it has room for.
   batch_max_ = std::min<size_t>(batch_max_, opt_.fifo_depth);
   opt_.batch_max = static_cast<uint32_t>(batch_max_);  // options() reports what is used
@@ -313,12 +313,15 @@ void ProxyCore::worker(int index) {
 
 bool ProxyCore::pop(Fifo& f, int index, Snapshot& snap, std::vector<Popped>* out) {
   const uint64_t mask = f.handle.depth - 1;
-  constexpr uint64_t kTicketMask = ~0ull >> port::kTicketShift;
   while (out->size() < batch_max_) {
-    port::Request* s = f.slots + (f.next & mask);
-    uint64_t control = __atomic_load_n(&s->control, __ATOMIC_ACQUIRE);
-    if (control == 0) return true;
-    if ((control >> port::kTicketShift) != ((f.next + 1) & kTicketMask)) {
+    Popped& p = out->emplace_back();
+    const port::SlotState got = port::read_slot(f.slots + (f.next & mask), f.next, f.handle.depth, &p.r, &p.kinds);
+    if (got == port::SlotState::kNotYet) {
+      out->pop_back();
+      return true;
+    }
+    if (got == port::SlotState::kCorrupt) {
+      out->pop_back();
       // Only a producer writing outside the protocol gets here; nothing later can be trusted.
       // What was popped before it is dropped with the FIFO's channels.
       __atomic_store_n(f.state, port::kFifoCorrupt, __ATOMIC_RELEASE);
@@ -326,21 +329,11 @@ bool ProxyCore::pop(Fifo& f, int index, Snapshot& snap, std::vector<Popped>* out
       for (auto& c : *snap.chans)
         if (c->worker == index)
           c->fail({ErrorCode::kProtocol, "port channel FIFO of worker " + std::to_string(index) + ": slot " +
-                                             std::to_string(f.next & mask) + " holds ticket " +
-                                             std::to_string((control >> port::kTicketShift) - 1) + ", expected " +
-                                             std::to_string(f.next)});
+                                             std::to_string(f.next & mask) + " holds a word that no producer of ticket " +
+                                             std::to_string(f.next) + " or of an earlier lap wrote"});
       return false;
     }
-    Popped& p = out->emplace_back();
-    p.r.dst_offset = s->dst_offset;
-    p.r.src_offset = s->src_offset;
-    p.r.size = s->size;
-    p.r.dst_mem = s->dst_mem;
-    p.r.src_mem = s->src_mem;
-    p.r.channel = s->channel;
-    p.kinds = control & port::kKindMask;
     // Pop before posting: the request is copied, and producers refill the slot meanwhile.
-    __atomic_store_n(&s->control, 0, __ATOMIC_RELAXED);
     p.ticket = f.next++;
     __atomic_store_n(f.tail, f.next, __ATOMIC_RELEASE);
   }

@@ -24,7 +24,7 @@ struct Fifo {
   SharedBlock shared;      // depth slots, then the tail and the state word (own cache lines)
   ProducerBlock counters;  // head, then the cached tail (own cache lines)
   port::FifoHandle handle;  // the producer's view
-  port::Request* slots = nullptr;  // the proxy's view of the same memory
+  port::Slot* slots = nullptr;  // the proxy's view of the same memory
   uint64_t* tail = nullptr;
   uint32_t* state = nullptr;
   uint64_t next = 0;  // the next ticket to consume (worker-private)

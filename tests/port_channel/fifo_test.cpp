@@ -16,15 +16,11 @@ using namespace sluice::detail;
 
 namespace {
 
-// Pops one request the way the proxy does; false if the next slot is still empty.
+// Pops one request the way the proxy does; false if the next slot is not complete yet.
 bool pop(Fifo& f, port::Request* out, uint64_t* kinds) {
-  port::Request* s = f.slots + (f.next & (f.handle.depth - 1));
-  uint64_t c = __atomic_load_n(&s->control, __ATOMIC_ACQUIRE);
-  if (c == 0) return false;
-  EXPECT_EQ(f.next + 1, c >> port::kTicketShift) << "slot holds the wrong ticket";
-  *out = *s;
-  *kinds = c & port::kKindMask;
-  __atomic_store_n(&s->control, 0, __ATOMIC_RELAXED);
+  port::SlotState st = port::read_slot(f.slots + (f.next & (f.handle.depth - 1)), f.next, f.handle.depth, out, kinds);
+  EXPECT_NE(port::SlotState::kCorrupt, st) << "slot holds a word of no lap of ticket " << f.next;
+  if (st != port::SlotState::kReady) return false;
   ++f.next;
   __atomic_store_n(f.tail, f.next, __ATOMIC_RELEASE);
   return true;
@@ -62,6 +58,40 @@ TEST(PortFifo, SixtyFourBitFieldsTravelIntact) {
   EXPECT_FALSE(pop(f, &r, &kinds)) << "an empty slot looked published";
 }
 
+// The LL slot: a producer's words arrive in any order, with no fence; the proxy takes the
+// request only once every word carries its ticket's flag, and a flag of no lap of that
+// ticket is a protocol violation.
+TEST(PortFifo, ASlotIsTakenOnlyOnceEveryWordCarriesItsTicket) {
+  constexpr uint64_t kDepth = 4;
+  port::Slot slot{};
+  port::Request out{};
+  uint64_t kinds = 0;
+  EXPECT_EQ(port::SlotState::kNotYet, port::read_slot(&slot, 0, kDepth, &out, &kinds)) << "a never-written slot";
+  port::write_slot(&slot, request(1, 2, 3, 4, 5, 6), port::kPut, 4);  // ticket 4: slot 0's second lap
+  port::Slot next{};
+  port::write_slot(&next, request((9ull << 32) + 1, (8ull << 32) + 2, (7ull << 32) + 3, 11, 12, 13),
+                   port::kPut | port::kSignal, 8);  // its third lap
+  for (int k = 0; k < port::kSlotWords; ++k) {
+    const int w = (k * 7) % port::kSlotWords;  // out of order
+    slot.word[w] = next.word[w];
+    const port::SlotState st = port::read_slot(&slot, 8, kDepth, &out, &kinds);
+    if (k + 1 < port::kSlotWords) {
+      ASSERT_EQ(port::SlotState::kNotYet, st) << "taken with " << k + 1 << " of " << port::kSlotWords << " words";
+    } else {
+      ASSERT_EQ(port::SlotState::kReady, st);
+    }
+  }
+  EXPECT_EQ((9ull << 32) + 1, out.dst_offset);
+  EXPECT_EQ((8ull << 32) + 2, out.src_offset);
+  EXPECT_EQ((7ull << 32) + 3, out.size);
+  EXPECT_EQ(11u, out.dst_mem);
+  EXPECT_EQ(12u, out.src_mem);
+  EXPECT_EQ(13u, out.channel);
+  EXPECT_EQ(port::kPut | port::kSignal, kinds);
+  slot.word[3] = (uint64_t(port::flag_of(8) + 1) << 32) | 5;  // no producer of any lap writes this
+  EXPECT_EQ(port::SlotState::kCorrupt, port::read_slot(&slot, 8, kDepth, &out, &kinds));
+}
+
 TEST(PortFifo, FullFifoHoldsTheProducerBackAndOverwritesNothing) {
   Fifo f(4, ProducerKind::kHost, 0);
   for (uint64_t i = 0; i < 4; ++i)
@@ -72,8 +102,7 @@ TEST(PortFifo, FullFifoHoldsTheProducerBackAndOverwritesNothing) {
   });
   // Whatever the fifth producer has done so far, slot 0 still holds request 0.
   while (__atomic_load_n(f.handle.head, __ATOMIC_ACQUIRE) < 5) std::this_thread::yield();
-  EXPECT_EQ(0u, f.slots[0].dst_offset);
-  EXPECT_EQ(1u, f.slots[0].control >> port::kTicketShift);
+  EXPECT_EQ(uint64_t(port::flag_of(0)) << 32, f.slots[0].word[0]) << "slot 0 no longer holds request 0 (dst_offset 0)";
   EXPECT_EQ(-1, result.load()) << "a push into a full FIFO returned before anything was consumed";
   port::Request r{};
   uint64_t kinds = 0;
