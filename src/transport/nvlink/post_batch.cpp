@@ -89,13 +89,15 @@ NvlinkEndpoint::Batched NvlinkEndpoint::batch_write(PostWrite& w, const RemoteVi
   // An SM copy reads our GPU memory and writes the peer's GPU memory mapped here.
   if (src->location.is_host() || rv.host || !rv.ptr || n > post_sm_copy_max_) return Batched::kSingle;
   const int device = src->location.device;
-  {
-    std::lock_guard<std::mutex> lk(post_mu_);
-    if (!group_.empty() && group_.stream->device != device) return Batched::kSingle;
-    if (!sm_reach_locked(device, rv.owner_device)) return Batched::kSingle;
-  }
+  // Admitted first, so that the rest takes post_mu_ once (a post that turns out not to fit
+  // the run leaves again: rare).
   if (Batched b = batch_enter(rv, id, timeout, index, st); b != Batched::kAdded) return b;
   std::unique_lock<std::mutex> lk(post_mu_);
+  if ((!group_.empty() && group_.stream->device != device) || !sm_reach_locked(device, rv.owner_device)) {
+    lk.unlock();
+    batch_leave(rv.slot, Status::Ok());
+    return Batched::kSingle;
+  }
   Status s = posts_stopped_ ? Status{ErrorCode::kCancelled, "endpoint closed"} : Status::Ok();
   PostStream* ps = nullptr;
   if (s.ok()) {
@@ -129,29 +131,21 @@ NvlinkEndpoint::Batched NvlinkEndpoint::batch_signal(const PostSignal& s, const 
   // A counter in host memory is raised by its owner (a frame); a signal behind unanswered
   // PULL_WRITEs waits in owner_seq_: both as post_signal does it.
   if (rv.host || !owner_seq_.idle()) return Batched::kSingle;
-  const uint64_t id = s.remote_id;
-  PostStream* ps = nullptr;
-  {
-    std::lock_guard<std::mutex> lk(post_mu_);
-    if (posts_stopped_) return Batched::kSingle;  // post_signal reports it
-    ps = group_.empty() ? last_post_stream_ : group_.stream;
-    if (!ps) {
-      int device = 0;
-      if (cudaGetDevice(&device) != cudaSuccess) cudaGetLastError();
-      try {
-        ps = post_stream(device);
-      } catch (const Error&) {
-        return Batched::kSingle;  // post_signal reports it
-      }
+  if (Batched b = batch_enter(rv, s.remote_id, timeout, index, st); b != Batched::kAdded) return b;
+  std::unique_lock<std::mutex> lk(post_mu_);
+  PostStream* ps = posts_stopped_ ? nullptr : group_.empty() ? last_post_stream_ : group_.stream;
+  if (!ps && !posts_stopped_) {
+    int device = 0;
+    if (cudaGetDevice(&device) != cudaSuccess) cudaGetLastError();
+    try {
+      ps = post_stream(device);
+    } catch (const Error&) {
+      ps = nullptr;
     }
   }
-  if (Batched b = batch_enter(rv, id, timeout, index, st); b != Batched::kAdded) return b;
-  std::unique_lock<std::mutex> lk(post_mu_);
-  if (posts_stopped_) {
+  if (!ps) {  // closed, or no stream: post_signal reports it
     lk.unlock();
-    Status c{ErrorCode::kCancelled, "endpoint closed"};
-    batch_leave(rv.slot, c);
-    *st = c;
+    batch_leave(rv.slot, Status::Ok());
     return Batched::kSingle;
   }
   peer_access_locked(ps->device, rv.owner_device);
