@@ -312,15 +312,7 @@ AllGather::AllGather(uint64_t max_tokens, uint64_t token_bytes, DType dtype, int
 AllGather::~AllGather() {
   if (!impl_) return;
   auto& m = *impl_;
-  int prev = 0;
-  cudaGetDevice(&prev);
-  cudaSetDevice(m.device);
-  cudaDeviceSynchronize();
-  for (void* p : m.opened) cudaIpcCloseMemHandle(p);
-  if (m.buf) d::unregister_shared_buffer(m.buf);
-  if (m.buf) cudaFree(m.buf);
-  if (m.err) cudaFreeHost(m.err);
-  cudaSetDevice(prev);
+  d::release_shared_buffer(m.device, m.opened, m.buf, m.err);
 }
 
 std::string AllGather::handle() const {

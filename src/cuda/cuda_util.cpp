@@ -474,6 +474,20 @@ void unregister_shared_buffer(const void* ptr) {
   g_shared.erase(reinterpret_cast<uint64_t>(ptr));
 }
 
+void release_shared_buffer(int device, const std::vector<void*>& opened, void* buf, void* host_word) {
+  int prev = 0;
+  cudaGetDevice(&prev);
+  cudaSetDevice(device);
+  cudaDeviceSynchronize();
+  for (void* p : opened) cudaIpcCloseMemHandle(p);
+  if (buf) {
+    unregister_shared_buffer(buf);
+    cudaFree(buf);
+  }
+  if (host_word) cudaFreeHost(host_word);
+  cudaSetDevice(prev);
+}
+
 uint8_t* map_shared_buffer(int pid, uint64_t ptr, uint64_t size, int peer_device, const cudaIpcMemHandle_t& ipc,
                            int my_device, std::vector<void*>* opened, const std::string& who) {
   int prev = 0;

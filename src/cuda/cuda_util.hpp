@@ -96,6 +96,11 @@ void unregister_shared_buffer(const void* ptr);
 // as it was): its own address for a buffer of this process (peer access enabled between the
 // devices), else a new IPC mapping, appended to *opened (close each with cudaIpcCloseMemHandle).
 // Throws Error naming `who`.
+// Undoes both for one object (the AllGather, StreamP2p) when it is destroyed: waits for
+// `device`, closes the peers' buffers in `opened`, unregisters and frees `buf`, frees the
+// mapped host word `host_word` (each may be null); the caller's current device is kept.
+void release_shared_buffer(int device, const std::vector<void*>& opened, void* buf, void* host_word);
+
 uint8_t* map_shared_buffer(int pid, uint64_t ptr, uint64_t size, int peer_device, const cudaIpcMemHandle_t& ipc,
                            int my_device, std::vector<void*>* opened, const std::string& who);
 

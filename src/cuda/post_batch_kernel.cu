@@ -2,6 +2,8 @@
 
 #include <algorithm>
 
+#include "cuda/device_sync.cuh"
+
 namespace sluice::detail::cuda {
 namespace {
 
@@ -51,7 +53,7 @@ __global__ void __launch_bounds__(kThreads) batch_kernel(BatchArgs a, unsigned* 
                      static_cast<unsigned long long>(a.signal[i].add));
   // The launch is done: the host's poller completes its posts when it reads `seq` here,
   // without a CUDA call (release: after every copy and signal above).
-  if (done) asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(done), "l"(seq) : "memory");
+  if (done) ::sluice::cuda::dev::st_release64(done, seq);
 }
 
 }  // namespace

@@ -332,17 +332,7 @@ StreamP2p::StreamP2p(int rank, const std::vector<int>& peers, int device, Stream
 StreamP2p::~StreamP2p() {
   if (!impl_) return;
   auto& m = *impl_;
-  int prev = 0;
-  cudaGetDevice(&prev);
-  cudaSetDevice(m.device);
-  cudaDeviceSynchronize();
-  for (void* p : m.opened) cudaIpcCloseMemHandle(p);
-  if (m.buf) {
-    d::unregister_shared_buffer(m.buf);
-    cudaFree(m.buf);
-  }
-  if (m.err) cudaFreeHost(m.err);
-  cudaSetDevice(prev);
+  d::release_shared_buffer(m.device, m.opened, m.buf, m.err);
 }
 
 std::string StreamP2p::handle() const {
